@@ -1,0 +1,42 @@
+# Two entry points, both from a fresh clone:
+#   make run   set up, then `pdserve up` on the built-in model (OpenAI API on :8000)
+#   make test  set up, then the whole test suite
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.pdserve-installed
+
+.PHONY: setup run test lint proto proto-check clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PIP) install --upgrade pip
+	# CPU build of torch first, so nothing pulls the CUDA build (see README).
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install "torch==2.13.0"
+	$(PIP) install -e ".[test]"
+	touch $(STAMP)
+
+run: setup
+	$(VENV)/bin/pdserve up
+
+test: setup proto-check
+	TRITON_INTERPRET=1 $(PY) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+proto: setup
+	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. proto/pdserve.proto
+
+# Regenerates the protobuf modules into a scratch dir and fails if the checked-in ones differ.
+proto-check: setup
+	@tmp=$$(mktemp -d) && mkdir -p $$tmp/proto && cp proto/pdserve.proto $$tmp/proto/ && \
+	(cd $$tmp && $(CURDIR)/$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. proto/pdserve.proto) && \
+	for f in pdserve_pb2.py pdserve_pb2.pyi pdserve_pb2_grpc.py; do \
+	  cmp -s $$tmp/proto/$$f proto/$$f || { echo "proto/$$f is stale: run 'make proto'"; exit 1; }; done && \
+	rm -rf $$tmp && echo "proto: generated modules are fresh"
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,37 @@
+"""`pdserve bench NAME ...`: benchmarks, each a module in benchmarks/.
+
+Every benchmark measures its target against a baseline in the same run and
+prints a table; docs/benchmarks.md records the figures and the command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+HELP = "Benchmarks: engine, kernels, transfer, ttft, router (each against its baseline)."
+
+BENCHMARKS: dict[str, str] = {
+    "engine": "benchmarks.engine",
+    "kernels": "benchmarks.kernels",
+    "transfer": "benchmarks.transfer",
+    "ttft": "benchmarks.ttft",
+    "router": "benchmarks.router",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
+    for name, module_name in BENCHMARKS.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            sub.add_parser(name, help=f"(unavailable: {exc})")
+            continue
+        cmd = sub.add_parser(name, help=module.HELP, description=module.HELP)
+        module.add_arguments(cmd)
+        cmd.set_defaults(_bench=module)
+
+
+def main(args: argparse.Namespace) -> int:
+    return int(args._bench.main(args) or 0)
