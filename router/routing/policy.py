@@ -1,0 +1,155 @@
+"""RoutingPolicy: which prefill, decode or colocated pod serves a request.
+
+Called by the router server (engineer A) on its asyncio event loop, once per
+request (and again, with `exclude`, when a pod refused or failed):
+
+1. `choose_decode(num_tokens=...)` — the decode pod with room for the
+   request's KV (prompt + max_tokens) and the fewest running sequences.
+2. `await choose_prefill(session_id=..., prompt_token_ids=...)` — sticky per
+   session, else by prefix affinity, both under bounded load.
+3. `with policy.track(address, num_tokens=len(prompt)):` around each pod call,
+   so the pod's load includes this request the moment it is sent.
+
+Prefill / colocated choice, in order:
+
+* a session id that is mapped (session store) to a healthy, not-overloaded
+  pod goes there;
+* otherwise the key (the session id, or — without a session — the first
+  `affinity_tokens` prompt tokens) ranks the pods by rendezvous hashing and the
+  first pod within the load bound wins (router/routing/rendezvous.py). A
+  session's new pod is written back with compare-and-set, so it sticks and
+  all router replicas sharing the store agree.
+
+Loads: prefill = queued prompt tokens reported by the pod + prompt tokens this
+router has in flight there (one request's slack = this prompt's length);
+colocated = requests waiting + running on the pod + in flight here (slack = 1
+request). Decode pods are ranked by whether they have enough free KV blocks,
+then by running + in-flight sequences, then by free blocks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Sequence
+
+from router.routing.base import NoPodAvailable, PodLoad, PodPool
+from router.routing.rendezvous import choose_bounded, prefix_key, session_key
+from router.sessions import SessionStore
+
+
+class RoutingPolicy:
+    """Chooses pods from a `PodPool`; see the module docstring for the rules."""
+
+    def __init__(
+        self,
+        pool: PodPool,
+        session_store: SessionStore,
+        *,
+        epsilon: float = 0.25,
+        block_size_for_affinity: int = 64,
+    ) -> None:
+        if not 0.0 <= epsilon <= 10.0:
+            raise ValueError(f"session epsilon must be in [0, 10]; got {epsilon}")
+        if block_size_for_affinity <= 0:
+            raise ValueError(
+                f"block_size_for_affinity must be > 0 tokens; got {block_size_for_affinity}"
+            )
+        self.pool = pool
+        self.sessions = session_store
+        self.epsilon = epsilon
+        self.affinity_tokens = block_size_for_affinity
+
+    async def choose_prefill(
+        self,
+        *,
+        session_id: str | None,
+        prompt_token_ids: Sequence[int],
+        exclude: frozenset[str] = frozenset(),
+    ) -> str:
+        """Address of the prefill pod for this prompt. Raises NoPodAvailable."""
+        pods = self._candidates("prefill", exclude)
+        loads = {p.address: float(p.num_waiting_tokens + p.in_flight_tokens) for p in pods}
+        slack = float(max(1, len(prompt_token_ids)))
+        return await self._choose_sticky("prefill", loads, session_id, prompt_token_ids, slack)
+
+    async def choose_colocated(
+        self,
+        *,
+        session_id: str | None,
+        prompt_token_ids: Sequence[int],
+        exclude: frozenset[str] = frozenset(),
+    ) -> str:
+        """Address of the colocated pod for this prompt. Raises NoPodAvailable."""
+        pods = self._candidates("colocated", exclude)
+        loads = {p.address: float(p.num_waiting + p.num_running + p.in_flight) for p in pods}
+        return await self._choose_sticky("colocated", loads, session_id, prompt_token_ids, 1.0)
+
+    def choose_decode(self, *, num_tokens: int, exclude: frozenset[str] = frozenset()) -> str:
+        """Address of the decode pod for a request whose KV spans `num_tokens`
+        (prompt + max_tokens). Raises NoPodAvailable.
+
+        Pods whose last report shows too few free blocks still qualify when no
+        pod has room (the report may be stale; the pod itself answers
+        RESOURCE_EXHAUSTED if it really is full), but a request larger than
+        every pod's whole cache is refused here.
+        """
+        if num_tokens <= 0:
+            raise ValueError(f"num_tokens must be > 0; got {num_tokens}")
+        pods = self._candidates("decode", exclude)
+        fitting = [p for p in pods if _blocks_needed(num_tokens, p) <= p.num_total_blocks]
+        if not fitting:
+            largest = max(p.num_total_blocks * p.block_size for p in pods)
+            raise NoPodAvailable(
+                f"request needs KV for {num_tokens} tokens; the largest decode pod holds {largest}"
+            )
+
+        def cost(p: PodLoad) -> tuple[bool, int, int, str]:
+            # the in-flight requests' blocks are reserved but may not show in the report yet
+            short = _blocks_needed(num_tokens, p) > p.num_free_blocks
+            return (short, p.num_running + p.in_flight, -p.num_free_blocks, p.address)
+
+        return min(fitting, key=cost).address
+
+    @contextlib.contextmanager
+    def track(self, address: str, *, num_tokens: int = 0) -> Iterator[None]:
+        """Count a request toward `address`'s load while the `with` block runs."""
+        with self.pool.track(address, num_tokens=num_tokens):
+            yield
+
+    def _candidates(self, role: str, exclude: frozenset[str]) -> list[PodLoad]:
+        healthy = self.pool.pods(role)
+        pods = [p for p in healthy if p.address not in exclude]
+        if not pods:
+            known = len(self.pool.known(role))
+            detail = f"{known} known, {len(healthy)} healthy"
+            if exclude:
+                detail += f", {len(exclude & {p.address for p in healthy})} already tried"
+            raise NoPodAvailable(f"no healthy {role} pod available ({detail})")
+        return pods
+
+    async def _choose_sticky(
+        self,
+        role: str,
+        loads: dict[str, float],
+        session_id: str | None,
+        prompt_token_ids: Sequence[int],
+        slack: float,
+    ) -> str:
+        if not session_id:
+            key = prefix_key(prompt_token_ids, self.affinity_tokens)
+            return choose_bounded(key, loads, epsilon=self.epsilon, slack=slack)
+        mapped = await self.sessions.get(role, session_id)
+        chosen = choose_bounded(
+            session_key(session_id), loads, epsilon=self.epsilon, slack=slack, preferred=mapped
+        )
+        if chosen == mapped:
+            return chosen
+        winner = await self.sessions.assign(role, session_id, mapped, chosen)
+        # Another router replica may have placed the session first; follow it when we can.
+        return winner if winner in loads else chosen
+
+
+def _blocks_needed(num_tokens: int, pod: PodLoad) -> int:
+    return math.ceil(num_tokens / max(1, pod.block_size))
+
