@@ -1,0 +1,97 @@
+"""`BlockManager`: which KV blocks each request holds, with prefix-cache reuse.
+
+Sits between the scheduler and the `BlockPool` / `PrefixCache`: it grows a
+request's block table as its tokens are scheduled, maps prefix-cache hits
+into it on first schedule, registers blocks in the prefix cache once their
+KV is computed, and gives everything back when the request finishes, is
+aborted or is preempted.
+
+Only the engine loop thread calls this (scheduler and `LLMEngine`).
+"""
+
+from __future__ import annotations
+
+from engine.block_pool import BlockPool
+from engine.prefix_cache import PrefixCache, extend_block_hashes
+from engine.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class BlockManager:
+    """Per-request block tables over one pool of `num_blocks` blocks."""
+
+    __slots__ = ("block_size", "pool", "prefix_cache")
+
+    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool) -> None:
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks)
+        self.prefix_cache = PrefixCache(self.pool, enabled=enable_prefix_caching)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self.pool.num_total_blocks
+
+    def num_blocks_needed(self, request: Request, num_new_tokens: int) -> int:
+        """Blocks to add so the table covers `num_computed_tokens + num_new_tokens`."""
+        num_slots = request.num_computed_tokens + num_new_tokens
+        return max(0, cdiv(num_slots, self.block_size) - len(request.block_ids))
+
+    def can_allocate(self, request: Request, num_new_tokens: int) -> bool:
+        return self.num_blocks_needed(request, num_new_tokens) <= self.pool.num_free_blocks
+
+    def allocate(self, request: Request, num_new_tokens: int) -> None:
+        """Grow `request.block_ids` to hold `num_new_tokens` more tokens (checked first)."""
+        needed = self.num_blocks_needed(request, num_new_tokens)
+        if needed:
+            request.block_ids.extend(self.prefix_cache.allocate(needed))
+
+    def allocate_slots(self, request: Request, num_tokens: int) -> None:
+        """Grow the table to `num_tokens` slots in all (a remote reservation)."""
+        needed = cdiv(num_tokens, self.block_size) - len(request.block_ids)
+        if needed > 0:
+            request.block_ids.extend(self.prefix_cache.allocate(needed))
+
+    def match_prefix(self, request: Request) -> int:
+        """Map the longest cached prefix into a request that holds no blocks yet.
+
+        At least one token is left to compute, because the last position's
+        logits are needed to sample. Returns the number of cached tokens;
+        `num_computed_tokens` is advanced by it.
+        """
+        assert not request.block_ids and request.num_computed_tokens == 0
+        if not self.prefix_cache.enabled:
+            return 0
+        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        block_ids = self.prefix_cache.match(request.block_hashes[:max_blocks])
+        self.prefix_cache.acquire(block_ids)
+        request.block_ids = block_ids
+        request.num_cached_blocks = len(block_ids)
+        request.num_computed_tokens = len(block_ids) * self.block_size
+        return request.num_computed_tokens
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Insert the request's newly completed full blocks into the prefix cache."""
+        if not self.prefix_cache.enabled:
+            return
+        num_full = request.num_computed_tokens // self.block_size
+        if num_full <= request.num_cached_blocks:
+            return
+        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
+        for i in range(request.num_cached_blocks, num_full):
+            self.prefix_cache.insert(request.block_hashes[i], request.block_ids[i])
+        request.num_cached_blocks = num_full
+
+    def free(self, request: Request) -> None:
+        """Give back every block of the request; cached ones stay reusable until evicted."""
+        self.prefix_cache.release(request.block_ids)
+        request.block_ids = []
+        request.num_cached_blocks = 0
+        request.num_computed_tokens = 0

@@ -1,0 +1,83 @@
+"""`EngineConfig`: the one validated configuration of an `LLMEngine`.
+
+Built by command modules (`pdserve generate`, the pod services) from their
+flags, never from the environment. Values that depend on the model
+(`max_model_len`'s default and upper limit) and on the device (the number of
+KV blocks that fit a memory budget) are resolved when the engine starts, in
+`LLMEngine.__init__` / `engine.kv_cache.num_blocks_for_budget`, because the
+config alone does not know the model.
+
+The `LayerKVHook` of a prefill pod is a runtime object, not configuration: it
+is a keyword argument of `LLMEngine(config, layer_kv_hook=...)`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_DTYPES = ("float32", "float16", "bfloat16")
+MIN_BLOCK_SIZE = 16
+MAX_BLOCK_SIZE = 256
+# KV budget on CPU when neither kv_cache_memory nor num_blocks is given:
+# there is no "free device memory" to take a fraction of.
+DEFAULT_CPU_KV_CACHE_MEMORY = 512 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Everything an `LLMEngine` needs besides the runtime hook.
+
+    KV cache size, in order of precedence: `num_blocks` (exact),
+    `kv_cache_memory` (bytes for all layers' K and V), else on CUDA
+    `gpu_memory_fraction` of the free device memory after the weights are
+    loaded, on CPU `DEFAULT_CPU_KV_CACHE_MEMORY`.
+    """
+
+    model_dir: str
+    dtype: str = "float32"
+    device: str = "cpu"
+    block_size: int = 16
+    kv_cache_memory: int | None = None
+    num_blocks: int | None = None
+    gpu_memory_fraction: float = 0.9
+    max_num_seqs: int = 64
+    # Tokens computed per step over all sequences; a longer prompt is
+    # prefilled in chunks over several steps (chunked prefill).
+    max_num_batched_tokens: int = 2048
+    # None: the model's max_position_embeddings (resolved by the engine).
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    # Seeds the pod generator used by unseeded sampled requests.
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.model_dir:
+            raise ValueError("model_dir must name a model directory")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        bs = self.block_size
+        if not (MIN_BLOCK_SIZE <= bs <= MAX_BLOCK_SIZE) or bs & (bs - 1):
+            raise ValueError(
+                f"block_size must be a power of two in [{MIN_BLOCK_SIZE}, {MAX_BLOCK_SIZE}], "
+                f"got {bs}"
+            )
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if not 0.0 < self.gpu_memory_fraction <= 1.0:
+            raise ValueError(
+                f"gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}"
+            )
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.seed < 0:
+            raise ValueError(f"seed must be >= 0, got {self.seed}")

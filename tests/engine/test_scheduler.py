@@ -1,0 +1,155 @@
+import pytest
+
+from engine.block_manager import BlockManager
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+
+S = RequestStatus
+
+
+def _sched(num_blocks=16, block_size=4, max_num_seqs=8, budget=64, caching=True):
+    bm = BlockManager(num_blocks, block_size, enable_prefix_caching=caching)
+    return Scheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
+
+
+def _req(rid, n, start=0):
+    return Request(rid, range(start, start + n), SamplingParams())
+
+
+def _plan(out):
+    return [(s.request.request_id, s.start, s.num_new_tokens) for s in out.scheduled]
+
+
+def _finish_step(sched, out, sample_token=1):
+    """What the engine does after the forward: advance, append a sampled token."""
+    sched.update_computed(out)
+    for s in out.scheduled:
+        if s.end == s.request.num_tokens:
+            s.request.append_output_token(sample_token)
+
+
+def test_prefill_then_decode_mixed_with_new_prefill():
+    sched = _sched()
+    a = _req("a", 5)
+    sched.add(a)
+    out = sched.schedule()
+    assert _plan(out) == [("a", 0, 5)] and a.status is S.RUNNING
+    _finish_step(sched, out)
+    sched.add(_req("b", 3, start=100))
+    out = sched.schedule()
+    assert _plan(out) == [("a", 5, 1), ("b", 0, 3)]
+    assert out.num_batched_tokens == 4
+
+
+def test_chunked_prefill_over_budget():
+    sched = _sched(budget=4)
+    a, b = _req("a", 10), _req("b", 2, start=50)
+    sched.add(a)
+    sched.add(b)
+    plans = []
+    for _ in range(4):
+        out = sched.schedule()
+        plans.append(_plan(out))
+        _finish_step(sched, out)
+    assert plans == [
+        [("a", 0, 4)],
+        [("a", 4, 4)],
+        [("a", 8, 2), ("b", 0, 2)],
+        [("a", 10, 1), ("b", 2, 1)],
+    ]
+
+
+def test_max_num_seqs_limits_admission():
+    sched = _sched(max_num_seqs=2)
+    for i in range(3):
+        sched.add(_req(f"r{i}", 2, start=10 * i))
+    assert [s[0] for s in _plan(sched.schedule())] == ["r0", "r1"]
+    assert [r.request_id for r in sched.waiting] == ["r2"]
+
+
+def test_preemption_frees_newest_and_requeues_at_head():
+    # 4 blocks of 4 slots: two requests of 7 tokens fill them; decoding needs more.
+    sched = _sched(num_blocks=4)
+    a, b = _req("a", 8), _req("b", 8, start=50)
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule()
+    assert _plan(out) == [("a", 0, 8), ("b", 0, 8)]
+    _finish_step(sched, out)
+    assert sched.block_manager.num_free_blocks == 0
+    out = sched.schedule()
+    assert out.preempted_request_ids == ("b",)
+    assert _plan(out) == [("a", 8, 1)]
+    assert b.status is S.PREEMPTED and b.block_ids == [] and b.num_computed_tokens == 0
+    assert list(sched.waiting) == [b]
+    _finish_step(sched, out)
+    sched.finish(a, S.FINISHED_STOPPED)
+    # b resumes: prompt + its sampled token (9 tokens) are context now. b freed
+    # its blocks last-first, so a's new block evicted b's second block; the
+    # first is still cached and reused.
+    out = sched.schedule()
+    assert _plan(out) == [("b", 4, 5)]
+    assert b.num_cached_tokens == 0  # the hit statistic is from its first schedule only
+    assert b.status is S.RUNNING
+
+
+def test_running_request_preempts_itself_when_last():
+    sched = _sched(num_blocks=2)
+    a = _req("a", 8)
+    sched.add(a)
+    out = sched.schedule()
+    _finish_step(sched, out)
+    out = sched.schedule()
+    assert out.preempted_request_ids == ("a",) and out.scheduled == ()
+
+
+def test_prefix_hit_counts_cached_tokens_and_finish_frees_everything():
+    sched = _sched()
+    a = _req("a", 9)
+    sched.add(a)
+    _finish_step(sched, sched.schedule())
+    b = Request("b", [*range(8), 77, 78], SamplingParams())
+    sched.add(b)
+    out = sched.schedule()
+    assert _plan(out) == [("a", 9, 1), ("b", 8, 2)]
+    assert b.num_cached_tokens == 8 and b.block_ids[:2] == a.block_ids[:2]
+    _finish_step(sched, out)
+    for r in (a, b):
+        sched.finish(r, S.FINISHED_STOPPED)
+    assert sched.block_manager.num_free_blocks == 16 and sched.running == []
+
+
+@pytest.mark.parametrize("state", ["waiting", "running", "reserved"])
+def test_finish_in_any_state_leaves_queues_and_frees(state):
+    sched = _sched()
+    r = _req("r", 6)
+    if state == "reserved":
+        r = Request("r", range(6), SamplingParams(), status=S.WAITING_FOR_REMOTE_KV)
+        sched.block_manager.allocate_slots(r, 6)
+        sched.add_reserved(r)
+    else:
+        sched.add(r)
+        if state == "running":
+            sched.schedule()
+    assert sched.block_manager.num_free_blocks == (16 if state == "waiting" else 14)
+    sched.finish(r, S.FINISHED_ABORTED)
+    assert not sched.waiting and not sched.running and not sched.reserved
+    assert sched.block_manager.num_free_blocks == 16
+
+
+def test_reserved_requests_are_skipped_until_committed():
+    sched = _sched(max_num_seqs=2)
+    r = Request("r", range(6), SamplingParams(), status=S.WAITING_FOR_REMOTE_KV)
+    sched.block_manager.allocate_slots(r, 6 + 4)
+    sched.add_reserved(r)
+    sched.add(_req("x", 2, start=40))
+    sched.add(_req("y", 2, start=60))
+    out = sched.schedule()
+    assert _plan(out) == [("x", 0, 2)]  # r holds a batch slot, y must wait
+    _finish_step(sched, out)
+    r.num_computed_tokens = 6
+    r.append_output_token(5)
+    sched.commit_reserved(r)
+    assert r.status is S.RUNNING
+    assert _plan(sched.schedule()) == [("x", 2, 1), ("r", 6, 1)]
