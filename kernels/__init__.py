@@ -1,0 +1,31 @@
+"""pdserve kernels: Triton kernels with plain-torch references, behind one dispatch.
+
+The engine imports only what is exported here (see `kernels.dispatch` for how
+a backend is chosen). Importing this package never imports Triton.
+"""
+
+from kernels.dispatch import (
+    Backend,
+    extract_kv,
+    get_backend,
+    inject_kv,
+    paged_decode_attention,
+    rms_norm,
+    rotary_embedding,
+    set_backend,
+    triton_available,
+    use_backend,
+)
+
+__all__ = [
+    "Backend",
+    "extract_kv",
+    "get_backend",
+    "inject_kv",
+    "paged_decode_attention",
+    "rms_norm",
+    "rotary_embedding",
+    "set_backend",
+    "triton_available",
+    "use_backend",
+]

@@ -1,0 +1,226 @@
+"""The engine's only entry to kernels: validate once, then pick a backend per call.
+
+Backend selection (`PDSERVE_KERNEL_BACKEND`, read once at import; the only
+place this package reads its environment):
+
+- ``auto`` (default): the Triton kernel when the tensors are on CUDA, the
+  torch reference (`kernels.reference`) otherwise.
+- ``triton``: always the Triton kernel. On CPU that needs Triton's
+  interpreter (``TRITON_INTERPRET=1`` set before Triton is imported); without
+  it the call raises RuntimeError saying so.
+- ``torch``: always the reference.
+
+Tests switch backends with `use_backend(...)` (a context manager) or
+`set_backend(...)`. The backend is process-wide state, deliberately: it is a
+deployment choice, not per-request data. Callers: the engine loop thread and
+the KV injector / extractor threads; the functions hold no state of their
+own, so they are safe to call from any thread.
+
+Triton modules are imported lazily on the first Triton call, so `import
+kernels` works on machines without Triton.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from kernels import checks, reference
+
+
+class Backend(enum.Enum):
+    AUTO = "auto"
+    TRITON = "triton"
+    TORCH = "torch"
+
+    @classmethod
+    def parse(cls, value: str) -> Backend:
+        try:
+            return cls(value.strip().lower())
+        except ValueError:
+            allowed = "|".join(b.value for b in cls)
+            raise ValueError(f"kernel backend {value!r} unknown; expected {allowed}") from None
+
+
+_backend = Backend.parse(os.environ.get("PDSERVE_KERNEL_BACKEND", "auto"))
+
+
+def get_backend() -> Backend:
+    return _backend
+
+
+def set_backend(backend: Backend | str) -> Backend:
+    """Sets the process-wide backend; returns the previous one."""
+    global _backend
+    previous = _backend
+    _backend = backend if isinstance(backend, Backend) else Backend.parse(backend)
+    return previous
+
+
+@contextmanager
+def use_backend(backend: Backend | str) -> Iterator[Backend]:
+    """`with use_backend("triton"): ...` — restores the previous backend on exit."""
+    previous = set_backend(backend)
+    try:
+        yield _backend
+    finally:
+        set_backend(previous)
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _interpreter_enabled() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _use_triton(device: torch.device) -> bool:
+    if _backend is Backend.TORCH:
+        return False
+    if _backend is Backend.AUTO:
+        return device.type == "cuda" and triton_available()
+    if not triton_available():
+        raise RuntimeError("PDSERVE_KERNEL_BACKEND=triton but triton is not installed")
+    if device.type != "cuda" and not _interpreter_enabled():
+        raise RuntimeError(
+            f"backend 'triton' on a {device.type} tensor needs TRITON_INTERPRET=1 "
+            "(set before triton is imported); use backend 'torch' or 'auto' off CUDA"
+        )
+    return True
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Decode attention over one layer's paged cache; returns [B, Hq, D] in q's dtype.
+
+    q [B, Hq, D]; kv_cache [2, num_blocks, block_size, Hkv, D];
+    block_tables [B, max_blocks_per_seq] int32; context_lens [B] int32 counts
+    the tokens to attend to, including the current one (its K/V must already
+    be in the cache). Contract (not checked, to avoid a device sync): each
+    context_len <= max_blocks_per_seq * block_size and its blocks' ids are in
+    range; rows with context_len 0 return zeros. sliding_window=W attends to
+    the last W positions only.
+    """
+    checks.check_decode_attention(q, kv_cache, block_tables, context_lens, scale, sliding_window)
+    if _use_triton(q.device):
+        from kernels.paged_attention import paged_decode_attention_triton
+
+        return paged_decode_attention_triton(
+            q, kv_cache, block_tables, context_lens, scale=scale, sliding_window=sliding_window
+        )
+    return reference.paged_decode_attention_reference(
+        q, kv_cache, block_tables, context_lens, scale=scale, sliding_window=sliding_window
+    )
+
+
+def inject_kv(kv_cache: torch.Tensor, src: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatters src [2, T, Hkv, D] into the cache at slot_mapping [T] int64, in place.
+
+    One call covers any number of requests (their slots concatenated).
+    Negative slots are skipped (padding). Slots must be < num_blocks *
+    block_size: the torch path raises IndexError on others, the Triton kernel
+    skips them rather than write out of bounds.
+    """
+    num_tokens = checks.check_transfer_rows("src", src, kv_cache)
+    checks.check_slot_mapping(slot_mapping, num_tokens)
+    checks.check_last_dim_contiguous("src", src)
+    checks.check_same_device(kv_cache=kv_cache, slot_mapping=slot_mapping)
+    if num_tokens == 0:
+        return
+    if _use_triton(kv_cache.device):
+        from kernels.kv_copy import inject_kv_triton
+
+        inject_kv_triton(kv_cache, src, slot_mapping)
+        return
+    reference.inject_kv_reference(kv_cache, src, slot_mapping)
+
+
+def extract_kv(
+    kv_cache: torch.Tensor, slot_mapping: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Gathers the slots' K/V into a contiguous [2, T, Hkv, D] tensor (inverse of inject_kv).
+
+    `out` may be a preallocated buffer on the cache's device or, for a
+    device-to-host copy, a (pinned) CPU tensor; it must be contiguous. A copy
+    into pinned memory is issued non-blocking on the current stream: the
+    caller records an event before reading it. Rows of negative slots are 0.
+    """
+    _, _, num_kv_heads, head_dim = checks.check_kv_cache(kv_cache)
+    checks.check_ndim("slot_mapping", slot_mapping, 1, "[num_tokens]")
+    num_tokens = slot_mapping.shape[0]
+    checks.check_slot_mapping(slot_mapping, num_tokens)
+    checks.check_same_device(kv_cache=kv_cache, slot_mapping=slot_mapping)
+    if out is not None:
+        if tuple(out.shape) != (2, num_tokens, num_kv_heads, head_dim):
+            raise ValueError(
+                f"out shape {tuple(out.shape)} must be "
+                f"[2, {num_tokens}, {num_kv_heads}, {head_dim}]"
+            )
+        if out.dtype != kv_cache.dtype:
+            raise ValueError(f"out dtype {out.dtype} differs from kv_cache dtype {kv_cache.dtype}")
+        if not out.is_contiguous():
+            raise ValueError("out must be contiguous")
+    if num_tokens == 0:
+        return out if out is not None else reference.extract_kv_reference(kv_cache, slot_mapping)
+    if _use_triton(kv_cache.device):
+        from kernels.kv_copy import extract_kv_triton
+
+        if out is None or out.device == kv_cache.device:
+            return extract_kv_triton(kv_cache, slot_mapping, out)
+        out.copy_(extract_kv_triton(kv_cache, slot_mapping), non_blocking=out.is_pinned())
+        return out
+    return reference.extract_kv_reference(kv_cache, slot_mapping, out)
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm of x [N, H] (fp32 math, result in x.dtype); new tensors, inputs untouched.
+
+    With residual: r = x + residual (rounded to x.dtype), returns (norm(r) * weight, r).
+    """
+    checks.check_rms_norm(x, weight, eps, residual)
+    if _use_triton(x.device):
+        from kernels.rms_norm import rms_norm_triton
+
+        return rms_norm_triton(x, weight, eps, residual)
+    return reference.rms_norm_reference(x, weight, eps, residual)
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style RoPE (rotate halves); returns new (q, k), inputs untouched.
+
+    positions [N] int64 index cos_sin_cache [max_pos, D] float32 (cos in the
+    first D/2 columns, sin in the rest; any scaling such as llama3's is
+    already baked into the cache). q [N, Hq, D], k [N, Hkv, D].
+    """
+    checks.check_rotary(positions, q, k, cos_sin_cache)
+    if _use_triton(q.device):
+        from kernels.rotary import rotary_embedding_triton
+
+        return rotary_embedding_triton(positions, q, k, cos_sin_cache)
+    return reference.rotary_embedding_reference(positions, q, k, cos_sin_cache)
