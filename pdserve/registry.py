@@ -1,0 +1,143 @@
+"""Pod registration in Redis: the pod side of the router's Redis registry.
+
+Key schema (also in docs/routing.md):
+
+    pdserve:pods:{role}:{address}  ->  JSON {"address", "role", "model", "started_at"}
+                                       with EX ttl_s (default 6 s)
+
+A pod started with `--redis-url` creates a `PodHeartbeat` once it serves and
+calls `.start()`: a daemon thread rewrites the key every `ttl_s / 3` seconds,
+so the key outlives one or two missed beats but disappears within `ttl_s` of a
+crash. `.stop()` (on drain / shutdown, from the pod's main thread) stops the
+thread and deletes the key, so routers drop the pod at their next poll instead
+of after the TTL. The router side (router/registry/redis_registry.py) SCANs
+`pdserve:pods:*` and parses values with `parse_pod_record`.
+
+Plain Python + the sync redis client: no torch, no asyncio, so any pod
+command can use it whatever its threading.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import redis
+
+POD_KEY_PREFIX = "pdserve:pods:"
+ROLES = ("prefill", "decode", "colocated")
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class PodRecord:
+    """What a pod publishes about itself. `address` is host:port of its gRPC server."""
+
+    address: str
+    role: str
+    model: str
+    started_at: float  # unix seconds
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"pod role must be one of {', '.join(ROLES)}; got {self.role!r}")
+        host, sep, port = self.address.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(
+                f"pod address must be host:port with port 1..65535; got {self.address!r}"
+            )
+
+    @property
+    def key(self) -> str:
+        return pod_key(self.role, self.address)
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {"address": self.address, "role": self.role, "model": self.model,
+             "started_at": self.started_at},
+            sort_keys=True,
+        )
+
+
+def pod_key(role: str, address: str) -> str:
+    """The Redis key a pod of `role` at `address` refreshes."""
+    return f"{POD_KEY_PREFIX}{role}:{address}"
+
+
+def parse_pod_record(value: str | bytes) -> PodRecord:
+    """Parse a key's JSON value; ValueError naming the problem if it is malformed."""
+    try:
+        data = json.loads(value)
+        return PodRecord(
+            address=str(data["address"]),
+            role=str(data["role"]),
+            model=str(data.get("model", "")),
+            started_at=float(data.get("started_at", 0.0)),
+        )
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise ValueError(f"malformed pod record {value!r}: {exc}") from exc
+
+
+class PodHeartbeat:
+    """Keeps this pod's registry key alive while the pod serves (see module docstring).
+
+    `start()` and `stop()` are called from the pod's main thread; the refresh
+    runs on a private daemon thread. A Redis outage is logged and retried at
+    the next beat — the pod keeps serving, it just drops out of Redis-based
+    discovery until Redis is back.
+    """
+
+    def __init__(
+        self, redis_url: str, *, role: str, address: str, model: str, ttl_s: float = 6.0
+    ) -> None:
+        if not 0.5 <= ttl_s <= 3600:
+            raise ValueError(f"heartbeat ttl_s must be in [0.5, 3600] seconds; got {ttl_s}")
+        self.record = PodRecord(address=address, role=role, model=model, started_at=time.time())
+        self.ttl_s = ttl_s
+        self._redis = redis.Redis.from_url(redis_url, socket_timeout=max(0.2, ttl_s / 3))
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def key(self) -> str:
+        return self.record.key
+
+    def beat(self) -> None:
+        """Write the key once with its TTL (the thread calls this every ttl_s / 3)."""
+        self._redis.set(self.key, self.record.to_json(), px=int(self.ttl_s * 1000))
+
+    def start(self) -> None:
+        """Register now (raising if Redis is unreachable, so a typo in --redis-url fails
+        the pod's startup loudly), then keep refreshing in the background."""
+        if self._thread is not None:
+            raise RuntimeError("PodHeartbeat.start() called twice")
+        self.beat()
+        self._thread = threading.Thread(
+            target=self._run, name=f"heartbeat-{self.record.role}", daemon=True
+        )
+        self._thread.start()
+        log.info("registered %s pod %s in Redis as %s (ttl %.1fs)",
+                 self.record.role, self.record.address, self.key, self.ttl_s)
+
+    def stop(self) -> None:
+        """Stop refreshing and delete the key. Idempotent; never raises on Redis errors."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.ttl_s)
+        try:
+            self._redis.delete(self.key)
+        except redis.RedisError as exc:
+            log.warning("could not delete %s (it expires in %.1fs): %s", self.key, self.ttl_s, exc)
+        self._redis.close()
+
+    def _run(self) -> None:
+        interval = self.ttl_s / 3
+        while not self._stop.wait(interval):
+            try:
+                self.beat()
+            except redis.RedisError as exc:
+                log.warning("heartbeat to Redis failed for %s: %s", self.key, exc)

@@ -1,0 +1,215 @@
+"""PolledPodPool: the router's live view of its pods (health + load).
+
+Life of a pod in the pool (checked transitions, `PodState`):
+
+    NEW --poll ok--> HEALTHY --poll failed / mark_unhealthy / draining--> UNHEALTHY
+     |                  ^                                                    |
+     +--poll failed-----|-------------------------> UNHEALTHY --poll ok------+
+    any state --gone from the registry--> (removed, channel closed)
+
+Every `poll_interval` seconds, on the router's event loop, the pool asks its
+`PodSource` which pods exist, then polls all of them concurrently: the
+standard gRPC health check (service "") and GetLoad, each bounded by
+`poll_timeout`. Only HEALTHY pods are returned by `pods()`, so a pod that dies
+stops getting traffic within one interval, and a new one gets traffic after its
+first successful poll. A pod whose LoadReport says `draining` or names another
+role is UNHEALTHY: it takes no new work.
+
+The pool owns one gRPC channel per pod for polling (the server keeps its own
+channels for requests). `start()`/`close()` are awaited by the router server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from proto import pdserve_pb2, pdserve_pb2_grpc
+from router.registry.base import PodEntry, PodSource
+from router.routing.base import PodLoad, PodPool, check_role
+
+log = logging.getLogger(__name__)
+
+
+class PodState(enum.Enum):
+    NEW = "new"
+    HEALTHY = "healthy"
+    UNHEALTHY = "unhealthy"
+
+
+_TRANSITIONS: dict[PodState, frozenset[PodState]] = {
+    PodState.NEW: frozenset({PodState.HEALTHY, PodState.UNHEALTHY}),
+    PodState.HEALTHY: frozenset({PodState.HEALTHY, PodState.UNHEALTHY}),
+    PodState.UNHEALTHY: frozenset({PodState.HEALTHY, PodState.UNHEALTHY}),
+}
+
+
+@dataclass(slots=True)
+class _Pod:
+    """Mutable per-pod bookkeeping, touched only on the event loop."""
+
+    entry: PodEntry
+    channel: grpc.aio.Channel
+    state: PodState = PodState.NEW
+    report: pdserve_pb2.LoadReport | None = None
+    reason: str = "not polled yet"
+    last_ok: float = 0.0
+    failures: int = field(default=0)
+
+    def move(self, new: PodState, reason: str) -> None:
+        if new not in _TRANSITIONS[self.state]:
+            raise AssertionError(f"pod {self.entry.address}: {self.state} -> {new} not allowed")
+        if new is not self.state:
+            level = logging.INFO if new is PodState.HEALTHY else logging.WARNING
+            log.log(level, "%s pod %s is %s (%s)", self.entry.role, self.entry.address,
+                    new.value, reason)
+        self.state = new
+        self.reason = reason
+
+
+class PolledPodPool(PodPool):
+    """A `PodPool` fed by a `PodSource` and kept fresh by polling. See module docstring."""
+
+    def __init__(
+        self,
+        source: PodSource,
+        *,
+        poll_interval: float = 0.5,
+        poll_timeout: float | None = None,
+    ) -> None:
+        super().__init__()
+        if not 0.01 <= poll_interval <= 60:
+            raise ValueError(f"load poll interval must be in [0.01, 60] s; got {poll_interval}")
+        self.poll_interval = poll_interval
+        self.poll_timeout = poll_timeout if poll_timeout is not None else max(0.5, poll_interval)
+        if self.poll_timeout <= 0:
+            raise ValueError(f"poll_timeout must be > 0; got {self.poll_timeout}")
+        self._source = source
+        self._pods: dict[str, _Pod] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        if self._task is not None:
+            raise RuntimeError("PolledPodPool.start() called twice")
+        await self.poll_once()
+        self._task = asyncio.create_task(self._run(), name="pod-poller")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        for pod in self._pods.values():
+            await pod.channel.close()
+        self._pods.clear()
+        await self._source.close()
+
+    def pods(self, role: str) -> list[PodLoad]:
+        check_role(role)
+        return [
+            self._load(pod)
+            for address, pod in sorted(self._pods.items())
+            if pod.entry.role == role and pod.state is PodState.HEALTHY
+        ]
+
+    def known(self, role: str) -> list[str]:
+        check_role(role)
+        return sorted(a for a, pod in self._pods.items() if pod.entry.role == role)
+
+    def state(self, address: str) -> tuple[PodState, str] | None:
+        """(state, reason) of a known pod, for /ready details and tests; None if unknown."""
+        pod = self._pods.get(address)
+        return None if pod is None else (pod.state, pod.reason)
+
+    def mark_unhealthy(self, address: str, reason: str) -> None:
+        pod = self._pods.get(address)
+        if pod is not None:
+            pod.move(PodState.UNHEALTHY, reason)
+
+    async def poll_once(self) -> None:
+        """Refresh the pod set from the source and poll every pod once."""
+        try:
+            entries = await self._source.discover()
+        except Exception as exc:  # registry outage: keep polling the pods we know
+            log.warning("pod discovery failed, keeping %d known pods: %s", len(self._pods), exc)
+        else:
+            await self._sync(entries)
+        await asyncio.gather(*(self._poll(pod) for pod in list(self._pods.values())))
+
+    async def _sync(self, entries: list[PodEntry]) -> None:
+        wanted = {e.address: e for e in entries}
+        for address in [a for a, pod in self._pods.items() if wanted.get(a) != pod.entry]:
+            pod = self._pods.pop(address)
+            log.info("%s pod %s left the registry", pod.entry.role, address)
+            await pod.channel.close()
+        for address, entry in wanted.items():
+            if address not in self._pods:
+                log.info("%s pod %s joined the registry", entry.role, address)
+                self._pods[address] = _Pod(entry, grpc.aio.insecure_channel(address))
+
+    async def _poll(self, pod: _Pod) -> None:
+        try:
+            health = await health_pb2_grpc.HealthStub(pod.channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=self.poll_timeout
+            )
+            stub_class = (
+                pdserve_pb2_grpc.PrefillStub if pod.entry.role == "prefill"
+                else pdserve_pb2_grpc.DecodeStub
+            )
+            report = await stub_class(pod.channel).GetLoad(
+                pdserve_pb2.LoadRequest(), timeout=self.poll_timeout
+            )
+        except grpc.aio.AioRpcError as exc:
+            pod.failures += 1
+            pod.move(PodState.UNHEALTHY, f"poll failed: {exc.code().name} {exc.details()}")
+            return
+        if self._pods.get(pod.entry.address) is not pod:
+            return  # removed from the registry while we were polling
+        if health.status != health_pb2.HealthCheckResponse.SERVING:
+            pod.move(PodState.UNHEALTHY, f"health status {health.status}")
+        elif report.role != pod.entry.role:
+            pod.move(PodState.UNHEALTHY,
+                     f"registered as {pod.entry.role} but reports role {report.role!r}")
+        elif report.draining:
+            pod.move(PodState.UNHEALTHY, "draining")
+        else:
+            pod.report = report
+            pod.last_ok = time.monotonic()
+            pod.failures = 0
+            pod.move(PodState.HEALTHY, "poll ok")
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.poll_interval)
+            try:
+                await self.poll_once()
+            except Exception:  # never let one bad poll stop the poller
+                log.exception("pod poll failed")
+
+    def _load(self, pod: _Pod) -> PodLoad:
+        report = pod.report
+        assert report is not None, "a HEALTHY pod always has a report"
+        requests, tokens = self.in_flight(pod.entry.address)
+        return PodLoad(
+            address=pod.entry.address,
+            role=pod.entry.role,
+            healthy=True,
+            generation=report.generation,
+            num_waiting=report.num_waiting,
+            num_waiting_tokens=report.num_waiting_tokens,
+            num_running=report.num_running,
+            num_free_blocks=report.num_free_blocks,
+            num_total_blocks=report.num_total_blocks,
+            block_size=report.block_size,
+            prefix_hit_rate=min(1.0, max(0.0, report.prefix_hit_rate)),
+            in_flight=requests,
+            in_flight_tokens=tokens,
+        )

