@@ -1,0 +1,125 @@
+"""`RouterConfig`: the router's validated configuration.
+
+Built once by `pdserve router` (pdserve/commands/router.py) or `pdserve up`
+from flags, then handed to `router.server.RouterServer`; nothing below the
+command layer sees argparse or reads the environment. Immutable, so any
+task or thread may read it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+MAX_PORT = 65535
+
+
+def _check_port(name: str, port: int, *, allow_zero: bool = True) -> None:
+    low = 0 if allow_zero else 1
+    if not isinstance(port, int) or isinstance(port, bool) or not low <= port <= MAX_PORT:
+        raise ValueError(f"{name} must be an integer port in [{low}, {MAX_PORT}], got {port!r}")
+
+
+def _check_addresses(name: str, addresses: tuple[str, ...]) -> None:
+    for address in addresses:
+        host, sep, port = address.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 1 <= int(port) <= MAX_PORT:
+            raise ValueError(f"{name} entries must be HOST:PORT, got {address!r}")
+    if len(set(addresses)) != len(addresses):
+        raise ValueError(f"{name} lists an address twice: {', '.join(addresses)}")
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    """Everything the router needs to serve.
+
+    `prefill`, `decode` and `colocated` are static pod addresses; with
+    `redis_url` the pods register themselves instead (both may be combined).
+    `max_model_len` None means: `max_position_embeddings` from the model's
+    config.json (see `resolve_max_model_len`).
+    """
+
+    model_dir: str
+    served_model_name: str = ""
+    host: str = "0.0.0.0"
+    port: int = 8000
+    grpc_port: int = 50050
+    prefill: tuple[str, ...] = ()
+    decode: tuple[str, ...] = ()
+    colocated: tuple[str, ...] = ()
+    redis_url: str | None = None
+    api_key: str | None = None
+    session_epsilon: float = 0.25
+    load_poll_interval: float = 0.5
+    max_prefill_retries: int = 2
+    # How many times one request may move to a new pod pair after its decode
+    # pod failed; each move re-prefills prompt + output so far.
+    max_migrations: int = 3
+    request_timeout: float = 600.0
+    max_model_len: int | None = None
+    # Seconds SIGTERM waits for in-flight requests before closing anyway.
+    shutdown_grace: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not self.model_dir:
+            raise ValueError("model_dir must name the model directory (for the tokenizer)")
+        _check_port("port", self.port)
+        _check_port("grpc_port", self.grpc_port)
+        for name in ("prefill", "decode", "colocated"):
+            _check_addresses(name, getattr(self, name))
+        if self.redis_url is not None and not self.redis_url.startswith(
+            ("redis://", "rediss://", "unix://")
+        ):
+            raise ValueError(
+                f"redis_url must start with redis://, rediss:// or unix://, got {self.redis_url!r}"
+            )
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("api_key must not be empty (leave it unset to disable auth)")
+        if not 0.0 <= self.session_epsilon <= 10.0:
+            raise ValueError(f"session_epsilon must be in [0, 10], got {self.session_epsilon}")
+        if not 0.01 <= self.load_poll_interval <= 60.0:
+            raise ValueError(
+                f"load_poll_interval must be in [0.01, 60] seconds, got {self.load_poll_interval}"
+            )
+        if not 0 <= self.max_prefill_retries <= 16:
+            raise ValueError(
+                f"max_prefill_retries must be in [0, 16], got {self.max_prefill_retries}"
+            )
+        if not 0 <= self.max_migrations <= 16:
+            raise ValueError(f"max_migrations must be in [0, 16], got {self.max_migrations}")
+        if not 0.0 < self.request_timeout <= 86400.0:
+            raise ValueError(
+                f"request_timeout must be in (0, 86400] seconds, got {self.request_timeout}"
+            )
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.shutdown_grace < 0:
+            raise ValueError(f"shutdown_grace must be >= 0 seconds, got {self.shutdown_grace}")
+
+    @property
+    def model_name(self) -> str:
+        """The name clients put in `model`: --served-model-name, else the directory name."""
+        return self.served_model_name or Path(self.model_dir).name
+
+    def resolve_max_model_len(self) -> int:
+        """The context limit requests are checked against: the explicit
+        `max_model_len`, else `max_position_embeddings` from config.json.
+
+        Read with json here, not engine.model_config, so the router never
+        pulls in engine modules beyond the tokenizer."""
+        if self.max_model_len is not None:
+            return self.max_model_len
+        path = Path(self.model_dir) / "config.json"
+        try:
+            raw = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ValueError(f"{path} does not exist: --model must be a model directory") from None
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path} is not valid JSON: {exc}") from None
+        value = raw.get("max_position_embeddings")
+        if not isinstance(value, int) or value < 2:
+            raise ValueError(
+                f"{path}: max_position_embeddings must be an integer >= 2, got {value!r}"
+            )
+        return value

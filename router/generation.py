@@ -1,0 +1,93 @@
+"""The typed messages between the API layers and the request flow.
+
+The HTTP handlers (router.http_server) and the gRPC servicer
+(router.grpc_server) build one `GenerationRequest` per client request and
+consume the `Delta`s that `router.flow.RequestFlow.run()` yields; the last
+delta has `finish_reason` and `usage` set. All immutable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from router.openai_api import SamplingSpec
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    """One tokenized request, ready to route. `request_id` is unique per router."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingSpec
+    session_id: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.request_id:
+            raise ValueError("request_id must not be empty")
+        if not self.prompt_token_ids:
+            raise ValueError("prompt_token_ids must not be empty")
+        if any(t < 0 for t in self.prompt_token_ids):
+            raise ValueError("prompt_token_ids must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """The sampled token's logprob and the top alternatives (most likely first)."""
+
+    token_id: int
+    logprob: float
+    top_token_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        if len(self.top_token_ids) != len(self.top_logprobs):
+            raise ValueError(
+                f"top_token_ids ({len(self.top_token_ids)}) and top_logprobs "
+                f"({len(self.top_logprobs)}) must have the same length"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """`cached_tokens` counts real prefix-cache hits on the pod that computed
+    the prompt, not KV that was transferred."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if min(self.prompt_tokens, self.completion_tokens, self.cached_tokens) < 0:
+            raise ValueError(f"usage counts must be >= 0, got {self}")
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    """New output since the previous delta.
+
+    `text` is the detokenized text for the client (stop strings already
+    removed); `token_ids` are the tokens accepted in this step. The two need
+    not line up one-to-one: the detokenizer holds back incomplete characters
+    and the stop matcher holds back text that may start a stop string.
+    """
+
+    text: str
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprobs, ...] = ()
+    finish_reason: str | None = None
+    usage: Usage | None = None
+
+    def __post_init__(self) -> None:
+        if self.finish_reason is not None and self.finish_reason not in FINISH_REASONS:
+            raise ValueError(
+                f"finish_reason must be one of {FINISH_REASONS} or None, got {self.finish_reason!r}"
+            )
+        if (self.finish_reason is None) != (self.usage is None):
+            raise ValueError("usage is set exactly on the final delta (the one with finish_reason)")

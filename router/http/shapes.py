@@ -1,0 +1,199 @@
+"""OpenAI response bodies and SSE chunks, built from the flow's `Delta`s.
+
+Used by router.http_server on the event loop: one `ResponseShaper` per
+request. Shapes follow OpenAI's API exactly (field names, `object` values,
+`usage.prompt_tokens_details.cached_tokens`, `data: [DONE]`), so the official
+client and tools written against it parse them unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from router.generation import Delta, TokenLogprobs, Usage
+
+DONE_EVENT = b"data: [DONE]\n\n"
+
+
+def sse_event(payload: dict[str, Any]) -> bytes:
+    """One server-sent event: `data: <json>` and a blank line."""
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+def usage_body(usage: Usage) -> dict[str, Any]:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }
+
+
+@dataclass(slots=True)
+class _Collected:
+    """What a non-streaming response accumulates over the deltas."""
+
+    text: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+
+class ResponseShaper:
+    """Builds the chunks and the final body of one completion or chat request.
+
+    `token_text(id)` renders one token for logprobs (the tokenizer's decode
+    of that id alone). Not thread-safe; one per request, on the event loop.
+    """
+
+    def __init__(
+        self,
+        *,
+        kind: str,
+        response_id: str,
+        model: str,
+        created: int,
+        token_text: Callable[[int], str],
+        include_usage: bool = False,
+        top_logprobs: int | None = None,
+    ) -> None:
+        if kind not in ("completion", "chat"):
+            raise ValueError(f"kind must be 'completion' or 'chat', got {kind!r}")
+        self._kind = kind
+        self._id = response_id
+        self._model = model
+        self._created = created
+        self._token_text = token_text
+        self._include_usage = include_usage
+        # None = logprobs off; n = show n alternatives per token
+        self._top_logprobs = top_logprobs
+        self._text_offset = 0
+        self._collected = _Collected()
+
+    # ------------------------------------------------------------ logprobs
+
+    def _completion_logprobs(self, entries: tuple[TokenLogprobs, ...] | list[TokenLogprobs]) -> Any:
+        if self._top_logprobs is None:
+            return None
+        tokens, token_logprobs, tops, offsets = [], [], [], []
+        for entry in entries:
+            text = self._token_text(entry.token_id)
+            tokens.append(text)
+            token_logprobs.append(entry.logprob)
+            top = zip(entry.top_token_ids[: self._top_logprobs], entry.top_logprobs, strict=False)
+            tops.append({self._token_text(t): lp for t, lp in top})
+            offsets.append(self._text_offset)
+            self._text_offset += len(text)
+        return {
+            "tokens": tokens,
+            "token_logprobs": token_logprobs,
+            "top_logprobs": tops,
+            "text_offset": offsets,
+        }
+
+    def _chat_logprobs(self, entries: tuple[TokenLogprobs, ...] | list[TokenLogprobs]) -> Any:
+        if self._top_logprobs is None:
+            return None
+
+        def item(token_id: int, logprob: float) -> dict[str, Any]:
+            text = self._token_text(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        content = []
+        for entry in entries:
+            top = zip(entry.top_token_ids[: self._top_logprobs], entry.top_logprobs, strict=False)
+            alternatives = [item(t, lp) for t, lp in top]
+            content.append({**item(entry.token_id, entry.logprob), "top_logprobs": alternatives})
+        return {"content": content}
+
+    def _logprobs(self, entries: tuple[TokenLogprobs, ...] | list[TokenLogprobs]) -> Any:
+        if self._kind == "chat":
+            return self._chat_logprobs(entries)
+        return self._completion_logprobs(entries)
+
+    # ------------------------------------------------------------ streaming
+
+    def _envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        payload: dict[str, Any] = {
+            "id": self._id,
+            "object": "chat.completion.chunk" if self._kind == "chat" else "text_completion",
+            "created": self._created,
+            "model": self._model,
+            "choices": choices,
+        }
+        if self._include_usage:
+            payload["usage"] = None
+        return payload
+
+    def role_chunk(self) -> dict[str, Any] | None:
+        """Chat streams open with the assistant role and empty content."""
+        if self._kind != "chat":
+            return None
+        return self._envelope(
+            [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+              "finish_reason": None}]
+        )
+
+    def chunk(self, delta: Delta) -> dict[str, Any] | None:
+        """The SSE payload for one delta, or None when it carries nothing to show."""
+        if not delta.text and not delta.logprobs and delta.finish_reason is None:
+            return None
+        logprobs = self._logprobs(delta.logprobs) if delta.logprobs else None
+        if self._kind == "chat":
+            choice: dict[str, Any] = {
+                "index": 0,
+                # the closing chunk carries an empty delta, as OpenAI's does
+                "delta": {"content": delta.text} if delta.text else {},
+                "logprobs": logprobs,
+                "finish_reason": delta.finish_reason,
+            }
+        else:
+            choice = {
+                "index": 0,
+                "text": delta.text,
+                "logprobs": logprobs,
+                "finish_reason": delta.finish_reason,
+            }
+        return self._envelope([choice])
+
+    def usage_chunk(self, usage: Usage) -> dict[str, Any] | None:
+        """The trailing `choices: []` chunk with usage, when the client asked for it."""
+        if not self._include_usage:
+            return None
+        payload = self._envelope([])
+        payload["usage"] = usage_body(usage)
+        return payload
+
+    # ------------------------------------------------------------ non-streaming
+
+    def collect(self, delta: Delta) -> None:
+        """Accumulate one delta for `final_body`."""
+        self._collected.text.append(delta.text)
+        self._collected.logprobs.extend(delta.logprobs)
+
+    def final_body(self, finish_reason: str, usage: Usage) -> dict[str, Any]:
+        """The whole non-streaming response after the last delta was collected."""
+        text = "".join(self._collected.text)
+        logprobs = self._logprobs(self._collected.logprobs)
+        if self._kind == "chat":
+            choice: dict[str, Any] = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": logprobs,
+                "finish_reason": finish_reason,
+            }
+            obj = "chat.completion"
+        else:
+            choice = {
+                "index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason
+            }
+            obj = "text_completion"
+        return {
+            "id": self._id,
+            "object": obj,
+            "created": self._created,
+            "model": self._model,
+            "choices": [choice],
+            "usage": usage_body(usage),
+        }

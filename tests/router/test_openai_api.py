@@ -1,0 +1,164 @@
+"""Request parsing and validation: every bad field gives a 400 naming it and the limit."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.api_error import ApiError
+from router.openai_api import (
+    ChatMessage,
+    SamplingSpec,
+    check_model,
+    parse_chat,
+    parse_completion,
+    resolve_sampling,
+)
+
+
+def _completion(**fields):
+    return {"model": "tiny", "prompt": "hello", **fields}
+
+
+def _chat(**fields):
+    return {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], **fields}
+
+
+def test_completion_defaults_and_fields():
+    parsed = parse_completion(
+        _completion(max_tokens=5, temperature=0, top_p=0.5, top_k=3, seed=7, stop="\n",
+                    ignore_eos=True, logprobs=2, user="alice", stream=True,
+                    stream_options={"include_usage": True})
+    )
+    assert parsed.kind == "completion"
+    assert parsed.prompt == "hello" and parsed.prompt_token_ids is None
+    assert (parsed.max_tokens, parsed.temperature, parsed.top_p, parsed.top_k) == (5, 0.0, 0.5, 3)
+    assert (parsed.seed, parsed.stop, parsed.ignore_eos, parsed.logprobs) == (7, ("\n",), True, 2)
+    assert (parsed.user, parsed.stream, parsed.include_usage) == ("alice", True, True)
+
+
+def test_completion_token_prompt_and_batch_of_one():
+    assert parse_completion(_completion(prompt=[1, 2, 3])).prompt_token_ids == (1, 2, 3)
+    assert parse_completion(_completion(prompt=["only"])).prompt == "only"
+    assert parse_completion(_completion(prompt=[[4, 5]])).prompt_token_ids == (4, 5)
+    assert parse_completion(_completion(top_k=-1)).top_k == 0
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "fragment"),
+    [
+        ({"max_tokens": 0}, "max_tokens", "'max_tokens' must be at least 1, got 0"),
+        ({"max_tokens": -3}, "max_tokens", "at least 1, got -3"),
+        ({"max_tokens": "5"}, "max_tokens", "'max_tokens' must be an integer, got str"),
+        ({"max_tokens": True}, "max_tokens", "must be an integer, got bool"),
+        ({"temperature": -0.1}, "temperature", "'temperature' must be in [0, 2], got -0.1"),
+        ({"temperature": 2.5}, "temperature", "in [0, 2], got 2.5"),
+        ({"temperature": "hot"}, "temperature", "'temperature' must be a number, got str"),
+        ({"top_p": 0}, "top_p", "'top_p' must be in (0, 1], got 0.0"),
+        ({"top_p": 1.5}, "top_p", "in (0, 1], got 1.5"),
+        ({"n": 2}, "n", "'n' must be 1: several choices per request are not supported, got 2"),
+        ({"logprobs": 21}, "logprobs", "'logprobs' must be in [0, 20], got 21"),
+        ({"logprobs": True}, "logprobs", "'logprobs' must be an integer, got bool"),
+        ({"seed": -1}, "seed", "'seed' must be in [0, 18446744073709551615], got -1"),
+        ({"stop": 5}, "stop", "'stop' must be a string or a list of strings"),
+        ({"stop": [""]}, "stop", "'stop' strings must not be empty"),
+        ({"stream": "yes"}, "stream", "'stream' must be a boolean, got str"),
+        ({"stream_options": {"include_usage": True}}, "stream_options",
+         "only allowed when 'stream' is true"),
+        ({"echo": True}, "echo", "'echo' is not supported"),
+        ({"presence_penalty": 0.5}, "presence_penalty", "'presence_penalty' is not supported"),
+        ({"prompt": None}, "prompt", "'prompt' is required"),
+        ({"prompt": ["a", "b"]}, "prompt", "batched prompts are not supported"),
+        ({"prompt": [1, -2]}, "prompt", "non-empty list of token ids"),
+        ({"prompt": 12}, "prompt", "must be a string or a non-empty list"),
+        ({"model": ""}, "model", "'model' is required"),
+        ({"user": 3}, "user", "'user' must be a string, got int"),
+    ],
+)
+def test_completion_rejects(fields, param, fragment):
+    with pytest.raises(ApiError) as info:
+        parse_completion(_completion(**fields))
+    err = info.value
+    assert err.status == 400
+    assert err.param == param
+    assert fragment in err.message
+    assert err.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_body_must_be_object():
+    with pytest.raises(ApiError, match="the request body must be a JSON object"):
+        parse_completion([1, 2])
+
+
+def test_chat_fields():
+    parsed = parse_chat(
+        _chat(messages=[{"role": "system", "content": "be brief"},
+                        {"role": "user", "content": [{"type": "text", "text": "a"},
+                                                     {"type": "text", "text": "b"}]}],
+              max_completion_tokens=9, max_tokens=3, logprobs=True, top_logprobs=4)
+    )
+    assert parsed.messages == (ChatMessage("system", "be brief"), ChatMessage("user", "ab"))
+    assert parsed.max_tokens == 9  # max_completion_tokens wins over the legacy field
+    assert parsed.logprobs == 4
+    assert parse_chat(_chat(logprobs=True)).logprobs == 0
+    assert parse_chat(_chat()).logprobs is None
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "fragment"),
+    [
+        ({"messages": []}, "messages", "'messages' is required and must be a non-empty list"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role",
+         "must be one of system, developer, user, assistant, got 'robot'"),
+        ({"messages": ["hi"]}, "messages[0]", "'messages[0]' must be an object"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+         "messages[0].content", "other content types are not supported"),
+        ({"top_logprobs": 2}, "top_logprobs", "'top_logprobs' requires 'logprobs' to be true"),
+        ({"logprobs": 1}, "logprobs", "'logprobs' must be a boolean, got int"),
+        ({"max_completion_tokens": 0}, "max_completion_tokens", "at least 1, got 0"),
+    ],
+)
+def test_chat_rejects(fields, param, fragment):
+    with pytest.raises(ApiError) as info:
+        parse_chat(_chat(**fields))
+    assert (info.value.status, info.value.param) == (400, param)
+    assert fragment in info.value.message
+
+
+def test_resolve_sampling_defaults_and_limit():
+    completion = parse_completion(_completion())
+    assert resolve_sampling(completion, 10, 128).max_tokens == 16
+    assert resolve_sampling(completion, 120, 128).max_tokens == 8
+    chat = parse_chat(_chat(temperature=0))
+    spec = resolve_sampling(chat, 28, 128)
+    assert spec == SamplingSpec(max_tokens=100, temperature=0.0)
+    with pytest.raises(ApiError) as info:
+        resolve_sampling(parse_completion(_completion(max_tokens=100)), 30, 128)
+    assert info.value.param == "max_tokens"
+    assert info.value.message == (
+        "this model's maximum context length is 128 tokens; the prompt is 30 tokens and "
+        "max_tokens is 100 (130 in total): lower max_tokens to at most 98"
+    )
+    with pytest.raises(ApiError, match="leaves no room in the model's context of 128 tokens"):
+        resolve_sampling(completion, 128, 128)
+
+
+def test_check_model():
+    check_model("tiny", "tiny")
+    with pytest.raises(ApiError) as info:
+        check_model("gpt-4", "tiny")
+    assert info.value.status == 404
+    assert info.value.body() == {
+        "error": {
+            "message": "The model 'gpt-4' does not exist; this server serves 'tiny'",
+            "type": "invalid_request_error",
+            "param": "model",
+            "code": "model_not_found",
+        }
+    }
+
+
+def test_sampling_spec_validates():
+    with pytest.raises(ValueError, match="top_p must be in"):
+        SamplingSpec(max_tokens=1, top_p=0)
+    with pytest.raises(ValueError, match="max_tokens must be >= 1"):
+        SamplingSpec(max_tokens=0)
