@@ -1,0 +1,41 @@
+"""`AttentionContext`: how the model hands attention to whoever owns the KV.
+
+The model computes q/k/v for a flat batch of tokens and delegates the rest to
+the context it was given for this forward pass:
+
+- `engine.reference.DenseCausalContext` (this package): one sequence, no
+  cache, full causal attention over exactly the given tokens. The reference
+  every correctness test compares against.
+- The paged context of the engine core: writes k/v into the paged KV cache
+  through the batch's slot mapping, attends over cached prefix + new tokens,
+  and calls the per-layer KV hook after the layer's KV is final.
+
+The context travels as an explicit argument of `LlamaForCausalLM.forward` (no
+module-global "current context"), is built per step by the engine loop
+thread, and is only used on that thread.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class AttentionContext(Protocol):
+    """Per-forward-pass attention over the batch's sequences."""
+
+    def attend(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """Attention output for layer `layer_idx`.
+
+        Called by every decoder layer, in layer order, once per forward pass,
+        on the engine loop thread. Shapes: q [N, Hq, D], k and v [N, Hkv, D]
+        for the N tokens of this pass (all sequences flattened, in the order
+        the context was built with), RoPE already applied to q and k. Returns
+        [N, Hq, D] in q's dtype. The model does not keep k/v: storing them is
+        the context's job. Scale (head_dim ** -0.5) and sliding window are
+        the context's configuration.
+        """
+        ...

@@ -1,0 +1,1 @@
+"""Building blocks of the Llama-family model (see engine/model.py)."""

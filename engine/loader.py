@@ -1,0 +1,179 @@
+"""Load a Hugging Face Llama-family checkpoint (safetensors only, no pickle).
+
+Called once at pod start-up by the engine (on the thread that builds it),
+and by tests and tools. A model directory holds `config.json` and either
+`model.safetensors` or `model.safetensors.index.json` whose `weight_map`
+names the shard of each tensor.
+
+Every tensor the architecture needs must be present with exactly the
+expected shape, and nothing unexpected may be present (besides known
+harmless extras): a checkpoint that loads is a checkpoint that matches.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine.errors import CheckpointError
+from engine.model import LlamaForCausalLM
+from engine.model_config import ModelConfig
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class TensorTarget:
+    """Where checkpoint tensor `hf_name` goes: rows [row_start, row_start +
+    shape[0]) of model parameter `param_name` (merged projections)."""
+
+    hf_name: str
+    shape: tuple[int, ...]
+    param_name: str
+    row_start: int = 0
+
+
+def expected_tensors(config: ModelConfig) -> dict[str, TensorTarget]:
+    """Every tensor a checkpoint of `config` must contain, by HF name."""
+    hidden, inter = config.hidden_size, config.intermediate_size
+    q, kv = config.q_size, config.kv_size
+    targets = [
+        TensorTarget("model.embed_tokens.weight", (config.vocab_size, hidden),
+                     "model.embed_tokens.weight"),
+        TensorTarget("model.norm.weight", (hidden,), "model.norm.weight"),
+    ]
+    if not config.tie_word_embeddings:
+        targets.append(TensorTarget("lm_head.weight", (config.vocab_size, hidden),
+                                    "lm_head.weight"))
+    for i in range(config.num_hidden_layers):
+        hf = f"model.layers.{i}"
+        attn = f"{hf}.self_attn"
+        targets += [
+            TensorTarget(f"{attn}.q_proj.weight", (q, hidden), f"{attn}.qkv_proj.weight", 0),
+            TensorTarget(f"{attn}.k_proj.weight", (kv, hidden), f"{attn}.qkv_proj.weight", q),
+            TensorTarget(f"{attn}.v_proj.weight", (kv, hidden), f"{attn}.qkv_proj.weight",
+                         q + kv),
+            TensorTarget(f"{attn}.o_proj.weight", (hidden, q), f"{attn}.o_proj.weight"),
+            TensorTarget(f"{hf}.mlp.gate_proj.weight", (inter, hidden),
+                         f"{hf}.mlp.gate_up_proj.weight", 0),
+            TensorTarget(f"{hf}.mlp.up_proj.weight", (inter, hidden),
+                         f"{hf}.mlp.gate_up_proj.weight", inter),
+            TensorTarget(f"{hf}.mlp.down_proj.weight", (hidden, inter),
+                         f"{hf}.mlp.down_proj.weight"),
+            TensorTarget(f"{hf}.input_layernorm.weight", (hidden,),
+                         f"{hf}.input_layernorm.weight"),
+            TensorTarget(f"{hf}.post_attention_layernorm.weight", (hidden,),
+                         f"{hf}.post_attention_layernorm.weight"),
+        ]
+        if config.attention_bias:
+            targets += [
+                TensorTarget(f"{attn}.q_proj.bias", (q,), f"{attn}.qkv_proj.bias", 0),
+                TensorTarget(f"{attn}.k_proj.bias", (kv,), f"{attn}.qkv_proj.bias", q),
+                TensorTarget(f"{attn}.v_proj.bias", (kv,), f"{attn}.qkv_proj.bias", q + kv),
+            ]
+    return {t.hf_name: t for t in targets}
+
+
+def _is_harmless_extra(name: str, config: ModelConfig) -> bool:
+    # Older exports save RoPE's inv_freq buffer (we rebuild it from the
+    # config); tied checkpoints sometimes still carry lm_head.weight, which
+    # HF ignores in favour of the embeddings, and so do we.
+    if name.endswith(".self_attn.rotary_emb.inv_freq"):
+        return True
+    return config.tie_word_embeddings and name == "lm_head.weight"
+
+
+def checkpoint_files(model_dir: Path) -> dict[str, Path]:
+    """Tensor name -> file holding it, from the index or the single file."""
+    index_path = model_dir / INDEX_FILE
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
+        except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{index_path}: unreadable weight_map ({exc!r})") from None
+        files = {name: model_dir / shard for name, shard in weight_map.items()}
+        for name, path in files.items():
+            if not path.is_file():
+                raise CheckpointError(
+                    f"{path}: file not found (listed in {index_path} for tensor {name!r})"
+                )
+        return files
+    single = model_dir / SINGLE_FILE
+    if not single.is_file():
+        raise CheckpointError(
+            f"{single}: file not found (a model directory needs {SINGLE_FILE} or {INDEX_FILE})"
+        )
+    with safe_open(single, framework="pt") as f:
+        return {name: single for name in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
+
+
+def resolve_dtype(dtype: str | torch.dtype, config: ModelConfig) -> torch.dtype:
+    """`"auto"` is the checkpoint's own dtype (config `torch_dtype`)."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ValueError(f"dtype {dtype} is not supported (supported: {', '.join(DTYPES)})")
+        return dtype
+    name = config.torch_dtype if dtype == "auto" else dtype
+    if name not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported (supported: auto, {', '.join(DTYPES)})")
+    return DTYPES[name]
+
+
+def load_model(
+    model_dir: str | Path,
+    *,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "cpu",
+) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """Build the model described by `model_dir/config.json` and fill every
+    parameter from the checkpoint. Raises CheckpointError (naming file,
+    tensor and shapes) for any mismatch, UnsupportedModelError for an
+    architecture or feature the engine cannot run."""
+    model_dir = Path(model_dir)
+    config = ModelConfig.from_pretrained(model_dir)
+    torch_dtype = resolve_dtype(dtype, config)
+    files = checkpoint_files(model_dir)
+    expected = expected_tensors(config)
+    for name, path in sorted(files.items()):
+        if name not in expected and not _is_harmless_extra(name, config):
+            raise CheckpointError(f"{path}: unexpected tensor {name!r} for {config.architecture}")
+    for name in expected:
+        if name not in files:
+            where = model_dir / (INDEX_FILE if (model_dir / INDEX_FILE).is_file() else SINGLE_FILE)
+            raise CheckpointError(f"{where}: missing tensor {name!r}")
+
+    model = LlamaForCausalLM(config, dtype=torch_dtype, device=device)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    by_file: dict[Path, list[TensorTarget]] = {}
+    for name, target in expected.items():
+        by_file.setdefault(files[name], []).append(target)
+    for path, targets in by_file.items():
+        with safe_open(path, framework="pt") as f:
+            for target in targets:
+                _copy_tensor(f, path, target, params[target.param_name])
+    return model.eval(), config
+
+
+def _copy_tensor(handle, path: Path, target: TensorTarget, param: torch.Tensor) -> None:
+    try:
+        tensor = handle.get_tensor(target.hf_name)
+    except Exception as exc:  # safetensors raises its own error type for a missing name
+        raise CheckpointError(f"{path}: missing tensor {target.hf_name!r} ({exc})") from None
+    if tuple(tensor.shape) != target.shape:
+        raise CheckpointError(
+            f"{path}: tensor {target.hf_name!r} has shape {tuple(tensor.shape)}, "
+            f"expected {target.shape}"
+        )
+    rows = slice(target.row_start, target.row_start + target.shape[0])
+    with torch.no_grad():
+        param[rows].copy_(tensor.to(param.dtype))

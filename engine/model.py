@@ -1,0 +1,204 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2) in plain torch.
+
+Built by `engine.loader.load_model` (parameters are allocated uninitialised
+and filled from the checkpoint), then owned by the engine loop thread, which
+calls `forward` and `compute_logits` once per step. The module holds weights
+only: KV storage and sequence boundaries live in the `AttentionContext` passed
+to each `forward`.
+
+Layout decisions (for speed, made at load time):
+- q/k/v projections are one matmul: `qkv_proj.weight` is the row-wise
+  concatenation [q_proj; k_proj; v_proj] (and the biases likewise).
+- gate/up are one matmul: `gate_up_proj.weight` = [gate_proj; up_proj].
+- With tied embeddings `lm_head.weight` *is* `embed_tokens.weight`.
+RoPE and RMSNorm go through `kernels` (Triton on CUDA, torch elsewhere).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kernels
+from engine.attention_context import AttentionContext
+from engine.layers.rotary import build_cos_sin_cache
+from engine.model_config import ModelConfig
+
+__all__ = ["AttentionContext", "LlamaForCausalLM"]
+
+
+def _empty(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
+    # Uninitialised on purpose: the loader overwrites every parameter, and a
+    # random init of a 100M-parameter model would cost seconds at startup.
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b); weight [out_features, in_features] like HF's."""
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.weight = _empty(out_features, in_features, dtype=dtype, device=device)
+        self.bias = _empty(out_features, dtype=dtype, device=device) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm with an optional fused residual add (see `kernels.rms_norm`)."""
+
+    def __init__(self, hidden_size: int, eps: float, *,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.weight = _empty(hidden_size, dtype=dtype, device=device)
+        self.eps = eps
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return kernels.rms_norm(x, self.weight, self.eps, residual=residual)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, *,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.q_size
+        self.kv_size = config.kv_size
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
+                               bias=config.attention_bias, dtype=dtype, device=device)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False,
+                             dtype=dtype, device=device)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                cos_sin_cache: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = kernels.rotary_embedding(positions, q, k, cos_sin_cache)
+        out = ctx.attend(self.layer_idx, q, k, v)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up in one matmul."""
+
+    def __init__(self, config: ModelConfig, *, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size,
+                                   bias=False, dtype=dtype, device=device)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False,
+                                dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, *,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps,
+                                       dtype=dtype, device=device)
+        self.self_attn = LlamaAttention(config, layer_idx, dtype=dtype, device=device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps,
+                                                dtype=dtype, device=device)
+        self.mlp = LlamaMLP(config, dtype=dtype, device=device)
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+        cos_sin_cache: torch.Tensor, ctx: AttentionContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # The residual stream is carried separately so each norm can fuse the
+        # previous sub-block's residual add (residual = hidden + residual).
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, cos_sin_cache, ctx)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, *, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Module()
+        self.embed_tokens.weight = _empty(config.vocab_size, config.hidden_size,
+                                          dtype=dtype, device=device)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, dtype=dtype, device=device)
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The whole model; parameter names follow HF's except the merged
+    `qkv_proj` / `gate_up_proj` (see module docstring)."""
+
+    def __init__(self, config: ModelConfig, *, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, dtype=dtype, device=device)
+        if config.tie_word_embeddings:
+            self.lm_head = nn.Module()
+            self.lm_head.weight = self.model.embed_tokens.weight
+        else:
+            self.lm_head = nn.Module()
+            self.lm_head.weight = _empty(config.vocab_size, config.hidden_size,
+                                         dtype=dtype, device=device)
+        # float32 regardless of model dtype: the angles of large positions
+        # need the mantissa; not a parameter, never saved or loaded.
+        cache = build_cos_sin_cache(config.max_position_embeddings, config.head_dim,
+                                    config.rope_theta, config.rope_scaling)
+        self.register_buffer("cos_sin_cache", cache.to(device), persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                ctx: AttentionContext) -> torch.Tensor:
+        """Final hidden states [N, hidden] (after the last norm) for the N
+        tokens of the batch, flattened across sequences; `positions[i]` is
+        token i's position in its own sequence. Call `compute_logits` on the
+        rows that need sampling."""
+        if input_ids.dim() != 1 or positions.shape != input_ids.shape:
+            raise ValueError(
+                f"input_ids and positions must both be 1-D of equal length, got "
+                f"{tuple(input_ids.shape)} and {tuple(positions.shape)}"
+            )
+        hidden = F.embedding(input_ids, self.model.embed_tokens.weight)
+        residual: torch.Tensor | None = None
+        for layer in self.model.layers:
+            hidden, residual = layer(positions, hidden, residual, self.cos_sin_cache, ctx)
+        hidden, _ = self.model.norm(hidden, residual)
+        return hidden
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [n, vocab] in float32 for hidden states [n, hidden]. The
+        matmul runs in the model dtype (a float32 copy of lm_head would double
+        its memory); the result is upcast for sampling."""
+        return F.linear(hidden, self.lm_head.weight).float()
