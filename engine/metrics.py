@@ -1,0 +1,144 @@
+"""Prometheus metrics of a pod (prefill, decode or colocated).
+
+Who uses it: each pod's `main` builds one `PodMetrics` with its own
+`CollectorRegistry` (no process-global registry, so tests can build several
+pods in one process) and hands it to the engine loop and the servicers,
+which update it from whichever thread observes the event (prometheus_client
+metric objects are thread-safe). The pod serves `registry` on
+`--metrics-port` with `serve_metrics`.
+
+Names are fixed by DESIGN.md ("Metrics"): dashboards and autoscalers key on
+them. Every metric carries a `role` label ("prefill" | "decode" |
+"colocated"), because the router and all pod roles export the same names;
+the metric objects below are the children already bound to this pod's role.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+ROLES = ("prefill", "decode", "colocated")
+
+# Latency buckets from 1 ms to ~80 s: TTFT on a CPU pod with a long prompt is
+# seconds, inter-token latency on a GPU is milliseconds.
+_LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class PodMetrics:
+    """The metric objects of one pod, already bound to its `role` label.
+
+    Failure and abort counters stay labelled by `reason` so callers pick the
+    child with `.labels(role=..., reason=...)` through `transfer_failure(reason)`
+    / `abort(reason)`.
+    """
+
+    registry: CollectorRegistry
+    role: str
+    time_to_first_token: Histogram
+    inter_token_latency: Histogram
+    e2e_request_latency: Histogram
+    requests_waiting: Gauge
+    requests_running: Gauge
+    kv_blocks_free: Gauge
+    kv_blocks_total: Gauge
+    prefix_cache_queries: Counter
+    prefix_cache_hits: Counter
+    kv_transfer_bytes: Counter
+    kv_transfer_seconds: Histogram
+    kv_landing_bytes_in_use: Gauge
+    kv_injection_seconds: Histogram
+    _kv_transfer_failures: Counter
+    _aborts: Counter
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+
+    @classmethod
+    def create(cls, role: str, registry: CollectorRegistry | None = None) -> PodMetrics:
+        """Register every pod metric in `registry` (a fresh one when None)."""
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        reg = CollectorRegistry(auto_describe=True) if registry is None else registry
+        lbl = ("role",)
+
+        def hist(name: str, doc: str) -> Histogram:
+            metric = Histogram(name, doc, lbl, registry=reg, buckets=_LATENCY_BUCKETS)
+            return metric.labels(role=role)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, lbl, registry=reg).labels(role=role)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, lbl, registry=reg).labels(role=role)
+
+        return cls(
+            registry=reg,
+            role=role,
+            time_to_first_token=hist(
+                "pdserve_time_to_first_token_seconds",
+                "Request arrival at this pod until its first output token is known.",
+            ),
+            inter_token_latency=hist(
+                "pdserve_inter_token_latency_seconds", "Gap between consecutive output tokens."
+            ),
+            e2e_request_latency=hist(
+                "pdserve_e2e_request_latency_seconds", "Request arrival until it finished."
+            ),
+            requests_waiting=gauge("pdserve_requests_waiting", "Requests queued in the engine."),
+            requests_running=gauge(
+                "pdserve_requests_running", "Sequences in the engine's running batch."
+            ),
+            kv_blocks_free=gauge("pdserve_kv_blocks_free", "Free KV cache blocks."),
+            kv_blocks_total=gauge("pdserve_kv_blocks_total", "KV cache blocks in total."),
+            prefix_cache_queries=counter(
+                "pdserve_prefix_cache_queries_total", "Prompt blocks looked up in the prefix cache."
+            ),
+            prefix_cache_hits=counter(
+                "pdserve_prefix_cache_hits_total", "Prompt blocks found in the prefix cache."
+            ),
+            kv_transfer_bytes=counter(
+                "pdserve_kv_transfer_bytes_total", "KV bytes sent (prefill) or received (decode)."
+            ),
+            kv_transfer_seconds=hist(
+                "pdserve_kv_transfer_seconds", "One request's KV transfer, BEGIN to END."
+            ),
+            kv_landing_bytes_in_use=gauge(
+                "pdserve_kv_landing_bytes_in_use", "Bytes of landing buffers held by transfers."
+            ),
+            kv_injection_seconds=hist(
+                "pdserve_kv_injection_seconds", "Time to inject one request's KV into the cache."
+            ),
+            _kv_transfer_failures=Counter(
+                "pdserve_kv_transfer_failures_total",
+                "KV transfers that ended without END, by reason.",
+                ("role", "reason"),
+                registry=reg,
+            ),
+            _aborts=Counter(
+                "pdserve_aborts_total", "Requests aborted, by reason.", ("role", "reason"),
+                registry=reg,
+            ),
+        )
+
+    def transfer_failure(self, reason: str) -> None:
+        """Count one failed transfer; `reason` is a short stable word
+        ("timeout", "aborted", "checksum", ...), never a free-form message,
+        so the label's cardinality stays bounded."""
+        self._kv_transfer_failures.labels(role=self.role, reason=reason).inc()
+
+    def abort(self, reason: str) -> None:
+        """Count one aborted request ("client", "deadline", "transfer", "shutdown")."""
+        self._aborts.labels(role=self.role, reason=reason).inc()
+
+
+def serve_metrics(metrics: PodMetrics, host: str, port: int) -> int:
+    """Serve `metrics.registry` over HTTP in a daemon thread; returns the
+    bound port (`port=0` picks a free one). Called once by the pod's main."""
+    server, _thread = start_http_server(port, addr=host, registry=metrics.registry)
+    return int(server.server_address[1])
