@@ -1,0 +1,70 @@
+"""Validated configuration of senders and receivers (one dataclass each; the pods'
+command modules fill them from flags, kv_transfer never sees argparse)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kv_transfer.frames import MAX_DATA_BYTES
+
+
+def _positive(name: str, value: float, high: float) -> None:
+    if not isinstance(value, (int, float)) or not 0 < value <= high:
+        raise ValueError(f"{name} must be in (0, {high}], got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class SenderConfig:
+    """num_streams: parallel connections (TCP) or calls (gRPC) per transfer.
+    max_chunk_bytes: largest DATA payload; layers are sliced row-aligned below it."""
+
+    num_streams: int = 4
+    max_chunk_bytes: int = 4 << 20
+    connect_timeout_s: float = 5.0
+    io_timeout_s: float = 30.0
+    verdict_grace_s: float = 2.0  # after the target's deadline, before giving up locally
+    sweep_interval_s: float = 0.2
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_streams, int) or not 1 <= self.num_streams <= 64:
+            raise ValueError(f"num_streams must be an int in [1, 64], got {self.num_streams!r}")
+        if not isinstance(self.max_chunk_bytes, int) or not (
+            4096 <= self.max_chunk_bytes <= MAX_DATA_BYTES
+        ):
+            raise ValueError(
+                f"max_chunk_bytes must be in [4096, {MAX_DATA_BYTES}], got {self.max_chunk_bytes}"
+            )
+        _positive("connect_timeout_s", self.connect_timeout_s, 600)
+        _positive("io_timeout_s", self.io_timeout_s, 3600)
+        _positive("verdict_grace_s", self.verdict_grace_s, 600)
+        _positive("sweep_interval_s", self.sweep_interval_s, 60)
+
+
+@dataclass(frozen=True, slots=True)
+class ReceiverConfig:
+    """capacity_bytes: landing pool budget. claim_grace_s: how long a finished
+    transfer's buffer waits for `release` before the collector frees it.
+    secret: shared HMAC secret (None: random per receiver). generation: this
+    incarnation (None: random)."""
+
+    capacity_bytes: int
+    host: str = "127.0.0.1"
+    port: int = 0
+    advertise_host: str | None = None  # what senders dial; defaults to host
+    claim_grace_s: float = 30.0
+    sweep_interval_s: float = 0.2
+    io_timeout_s: float = 10.0
+    secret: bytes | None = None
+    generation: int | None = None
+    pin_memory: bool | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.capacity_bytes, int) or self.capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be a positive int, got {self.capacity_bytes!r}")
+        if not isinstance(self.port, int) or not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port!r}")
+        if not self.host:
+            raise ValueError("host must be non-empty")
+        _positive("claim_grace_s", self.claim_grace_s, 3600)
+        _positive("sweep_interval_s", self.sweep_interval_s, 60)
+        _positive("io_timeout_s", self.io_timeout_s, 3600)

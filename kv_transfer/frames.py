@@ -1,0 +1,157 @@
+"""The TCP connector's wire format (version 1): a fixed header, then the payload.
+
+Header, little-endian, 104 bytes (`HEADER.size`):
+
+    offset size field
+    0      4    magic  b"PDKV"
+    4      2    version (1)
+    6      1    kind   (FrameKind)
+    7      1    flags  (STATUS: bit 0 = ok)
+    8      2    request id length in bytes (1..64)
+    10     2    reserved, 0
+    12     4    layer
+    16     8    byte offset within the layer (DATA)
+    24     8    payload length
+    32     8    xxhash64 (seed 0) of the payload
+    40     64   request id, UTF-8, zero-padded (fixed size keeps the header fixed)
+
+Payloads:
+    BEGIN   layers u32, tokens u32, kv heads u32, head dim u32, dtype code u8,
+            ticket length u16, ticket bytes
+    DATA    raw bytes of the layer's transfer layout at [offset, offset + length)
+    END     first token i32, total byte count u64
+    ABORT   reason, UTF-8
+    STATUS  reason, UTF-8 (empty when ok). Receiver -> sender only: the back
+            channel. Sent on the connection that carried END (verdict), or on
+            every connection that carried BEGIN when the transfer fails.
+
+Frames are self-delimiting, so a refused frame (unknown request, failed
+transfer) is skipped by reading past its payload and the connection stays in
+sync. A header that cannot be trusted (magic, version, length over the limit)
+closes the connection instead.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass
+
+import xxhash
+
+from kv_transfer.base import DTYPE_CODES, MAX_REQUEST_ID_BYTES, MAX_TICKET_BYTES, KVLayout
+from kv_transfer.errors import Reason, TransferRefused
+
+MAGIC = b"PDKV"
+VERSION = 1
+HEADER = struct.Struct(f"<4sHBBHHIQQQ{MAX_REQUEST_ID_BYTES}s")
+MAX_DATA_BYTES = 64 << 20  # one DATA frame; senders slice below this
+MAX_CONTROL_BYTES = 4096  # BEGIN, END, ABORT, STATUS payloads
+FLAG_OK = 1
+
+_BEGIN = struct.Struct("<IIIIBH")
+_END = struct.Struct("<iQ")
+_DTYPE_NAMES = {code: name for name, code in DTYPE_CODES.items()}
+
+
+class FrameKind(enum.IntEnum):
+    BEGIN = 1
+    DATA = 2
+    END = 3
+    ABORT = 4
+    STATUS = 5
+
+
+@dataclass(frozen=True, slots=True)
+class FrameHeader:
+    kind: FrameKind
+    request_id: str
+    layer: int = 0
+    offset: int = 0
+    length: int = 0
+    checksum: int = 0
+    flags: int = 0
+
+    def pack(self) -> bytes:
+        rid = self.request_id.encode()
+        return HEADER.pack(
+            MAGIC, VERSION, self.kind, self.flags, len(rid), 0,
+            self.layer, self.offset, self.length, self.checksum, rid,
+        )  # fmt: skip
+
+
+class HeaderError(Exception):
+    """The header cannot be trusted; the connection must be closed (no resync possible)."""
+
+
+def decode_header(raw: bytes | memoryview) -> FrameHeader:
+    """Parse and bound-check a header; raises HeaderError."""
+    magic, version, kind, flags, rid_len, _, layer, offset, length, checksum, rid = (
+        HEADER.unpack(raw)
+    )
+    if magic != MAGIC:
+        raise HeaderError(f"bad magic {magic!r}")
+    if version != VERSION:
+        raise HeaderError(f"frame version {version}, this receiver speaks {VERSION}")
+    try:
+        kind = FrameKind(kind)
+    except ValueError:
+        raise HeaderError(f"unknown frame kind {kind}") from None
+    limit = MAX_DATA_BYTES if kind is FrameKind.DATA else MAX_CONTROL_BYTES
+    if length > limit:
+        raise HeaderError(f"{kind.name} payload of {length} bytes exceeds {limit}")
+    if not 0 < rid_len <= MAX_REQUEST_ID_BYTES:
+        raise HeaderError(f"request id length {rid_len} outside 1..{MAX_REQUEST_ID_BYTES}")
+    try:
+        request_id = bytes(rid[:rid_len]).decode()
+    except UnicodeDecodeError:
+        raise HeaderError("request id is not UTF-8") from None
+    return FrameHeader(kind, request_id, layer, offset, length, checksum, flags)
+
+
+def checksum(payload: bytes | memoryview) -> int:
+    """xxhash64, seed 0 (releases the GIL on large buffers)."""
+    return xxhash.xxh64_intdigest(payload)
+
+
+def control_frame(kind: FrameKind, request_id: str, payload: bytes, flags: int = 0) -> bytes:
+    """Header + payload of a small frame, checksummed."""
+    header = FrameHeader(kind, request_id, length=len(payload), checksum=checksum(payload),
+                         flags=flags)  # fmt: skip
+    return header.pack() + payload
+
+
+def encode_begin(layout: KVLayout, ticket: bytes) -> bytes:
+    return (
+        _BEGIN.pack(
+            layout.num_layers, layout.num_tokens, layout.num_kv_heads, layout.head_dim,
+            DTYPE_CODES[layout.dtype], len(ticket),
+        )
+        + ticket
+    )  # fmt: skip
+
+
+def decode_begin(payload: bytes) -> tuple[KVLayout, bytes]:
+    """BEGIN payload -> (layout, ticket); raises TransferRefused(bad_frame)."""
+    if len(payload) < _BEGIN.size:
+        raise TransferRefused(Reason.BAD_FRAME, "BEGIN payload too short")
+    layers, tokens, heads, head_dim, dtype_code, ticket_len = _BEGIN.unpack_from(payload)
+    if ticket_len > MAX_TICKET_BYTES or len(payload) != _BEGIN.size + ticket_len:
+        raise TransferRefused(Reason.BAD_FRAME, "BEGIN ticket length does not match payload")
+    if dtype_code not in _DTYPE_NAMES:
+        raise TransferRefused(Reason.BAD_FRAME, f"unknown dtype code {dtype_code}")
+    try:
+        layout = KVLayout(layers, tokens, heads, head_dim, _DTYPE_NAMES[dtype_code])
+    except ValueError as exc:
+        raise TransferRefused(Reason.BAD_FRAME, str(exc)) from None
+    return layout, bytes(payload[_BEGIN.size :])
+
+
+def encode_end(first_token_id: int, total_bytes: int) -> bytes:
+    return _END.pack(first_token_id, total_bytes)
+
+
+def decode_end(payload: bytes) -> tuple[int, int]:
+    if len(payload) != _END.size:
+        raise TransferRefused(Reason.BAD_FRAME, f"END payload is {len(payload)} bytes")
+    return _END.unpack(payload)

@@ -1,0 +1,115 @@
+"""Sender-side bookkeeping shared by the connectors: slicing and the outcome.
+
+`plan_pieces` turns one `send_layer` call into row-aligned DATA pieces. An
+`Outgoing` is one transfer on the sender: its state machine, the count of
+queued-but-unsent frames (END goes out only when it reaches zero, so END
+follows every DATA on every stream), and the future the engine waits on.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from kv_transfer.base import KVLayout, TransferOutcome, TransferState, TransferTarget
+from kv_transfer.errors import InvalidTransition
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """One DATA frame: `length` bytes from byte `src_start` of the staged chunk go to
+    byte `offset` of `layer` in the transfer layout."""
+
+    layer: int
+    offset: int
+    src_start: int
+    length: int
+
+
+def plan_pieces(layout: KVLayout, layer: int, token_start: int, num_tokens: int,
+                num_streams: int, max_chunk_bytes: int) -> list[Piece]:  # fmt: skip
+    """Slice tokens [token_start, token_start + num_tokens) of one layer.
+
+    The staged chunk is [2, n, H, D]: its K rows are bytes [0, n*row), its V rows
+    [n*row, 2n*row). K goes to `token_start*row`, V to `(T + token_start)*row`.
+    Each half is cut into pieces of whole rows, about one per stream (so one
+    layer spreads over all streams) and never above max_chunk_bytes.
+    """
+    row = layout.row_bytes
+    rows_per_piece = max(1, min(-(-num_tokens // num_streams), max_chunk_bytes // row))
+    pieces = []
+    for half, dest_row in ((0, token_start), (1, layout.num_tokens + token_start)):
+        for first in range(0, num_tokens, rows_per_piece):
+            rows = min(rows_per_piece, num_tokens - first)
+            src_start = (half * num_tokens + first) * row
+            pieces.append(Piece(layer, (dest_row + first) * row, src_start, rows * row))
+    return pieces
+
+
+class Outgoing:
+    """One transfer on the sender. `pending` and `end_first_token` are guarded by
+    `lock`; the outcome is set once, by whoever decides first."""
+
+    __slots__ = ("request_id", "target", "layout", "state", "pending", "end_first_token",
+                 "end_queued", "future", "lock", "next_stream", "resolved")  # fmt: skip
+
+    def __init__(self, request_id: str, target: TransferTarget, layout: KVLayout) -> None:
+        self.request_id = request_id
+        self.target = target
+        self.layout = layout
+        self.state = TransferState.STARTED
+        self.pending = 0
+        self.end_first_token: int | None = None
+        self.end_queued = False
+        self.future: Future[TransferOutcome] = Future()
+        self.lock = threading.Lock()
+        self.next_stream = 0  # round-robin start for the next piece
+        self.resolved = False
+
+    @property
+    def done(self) -> bool:
+        return self.resolved
+
+    def add_pending(self, count: int) -> None:
+        with self.lock:
+            self.pending += count
+
+    def request_end(self, first_token_id: int) -> bool:
+        """Record END; True if END may be queued now (nothing pending)."""
+        with self.lock:
+            if self.end_first_token is not None:
+                raise ValueError(f"end() called twice for {self.request_id!r}")
+            if self.state is TransferState.STARTED:
+                self.state = self.state.to(TransferState.ENDING)
+            self.end_first_token = first_token_id
+            return self._take_end()
+
+    def piece_done(self) -> bool:
+        """A queued frame was sent or dropped; True if END should be queued now."""
+        with self.lock:
+            self.pending -= 1
+            return self._take_end()
+
+    def _take_end(self) -> bool:
+        if self.pending or self.end_first_token is None or self.end_queued or self.done:
+            return False
+        self.end_queued = True
+        self.pending += 1  # the END frame itself
+        return True
+
+    def resolve(self, outcome: TransferOutcome) -> bool:
+        """Set the outcome once; False if it was already set."""
+        with self.lock:
+            if self.resolved:
+                return False
+            self.resolved = True
+            new = TransferState.COMPLETE if outcome.ok else TransferState.FAILED
+            try:
+                self.state = self.state.to(new)
+            except InvalidTransition:
+                # COMPLETE needs END first: a receiver claiming success before END is lying
+                self.state = self.state.to(TransferState.FAILED)
+                outcome = TransferOutcome.failed("bad_frame: verdict before END")
+        self.future.set_result(outcome)  # outside the lock: callbacks run here
+        return True

@@ -1,0 +1,420 @@
+"""The receiver's transfer table: transport-independent bookkeeping of incoming KV.
+
+Both connectors (TCP, gRPC) drive one `ReceiveTable`: their I/O threads call
+`begin` / `claim` + `commit` / `end` / `abort` as frames arrive, the service
+calls `expect` / `release` / `cancel`, and the collector calls `sweep`.
+
+Per transfer (see `TransferState`):
+
+    expect  -> EXPECTED, landing buffer allocated, ticket issued
+    BEGIN   -> STARTED   (each stream's BEGIN authenticates that stream: `peer`)
+    DATA    -> rows claimed (no two writers ever touch the same bytes), payload
+               written by the transport straight into the buffer, then committed
+               (checksum verdict); complete layers are delivered in layer order
+    END     -> ENDING; COMPLETE once every row landed and the byte count matches
+    failure -> FAILED from any non-terminal state; every authenticated peer is told
+    free    -> RELEASED, once terminal AND no writer is inside the buffer AND
+               (the consumer released it, or nothing was ever handed out, or the
+               claim grace period passed: the collector then counts it unclaimed)
+
+Invariant: a landing buffer is returned to the pool only when `writers == 0`,
+so no receiver thread can write into memory that was handed to another transfer.
+
+Locking: `_lock` guards the table and every transfer's counters; a transfer's
+`deliver_lock` (re-entrant) serialises listener calls for that transfer, so
+layers arrive in order and `on_failed` never overtakes an `on_layer_ready`.
+Listener calls and peer notifications happen outside `_lock`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from kv_transfer.base import (
+    KVLayout,
+    KVReceiveListener,
+    ReceiverStats,
+    TransferOutcome,
+    TransferState,
+    TransferTarget,
+    check_request_id,
+)
+from kv_transfer.device import byte_view
+from kv_transfer.errors import Reason, TransferRefused, make_reason, reason_code
+from kv_transfer.landing import LandingBuffer, LandingBufferPool
+from kv_transfer.tickets import TicketAuthority
+
+log = logging.getLogger(__name__)
+
+
+class Peer(Protocol):
+    """A sender-facing stream (TCP connection, gRPC call): the back channel."""
+
+    def notify(self, request_id: str, outcome: TransferOutcome) -> None:
+        """Tell the sender this transfer's outcome; must not block for long."""
+
+
+class _Incoming:
+    """Mutable state of one transfer; fields guarded by ReceiveTable._lock."""
+
+    __slots__ = (
+        "request_id", "layout", "deadline", "buffer", "bytes", "state", "reason", "rows",
+        "layer_rows", "next_layer", "writers", "delivered_any", "released", "peers",
+        "end_peer", "first_token_id", "end_total", "finished_at", "deliver_lock",
+    )  # fmt: skip
+
+    def __init__(self, request_id: str, layout: KVLayout, deadline: float,
+                 buffer: LandingBuffer) -> None:  # fmt: skip
+        self.request_id = request_id
+        self.layout = layout
+        self.deadline = deadline
+        self.buffer: LandingBuffer | None = buffer
+        self.bytes = byte_view(buffer.data)
+        self.state = TransferState.EXPECTED
+        self.reason = ""
+        self.rows = bytearray(layout.num_layers * layout.rows_per_layer)  # 1 = claimed
+        self.layer_rows = [0] * layout.num_layers  # committed rows per layer
+        self.next_layer = 0  # next layer to deliver
+        self.writers = 0
+        self.delivered_any = False
+        self.released = False
+        self.peers: list[Peer] = []
+        self.end_peer: Peer | None = None
+        self.first_token_id = 0
+        self.end_total = 0
+        self.finished_at = 0.0
+        self.deliver_lock = threading.RLock()
+
+    def layer_view(self, layer: int) -> torch.Tensor:
+        assert self.buffer is not None
+        bpl = self.layout.bytes_per_layer
+        flat = self.buffer.data[layer * bpl : (layer + 1) * bpl]
+        return flat.view(self.layout.torch_dtype).view(self.layout.layer_shape)
+
+
+@dataclass(frozen=True, slots=True)
+class WriteClaim:
+    """Permission to write `view` (the landing bytes of one DATA frame). The
+    transport writes the payload into `view`, then calls `ReceiveTable.commit`."""
+
+    request_id: str
+    layer: int
+    num_rows: int
+    view: memoryview
+    _transfer: _Incoming
+
+
+class ReceiveTable:
+    def __init__(self, pool: LandingBufferPool, authority: TicketAuthority,
+                 listener: KVReceiveListener, *, transport: str,
+                 claim_grace_s: float = 30.0) -> None:  # fmt: skip
+        if not 0 < claim_grace_s <= 3600:
+            raise ValueError(f"claim_grace_s must be in (0, 3600], got {claim_grace_s}")
+        self.pool = pool
+        self.authority = authority
+        self.listener = listener
+        self.transport = transport
+        self.claim_grace_s = claim_grace_s
+        self._lock = threading.Lock()
+        self._transfers: dict[str, _Incoming] = {}
+        self._failures: Counter[str] = Counter()
+        self._completed = 0
+        self._bytes_received = 0
+        self._unclaimed_freed = 0
+
+    # ---------------------------------------------------------------- service side
+
+    def expect(self, request_id: str, layout: KVLayout, deadline: float,
+               endpoints: tuple[str, ...]) -> TransferTarget:  # fmt: skip
+        check_request_id(request_id)
+        if deadline <= time.time():
+            raise ValueError(f"deadline {deadline:.3f} is already in the past")
+        with self._lock:
+            if request_id in self._transfers:
+                raise ValueError(f"request {request_id!r} already has a transfer")
+        buffer = self.pool.allocate(layout.total_bytes)  # may raise BufferPoolExhausted
+        with self._lock:
+            if request_id in self._transfers:
+                self.pool.free(buffer)
+                raise ValueError(f"request {request_id!r} already has a transfer")
+            self._transfers[request_id] = _Incoming(request_id, layout, deadline, buffer)
+        return TransferTarget(
+            endpoints=endpoints,
+            ticket=self.authority.issue(request_id, deadline),
+            transport=self.transport,
+            generation=self.authority.generation,
+            deadline=deadline,
+        )
+
+    def release(self, request_id: str) -> bool:
+        with self._lock:
+            t = self._transfers.get(request_id)
+            if t is None:
+                return False
+            t.released = True
+            running = not t.state.terminal
+        if running:
+            self._fail(t, make_reason(Reason.CANCELLED, "released before completion"))
+        self._maybe_free(t)
+        return True
+
+    def cancel(self, request_id: str, reason: str) -> bool:
+        with self._lock:
+            t = self._transfers.get(request_id)
+        if t is None:
+            return False
+        return self._fail(t, make_reason(Reason.CANCELLED, reason))
+
+    def stats(self) -> ReceiverStats:
+        with self._lock:
+            return ReceiverStats(
+                bytes_in_use=self.pool.bytes_in_use,
+                capacity_bytes=self.pool.capacity_bytes,
+                active_transfers=len(self._transfers),
+                completed=self._completed,
+                bytes_received=self._bytes_received,
+                failures=dict(self._failures),
+                unclaimed_freed=self._unclaimed_freed,
+            )
+
+    # ---------------------------------------------------------------- I/O threads
+
+    def begin(self, request_id: str, ticket: bytes, layout: KVLayout, peer: Peer) -> None:
+        """Authenticate `peer` for `request_id`; raises TransferRefused."""
+        with self._lock:
+            t = self._transfers.get(request_id)
+        try:
+            self.authority.verify(ticket, request_id)
+            if t is None:
+                raise TransferRefused(Reason.UNKNOWN_REQUEST, f"{request_id!r} is not expected")
+            if layout != t.layout:
+                raise TransferRefused(
+                    Reason.LAYOUT_MISMATCH, f"sender has {layout}, receiver expects {t.layout}"
+                )
+        except TransferRefused as refused:
+            self._refuse(t, refused)
+            raise
+        with self._lock:
+            if t.state.terminal:
+                raise _ended(t)
+            if t.state is TransferState.EXPECTED:
+                t.state = t.state.to(TransferState.STARTED)
+            if not any(p is peer for p in t.peers):
+                t.peers.append(peer)
+
+    def claim(self, request_id: str, peer: Peer, layer: int, offset: int,
+              length: int) -> WriteClaim:  # fmt: skip
+        """Reserve the landing bytes of one DATA frame; raises TransferRefused."""
+        with self._lock:
+            t = self._authenticated(request_id, peer)
+            lay = t.layout
+            row = lay.row_bytes
+            bad = (
+                layer >= lay.num_layers or length <= 0 or offset % row or length % row
+                or offset + length > lay.bytes_per_layer
+            )  # fmt: skip
+            if not bad:
+                first = layer * lay.rows_per_layer + offset // row
+                num_rows = length // row
+                duplicate = t.rows.count(1, first, first + num_rows) > 0
+                if not duplicate:
+                    t.rows[first : first + num_rows] = b"\x01" * num_rows
+                    t.writers += 1
+                    start = layer * lay.bytes_per_layer + offset
+                    return WriteClaim(request_id, layer, num_rows,
+                                      t.bytes[start : start + length], t)  # fmt: skip
+        if bad:
+            refused = TransferRefused(
+                Reason.BAD_FRAME,
+                f"DATA layer {layer} offset {offset} length {length} does not fit {lay}",
+            )
+        else:
+            refused = TransferRefused(Reason.DUPLICATE_DATA, f"layer {layer} offset {offset}")
+        self._refuse(t, refused)
+        raise refused
+
+    def commit(self, claim: WriteClaim, failure: str | None = None) -> None:
+        """The transport finished writing `claim.view`: `failure` None means the bytes
+        verified; otherwise it is the reason the region cannot be trusted (bad
+        checksum, connection lost mid-payload) and the transfer fails."""
+        t = claim._transfer
+        with self._lock:
+            t.writers -= 1
+            if failure is None and not t.state.terminal:
+                t.layer_rows[claim.layer] += claim.num_rows
+                self._bytes_received += len(claim.view)
+        if failure is not None:
+            self._fail(t, failure)
+        else:
+            self._advance(t)
+        self._maybe_free(t)
+
+    def end(self, request_id: str, peer: Peer, first_token_id: int, total_bytes: int) -> None:
+        """END arrived on `peer`; the verdict goes back to it once decided."""
+        with self._lock:
+            t = self._authenticated(request_id, peer)
+            if t.state is TransferState.STARTED:
+                t.state = t.state.to(TransferState.ENDING)
+                t.end_peer = peer
+                t.first_token_id = first_token_id
+                t.end_total = total_bytes
+                duplicate = False
+            else:
+                duplicate = True
+        if duplicate:
+            self._refuse(t, TransferRefused(Reason.BAD_FRAME, "second END"))
+        elif total_bytes != t.layout.total_bytes:
+            self._fail(t, make_reason(
+                Reason.SIZE_MISMATCH, f"END says {total_bytes} bytes, layout has "
+                f"{t.layout.total_bytes}"))  # fmt: skip
+        else:
+            self._advance(t)
+        self._maybe_free(t)
+
+    def abort(self, request_id: str, peer: Peer, reason: str) -> None:
+        """ABORT from an authenticated peer; a transfer that already ended ignores it."""
+        with self._lock:
+            t = self._transfers.get(request_id)
+            if t is not None and t.state.terminal and any(p is peer for p in t.peers):
+                return
+            t = self._authenticated(request_id, peer)
+        self._fail(t, make_reason(Reason.ABORTED, reason))
+        self._maybe_free(t)
+
+    def peer_lost(self, peer: Peer, reason: str) -> None:
+        """`peer`'s stream broke: its unfinished transfers can never complete."""
+        with self._lock:
+            lost = [
+                t for t in self._transfers.values()
+                if not t.state.terminal and any(p is peer for p in t.peers)
+            ]  # fmt: skip
+        for t in lost:
+            self._fail(t, reason)
+
+    # ---------------------------------------------------------------- collector
+
+    def sweep(self, now: float) -> None:
+        """Fail transfers past their deadline; free buffers whose time came."""
+        with self._lock:
+            transfers = list(self._transfers.values())
+        for t in transfers:
+            if not t.state.terminal and now > t.deadline:
+                self._fail(t, make_reason(Reason.DEADLINE, f"deadline {t.deadline:.3f} passed"))
+            self._maybe_free(t, now)
+
+    def close(self) -> None:
+        """Fail everything and free every buffer no writer is inside (transports stop
+        their I/O threads first, so that is all of them)."""
+        with self._lock:
+            transfers = list(self._transfers.values())
+        for t in transfers:
+            self._fail(t, make_reason(Reason.CLOSED))
+            with self._lock:
+                t.released = True
+            self._maybe_free(t)
+
+    # ---------------------------------------------------------------- internals
+
+    def _authenticated(self, request_id: str, peer: Peer) -> _Incoming:
+        """Caller holds _lock. The transfer, if `peer` sent a valid BEGIN for it."""
+        t = self._transfers.get(request_id)
+        if t is None or not any(p is peer for p in t.peers):
+            raise TransferRefused(Reason.UNKNOWN_REQUEST, f"no BEGIN for {request_id!r} here")
+        if t.state.terminal:
+            raise _ended(t)
+        return t
+
+    def _refuse(self, t: _Incoming | None, refused: TransferRefused) -> None:
+        """A refused frame fails its transfer if there is one, else is only counted."""
+        if t is None or not self._fail(t, refused.reason):
+            with self._lock:
+                self._failures[refused.code.value] += 1
+
+    def _advance(self, t: _Incoming) -> None:
+        """Deliver every layer that became complete, in order; decide END."""
+        with t.deliver_lock:
+            while True:
+                with self._lock:
+                    if t.state.terminal:
+                        return
+                    layer = t.next_layer
+                    if layer < t.layout.num_layers:
+                        if t.layer_rows[layer] != t.layout.rows_per_layer:
+                            return
+                        t.next_layer += 1
+                        t.delivered_any = True
+                    elif t.state is TransferState.ENDING:
+                        t.state = t.state.to(TransferState.COMPLETE)
+                        t.finished_at = time.time()
+                        self._completed += 1
+                        break
+                    else:
+                        return
+                if not self._call(t, "on_layer_ready", t.request_id, layer, t.layer_view(layer)):
+                    return
+            self._call(t, "on_complete", t.request_id, t.first_token_id)
+        if t.end_peer is not None:
+            t.end_peer.notify(t.request_id, TransferOutcome.complete())
+
+    def _fail(self, t: _Incoming, reason: str) -> bool:
+        """Move `t` to FAILED (False if it already ended) and tell everybody."""
+        with t.deliver_lock:
+            with self._lock:
+                if t.state.terminal:
+                    return False
+                t.state = t.state.to(TransferState.FAILED)
+                t.reason = reason
+                t.finished_at = time.time()
+                self._failures[reason_code(reason)] += 1
+                peers = list(t.peers)
+            log.info("kv transfer %s failed: %s", t.request_id, reason)
+            self._call(t, "on_failed", t.request_id, reason)
+        for peer in peers:
+            peer.notify(t.request_id, TransferOutcome.failed(reason))
+        self._maybe_free(t)
+        return True
+
+    def _call(self, t: _Incoming, hook: str, *args: object) -> bool:
+        """Run a listener hook; a raising listener fails the transfer (not the thread)."""
+        try:
+            getattr(self.listener, hook)(*args)
+            return True
+        except Exception:
+            log.exception("kv listener %s raised for %s", hook, t.request_id)
+            if hook != "on_failed":
+                self._fail(t, make_reason(Reason.CANCELLED, f"listener {hook} raised"))
+            return False
+
+    def _maybe_free(self, t: _Incoming, now: float | None = None) -> None:
+        now = time.time() if now is None else now
+        with self._lock:
+            if t.buffer is None or t.writers or not t.state.terminal:
+                return
+            grace_over = now > t.finished_at + self.claim_grace_s
+            if t.state is TransferState.COMPLETE:
+                free = t.released or grace_over
+            else:
+                free = t.released or not t.delivered_any or grace_over
+            if not free:
+                return
+            if not t.released and (t.state is TransferState.COMPLETE or t.delivered_any):
+                self._unclaimed_freed += 1  # the consumer never said it was done
+            buffer, t.buffer = t.buffer, None
+            t.state = t.state.to(TransferState.RELEASED)
+            if self._transfers.get(t.request_id) is t:
+                del self._transfers[t.request_id]
+        self.pool.free(buffer)
+
+
+def _ended(t: _Incoming) -> TransferRefused:
+    code = reason_code(t.reason)
+    return TransferRefused(
+        Reason(code) if code != "other" else Reason.ABORTED, f"transfer already ended ({t.reason})"
+    )

@@ -1,0 +1,256 @@
+"""TCP receiver: a listening socket, one thread per sender connection.
+
+Life of a connection (one thread, `_Connection.run`): read a 104-byte header;
+BEGIN/END/ABORT payloads are small and read into memory; a DATA payload is
+read with `recv_into` straight into the landing buffer region the table
+granted (`ReceiveTable.claim`), then its xxhash64 is checked and the region
+committed. A refused frame is answered with a STATUS frame (once per request
+per connection) and its payload skipped, so the connection stays in sync and
+other transfers on it continue; an untrustworthy header closes the connection
+and fails the transfers it carried.
+
+Threads: the accept thread, one per connection, and the collector. The
+listener is called from connection threads and the collector.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from collections import OrderedDict
+
+from kv_transfer.base import (
+    KVLayout,
+    KVReceiveListener,
+    KVReceiver,
+    ReceiverStats,
+    TransferOutcome,
+    TransferTarget,
+)
+from kv_transfer.config import ReceiverConfig
+from kv_transfer.errors import Reason, TransferRefused, make_reason
+from kv_transfer.frames import (
+    FLAG_OK,
+    MAX_CONTROL_BYTES,
+    FrameHeader,
+    FrameKind,
+    HeaderError,
+    checksum,
+    control_frame,
+    decode_begin,
+    decode_end,
+)
+from kv_transfer.gc import Collector
+from kv_transfer.landing import LandingBufferPool
+from kv_transfer.receive_table import ReceiveTable
+from kv_transfer.tcp.wire import (
+    PeerClosed,
+    close_quietly,
+    new_header_buffer,
+    recv_bytes,
+    recv_exact_into,
+    recv_header,
+    skip,
+)
+from kv_transfer.tickets import TicketAuthority
+
+log = logging.getLogger(__name__)
+_TOLD_LIMIT = 1024  # request ids a connection remembers having refused
+
+
+class _Connection:
+    """One accepted sender connection; also the table's `Peer` for it."""
+
+    def __init__(self, sock: socket.socket, table: ReceiveTable, stop: threading.Event) -> None:
+        self.sock = sock
+        self.table = table
+        self.stop = stop
+        self._send_lock = threading.Lock()
+        self._told: OrderedDict[str, None] = OrderedDict()
+        self._scratch = memoryview(bytearray(1 << 20))
+        self.closed = False
+
+    def notify(self, request_id: str, outcome: TransferOutcome) -> None:
+        """Back channel (any thread): a STATUS frame with the verdict."""
+        if outcome.ok:
+            frame = control_frame(FrameKind.STATUS, request_id, b"", flags=FLAG_OK)
+        else:
+            self._remember(request_id)
+            reason = outcome.reason.encode()[:MAX_CONTROL_BYTES]
+            frame = control_frame(FrameKind.STATUS, request_id, reason)
+        with self._send_lock:
+            if self.closed:
+                return
+            try:
+                self.sock.sendall(frame)
+            except OSError:
+                close_quietly(self.sock)  # the reader thread notices and cleans up
+
+    def _remember(self, request_id: str) -> bool:
+        """Record that the sender was told about `request_id`; False if it already was."""
+        with self._send_lock:
+            if request_id in self._told:
+                return False
+            self._told[request_id] = None
+            if len(self._told) > _TOLD_LIMIT:
+                self._told.popitem(last=False)
+            return True
+
+    def _refused(self, request_id: str, refused: TransferRefused) -> None:
+        if request_id not in self._told:
+            self.notify(request_id, TransferOutcome.failed(refused.reason))
+
+    def run(self) -> None:
+        header_buf = new_header_buffer()
+        reason = make_reason(Reason.CONNECTION_LOST)
+        try:
+            while not self.stop.is_set():
+                self._handle(recv_header(self.sock, header_buf, self.stop))
+        except PeerClosed:
+            pass
+        except HeaderError as exc:
+            reason = make_reason(Reason.BAD_FRAME, str(exc))
+            log.warning("kv receiver closing connection: %s", exc)
+        except OSError as exc:  # includes timeouts mid-frame and resets
+            reason = make_reason(Reason.CONNECTION_LOST, str(exc))
+        finally:
+            with self._send_lock:
+                self.closed = True
+            close_quietly(self.sock)
+            self.table.peer_lost(self, reason)
+
+    def _handle(self, header: FrameHeader) -> None:
+        rid = header.request_id
+        if header.kind is FrameKind.DATA:
+            self._data(header)
+            return
+        if header.kind is FrameKind.STATUS:
+            raise HeaderError("STATUS frames only travel receiver -> sender")
+        payload = recv_bytes(self.sock, header.length)
+        try:
+            if checksum(payload) != header.checksum:
+                raise TransferRefused(Reason.BAD_CHECKSUM, f"{header.kind.name} payload")
+            if header.kind is FrameKind.BEGIN:
+                layout, ticket = decode_begin(payload)
+                self.table.begin(rid, ticket, layout, self)
+            elif header.kind is FrameKind.END:
+                first_token_id, total_bytes = decode_end(payload)
+                self.table.end(rid, self, first_token_id, total_bytes)
+            else:
+                self.table.abort(rid, self, payload.decode(errors="replace"))
+        except TransferRefused as refused:
+            self._refused(rid, refused)
+
+    def _data(self, header: FrameHeader) -> None:
+        try:
+            claim = self.table.claim(
+                header.request_id, self, header.layer, header.offset, header.length
+            )
+        except TransferRefused as refused:
+            skip(self.sock, header.length, self._scratch)
+            self._refused(header.request_id, refused)
+            return
+        try:
+            recv_exact_into(self.sock, claim.view)
+        except BaseException as exc:
+            self.table.commit(claim, make_reason(Reason.CONNECTION_LOST, f"mid-payload: {exc}"))
+            raise
+        ok = checksum(claim.view) == header.checksum
+        self.table.commit(claim, None if ok else make_reason(
+            Reason.BAD_CHECKSUM, f"layer {header.layer} offset {header.offset}"))  # fmt: skip
+
+
+class TcpKVReceiver(KVReceiver):
+    """Decode pod's TCP endpoint. `expect`/`release`/`cancel`/`stats` from any thread."""
+
+    def __init__(self, config: ReceiverConfig, listener: KVReceiveListener) -> None:
+        self.config = config
+        self.pool = LandingBufferPool(config.capacity_bytes, config.pin_memory)
+        self.table = ReceiveTable(
+            self.pool, TicketAuthority(config.secret, config.generation), listener,
+            transport="tcp", claim_grace_s=config.claim_grace_s,
+        )  # fmt: skip
+        self._stop = threading.Event()
+        self._server: socket.socket | None = None
+        self._endpoints: tuple[str, ...] = ()
+        self._connections: set[_Connection] = set()
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self._collector = Collector(self.table.sweep, config.sweep_interval_s, "kv-tcp-gc")
+
+    @property
+    def generation(self) -> int:
+        return self.table.authority.generation
+
+    @property
+    def endpoints(self) -> tuple[str, ...]:
+        return self._endpoints
+
+    def start(self) -> None:
+        server = socket.create_server((self.config.host, self.config.port), backlog=128)
+        server.settimeout(0.2)  # the accept loop polls the stop flag
+        self._server = server
+        host = self.config.advertise_host or self.config.host
+        self._endpoints = (f"{host}:{server.getsockname()[1]}",)
+        accept = threading.Thread(target=self._accept_loop, name="kv-tcp-accept", daemon=True)
+        accept.start()
+        self._threads.append(accept)
+        self._collector.start()
+
+    def _accept_loop(self) -> None:
+        assert self._server is not None
+        while not self._stop.is_set():
+            try:
+                sock, _ = self._server.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.settimeout(self.config.io_timeout_s)
+            conn = _Connection(sock, self.table, self._stop)
+            thread = threading.Thread(target=self._serve, args=(conn,), daemon=True,
+                                      name="kv-tcp-conn")  # fmt: skip
+            with self._lock:
+                if self._stop.is_set():
+                    close_quietly(sock)
+                    return
+                self._connections.add(conn)
+                self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+            thread.start()
+
+    def _serve(self, conn: _Connection) -> None:
+        try:
+            conn.run()
+        finally:
+            with self._lock:
+                self._connections.discard(conn)
+
+    def expect(self, request_id: str, layout: KVLayout, deadline: float) -> TransferTarget:
+        if not self._endpoints:
+            raise RuntimeError("TcpKVReceiver.expect called before start()")
+        return self.table.expect(request_id, layout, deadline, self._endpoints)
+
+    def release(self, request_id: str) -> bool:
+        return self.table.release(request_id)
+
+    def cancel(self, request_id: str, reason: str) -> bool:
+        return self.table.cancel(request_id, reason)
+
+    def stats(self) -> ReceiverStats:
+        return self.table.stats()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._collector.stop()
+        if self._server is not None:
+            self._server.close()
+        with self._lock:
+            connections = list(self._connections)
+            threads = list(self._threads)
+        for conn in connections:
+            close_quietly(conn.sock)
+        for thread in threads:
+            thread.join(timeout=5)
+        self.table.close()

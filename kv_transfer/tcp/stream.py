@@ -1,0 +1,191 @@
+"""One persistent sender connection to one receiver endpoint (a "stream").
+
+Two threads per stream: the writer drains a FIFO of frames (so on one stream
+BEGIN precedes DATA precedes END), connecting lazily; the reader reads the
+receiver's STATUS frames (the back channel) for as long as the connection
+lives. When a connection breaks, every transfer that sent BEGIN on it fails
+with `connection_lost` (the receiver would refuse their remaining frames on a
+new connection), and the next frame reconnects: a restarted receiver costs the
+transfers in flight, never the ones after.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import socket
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kv_transfer.base import split_endpoint
+from kv_transfer.config import SenderConfig
+from kv_transfer.device import HostCopy, byte_view
+from kv_transfer.errors import Reason, make_reason
+from kv_transfer.frames import (
+    FLAG_OK,
+    FrameHeader,
+    FrameKind,
+    HeaderError,
+    checksum,
+    control_frame,
+)
+from kv_transfer.outgoing import Outgoing, Piece
+from kv_transfer.tcp.wire import (
+    PeerClosed,
+    close_quietly,
+    new_header_buffer,
+    recv_bytes,
+    recv_header,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkItem:
+    """A frame to send. DATA items hold the staged host copy until sent."""
+
+    kind: FrameKind
+    transfer: Outgoing
+    payload: bytes = b""
+    piece: Piece | None = None
+    host: HostCopy | None = None
+
+
+class _ConnectFailed(OSError):
+    pass
+
+
+class Stream:
+    """Owned by TcpKVSender. `enqueue` from any thread; callbacks run on this
+    stream's threads: `on_status(request_id, ok, reason)`, `on_sent(transfer)`
+    after each counted frame, `on_lost(transfer, reason)`."""
+
+    def __init__(self, endpoint: str, config: SenderConfig,
+                 on_status: Callable[[str, bool, str], None],
+                 on_sent: Callable[[Outgoing], None],
+                 on_lost: Callable[[Outgoing, str], None]) -> None:  # fmt: skip
+        self.endpoint = endpoint
+        self._address = split_endpoint(endpoint)
+        self._config = config
+        self._on_status = on_status
+        self._on_sent = on_sent
+        self._on_lost = on_lost
+        self._queue: queue.SimpleQueue[WorkItem | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self._bound: dict[str, Outgoing] = {}  # BEGIN sent on the current connection
+        self._stop = threading.Event()
+        self._writer = threading.Thread(target=self._write_loop, daemon=True,
+                                        name=f"kv-tcp-send-{endpoint}")  # fmt: skip
+        self._writer.start()
+
+    def enqueue(self, item: WorkItem) -> None:
+        self._queue.put(item)
+
+    def unbind(self, request_id: str) -> None:
+        with self._lock:
+            self._bound.pop(request_id, None)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._queue.put(None)
+        self._writer.join(timeout=10)
+        with self._lock:
+            sock, self._sock = self._sock, None
+        if sock is not None:
+            close_quietly(sock)
+
+    # ---------------------------------------------------------------- writer thread
+
+    def _write_loop(self) -> None:
+        while (item := self._queue.get()) is not None:
+            sock = None
+            try:
+                sock = self._send(item)
+            except OSError as exc:
+                code = Reason.CONNECT_FAILED if isinstance(exc, _ConnectFailed) else (
+                    Reason.CONNECTION_LOST)  # fmt: skip
+                reason = make_reason(code, f"{self.endpoint}: {exc}")
+                self._broken(sock, reason)
+                self._on_lost(item.transfer, reason)
+            except Exception:
+                log.exception("kv sender stream %s failed on a frame", self.endpoint)
+                self._on_lost(item.transfer, make_reason(Reason.BAD_FRAME, "sender error"))
+            finally:
+                if item.kind is not FrameKind.ABORT:
+                    self._on_sent(item.transfer)
+
+    def _send(self, item: WorkItem) -> socket.socket | None:
+        t = item.transfer
+        if item.kind is FrameKind.ABORT:
+            with self._lock:  # only a connection that carried BEGIN can abort
+                sock = self._sock if self._bound.pop(t.request_id, None) else None
+            if sock is not None:
+                sock.sendall(control_frame(FrameKind.ABORT, t.request_id, item.payload))
+            return sock
+        if t.done:
+            return None  # failed or aborted: drop what is still queued
+        sock = self._connect()
+        if item.kind is FrameKind.BEGIN:
+            with self._lock:
+                self._bound[t.request_id] = t
+        if item.kind is FrameKind.DATA:
+            assert item.piece is not None and item.host is not None
+            item.host.wait()  # D2H finished (CUDA); no-op on CPU
+            p = item.piece
+            view = byte_view(item.host.tensor)[p.src_start : p.src_start + p.length]
+            header = FrameHeader(FrameKind.DATA, t.request_id, p.layer, p.offset, p.length,
+                                 checksum(view))  # fmt: skip
+            sock.sendall(header.pack())
+            sock.sendall(view)
+        else:
+            sock.sendall(control_frame(item.kind, t.request_id, item.payload))
+        return sock
+
+    def _connect(self) -> socket.socket:
+        with self._lock:
+            if self._sock is not None:
+                return self._sock
+        try:
+            sock = socket.create_connection(self._address, timeout=self._config.connect_timeout_s)
+        except OSError as exc:
+            raise _ConnectFailed(str(exc)) from None
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.settimeout(self._config.io_timeout_s)
+        with self._lock:
+            self._sock = sock
+        threading.Thread(target=self._read_loop, args=(sock,), daemon=True,
+                         name=f"kv-tcp-status-{self.endpoint}").start()  # fmt: skip
+        return sock
+
+    def _broken(self, sock: socket.socket | None, reason: str) -> None:
+        """Forget `sock` (if still current) and fail every transfer bound to it."""
+        with self._lock:
+            if sock is None or self._sock is not sock:
+                return
+            self._sock = None
+            bound, self._bound = self._bound, {}
+        close_quietly(sock)
+        for t in bound.values():
+            self._on_lost(t, reason)
+
+    # ---------------------------------------------------------------- reader thread
+
+    def _read_loop(self, sock: socket.socket) -> None:
+        buf = new_header_buffer()
+        reason = make_reason(Reason.CONNECTION_LOST, f"{self.endpoint} closed the connection")
+        try:
+            while not self._stop.is_set():
+                header = recv_header(sock, buf, self._stop)
+                payload = recv_bytes(sock, header.length)
+                if header.kind is not FrameKind.STATUS or checksum(payload) != header.checksum:
+                    raise HeaderError(f"unexpected {header.kind.name} frame from receiver")
+                self._on_status(header.request_id, bool(header.flags & FLAG_OK),
+                                payload.decode(errors="replace"))  # fmt: skip
+        except PeerClosed:
+            pass
+        except (OSError, HeaderError) as exc:
+            reason = make_reason(Reason.CONNECTION_LOST, f"{self.endpoint}: {exc}")
+        self._broken(sock, reason)

@@ -1,0 +1,74 @@
+"""Blocking socket helpers shared by the TCP sender and receiver threads.
+
+Sockets carry a timeout (`settimeout`) so that threads notice shutdown and stalled
+peers: a timeout between frames is idleness and is tolerated; a timeout inside
+a frame means the peer stalled mid-frame and the connection is given up.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+from kv_transfer.frames import HEADER, FrameHeader, decode_header
+
+
+class PeerClosed(Exception):
+    """The peer closed the connection cleanly between frames."""
+
+
+def recv_exact_into(sock: socket.socket, view: memoryview, *, idle_ok: bool = False,
+                    stop: threading.Event | None = None) -> None:  # fmt: skip
+    """Fill `view` from `sock` (GIL released in recv_into).
+
+    Raises PeerClosed on EOF before the first byte, ConnectionError on EOF
+    mid-way, TimeoutError on a timeout mid-way (or at the start unless idle_ok).
+    """
+    got = 0
+    size = len(view)
+    while got < size:
+        try:
+            n = sock.recv_into(view[got:])
+        except TimeoutError:
+            if got == 0 and idle_ok and not (stop is not None and stop.is_set()):
+                continue
+            raise
+        if n == 0:
+            if got == 0:
+                raise PeerClosed()
+            raise ConnectionError(f"peer closed after {got} of {size} bytes")
+        got += n
+
+
+def recv_header(sock: socket.socket, buf: bytearray, stop: threading.Event) -> FrameHeader:
+    """Wait (idle allowed) for the next header; raises HeaderError if untrustworthy."""
+    recv_exact_into(sock, memoryview(buf), idle_ok=True, stop=stop)
+    return decode_header(buf)
+
+
+def new_header_buffer() -> bytearray:
+    return bytearray(HEADER.size)
+
+
+def skip(sock: socket.socket, length: int, scratch: memoryview) -> None:
+    """Read and drop `length` payload bytes to stay in sync after a refused frame."""
+    while length > 0:
+        n = min(length, len(scratch))
+        recv_exact_into(sock, scratch[:n])
+        length -= n
+
+
+def recv_bytes(sock: socket.socket, length: int) -> bytes:
+    buf = bytearray(length)
+    if length:
+        recv_exact_into(sock, memoryview(buf))
+    return bytes(buf)
+
+
+def close_quietly(sock: socket.socket) -> None:
+    """Shut down (wakes a thread blocked in recv on it) and close."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()
