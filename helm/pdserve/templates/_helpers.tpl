@@ -1,0 +1,196 @@
+{{/*
+Helpers shared by every template. Component templates pass a dict
+(root = the top-level context, component = "router"|"prefill"|"decode"|"redis")
+where a helper needs both.
+*/}}
+
+{{/* Chart name, overridable with nameOverride. */}}
+{{- define "pdserve.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+Resource name prefix. Kept to 48 characters so "<prefix>-prefill" and the
+pod names the Deployment derives from it stay within DNS label limits.
+*/}}
+{{- define "pdserve.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 48 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 48 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 48 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Name of one component's resources: (dict "root" $ "component" "prefill"). */}}
+{{- define "pdserve.componentName" -}}
+{{- printf "%s-%s" (include "pdserve.fullname" .root) .component }}
+{{- end }}
+
+{{/* Selector labels of one component; immutable once a Deployment exists. */}}
+{{- define "pdserve.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "pdserve.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{/* Full label set of one component's resources. */}}
+{{- define "pdserve.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{ include "pdserve.selectorLabels" . }}
+app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .root.Release.Service }}
+app.kubernetes.io/part-of: pdserve
+{{- end }}
+
+{{/* The pdserve image reference; the tag defaults to the chart's appVersion. */}}
+{{- define "pdserve.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{/*
+Redis URL every role gets as --redis-url, or "" in static mode. An external
+Redis wins over the in-chart one.
+*/}}
+{{- define "pdserve.redisUrl" -}}
+{{- if .Values.redis.externalUrl }}
+{{- .Values.redis.externalUrl }}
+{{- else if .Values.redis.enabled }}
+{{- printf "redis://%s-redis.%s.svc.%s:%v/0" (include "pdserve.fullname" .) .Release.Namespace .Values.clusterDomain .Values.redis.port }}
+{{- end }}
+{{- end }}
+
+{{/*
+Static address of a role's pod: the headless Service's DNS name, which
+resolves to the pod IP while exactly one pod exists (see pdserve.validate).
+*/}}
+{{- define "pdserve.staticAddress" -}}
+{{- $svc := include "pdserve.componentName" . }}
+{{- $port := get (get .root.Values .component) "port" }}
+{{- printf "%s.%s.svc.%s:%v" $svc .root.Release.Namespace .root.Values.clusterDomain $port }}
+{{- end }}
+
+{{/*
+Refuses combinations the system cannot serve. Without Redis the router
+knows each role by one static DNS name, which addresses a single pod; more
+pods would be invisible to it (or, worse, picked at random by DNS, which
+breaks sticky sessions and per-pod load tracking).
+*/}}
+{{- define "pdserve.validate" -}}
+{{- if not (include "pdserve.redisUrl" .) }}
+{{- range $component := list "prefill" "decode" }}
+{{- $values := get $.Values $component }}
+{{- if ne (int $values.replicas) 1 }}
+{{- fail (printf "%s.replicas is %v, but without Redis the router addresses exactly 1 %s pod: set redis.enabled=true (or redis.externalUrl) to run more" $component $values.replicas $component) }}
+{{- end }}
+{{- if $values.autoscaling.enabled }}
+{{- fail (printf "%s.autoscaling.enabled needs Redis, where pods register themselves: set redis.enabled=true (or redis.externalUrl)" $component) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- if and (eq .Values.model.source "pvc") (not .Values.model.pvc.claimName) }}
+{{- fail "model.source is pvc but model.pvc.claimName is empty: name an existing PersistentVolumeClaim" }}
+{{- end }}
+{{- if and (eq .Values.model.source "hostPath") (not .Values.model.hostPath.path) }}
+{{- fail "model.source is hostPath but model.hostPath.path is empty: name a directory on the nodes" }}
+{{- end }}
+{{- end }}
+
+{{/* Name of the Secret holding the router's API key, or "" when there is none. */}}
+{{- define "pdserve.apiKeySecretName" -}}
+{{- if .Values.router.apiKey.existingSecret }}
+{{- .Values.router.apiKey.existingSecret }}
+{{- else if .Values.router.apiKey.value }}
+{{- printf "%s-api-key" (include "pdserve.fullname" .) }}
+{{- end }}
+{{- end }}
+
+{{/* Prometheus scrape annotations: (dict "root" $ "port" 9101). */}}
+{{- define "pdserve.scrapeAnnotations" -}}
+{{- if .root.Values.metrics.podAnnotations -}}
+prometheus.io/scrape: "true"
+prometheus.io/port: {{ .port | quote }}
+prometheus.io/path: /metrics
+{{- end }}
+{{- end }}
+
+{{/* The model directory every role passes as --model. */}}
+{{- define "pdserve.modelDir" -}}
+{{- printf "/models/%s" .Values.model.dir }}
+{{- end }}
+
+{{/*
+Init container writing the built-in demo model into the models emptyDir.
+Only rendered for model.source=demo; the main containers mount it read-only.
+*/}}
+{{- define "pdserve.modelInitContainers" -}}
+{{- if eq .Values.model.source "demo" -}}
+initContainers:
+  - name: make-model
+    image: {{ include "pdserve.image" . }}
+    imagePullPolicy: {{ .Values.image.pullPolicy }}
+    command: ["pdserve"]
+    args:
+      - "make-model"
+      - {{ include "pdserve.modelDir" . | quote }}
+      - "--size={{ .Values.model.demo.size }}"
+    env:
+      - name: HOME
+        value: /tmp
+    securityContext:
+      {{- toYaml .Values.securityContext | nindent 6 }}
+    resources:
+      {{- toYaml .Values.model.demo.resources | nindent 6 }}
+    volumeMounts:
+      - name: models
+        mountPath: /models
+      - name: tmp
+        mountPath: /tmp
+{{- end }}
+{{- end }}
+
+{{/* Volumes of every pdserve pod: the model source and a writable /tmp. */}}
+{{- define "pdserve.volumes" -}}
+volumes:
+  - name: models
+    {{- if eq .Values.model.source "pvc" }}
+    persistentVolumeClaim:
+      claimName: {{ .Values.model.pvc.claimName }}
+      readOnly: true
+    {{- else if eq .Values.model.source "hostPath" }}
+    hostPath:
+      path: {{ .Values.model.hostPath.path }}
+      type: Directory
+    {{- else }}
+    emptyDir: {}
+    {{- end }}
+  - name: tmp
+    emptyDir: {}
+{{- end }}
+
+{{/* Mounts of every pdserve main container: models read-only, /tmp writable. */}}
+{{- define "pdserve.volumeMounts" -}}
+volumeMounts:
+  - name: models
+    mountPath: /models
+    readOnly: true
+  - name: tmp
+    mountPath: /tmp
+{{- end }}
+
+{{/*
+Env of every pdserve main container. HOME=/tmp because the root filesystem
+is read-only; POD_IP feeds --advertise-host through $(POD_IP) expansion.
+*/}}
+{{- define "pdserve.env" -}}
+- name: HOME
+  value: /tmp
+- name: POD_IP
+  valueFrom:
+    fieldRef:
+      fieldPath: status.podIP
+{{- end }}
