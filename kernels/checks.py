@@ -19,6 +19,8 @@ HEAD_DIMS: tuple[int, ...] = (64, 128)
 BLOCK_SIZES: tuple[int, ...] = (16, 32, 64, 128, 256)
 # Query heads per KV head the decode kernel pads to a tile of at most 64 rows.
 MAX_GQA_GROUP = 64
+# RMSNorm keeps a whole row in registers (Llama 3.1 405B: 16384).
+MAX_HIDDEN = 16384
 
 
 def check_float_dtype(name: str, t: torch.Tensor) -> None:
@@ -139,6 +141,8 @@ def check_rms_norm(
     check_float_dtype("x", x)
     check_float_dtype("weight", weight)
     check_last_dim_contiguous("x", x)
+    if x.shape[1] > MAX_HIDDEN:
+        raise ValueError(f"hidden size {x.shape[1]} exceeds the supported {MAX_HIDDEN}")
     if weight.shape != (x.shape[1],):
         raise ValueError(f"weight shape {tuple(weight.shape)} must be ({x.shape[1]},)")
     if not weight.is_contiguous():

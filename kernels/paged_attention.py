@@ -1,0 +1,253 @@
+"""Paged decode attention in Triton: split-KV (flash-decoding) with a reduce pass.
+
+Work split: one program per (sequence, KV head, split). A split is a range of
+`partition_size` context positions; the program walks it in tiles of
+`tile_n` tokens, loading for each token its block id from the block table
+(so a tile may span several small blocks, or sit inside one large block), and
+keeps an online softmax for *all* query heads of its KV head at once (GQA:
+the group is padded to a tile of >= 16 rows so both products are `tl.dot`s).
+It writes the split's normalised output and its log-sum-exp (base 2); the
+reduce kernel then merges the splits of each (sequence, query head).
+
+Called by `kernels.dispatch.paged_decode_attention` after `kernels.checks`;
+`tests/kernels/test_aot_compile.py` compiles every configuration
+`decode_config` can return (`all_decode_configs`) for sm_80 and sm_90.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.checks import BLOCK_SIZES, HEAD_DIMS, MAX_GQA_GROUP
+
+# The reduce kernel merges at most this many splits in one tile.
+MAX_SPLITS = 32
+# Enough (sequence, KV head, split) programs to fill an H100/H200 several
+# times over; more splits only add reduce work.
+TARGET_PROGRAMS = 512
+# A split never covers fewer positions than this: shorter ones cost more in
+# partial writes than they gain in parallelism.
+MIN_PARTITION = 256
+GROUP_PADS = (16, 32, 64)
+_DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeConfig:
+    """Compile-time choices of the partial kernel (one compiled variant each)."""
+
+    dtype: str  # "fp32" | "fp16" | "bf16"
+    head_dim: int
+    block_size: int
+    group_pad: int  # query heads per KV head, padded to a power of two >= 16
+    tile_n: int  # tokens per inner iteration
+    num_warps: int
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPE_NAMES.values():
+            raise ValueError(f"dtype {self.dtype!r} not one of {tuple(_DTYPE_NAMES.values())}")
+        if self.head_dim not in HEAD_DIMS or self.block_size not in BLOCK_SIZES:
+            raise ValueError(f"head_dim {self.head_dim} / block_size {self.block_size} unsupported")
+        if self.group_pad not in GROUP_PADS:
+            raise ValueError(f"group_pad {self.group_pad} not one of {GROUP_PADS}")
+
+
+def decode_config(dtype: torch.dtype, head_dim: int, block_size: int, group: int) -> DecodeConfig:
+    """The one place a decode variant is chosen (launcher and AOT test share it)."""
+    if not 1 <= group <= MAX_GQA_GROUP:
+        raise ValueError(f"GQA group {group} outside 1..{MAX_GQA_GROUP}")
+    group_pad = max(16, 1 << (group - 1).bit_length())
+    # K and V tiles are [tile_n, head_dim] in registers; fp32 at head_dim 128
+    # takes half as many tokens so the tiles stay the same size in bytes.
+    tile_n = 32 if dtype == torch.float32 and head_dim == 128 else 64
+    num_warps = 8 if group_pad == 64 else 4
+    return DecodeConfig(_DTYPE_NAMES[dtype], head_dim, block_size, group_pad, tile_n, num_warps)
+
+
+def all_decode_configs() -> list[DecodeConfig]:
+    """Every configuration `decode_config` can return."""
+    groups = (1, 17, 33)  # one group per group_pad
+    return [
+        decode_config(dtype, head_dim, block_size, group)
+        for dtype in _DTYPE_NAMES
+        for head_dim in HEAD_DIMS
+        for block_size in BLOCK_SIZES
+        for group in groups
+    ]
+
+
+def dot_in_fp32(dtype: torch.dtype) -> bool:
+    """Whether both products run as exact fp32 dots (constexpr DOT_FP32).
+
+    fp32 inputs always do (the default tf32 would miss the 1e-5 tolerance).
+    bf16 does too under Triton's CPU interpreter only, whose `tl.dot` on bf16
+    multiplies the raw bit patterns (triton 3.9); compiled kernels use the
+    native bf16 tensor-core dot.
+    """
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and triton.knobs.runtime.interpret)
+
+
+def split_plan(batch: int, num_kv_heads: int, max_positions: int, tile_n: int) -> tuple[int, int]:
+    """(num_splits, partition_size) for a batch whose contexts are at most max_positions.
+
+    Runtime values, not constexprs: the split count never adds a compiled variant.
+    """
+    wanted = max(1, math.ceil(TARGET_PROGRAMS / max(1, batch * num_kv_heads)))
+    by_length = max(1, math.ceil(max_positions / MIN_PARTITION))
+    return _partition(max_positions, min(wanted, by_length, MAX_SPLITS), tile_n)
+
+
+def _partition(max_positions: int, num_splits: int, tile_n: int) -> tuple[int, int]:
+    per_split = math.ceil(max_positions / num_splits)
+    partition = max(tile_n, math.ceil(per_split / tile_n) * tile_n)
+    return math.ceil(max_positions / partition), partition
+
+
+@triton.jit
+def _decode_partial_kernel(
+    q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, part_out_ptr, part_lse_ptr,
+    scale_log2, sliding_window, partition_size, group,
+    stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt,
+    stride_pb, stride_ph, stride_ps,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr,
+    TILE_N: tl.constexpr, DOT_FP32: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    context_len = tl.load(context_lens_ptr + seq)
+    window_start = tl.where(sliding_window > 0, tl.maximum(context_len - sliding_window, 0), 0)
+    lo = tl.maximum(split * partition_size, window_start)
+    hi = tl.minimum(split * partition_size + partition_size, context_len)
+    first = lo - lo % TILE_N
+    # An empty split runs no iteration (every visited tile then has >= 1 valid
+    # token, so the running max is finite after the first one).
+    end = tl.where(lo < hi, hi, first)
+
+    rows = tl.arange(0, GROUP_PAD)
+    dims = tl.arange(0, HEAD_DIM)
+    row_ok = rows < group
+    q_heads = kv_head * group + rows
+    q = tl.load(q_ptr + seq * stride_qb + q_heads[:, None] * stride_qh + dims[None, :],
+                mask=row_ok[:, None], other=0.0)
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_sum = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for start in range(first, end, TILE_N):
+        pos = start + tl.arange(0, TILE_N)
+        valid = (pos >= lo) & (pos < hi)
+        block = tl.load(table_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        token = block * stride_kb + (pos % BLOCK_SIZE) * stride_kt + kv_head * stride_kh
+        k_t = tl.load(k_ptr + token[None, :] + dims[:, None], mask=valid[None, :], other=0.0)
+        if DOT_FP32:
+            scores = tl.dot(q.to(tl.float32), k_t.to(tl.float32), input_precision="ieee")
+        else:
+            scores = tl.dot(q, k_t)
+        scores = tl.where(valid[None, :], scores * scale_log2, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_sum = l_sum * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + token[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
+        if DOT_FP32:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m = m_new
+
+    nonempty = l_sum > 0
+    out = acc / tl.where(nonempty, l_sum, 1.0)[:, None]
+    lse = tl.where(nonempty, m + tl.log2(tl.where(nonempty, l_sum, 1.0)), float("-inf"))
+    base = seq * stride_pb + q_heads * stride_ph + split * stride_ps
+    tl.store(part_out_ptr + base[:, None] * HEAD_DIM + dims[None, :], out, mask=row_ok[:, None])
+    tl.store(part_lse_ptr + base, lse, mask=row_ok)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, num_splits,
+    stride_pb, stride_ph, stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_PAD)
+    dims = tl.arange(0, HEAD_DIM)
+    base = seq * stride_pb + head * stride_ph + splits
+    lse = tl.load(part_lse_ptr + base, mask=splits < num_splits, other=float("-inf"))
+    top = tl.max(lse, axis=0)
+    # Empty splits (and padding) carry -inf; a row with no split at all
+    # (context_len 0) has top = -inf and gets zeros instead of NaN.
+    top = tl.where(top > float("-inf"), top, 0.0)
+    weight = tl.where(lse > float("-inf"), tl.exp2(lse - top), 0.0)
+    parts = tl.load(part_out_ptr + base[:, None] * HEAD_DIM + dims[None, :],
+                    mask=(weight > 0)[:, None], other=0.0)
+    total = tl.sum(weight, axis=0)
+    out = tl.sum(parts * weight[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + seq * stride_ob + head * stride_oh + dims,
+             out.to(out_ptr.dtype.element_ty))
+
+
+def paged_decode_attention_triton(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Launcher; inputs already validated by `kernels.checks.check_decode_attention`.
+
+    `num_splits` overrides the split plan (tests use it to force several
+    splits on short contexts); it is capped at MAX_SPLITS. `out` is an
+    optional preallocated [B, Hq, D] result in q's dtype (contiguous last dim).
+    """
+    batch, num_q_heads, head_dim = q.shape
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    group = num_q_heads // num_kv_heads
+    config = decode_config(q.dtype, head_dim, block_size, group)
+    # The table's width bounds every context without reading context_lens on
+    # the host (no device sync); programs past a sequence's end exit at once.
+    max_positions = block_tables.shape[1] * block_size
+    if num_splits is None:
+        splits, partition = split_plan(batch, num_kv_heads, max_positions, config.tile_n)
+    else:
+        if not 1 <= num_splits <= MAX_SPLITS:
+            raise ValueError(f"num_splits {num_splits} outside 1..{MAX_SPLITS}")
+        splits, partition = _partition(max_positions, num_splits, config.tile_n)
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype} must match q {tuple(q.shape)} "
+                         f"{q.dtype} with a contiguous last dimension")
+    if batch == 0:
+        return out
+    part_out = torch.empty((batch, num_q_heads, splits, head_dim), dtype=torch.float32,
+                           device=q.device)
+    part_lse = torch.empty((batch, num_q_heads, splits), dtype=torch.float32, device=q.device)
+    key, value = kv_cache[0], kv_cache[1]
+    _decode_partial_kernel[(batch, num_kv_heads, splits)](
+        q, key, value, block_tables, context_lens, part_out, part_lse,
+        scale * 1.4426950408889634, sliding_window or 0, partition, group,
+        q.stride(0), q.stride(1), key.stride(0), key.stride(1), key.stride(2),
+        block_tables.stride(0),
+        part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
+        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, GROUP_PAD=config.group_pad,
+        TILE_N=config.tile_n, DOT_FP32=dot_in_fp32(q.dtype), num_warps=config.num_warps,
+    )
+    _decode_reduce_kernel[(batch, num_q_heads)](
+        part_out, part_lse, out, splits,
+        part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, SPLITS_PAD=MAX_SPLITS, num_warps=4,
+    )
+    return out

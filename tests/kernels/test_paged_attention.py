@@ -1,0 +1,82 @@
+"""Triton paged decode attention (interpreter on CPU) against the torch reference.
+
+Cases cover one token, many short sequences, one long sequence split several
+ways, sliding windows, a padding row (context 0), every block size, both
+head dims, GQA groups of every padded width, and all three dtypes. The
+output buffer is poisoned with NaN so an unwritten element fails the test.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import reference
+from kernels.paged_attention import (
+    MAX_SPLITS,
+    TARGET_PROGRAMS,
+    all_decode_configs,
+    decode_config,
+    paged_decode_attention_triton,
+    split_plan,
+)
+from tests.kernels.cases import DTYPE_IDS, DTYPES, assert_close, make_paged_case
+
+CASES = {
+    # name: (block_size, head_dim, kv_heads, group, context_lens, window, num_splits)
+    "one_token": (16, 64, 1, 1, [1], None, None),
+    "many_short": (16, 128, 2, 4, [3, 1, 17, 16, 33, 9, 2, 5], None, None),
+    "one_long_split": (256, 64, 1, 8, [700], None, 3),
+    "window_split": (32, 128, 2, 2, [100, 5, 64], 40, 2),
+    "padding_row": (64, 64, 1, 16, [130, 0], None, None),
+    "wide_group_window": (128, 128, 1, 20, [129, 1], 128, None),
+}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("name", list(CASES))
+def test_decode_attention_matches_reference(name, dtype):
+    block_size, head_dim, kv_heads, group, lens, window, splits = CASES[name]
+    case = make_paged_case(
+        list(CASES).index(name) * 7 + DTYPES.index(dtype), lens, dtype=dtype,
+        num_kv_heads=kv_heads, group=group, head_dim=head_dim, block_size=block_size,
+    )
+    out = torch.full_like(case.q, float("nan"))
+    got = paged_decode_attention_triton(
+        case.q, case.kv_cache, case.block_tables, case.context_lens,
+        scale=case.scale, sliding_window=window, num_splits=splits, out=out,
+    )
+    assert got is out
+    expected = reference.paged_decode_attention_reference(
+        case.q, case.kv_cache, case.block_tables, case.context_lens,
+        scale=case.scale, sliding_window=window,
+    )
+    assert_close(got, expected)
+
+
+def test_split_plan_fills_the_device_and_bounds_the_reduce():
+    # 1 sequence x 1 KV head wants 512 splits; 4096 positions allow 16 of 256.
+    assert split_plan(1, 1, 4096, 64) == (16, 256)
+    # Short contexts never split below MIN_PARTITION positions.
+    assert split_plan(1, 8, 300, 64) == (2, 192)
+    # A full batch already fills the device: one split.
+    assert split_plan(64, 8, 4096, 64) == (1, 4096)
+    assert split_plan(16, 8, 32768, 32) == (4, 8192)
+    # The reduce tile caps the split count.
+    assert split_plan(1, 1, 1 << 20, 64)[0] == MAX_SPLITS
+    assert TARGET_PROGRAMS == 512
+
+
+def test_every_selected_config_is_one_the_aot_test_compiles():
+    compiled = set(all_decode_configs())
+    assert len(compiled) == 3 * 2 * 5 * 3
+    for dtype in DTYPES:
+        for group in (1, 2, 3, 7, 8, 16, 17, 32, 33, 64):
+            for block_size in (16, 32, 64, 128, 256):
+                assert decode_config(dtype, 128, block_size, group) in compiled
+    assert decode_config(torch.float16, 128, 16, 8).group_pad == 16
+    assert decode_config(torch.float16, 128, 16, 40).group_pad == 64
+    assert decode_config(torch.float32, 128, 16, 1).tile_n == 32
+    with pytest.raises(ValueError, match="GQA group 65 outside 1..64"):
+        decode_config(torch.float16, 128, 16, 65)
