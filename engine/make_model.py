@@ -101,6 +101,18 @@ for (int i = 0; i < n; i++) { sum += a[i] * b[i]; } return sum;
 if (x == null || y != 0) { throw new Error("bad input"); }
 SELECT name, count(*) FROM requests WHERE status = 'done' GROUP BY name ORDER BY 2 DESC;
 {"model": "pdserve", "messages": [{"role": "user", "content": "Hello"}], "stream": true}
+system
+
+You are a helpful assistant. Answer briefly and clearly.
+
+user
+
+Hello, who are you? Can you explain what a token is?
+
+assistant
+
+I am an assistant. A token is a short piece of text, often a word or part of a word.
+
 你好，世界。今天天气很好。我们一起去公园吧。こんにちは、元気ですか。안녕하세요.
 Emoji: 🙂 😀 🚀 ❤️ 👍 🎉 — naïve café déjà vu, Straße, Ελληνικά, русский язык.
 """
@@ -126,8 +138,9 @@ def build_tokenizer() -> Tokenizer:
         special_tokens=list(SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    # Repeating the corpus keeps frequent pairs ahead of one-off ones.
-    tokenizer.train_from_iterator(_CORPUS.splitlines() * 4, trainer)
+    # The whole text, so newline runs ("\n\n" after chat headers) are
+    # learned too; repetition keeps frequent pairs ahead of one-off ones.
+    tokenizer.train_from_iterator([_CORPUS] * 4, trainer)
     bos_id = tokenizer.token_to_id(BOS_TOKEN)
     tokenizer.post_processor = processors.TemplateProcessing(
         single=f"{BOS_TOKEN} $A", pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B",

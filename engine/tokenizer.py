@@ -1,0 +1,145 @@
+"""`Tokenizer`: a model directory's tokenizer.json + tokenizer_config.json.
+
+Used by the router (tokenize once, apply the chat template, detokenize the
+stream) and by `LLMEngine.generate()`. Must not import torch: the router
+imports it. A Tokenizer is immutable after construction; the underlying
+`tokenizers.Tokenizer` is thread-safe for encode/decode, so router threads
+and event loops may share one instance.
+
+Special tokens: `encode(..., add_special_tokens=True)` runs tokenizer.json's
+post-processor (Llama 3 adds <|begin_of_text|> there) and, when
+tokenizer_config.json says `add_bos_token` and the post-processor did not add
+BOS, prepends it. A rendered chat template already starts with BOS, so chat
+prompts are encoded with `encode_chat`, which does not add it again.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+
+from engine.chat_template import compile_chat_template, render_chat_template
+from engine.errors import CheckpointError
+
+
+def _read_json(path: Path, *, required: bool) -> dict[str, Any]:
+    if not path.is_file():
+        if required:
+            raise CheckpointError(f"{path}: file not found")
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}: cannot parse JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _token_text(value: Any) -> str | None:
+    # tokenizer_config stores special tokens as "text" or {"content": "text", ...}
+    if isinstance(value, Mapping):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+class Tokenizer:
+    """Text <-> token ids for one model. Build with `from_pretrained`."""
+
+    def __init__(self, hf_tokenizer: tokenizers.Tokenizer, *, bos_token: str | None = None,
+                 eos_tokens: Sequence[str] = (), extra_eos_token_ids: Sequence[int] = (),
+                 add_bos_token: bool = False, chat_template: str | None = None,
+                 source: str = "<memory>") -> None:
+        self._tok = hf_tokenizer
+        self._source = source
+        self.bos_token = bos_token
+        self.bos_token_id = self._id_of(bos_token) if bos_token is not None else None
+        eos_ids = [self._id_of(t) for t in eos_tokens] + list(extra_eos_token_ids)
+        # dict.fromkeys keeps first-seen order while dropping duplicates
+        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos_ids))
+        self.eos_token = eos_tokens[0] if eos_tokens else None
+        self.add_bos_token = add_bos_token
+        self.chat_template = chat_template
+        self._template = compile_chat_template(chat_template) if chat_template else None
+
+    def _id_of(self, token: str) -> int:
+        token_id = self._tok.token_to_id(token)
+        if token_id is None:
+            raise CheckpointError(
+                f"{self._source}: special token {token!r} is not in the vocabulary")
+        return token_id
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path) -> Tokenizer:
+        """Load tokenizer.json (required), tokenizer_config.json and
+        generation_config.json (optional; its eos_token_id list adds to the
+        stop tokens, as HF generation does)."""
+        model_dir = Path(model_dir)
+        tok_path = model_dir / "tokenizer.json"
+        if not tok_path.is_file():
+            raise CheckpointError(f"{tok_path}: file not found")
+        try:
+            hf = tokenizers.Tokenizer.from_file(str(tok_path))
+        except Exception as exc:  # the Rust side raises a bare Exception
+            raise CheckpointError(f"{tok_path}: cannot load tokenizer: {exc}") from None
+        config = _read_json(model_dir / "tokenizer_config.json", required=False)
+        generation = _read_json(model_dir / "generation_config.json", required=False)
+        eos = _token_text(config.get("eos_token"))
+        gen_eos = generation.get("eos_token_id")
+        gen_eos_ids = [] if gen_eos is None else [gen_eos] if isinstance(gen_eos, int) else gen_eos
+        template = config.get("chat_template")
+        if template is not None and not isinstance(template, str):
+            # a list of named templates: use "default" like HF does
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default")
+        return cls(
+            hf,
+            bos_token=_token_text(config.get("bos_token")),
+            eos_tokens=[eos] if eos is not None else [],
+            extra_eos_token_ids=[int(t) for t in gen_eos_ids],
+            add_bos_token=bool(config.get("add_bos_token", False)),
+            chat_template=template,
+            source=str(tok_path),
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids the tokenizer can produce, special tokens included."""
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; with special tokens, BOS first (see module doc)."""
+        if not isinstance(text, str):
+            raise ValueError(f"text must be a string, got {type(text).__name__}")
+        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if (add_special_tokens and self.add_bos_token and self.bos_token_id is not None
+                and (not ids or ids[0] != self.bos_token_id)):
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of `ids`; incomplete UTF-8 at either end decodes to U+FFFD."""
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            add_generation_prompt: bool = True) -> str:
+        """Render a conversation ([{"role", "content"}, ...]) to the prompt
+        text. ValueError when the model has no template or the messages are
+        malformed or rejected by the template."""
+        if self._template is None:
+            raise ValueError(f"{self._source}: this model has no chat template; "
+                             "use a completion request with a plain prompt")
+        return render_chat_template(self._template, messages,
+                                    add_generation_prompt=add_generation_prompt,
+                                    bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+
+    def encode_chat(self, messages: list[dict[str, Any]],
+                    add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of the rendered conversation. The template writes its
+        own special tokens (BOS included), so none are added here."""
+        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        return self.encode(text, add_special_tokens=False)
