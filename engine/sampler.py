@@ -1,0 +1,138 @@
+"""`Sampler`: next tokens for a batch of logits rows, vectorized over the batch.
+
+Called by `LLMEngine.step()` on the engine loop thread with one float32
+logits row per sequence that samples this step.
+
+Per row: greedy (argmax) when temperature == 0; otherwise logits /
+temperature, then top-k, then top-p (nucleus) filtering, then a draw by the
+exponential race: `argmax(probs / E)` with `E ~ Exp(1)` per vocab entry,
+which picks token t with probability probs[t]. Only the noise E is random,
+so a row's token depends on its logits and its noise alone, never on the
+batch around it.
+
+Noise source (docs/architecture.md "Sampling determinism"): a seeded
+request's noise for output index i comes from a CPU `torch.Generator`
+seeded with `xxhash64(seed, i)`, so the same request samples the same
+tokens alone, in any batch, after preemption, and on whichever pod samples
+index i. Unseeded rows share the engine's generator (seeded by
+`EngineConfig.seed`).
+
+Logprobs are of the raw distribution: log_softmax of the unmodified logits.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import xxhash
+
+from engine.outputs import TokenLogprobs
+from engine.sampling_params import SamplingParams
+
+
+def seed_for_index(seed: int, output_index: int) -> int:
+    """The generator seed of output token `output_index` of a seeded request."""
+    return xxhash.xxh64_intdigest(struct.pack("<QQ", seed, output_index))
+
+
+@dataclass(frozen=True, slots=True)
+class SamplerOutput:
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprobs | None, ...]  # None for rows that did not ask
+
+
+class Sampler:
+    """Stateless apart from the engine generator used by unseeded rows."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self._generator = torch.Generator(device="cpu")
+        self._generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, params: Sequence[SamplingParams],
+                 output_indices: Sequence[int]) -> SamplerOutput:
+        """logits [n, V] float32; `params[r]` and `output_indices[r]` (the
+        index of the token being sampled among the request's outputs) per row."""
+        if logits.dim() != 2 or not logits.shape[0] == len(params) == len(output_indices):
+            raise ValueError(
+                f"logits {tuple(logits.shape)} must be [n, V] with n == "
+                f"{len(params)} params == {len(output_indices)} indices"
+            )
+        logits = logits.float()
+        greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+        token_ids = logits.argmax(dim=-1)
+        if not bool(greedy.all()):
+            sampled = self._sample(logits, params, output_indices)
+            token_ids = torch.where(greedy, token_ids, sampled)
+        tokens = tuple(token_ids.tolist())
+        return SamplerOutput(tokens, _logprobs(logits, params, tokens))
+
+    def _sample(self, logits: torch.Tensor, params: Sequence[SamplingParams],
+                output_indices: Sequence[int]) -> torch.Tensor:
+        device = logits.device
+        temperature = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
+                                   device=device)
+        scaled = logits / temperature[:, None]
+        top_k = [p.top_k for p in params]
+        top_p = [p.top_p for p in params]
+        if any(top_k) or any(p < 1.0 for p in top_p):
+            scaled = _filter_top_k_top_p(scaled, top_k, top_p)
+        probs = scaled.softmax(dim=-1)
+        noise = self._exponential_noise(probs.shape, params, output_indices).to(device)
+        return (probs / noise).argmax(dim=-1)
+
+    def _exponential_noise(self, shape: torch.Size, params: Sequence[SamplingParams],
+                           output_indices: Sequence[int]) -> torch.Tensor:
+        noise = torch.empty(shape, dtype=torch.float32)
+        unseeded = [r for r, p in enumerate(params) if p.seed is None]
+        if unseeded:
+            rows = torch.empty((len(unseeded), shape[1]), dtype=torch.float32)
+            noise[unseeded] = rows.exponential_(generator=self._generator)
+        # One small generator per seeded row: a loop over rows, never over the vocab.
+        for r, p in enumerate(params):
+            if p.seed is not None:
+                gen = torch.Generator(device="cpu")
+                gen.manual_seed(seed_for_index(p.seed, output_indices[r]))
+                noise[r].exponential_(generator=gen)
+        return noise
+
+
+def _filter_top_k_top_p(scaled: torch.Tensor, top_k: list[int],
+                        top_p: list[float]) -> torch.Tensor:
+    """Sets filtered-out logits to -inf. top_k 0 and top_p 1.0 mean off."""
+    vocab = scaled.shape[1]
+    device = scaled.device
+    sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True)
+    k = torch.tensor([t if 0 < t < vocab else vocab for t in top_k], device=device)
+    ranks = torch.arange(vocab, device=device)[None, :]
+    remove = ranks >= k[:, None]
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    # Mass strictly before each token; the most likely token is always kept.
+    mass_before = probs.cumsum(dim=-1) - probs
+    p = torch.tensor(top_p, device=device)
+    remove |= mass_before >= p[:, None]
+    remove[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    return torch.empty_like(scaled).scatter_(1, sorted_ids, sorted_logits)
+
+
+def _logprobs(logits: torch.Tensor, params: Sequence[SamplingParams],
+              tokens: tuple[int, ...]) -> tuple[TokenLogprobs | None, ...]:
+    wanted = [r for r, p in enumerate(params) if p.logprobs is not None]
+    if not wanted:
+        return (None,) * len(params)
+    logprobs = logits[wanted].log_softmax(dim=-1)
+    max_n = max(params[r].logprobs for r in wanted)
+    top_values, top_ids = logprobs.topk(max_n, dim=-1) if max_n else (None, None)
+    chosen = logprobs.gather(1, torch.tensor([[tokens[r]] for r in wanted],
+                                             device=logits.device)).squeeze(1).tolist()
+    out: list[TokenLogprobs | None] = [None] * len(params)
+    for i, r in enumerate(wanted):
+        n = params[r].logprobs
+        ids = tuple(top_ids[i, :n].tolist()) if n else ()
+        values = tuple(top_values[i, :n].tolist()) if n else ()
+        out[r] = TokenLogprobs(tokens[r], chosen[i], ids, values)
+    return tuple(out)
