@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -52,6 +52,7 @@ from kv_transfer.landing import LandingBuffer, LandingBufferPool
 from kv_transfer.tickets import TicketAuthority
 
 log = logging.getLogger(__name__)
+_ENDED_KEPT = 4096
 
 
 class Peer(Protocol):
@@ -128,6 +129,9 @@ class ReceiveTable:
         self._completed = 0
         self._bytes_received = 0
         self._unclaimed_freed = 0
+        # request id -> final reason of recently freed transfers, so that frames still
+        # in flight on other streams are refused as "ended", not counted again
+        self._ended: OrderedDict[str, str] = OrderedDict()
 
     # ---------------------------------------------------------------- service side
 
@@ -190,6 +194,9 @@ class ReceiveTable:
         """Authenticate `peer` for `request_id`; raises TransferRefused."""
         with self._lock:
             t = self._transfers.get(request_id)
+            ended = self._ended.get(request_id)
+        if t is None and ended is not None:
+            raise _ended_refusal(ended)
         try:
             self.authority.verify(ticket, request_id)
             if t is None:
@@ -325,6 +332,8 @@ class ReceiveTable:
     def _authenticated(self, request_id: str, peer: Peer) -> _Incoming:
         """Caller holds _lock. The transfer, if `peer` sent a valid BEGIN for it."""
         t = self._transfers.get(request_id)
+        if t is None and request_id in self._ended:
+            raise _ended_refusal(self._ended[request_id])
         if t is None or not any(p is peer for p in t.peers):
             raise TransferRefused(Reason.UNKNOWN_REQUEST, f"no BEGIN for {request_id!r} here")
         if t.state.terminal:
@@ -332,8 +341,11 @@ class ReceiveTable:
         return t
 
     def _refuse(self, t: _Incoming | None, refused: TransferRefused) -> None:
-        """A refused frame fails its transfer if there is one, else is only counted."""
-        if t is None or not self._fail(t, refused.reason):
+        """A refused frame fails its transfer if there is one (counted once, by the
+        first failure), else is only counted."""
+        if t is not None:
+            self._fail(t, refused.reason)
+        else:
             with self._lock:
                 self._failures[refused.code.value] += 1
 
@@ -410,11 +422,20 @@ class ReceiveTable:
             t.state = t.state.to(TransferState.RELEASED)
             if self._transfers.get(t.request_id) is t:
                 del self._transfers[t.request_id]
+                self._ended[t.request_id] = t.reason
+                if len(self._ended) > _ENDED_KEPT:
+                    self._ended.popitem(last=False)
         self.pool.free(buffer)
 
 
 def _ended(t: _Incoming) -> TransferRefused:
-    code = reason_code(t.reason)
+    return _ended_refusal(t.reason)
+
+
+def _ended_refusal(reason: str) -> TransferRefused:
+    """Refusal of a frame for a transfer that already ended (never counted again)."""
+    code = reason_code(reason)
     return TransferRefused(
-        Reason(code) if code != "other" else Reason.ABORTED, f"transfer already ended ({t.reason})"
+        Reason(code) if code != "other" else Reason.UNKNOWN_REQUEST,
+        f"transfer already ended ({reason or 'complete'})",
     )

@@ -15,6 +15,7 @@ one collector sweeps deadlines.
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from concurrent.futures import Future
 
 import torch
@@ -28,6 +29,8 @@ from kv_transfer.gc import Collector
 from kv_transfer.outgoing import Outgoing, plan_pieces
 from kv_transfer.tcp.stream import Stream, WorkItem
 
+_FINISHED_KEPT = 4096
+
 
 class TcpKVSender(KVSender):
     def __init__(self, config: SenderConfig | None = None) -> None:
@@ -36,6 +39,9 @@ class TcpKVSender(KVSender):
         self._lock = threading.Lock()
         self._pools: dict[str, list[Stream]] = {}  # endpoint -> persistent streams
         self._transfers: dict[str, tuple[Outgoing, list[Stream]]] = {}
+        # resolved transfers, kept so that the engine's late send_layer/end calls
+        # see the outcome instead of an unknown id (bounded, oldest dropped)
+        self._finished: OrderedDict[str, tuple[Outgoing, list[Stream]]] = OrderedDict()
         self._closed = False
         self._collector = Collector(self._sweep, self.config.sweep_interval_s, "kv-tcp-send-gc")
         self._collector.start()
@@ -50,6 +56,7 @@ class TcpKVSender(KVSender):
                 raise RuntimeError("TcpKVSender is closed")
             if request_id in self._transfers:
                 raise ValueError(f"request {request_id!r} is already being sent")
+            self._finished.pop(request_id, None)
             streams = self._streams_for(target.endpoints)
             self._transfers[request_id] = (t, streams)
         t.add_pending(len(streams))
@@ -103,7 +110,7 @@ class TcpKVSender(KVSender):
 
     def _get(self, request_id: str) -> tuple[Outgoing, list[Stream]]:
         with self._lock:
-            entry = self._transfers.get(request_id)
+            entry = self._transfers.get(request_id) or self._finished.get(request_id)
         if entry is None:
             raise ValueError(f"no transfer for request {request_id!r}: call begin() first")
         return entry
@@ -165,6 +172,9 @@ class TcpKVSender(KVSender):
             entry = self._transfers.get(t.request_id)
             if entry is not None and entry[0] is t:
                 del self._transfers[t.request_id]
+                self._finished[t.request_id] = entry
+                if len(self._finished) > _FINISHED_KEPT:
+                    self._finished.popitem(last=False)
         if entry is not None and unbind:
             for stream in entry[1]:
                 stream.unbind(t.request_id)

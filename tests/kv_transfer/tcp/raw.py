@@ -1,0 +1,40 @@
+"""A hand-driven TCP client for tests: sends what a real sender never would."""
+
+from __future__ import annotations
+
+import socket
+
+from kv_transfer.frames import FLAG_OK, HEADER, FrameHeader, FrameKind, checksum, decode_header
+
+
+class RawClient:
+    """Speaks the frame format by hand (to send what a real sender never would)."""
+
+    def __init__(self, endpoint: str):
+        host, port = endpoint.rsplit(":", 1)
+        self.sock = socket.create_connection((host, int(port)), timeout=5)
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def status(self) -> tuple[str, bool, str]:
+        header = decode_header(self._read(HEADER.size))
+        payload = self._read(header.length)
+        assert header.kind is FrameKind.STATUS and checksum(payload) == header.checksum
+        return header.request_id, bool(header.flags & FLAG_OK), payload.decode()
+
+    def _read(self, n: int) -> bytes:
+        buf = b""
+        while len(buf) < n:
+            chunk = self.sock.recv(n - len(buf))
+            assert chunk, "receiver closed the connection"
+            buf += chunk
+        return buf
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def data_frame(rid, layer, offset, payload, bad_checksum=False):
+    digest = checksum(payload) ^ (1 if bad_checksum else 0)
+    return FrameHeader(FrameKind.DATA, rid, layer, offset, len(payload), digest).pack() + payload

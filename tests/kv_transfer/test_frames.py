@@ -1,0 +1,67 @@
+import pytest
+
+from kv_transfer.base import KVLayout
+from kv_transfer.errors import Reason, TransferRefused
+from kv_transfer.frames import (
+    HEADER,
+    MAX_CONTROL_BYTES,
+    FrameHeader,
+    FrameKind,
+    HeaderError,
+    checksum,
+    control_frame,
+    decode_begin,
+    decode_end,
+    decode_header,
+    encode_begin,
+    encode_end,
+)
+
+
+def test_header_roundtrip():
+    header = FrameHeader(FrameKind.DATA, "réq-1", 5, 4096, 8192, 0xDEADBEEFCAFEF00D)
+    raw = header.pack()
+    assert len(raw) == HEADER.size == 104
+    assert raw[:4] == b"PDKV"
+    assert decode_header(raw) == header
+
+
+@pytest.mark.parametrize(
+    "patch, message",
+    [
+        ((0, b"XXXX"), "magic"),
+        ((4, b"\x02\x00"), "version"),
+        ((6, b"\x09"), "kind"),
+        ((8, b"\x00\x00"), "request id length"),
+        ((8, b"\x41\x00"), "request id length"),
+        ((24, (MAX_CONTROL_BYTES + 1).to_bytes(8, "little")), "exceeds"),
+    ],
+)
+def test_bad_headers(patch, message):
+    raw = bytearray(FrameHeader(FrameKind.END, "r", length=12).pack())
+    at, value = patch
+    raw[at : at + len(value)] = value
+    with pytest.raises(HeaderError, match=message):
+        decode_header(bytes(raw))
+
+
+def test_begin_and_end_payloads():
+    layout = KVLayout(3, 17, 2, 64, "float16")
+    assert decode_begin(encode_begin(layout, b"ticket")) == (layout, b"ticket")
+    assert decode_end(encode_end(-1, 123456789012)) == (-1, 123456789012)
+    bad = bytearray(encode_begin(layout, b"ticket"))
+    bad[16] = 9  # dtype code
+    with pytest.raises(TransferRefused) as info:
+        decode_begin(bytes(bad))
+    assert info.value.code is Reason.BAD_FRAME
+    with pytest.raises(TransferRefused):
+        decode_begin(encode_begin(layout, b"ticket")[:-1])
+    with pytest.raises(TransferRefused):
+        decode_end(b"\x00" * 11)
+
+
+def test_control_frame_checksum():
+    frame = control_frame(FrameKind.ABORT, "r", b"gone")
+    header = decode_header(frame[: HEADER.size])
+    assert header.length == 4 and header.checksum == checksum(b"gone")
+    assert frame[HEADER.size :] == b"gone"

@@ -1,0 +1,21 @@
+from kv_transfer.base import KVLayout
+from kv_transfer.outgoing import Piece, plan_pieces
+
+
+def test_pieces_cover_k_and_v_ranges():
+    layout = KVLayout(2, 10, 1, 4, "float32")  # row = 16 bytes
+    pieces = plan_pieces(layout, 1, 3, 5, num_streams=2, max_chunk_bytes=4096)
+    assert pieces == [
+        Piece(1, 3 * 16, 0, 3 * 16),
+        Piece(1, 6 * 16, 3 * 16, 2 * 16),
+        Piece(1, 13 * 16, 5 * 16, 3 * 16),
+        Piece(1, 16 * 16, 8 * 16, 2 * 16),
+    ]
+
+
+def test_pieces_respect_max_chunk():
+    layout = KVLayout(1, 1000, 8, 128, "bfloat16")  # row = 2048 bytes
+    pieces = plan_pieces(layout, 0, 0, 1000, num_streams=1, max_chunk_bytes=65536)
+    assert all(p.length <= 65536 and p.length % 2048 == 0 for p in pieces)
+    assert sum(p.length for p in pieces) == layout.bytes_per_layer
+    assert len(pieces) == 2 * 32  # 1000 rows / 32 rows per piece, per half

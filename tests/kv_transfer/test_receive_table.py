@@ -1,0 +1,164 @@
+import time
+
+import pytest
+import torch
+
+from kv_transfer.base import KVLayout
+from kv_transfer.errors import BufferPoolExhausted, Reason, TransferRefused
+from kv_transfer.landing import LandingBufferPool
+from kv_transfer.receive_table import ReceiveTable
+from kv_transfer.tickets import TicketAuthority
+from tests.kv_transfer.helpers import RecordingListener
+
+LAYOUT = KVLayout(3, 4, 1, 2, "float32")  # row 8 bytes, 64 bytes per layer
+
+
+class Peer:
+    def __init__(self):
+        self.outcomes = []
+
+    def notify(self, request_id, outcome):
+        self.outcomes.append((request_id, outcome.ok, outcome.reason))
+
+
+def make_table(capacity=10_000, grace=30.0):
+    listener = RecordingListener()
+    pool = LandingBufferPool(capacity, pin_memory=False)
+    table = ReceiveTable(pool, TicketAuthority(b"k" * 16, 5), listener, transport="tcp",
+                         claim_grace_s=grace)  # fmt: skip
+    return table, pool, listener
+
+
+def started(table, rid="r", layout=LAYOUT, deadline=None):
+    target = table.expect(rid, layout, deadline or time.time() + 30, ("127.0.0.1:1",))
+    peer = Peer()
+    table.begin(rid, target.ticket, layout, peer)
+    return peer
+
+
+def write(table, peer, rid, layer, offset, data: bytes, failure=None):
+    claim = table.claim(rid, peer, layer, offset, len(data))
+    claim.view[:] = data
+    table.commit(claim, failure)
+
+
+def test_layers_delivered_in_order_and_complete():
+    table, pool, listener = make_table()
+    peer = started(table)
+    layer_bytes = [bytes([layer]) * 64 for layer in range(3)]
+    write(table, peer, "r", 2, 0, layer_bytes[2])
+    write(table, peer, "r", 1, 32, layer_bytes[1][32:])
+    write(table, peer, "r", 1, 0, layer_bytes[1][:32])
+    assert listener.events.get("r") is None  # layer 0 still missing
+    write(table, peer, "r", 0, 8, layer_bytes[0][8:])
+    write(table, peer, "r", 0, 0, layer_bytes[0][:8])
+    assert listener.events["r"] == [("layer", 0), ("layer", 1), ("layer", 2)]
+    table.end("r", peer, 77, LAYOUT.total_bytes)
+    assert listener.events["r"][-1] == ("complete", 77)
+    assert peer.outcomes == [("r", True, "")]
+    assert torch.equal(listener.layers[("r", 1)].view(torch.uint8).flatten(),
+                       torch.full((64,), 1, dtype=torch.uint8))  # fmt: skip
+    assert pool.bytes_in_use == 192
+    assert table.release("r")
+    assert pool.bytes_in_use == 0
+    assert table.stats().completed == 1 and table.stats().bytes_received == 192
+
+
+def test_refusals_fail_the_transfer_with_reason():
+    table, pool, listener = make_table()
+    peer = started(table)
+    with pytest.raises(TransferRefused) as info:
+        table.claim("r", peer, 0, 4, 8)  # not row aligned
+    assert info.value.code is Reason.BAD_FRAME
+    assert listener.wait_final("r")[1].startswith("bad_frame")
+    assert peer.outcomes[0][:2] == ("r", False)
+    assert pool.bytes_in_use == 0  # nothing was handed out: freed at once
+    assert table.stats().failures == {"bad_frame": 1}
+
+
+def test_duplicate_rows_and_checksum():
+    table, pool, listener = make_table()
+    peer = started(table, "a")
+    write(table, peer, "a", 0, 0, b"x" * 16)
+    with pytest.raises(TransferRefused) as info:
+        table.claim("a", peer, 0, 8, 16)
+    assert info.value.code is Reason.DUPLICATE_DATA
+    peer_b = started(table, "b")
+    write(table, peer_b, "b", 0, 0, b"y" * 64, failure="bad_checksum: layer 0")
+    assert listener.wait_final("b") == ("failed", "bad_checksum: layer 0")
+    assert table.stats().failures == {"duplicate_data": 1, "bad_checksum": 1}
+    assert pool.bytes_in_use == 0
+
+
+def test_begin_checks_ticket_and_layout():
+    table, pool, _ = make_table()
+    target = table.expect("r", LAYOUT, time.time() + 30, ("h:1",))
+    other = KVLayout(3, 4, 1, 2, "float16")
+    with pytest.raises(TransferRefused) as info:
+        table.begin("r", target.ticket, other, Peer())
+    assert info.value.code is Reason.LAYOUT_MISMATCH
+    with pytest.raises(TransferRefused) as info:
+        table.begin("zzz", target.ticket, LAYOUT, Peer())
+    assert info.value.code is Reason.WRONG_REQUEST
+    assert table.stats().failures == {"layout_mismatch": 1, "wrong_request": 1}
+    assert pool.bytes_in_use == 0
+
+
+def test_unauthenticated_peer_cannot_write():
+    table, pool, _ = make_table()
+    started(table)
+    with pytest.raises(TransferRefused) as info:
+        table.claim("r", Peer(), 0, 0, 8)
+    assert info.value.code is Reason.UNKNOWN_REQUEST
+    assert pool.bytes_in_use == LAYOUT.total_bytes  # the real transfer is untouched
+
+
+def test_buffer_kept_while_a_writer_is_inside():
+    table, pool, listener = make_table()
+    peer = started(table)
+    claim = table.claim("r", peer, 0, 0, 64)
+    assert table.cancel("r", "client left")
+    assert listener.wait_final("r") == ("failed", "cancelled: client left")
+    assert peer.outcomes == [("r", False, "cancelled: client left")]
+    assert pool.bytes_in_use == LAYOUT.total_bytes  # a writer still holds the region
+    table.commit(claim)
+    assert pool.bytes_in_use == 0
+    assert not table.cancel("r", "again")
+
+
+def test_deadline_and_unclaimed_buffers():
+    table, pool, listener = make_table(grace=0.05)
+    started(table, "late", deadline=time.time() + 0.05)
+    peer = started(table, "done")
+    for layer in range(3):
+        write(table, peer, "done", layer, 0, b"z" * 64)
+    table.end("done", peer, 1, LAYOUT.total_bytes)
+    time.sleep(0.1)
+    table.sweep(time.time())
+    assert listener.wait_final("late")[1].startswith("deadline")
+    assert pool.bytes_in_use == 0
+    stats = table.stats()
+    assert stats.unclaimed_freed == 1 and stats.failures == {"deadline": 1}
+    assert not table.release("done")
+
+
+def test_expect_back_pressure_and_validation():
+    table, pool, _ = make_table(capacity=LAYOUT.total_bytes)
+    table.expect("a", LAYOUT, time.time() + 30, ("h:1",))
+    with pytest.raises(BufferPoolExhausted):
+        table.expect("b", LAYOUT, time.time() + 30, ("h:1",))
+    with pytest.raises(ValueError, match="already"):
+        table.expect("a", LAYOUT, time.time() + 30, ("h:1",))
+    with pytest.raises(ValueError, match="past"):
+        table.expect("c", LAYOUT, time.time() - 1, ("h:1",))
+    table.close()
+    assert pool.bytes_in_use == 0
+
+
+def test_size_mismatch_at_end():
+    table, pool, listener = make_table()
+    peer = started(table)
+    table.end("r", peer, 1, 5)
+    assert listener.wait_final("r")[1].startswith("size_mismatch")
+    assert peer.outcomes[0][2].startswith("size_mismatch")
+    assert pool.bytes_in_use == 0
