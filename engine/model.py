@@ -20,10 +20,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kernels
 from engine.attention_context import AttentionContext
 from engine.layers.rotary import build_cos_sin_cache
 from engine.model_config import ModelConfig
+
+# Through kernels.dispatch, not the `kernels` package attribute: importing the
+# submodule kernels/rms_norm.py (the Triton launcher) rebinds `kernels.rms_norm`
+# from the function to that module.
+from kernels import dispatch as kernel_ops
 
 __all__ = ["AttentionContext", "LlamaForCausalLM"]
 
@@ -48,7 +52,7 @@ class Linear(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm with an optional fused residual add (see `kernels.rms_norm`)."""
+    """RMSNorm with an optional fused residual add (see `kernels.dispatch.rms_norm`)."""
 
     def __init__(self, hidden_size: int, eps: float, *,
                  dtype: torch.dtype, device: torch.device | str) -> None:
@@ -59,7 +63,7 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        return kernels.rms_norm(x, self.weight, self.eps, residual=residual)
+        return kernel_ops.rms_norm(x, self.weight, self.eps, residual=residual)
 
 
 class LlamaAttention(nn.Module):
@@ -84,7 +88,7 @@ class LlamaAttention(nn.Module):
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = kernels.rotary_embedding(positions, q, k, cos_sin_cache)
+        q, k = kernel_ops.rotary_embedding(positions, q, k, cos_sin_cache)
         out = ctx.attend(self.layer_idx, q, k, v)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 

@@ -148,3 +148,17 @@ def test_bfloat16_model_runs_with_float32_logits(tiny_model_dir: Path) -> None:
     ref32 = reference_logits(load_model(tiny_model_dir, dtype="float32")[0], PROMPT)
     # bf16 keeps the winner on these peaked logits
     assert logits[-1].argmax().item() == ref32[-1].argmax().item()
+
+
+@pytest.mark.timeout(120)
+def test_triton_backend_matches_torch_backend(tiny_model_dir: Path) -> None:
+    import kernels
+
+    if not kernels.triton_available():
+        pytest.skip("triton is not installed")
+    model, _ = load_model(tiny_model_dir, dtype="float32")
+    torch_logits = reference_logits(model, PROMPT)
+    # on CPU this runs the Triton kernels through TRITON_INTERPRET=1 (set in conftest)
+    with kernels.use_backend("triton"):
+        triton_logits = reference_logits(model, PROMPT)
+    torch.testing.assert_close(triton_logits, torch_logits, rtol=1e-4, atol=1e-4)
