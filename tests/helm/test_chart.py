@@ -6,6 +6,9 @@ renders the chart for real.
 
 from __future__ import annotations
 
+import argparse
+import importlib
+import importlib.util
 import re
 from typing import Any
 
@@ -219,3 +222,16 @@ def test_probe_ports_are_container_ports(template: str) -> None:
     serve_port = re.search(r'"--port=({{[^}]*}})"', text)
     if serve_port:  # pdserve pods: every probe targets the --port the server binds
         assert set(probe_ports) == {serve_port.group(1)}
+
+
+@pytest.mark.parametrize(("template", "command"), sorted(COMMAND_OF_TEMPLATE.items()))
+def test_flags_exist_in_command_parser(template: str, command: str) -> None:
+    """Once a command module exists, its argparse parser accepts every chart flag."""
+    module_name = "pdserve.commands." + command.replace("-", "_")
+    if importlib.util.find_spec(module_name) is None:
+        pytest.skip(f"{module_name} is not implemented yet")
+    module = importlib.import_module(module_name)
+    parser = argparse.ArgumentParser(prog=f"pdserve {command}")
+    module.add_arguments(parser)
+    flags = set(FLAG_RE.findall((TEMPLATES_DIR / template).read_text()))
+    assert flags - set(parser._option_string_actions) == set()

@@ -1,0 +1,292 @@
+"""Render helm/pdserve with Helm's engine and check the Kubernetes objects.
+
+Uses the `helm` binary when present, else the helm-python-sdk wheel; skips
+without either (see tests/helm/chart.py).
+"""
+
+from __future__ import annotations
+
+import base64
+import re
+from typing import Any
+
+import pytest
+
+from tests.helm.chart import (
+    CHART_DIR,
+    CLI_FLAGS,
+    NAMESPACE,
+    PREFIX,
+    RenderError,
+    container,
+    find,
+    flag_values,
+    render,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+REDIS = {"redis": {"enabled": True}}
+REDIS_URL = f"redis://{PREFIX}-redis.{NAMESPACE}.svc.cluster.local:6379/0"
+
+
+def _kinds(docs: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    return sorted((d["kind"], d["metadata"]["name"]) for d in docs)
+
+
+def _args(docs: list[dict[str, Any]], role: str) -> dict[str, str]:
+    main = container(find(docs, "Deployment", f"{PREFIX}-{role}"), role)
+    assert main["command"] == ["pdserve"]
+    assert main["args"][0] == role
+    flags = flag_values(main["args"])
+    assert set(flags) <= CLI_FLAGS[role]
+    return flags
+
+
+def test_default_render_objects() -> None:
+    assert _kinds(render()) == [
+        ("Deployment", f"{PREFIX}-decode"),
+        ("Deployment", f"{PREFIX}-prefill"),
+        ("Deployment", f"{PREFIX}-router"),
+        ("PodDisruptionBudget", f"{PREFIX}-decode"),
+        ("PodDisruptionBudget", f"{PREFIX}-prefill"),
+        ("PodDisruptionBudget", f"{PREFIX}-router"),
+        ("Service", f"{PREFIX}-decode"),
+        ("Service", f"{PREFIX}-prefill"),
+        ("Service", f"{PREFIX}-router"),
+    ]
+
+
+def test_static_mode_router_gets_headless_service_addresses() -> None:
+    assert _args(render(), "router") == {
+        "--model": "/models/tiny",
+        "--host": "0.0.0.0",
+        "--port": "8000",
+        "--grpc-port": "50050",
+        "--prefill": f"{PREFIX}-prefill.{NAMESPACE}.svc.cluster.local:50051",
+        "--decode": f"{PREFIX}-decode.{NAMESPACE}.svc.cluster.local:50061",
+        "--session-epsilon": "0.25",
+        "--load-poll-interval": "0.5",
+    }
+
+
+def test_default_prefill_and_decode_args() -> None:
+    docs = render()
+    assert _args(docs, "prefill") == {
+        "--model": "/models/tiny", "--host": "0.0.0.0", "--port": "50051",
+        "--metrics-port": "9101", "--block-size": "16", "--kv-cache-memory": "2GiB",
+        "--device": "auto", "--dtype": "auto", "--kv-streams": "4",
+        "--advertise-host": "$(POD_IP)", "--grace-period": "30",
+    }
+    assert _args(docs, "decode") == {
+        "--model": "/models/tiny", "--host": "0.0.0.0", "--port": "50061",
+        "--metrics-port": "9102", "--kv-port": "50062", "--block-size": "128",
+        "--kv-transport": "tcp", "--landing-memory": "1GiB", "--transfer-timeout": "30",
+        "--advertise-host": "$(POD_IP)", "--grace-period": "30",
+    }
+    for role in ("prefill", "decode"):
+        env = container(find(docs, "Deployment", f"{PREFIX}-{role}"), role)["env"]
+        pod_ip = next(e for e in env if e["name"] == "POD_IP")
+        assert pod_ip["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"prefill": {"replicas": 2}}, "prefill.replicas is 2, but without Redis"),
+        ({"decode": {"replicas": 3}}, "decode.replicas is 3, but without Redis"),
+        ({"decode": {"autoscaling": {"enabled": True}}},
+         "decode.autoscaling.enabled needs Redis"),
+        ({**REDIS, "prefill": {"autoscaling": {
+            "enabled": True, "podMetric": {"name": ""}}}},
+         "prefill.autoscaling.enabled needs a metric"),
+        ({**REDIS, "decode": {"autoscaling": {"enabled": True, "minReplicas": 5}}},
+         "decode.autoscaling.maxReplicas (4) is below minReplicas (5)"),
+        ({"decode": {"kvTransport": "udp"}}, "/decode/kvTransport"),
+    ],
+)
+def test_render_refuses(values: dict[str, Any], message: str) -> None:
+    with pytest.raises(RenderError, match=re.escape(message)):
+        render(values)
+
+
+def test_redis_mode_registers_every_role() -> None:
+    docs = render({**REDIS, "prefill": {"replicas": 3}, "decode": {"replicas": 2}})
+    assert find(docs, "Deployment", f"{PREFIX}-prefill")["spec"]["replicas"] == 3
+    assert find(docs, "Deployment", f"{PREFIX}-decode")["spec"]["replicas"] == 2
+    router = _args(docs, "router")
+    assert router["--redis-url"] == REDIS_URL
+    assert "--prefill" not in router and "--decode" not in router
+    assert _args(docs, "prefill")["--redis-url"] == REDIS_URL
+    assert _args(docs, "decode")["--redis-url"] == REDIS_URL
+    redis = find(docs, "Deployment", f"{PREFIX}-redis")
+    assert redis["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
+    service = find(docs, "Service", f"{PREFIX}-redis")
+    assert service["spec"]["ports"] == [
+        {"name": "redis", "port": 6379, "targetPort": "redis", "protocol": "TCP"}
+    ]
+
+
+def test_external_redis_replaces_the_chart_redis() -> None:
+    url = "redis://shared-redis.infra:6379/2"
+    docs = render({"redis": {"enabled": True, "externalUrl": url}, "decode": {"replicas": 2}})
+    assert ("Deployment", f"{PREFIX}-redis") not in _kinds(docs)
+    assert ("Service", f"{PREFIX}-redis") not in _kinds(docs)
+    assert _args(docs, "router")["--redis-url"] == url
+    assert _args(docs, "decode")["--redis-url"] == url
+
+
+def test_autoscaling_per_component() -> None:
+    docs = render({**REDIS, "prefill": {"autoscaling": {
+        "enabled": True, "minReplicas": 2, "maxReplicas": 6,
+        "targetCPUUtilizationPercentage": 70}}})
+    hpa = find(docs, "HorizontalPodAutoscaler", f"{PREFIX}-prefill")
+    assert hpa["spec"]["scaleTargetRef"] == {
+        "apiVersion": "apps/v1", "kind": "Deployment", "name": f"{PREFIX}-prefill"}
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (2, 6)
+    assert hpa["spec"]["metrics"] == [
+        {"type": "Pods", "pods": {"metric": {"name": "pdserve_requests_waiting"},
+                                  "target": {"type": "AverageValue", "averageValue": "4"}}},
+        {"type": "Resource", "resource": {"name": "cpu", "target": {
+            "type": "Utilization", "averageUtilization": 70}}},
+    ]
+    # The HPA owns the prefill replica count; decode keeps its fixed one.
+    assert "replicas" not in find(docs, "Deployment", f"{PREFIX}-prefill")["spec"]
+    assert find(docs, "Deployment", f"{PREFIX}-decode")["spec"]["replicas"] == 1
+    assert ("HorizontalPodAutoscaler", f"{PREFIX}-decode") not in _kinds(docs)
+
+
+def _probe_ports(c: dict[str, Any]) -> list[Any]:
+    ports = []
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        for action in ("grpc", "httpGet", "tcpSocket"):
+            if probe in c and action in c[probe]:
+                ports.append(c[probe][action]["port"])
+    return ports
+
+
+@pytest.mark.parametrize("ports", [{}, {"prefill": {"port": 6000, "metricsPort": 6001},
+                                        "decode": {"port": 7000, "kvPort": 7001},
+                                        "router": {"port": 8080}}])
+def test_probes_target_container_ports(ports: dict[str, Any]) -> None:
+    docs = render({**REDIS, **ports})
+    for deployment in (d for d in docs if d["kind"] == "Deployment"):
+        for c in deployment["spec"]["template"]["spec"]["containers"]:
+            declared = {p["containerPort"] for p in c["ports"]} | {p["name"] for p in c["ports"]}
+            probed = _probe_ports(c)
+            assert probed and set(probed) <= declared, (deployment["metadata"]["name"], probed)
+            if c["name"] in ("prefill", "decode", "router"):
+                assert set(probed) == {int(flag_values(c["args"])["--port"])}
+    decode = container(find(docs, "Deployment", f"{PREFIX}-decode"), "decode")
+    assert {p["name"]: p["containerPort"] for p in decode["ports"]} == {
+        "grpc": ports.get("decode", {}).get("port", 50061),
+        "kv": ports.get("decode", {}).get("kvPort", 50062),
+        "metrics": 9102,
+    }
+
+
+def test_termination_grace_exceeds_drain_period() -> None:
+    docs = render({"prefill": {"gracePeriod": 120}})
+    for role, grace in (("prefill", 120), ("decode", 30)):
+        pod = find(docs, "Deployment", f"{PREFIX}-{role}")["spec"]["template"]["spec"]
+        assert flag_values(container({"spec": {"template": {"spec": pod}}}, role)["args"])[
+            "--grace-period"] == str(grace)
+        assert pod["terminationGracePeriodSeconds"] == grace + 15
+
+
+def test_gpu_scheduling_is_per_component() -> None:
+    toleration = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+    docs = render({"decode": {
+        "resources": {"limits": {"nvidia.com/gpu": 1}},
+        "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
+        "tolerations": [toleration],
+    }})
+    decode = find(docs, "Deployment", f"{PREFIX}-decode")["spec"]["template"]["spec"]
+    # Helm merges the GPU limit into the default requests and limits.
+    assert container({"spec": {"template": {"spec": decode}}}, "decode")["resources"] == {
+        "requests": {"cpu": "1", "memory": "4Gi"},
+        "limits": {"memory": "8Gi", "nvidia.com/gpu": 1},
+    }
+    assert decode["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+    assert decode["tolerations"] == [toleration]
+    prefill = find(docs, "Deployment", f"{PREFIX}-prefill")["spec"]["template"]["spec"]
+    assert "nvidia.com/gpu" not in str(prefill)
+    assert "tolerations" not in prefill
+
+
+def test_api_key_from_inline_value_and_existing_secret() -> None:
+    docs = render({"router": {"apiKey": {"value": "s3cret"}}})
+    secret = find(docs, "Secret", f"{PREFIX}-api-key")
+    assert base64.b64decode(secret["data"]["api-key"]) == b"s3cret"
+    env = container(find(docs, "Deployment", f"{PREFIX}-router"), "router")["env"]
+    assert {"name": "PDSERVE_API_KEY", "valueFrom": {"secretKeyRef": {
+        "name": f"{PREFIX}-api-key", "key": "api-key"}}} in env
+
+    docs = render({"router": {"apiKey": {"existingSecret": "keys", "secretKey": "router"}}})
+    assert [d for d in docs if d["kind"] == "Secret"] == []
+    env = container(find(docs, "Deployment", f"{PREFIX}-router"), "router")["env"]
+    assert {"name": "PDSERVE_API_KEY", "valueFrom": {"secretKeyRef": {
+        "name": "keys", "key": "router"}}} in env
+    assert "s3cret" not in str(docs)
+
+
+def test_services_and_service_monitor() -> None:
+    docs = render({"metrics": {"serviceMonitor": {"enabled": True,
+                                                  "labels": {"release": "prom"}}}})
+    prefill = find(docs, "Service", f"{PREFIX}-prefill")["spec"]
+    decode = find(docs, "Service", f"{PREFIX}-decode")["spec"]
+    router = find(docs, "Service", f"{PREFIX}-router")["spec"]
+    assert prefill["clusterIP"] == decode["clusterIP"] == "None"
+    assert [p["name"] for p in prefill["ports"]] == ["grpc", "metrics"]
+    assert [(p["name"], p["port"]) for p in decode["ports"]] == [
+        ("grpc", 50061), ("kv", 50062), ("metrics", 9102)]
+    assert [(p["name"], p["port"]) for p in router["ports"]] == [("http", 8000), ("grpc", 50050)]
+    monitor = find(docs, "ServiceMonitor", PREFIX)
+    assert monitor["metadata"]["labels"]["release"] == "prom"
+    assert [(e["port"], e["path"]) for e in monitor["spec"]["endpoints"]] == [
+        ("http", "/metrics"), ("metrics", "/metrics")]
+    scrape = find(docs, "Deployment", f"{PREFIX}-decode")["spec"]["template"]["metadata"]
+    assert scrape["annotations"]["prometheus.io/port"] == "9102"
+
+
+@pytest.mark.parametrize("source", ["demo", "pvc", "hostPath"])
+def test_model_volume_is_read_only(source: str) -> None:
+    docs = render({"model": {"source": source, "dir": "llama",
+                             "pvc": {"claimName": "weights"}, "hostPath": {"path": "/data/m"}}})
+    for role in ("router", "prefill", "decode"):
+        pod = find(docs, "Deployment", f"{PREFIX}-{role}")["spec"]["template"]["spec"]
+        main = next(c for c in pod["containers"] if c["name"] == role)
+        assert {"name": "models", "mountPath": "/models", "readOnly": True} in main[
+            "volumeMounts"]
+        assert flag_values(main["args"])["--model"] == "/models/llama"
+        volume = next(v for v in pod["volumes"] if v["name"] == "models")
+        if source == "demo":
+            assert volume == {"name": "models", "emptyDir": {}}
+            (init,) = pod["initContainers"]
+            assert init["args"] == ["make-model", "/models/llama", "--size=tiny"]
+        else:
+            assert "initContainers" not in pod
+            assert volume == {
+                "pvc": {"name": "models", "persistentVolumeClaim": {
+                    "claimName": "weights", "readOnly": True}},
+                "hostPath": {"name": "models", "hostPath": {
+                    "path": "/data/m", "type": "Directory"}},
+            }[source]
+
+
+def test_pods_run_as_non_root() -> None:
+    for deployment in (d for d in render(REDIS) if d["kind"] == "Deployment"):
+        pod = deployment["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["automountServiceAccountToken"] is False
+        for c in pod["containers"] + pod.get("initContainers", []):
+            assert c["securityContext"]["allowPrivilegeEscalation"] is False
+            assert c["securityContext"]["readOnlyRootFilesystem"] is True
+
+
+def test_lint_reports_no_warnings() -> None:
+    helm_python = pytest.importorskip("helm_python", reason="lint needs helm-python-sdk")
+    report = helm_python.lint(str(CHART_DIR))
+    assert report["errors"] == []
+    # Severity 1 is INFO (e.g. "icon is recommended"); 2+ are warnings/errors.
+    assert [m for m in report["messages"] if m["severity"] >= 2] == []
