@@ -108,6 +108,8 @@ def test_default_values_satisfy_schema() -> None:
         ({"prefill": {"dtype": "int8"}}, ["prefill", "dtype"]),
         ({"prefill": {"kvStreams": 0}}, ["prefill", "kvStreams"]),
         ({"prefill": {"kvCacheMemory": "2 gigs"}}, ["prefill", "kvCacheMemory"]),
+        ({"prefill": {"kvCacheMemory": "2TB"}}, ["prefill", "kvCacheMemory"]),
+        ({"prefill": {"device": "cuda:1"}}, ["prefill", "device"]),
         ({"decode": {"landingMemory": ""}}, ["decode", "landingMemory"]),
         ({"router": {"port": 70000}}, ["router", "port"]),
         ({"router": {"replicsa": 2}}, ["router"]),
