@@ -1,0 +1,62 @@
+"""The router's Prometheus metrics, on a registry owned by the router server.
+
+Names follow DESIGN.md ("Interfaces users see"); latency histograms carry
+`role="router"` because pods export the same names with their own role.
+`RouterServer` creates one `RouterMetrics` (no module-global registry, so
+tests can run several routers in one process); `router.flow` observes into
+it from the event loop, and `/metrics` renders it.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ROLE = "router"
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class RouterMetrics:
+    """Counters and histograms for request flow, retries, migrations and aborts."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram(
+            "pdserve_time_to_first_token_seconds", "Request arrival to first token sent",
+            ["role"], buckets=_LATENCY_BUCKETS, registry=r,
+        ).labels(role=ROLE)
+        self.itl = Histogram(
+            "pdserve_inter_token_latency_seconds", "Time between consecutive output tokens",
+            ["role"], buckets=_LATENCY_BUCKETS, registry=r,
+        ).labels(role=ROLE)
+        self.e2e = Histogram(
+            "pdserve_e2e_request_latency_seconds", "Request arrival to its last token",
+            ["role"], buckets=_LATENCY_BUCKETS, registry=r,
+        ).labels(role=ROLE)
+        self.retries = Counter(
+            "pdserve_retries_total",
+            "Pod calls retried on another pod (prefill failed, decode full)",
+            ["role"], registry=r,
+        )
+        self.migrations = Counter(
+            "pdserve_migrations_total",
+            "Requests moved to a new pod pair after their decode pod failed",
+            registry=r,
+        )
+        self.aborts = Counter(
+            "pdserve_aborts_total", "Requests the router aborted on the pods, by reason",
+            ["reason"], registry=r,
+        )
+        self.requests = Counter(
+            "pdserve_router_requests_total", "Finished client requests by outcome",
+            ["outcome"], registry=r,
+        )
+        self.in_flight = Gauge(
+            "pdserve_router_requests_in_flight", "Client requests being served now", registry=r
+        )
+
+    def render(self) -> bytes:
+        """The text exposition format for GET /metrics."""
+        return generate_latest(self.registry)

@@ -1,0 +1,112 @@
+"""`OutputAssembler`: one request's output as the client sees it.
+
+`router.flow` feeds it every batch of tokens a pod reports, tagged with the
+output index of its first token (`first_index`). The assembler keeps the
+client stream exact across retries and migrations:
+
+* tokens it already has (index below `len(output_ids)`) are dropped, so a
+  pod that repeats tokens after a move never duplicates text;
+* a batch that starts past the next index is a gap: `OutputGap` is raised
+  and the flow treats the pod as failed (it moves the request on);
+* accepted tokens are detokenized incrementally, then run through the stop
+  matcher; the returned `Delta` holds only text safe to show.
+
+Used from the request's task only.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Protocol
+
+from router.generation import Delta, TokenLogprobs, Usage
+from router.stop_strings import StopMatcher
+
+
+class Detokenizer(Protocol):
+    """engine.detokenizer.IncrementalDetokenizer's interface."""
+
+    def add(self, token_ids: Sequence[int]) -> str: ...
+
+    def flush(self) -> str: ...
+
+
+class OutputGap(Exception):
+    """A pod reported tokens starting past the next expected index."""
+
+
+class OutputAssembler:
+    """Accepts indexed token batches; produces deltas and the final usage."""
+
+    def __init__(
+        self,
+        *,
+        detokenizer: Detokenizer,
+        stop: Sequence[str],
+        num_prompt_tokens: int,
+    ) -> None:
+        self._detokenizer = detokenizer
+        self._matcher = StopMatcher(stop)
+        self._num_prompt_tokens = num_prompt_tokens
+        self.output_ids: list[int] = []
+        # Real prefix-cache hits for the client's prompt; the first pod to
+        # compute it reports them (a later migration's count covers output too).
+        self.cached_tokens: int | None = None
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+
+    @property
+    def next_index(self) -> int:
+        return len(self.output_ids)
+
+    @property
+    def stopped(self) -> bool:
+        """A stop string matched: the flow must end the request with "stop"."""
+        return self._matcher.stopped
+
+    def set_cached_tokens(self, num_cached_tokens: int) -> None:
+        if self.cached_tokens is None:
+            self.cached_tokens = min(max(num_cached_tokens, 0), self._num_prompt_tokens)
+
+    def accept(
+        self,
+        first_index: int,
+        token_ids: Sequence[int],
+        logprobs: Sequence[TokenLogprobs] = (),
+    ) -> Delta | None:
+        """Take a batch from a pod; return the delta to send, or None when
+        the batch held nothing new. Raises OutputGap on a gap."""
+        if first_index > self.next_index:
+            raise OutputGap(
+                f"pod sent tokens from index {first_index} but the next expected is "
+                f"{self.next_index}"
+            )
+        skip = self.next_index - first_index
+        new_ids = tuple(token_ids[skip:])
+        if not new_ids or self.stopped:
+            return None
+        new_logprobs = tuple(logprobs[skip:]) if len(logprobs) == len(token_ids) else ()
+        now = time.monotonic()
+        if self.first_token_time is None:
+            self.first_token_time = now
+        self.last_token_time = now
+        self.output_ids.extend(new_ids)
+        text = self._matcher.push(self._detokenizer.add(new_ids))
+        return Delta(text=text, token_ids=new_ids, logprobs=new_logprobs)
+
+    def finish(self, finish_reason: str) -> Delta:
+        """The final delta: held-back text, the finish reason and usage."""
+        if self.stopped:
+            text, finish_reason = "", "stop"
+        else:
+            text = self._matcher.push(self._detokenizer.flush())
+            text += self._matcher.flush()
+            if self.stopped:
+                finish_reason = "stop"
+        usage = Usage(
+            prompt_tokens=self._num_prompt_tokens,
+            completion_tokens=len(self.output_ids),
+            cached_tokens=self.cached_tokens or 0,
+        )
+        return Delta(text=text, finish_reason=finish_reason, usage=usage)

@@ -1,0 +1,59 @@
+"""`PodChannels`: one reused gRPC channel (and stubs) per pod address.
+
+Owned by the router server, used by every request's flow on the router's
+event loop. Channels are opened lazily on first use and live until
+`close()`; gRPC reconnects a channel by itself after its pod restarts, so an
+address never needs a second one. Message size limits are raised because a
+long prompt's token list can exceed gRPC's 4 MiB default.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from proto import pdserve_pb2_grpc
+
+_OPTIONS = [
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    # Notice a dead pod within seconds even while a stream is idle.
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+
+
+class PodChannels:
+    """Lazily opened channels and stubs keyed by address."""
+
+    def __init__(self) -> None:
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._prefill: dict[str, pdserve_pb2_grpc.PrefillStub] = {}
+        self._decode: dict[str, pdserve_pb2_grpc.DecodeStub] = {}
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = grpc.aio.insecure_channel(address, options=_OPTIONS)
+            self._channels[address] = channel
+        return channel
+
+    def prefill(self, address: str) -> pdserve_pb2_grpc.PrefillStub:
+        stub = self._prefill.get(address)
+        if stub is None:
+            stub = self._prefill[address] = pdserve_pb2_grpc.PrefillStub(self._channel(address))
+        return stub
+
+    def decode(self, address: str) -> pdserve_pb2_grpc.DecodeStub:
+        """Decode.Generate serves both decode and colocated pods."""
+        stub = self._decode.get(address)
+        if stub is None:
+            stub = self._decode[address] = pdserve_pb2_grpc.DecodeStub(self._channel(address))
+        return stub
+
+    async def close(self) -> None:
+        channels, self._channels = list(self._channels.values()), {}
+        self._prefill.clear()
+        self._decode.clear()
+        for channel in channels:
+            await channel.close(grace=None)

@@ -1,0 +1,290 @@
+"""RequestFlow against in-process fake pods: the happy paths, every retry and
+move, stop strings, cancellation and the errors the client sees."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+
+from router.api_error import ApiError
+from router.flow import FlowState, RequestFlow
+from router.generation import GenerationRequest
+from router.metrics import RouterMetrics
+from router.openai_api import SamplingSpec
+from router.pod_calls import FlowDeps, FlowSettings
+from router.pod_clients import PodChannels
+from router.registry.poller import PolledPodPool
+from router.registry.static import StaticPodSource
+from router.routing.policy import RoutingPolicy
+from router.sessions import InMemorySessionStore
+from tests.router.inprocess_pods import (
+    Behaviour,
+    FakePod,
+    LetterDetokenizer,
+    Wire,
+    expected_text,
+    expected_token,
+)
+
+pytestmark = pytest.mark.timeout(60)
+PROMPT = (5, 9, 2, 7)
+
+
+class Cluster:
+    """Fake pods + the router-side objects a flow needs."""
+
+    def __init__(self, **settings) -> None:
+        self.wire = Wire()
+        self.pods: dict[str, list[FakePod]] = {"prefill": [], "decode": [], "colocated": []}
+        self.settings = FlowSettings(**settings)
+        self.metrics = RouterMetrics()
+
+    async def add(self, role: str, **behaviour) -> FakePod:
+        pod = FakePod(role, self.wire, Behaviour(**behaviour))
+        await pod.start()
+        self.pods[role].append(pod)
+        return pod
+
+    async def __aenter__(self) -> Cluster:
+        source = StaticPodSource(**{r: [p.address for p in pods] for r, pods in self.pods.items()})
+        self.pool = PolledPodPool(source, poll_interval=30)
+        await self.pool.start()
+        self.channels = PodChannels()
+        self.deps = FlowDeps(pool=self.pool,
+                             policy=RoutingPolicy(self.pool, InMemorySessionStore()),
+                             channels=self.channels, metrics=self.metrics,
+                             settings=self.settings)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.channels.close()
+        await self.pool.close()
+        for pods in self.pods.values():
+            for pod in pods:
+                await pod.stop()
+
+    def flow(self, max_tokens: int = 6, rid: str = "r1", **sampling) -> RequestFlow:
+        request = GenerationRequest(rid, PROMPT, SamplingSpec(max_tokens=max_tokens, **sampling))
+        return RequestFlow(request, deps=self.deps, detokenizer=LetterDetokenizer())
+
+    def sample(self, name: str, **labels) -> float:
+        return self.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+async def _collect(flow: RequestFlow):
+    deltas = []
+    async with contextlib.aclosing(flow.run()) as stream:
+        async for delta in stream:
+            deltas.append(delta)
+    return deltas
+
+
+def _text(deltas) -> str:
+    return "".join(d.text for d in deltas)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_disaggregated_first_token_alone_then_decode():
+    async def main():
+        cluster = Cluster()
+        await cluster.add("prefill", cached_tokens=2)
+        decode = await cluster.add("decode")
+        async with cluster:
+            flow = cluster.flow(max_tokens=6)
+            deltas = await _collect(flow)
+        assert deltas[0].token_ids == (expected_token(PROMPT, 0),)
+        assert _text(deltas) == expected_text(PROMPT, 6)
+        final = deltas[-1]
+        assert final.finish_reason == "length"
+        assert (final.usage.prompt_tokens, final.usage.completion_tokens,
+                final.usage.cached_tokens) == (4, 6, 2)
+        assert flow.state is FlowState.FINISHED
+        (generate,) = decode.requests
+        assert generate.remote_prefill and list(generate.prompt_token_ids) == list(PROMPT)
+        assert generate.sampling.max_tokens == 6
+        assert cluster.sample("pdserve_time_to_first_token_seconds_count", role="router") == 1
+        assert cluster.sample("pdserve_inter_token_latency_seconds_count", role="router") == 5
+    run(main())
+
+
+def test_colocated_only():
+    async def main():
+        cluster = Cluster()
+        pod = await cluster.add("colocated", cached_tokens=3)
+        async with cluster:
+            deltas = await _collect(cluster.flow(max_tokens=4))
+        assert _text(deltas) == expected_text(PROMPT, 4)
+        assert deltas[-1].usage.cached_tokens == 3
+        assert not pod.requests[0].remote_prefill
+    run(main())
+
+
+def test_full_decode_pod_is_skipped():
+    async def main():
+        cluster = Cluster()
+        await cluster.add("prefill")
+        full = await cluster.add("decode", full=True)
+        ok = await cluster.add("decode")
+        async with cluster:
+            deltas = await _collect(cluster.flow())
+        assert _text(deltas) == expected_text(PROMPT, 6)
+        assert len(ok.requests) == 1
+        assert cluster.sample("pdserve_retries_total", role="decode") == len(full.requests)
+    run(main())
+
+
+def test_every_decode_pod_full_is_503():
+    async def main():
+        cluster = Cluster()
+        await cluster.add("prefill")
+        await cluster.add("decode", full=True)
+        async with cluster:
+            with pytest.raises(ApiError) as info:
+                await _collect(cluster.flow())
+        assert info.value.status == 503
+        assert "RESOURCE_EXHAUSTED: no free KV blocks" in info.value.message
+    run(main())
+
+
+def test_prefill_failure_retries_against_the_same_reservation():
+    async def main():
+        cluster = Cluster()
+        bad = await cluster.add("prefill", fail_prefill=True)
+        good = await cluster.add("prefill")
+        decode = await cluster.add("decode")
+        async with cluster:
+            # the session's rendezvous order decides who goes first; make the bad one first
+            for rid in ("a", "b", "c", "d"):
+                await _collect(cluster.flow(rid=rid))
+        assert len(decode.requests) == 4  # one reservation per request, never a second
+        retried = {r.request_id for r in bad.requests}
+        assert {r.request_id for r in good.requests} >= retried
+        assert cluster.sample("pdserve_retries_total", role="prefill") == len(bad.requests)
+        assert len(bad.requests) >= 1
+    run(main())
+
+
+def test_all_prefill_pods_failing_gives_up_with_reason():
+    async def main():
+        cluster = Cluster(max_prefill_retries=1, max_migrations=0)
+        await cluster.add("prefill", fail_prefill=True)
+        await cluster.add("prefill", fail_prefill=True)
+        decode = await cluster.add("decode")
+        async with cluster:
+            with pytest.raises(ApiError) as info:
+                await _collect(cluster.flow())
+            await asyncio.sleep(0.1)
+            assert not decode.active  # the reservation's stream was cancelled
+        assert info.value.status == 503
+        assert "prefill failed on 2 pod(s)" in info.value.message
+        assert "UNAVAILABLE: prefill pod is broken" in info.value.message
+    run(main())
+
+
+def test_decode_failure_migrates_without_duplicates_or_gaps():
+    async def main():
+        cluster = Cluster()
+        await cluster.add("prefill")
+        first = await cluster.add("decode", break_after=2)
+        second = await cluster.add("decode", repeat=2)  # resends 2 known tokens
+        async with cluster:
+            # make `first` the chosen decode pod: the second looks busier
+            second.active.update({"x", "y"})
+            await cluster.pool.poll_once()
+            deltas = await _collect(cluster.flow(max_tokens=8))
+        assert _text(deltas) == expected_text(PROMPT, 8)
+        indices = [t for d in deltas for t in d.token_ids]
+        assert indices == [expected_token(PROMPT, i) for i in range(8)]
+        assert len(first.requests) == 1
+        (moved,) = second.requests
+        # token 0 from prefill + 2 from the first decode pod travel as context
+        assert list(moved.output_token_ids) == [expected_token(PROMPT, i) for i in range(3)]
+        assert cluster.sample("pdserve_migrations_total") == 1
+    run(main())
+
+
+def test_gap_counts_as_a_failed_decode_pod():
+    async def main():
+        cluster = Cluster(max_migrations=0)
+        await cluster.add("prefill")
+        await cluster.add("decode", gap=True)
+        async with cluster:
+            with pytest.raises(ApiError) as info:
+                await _collect(cluster.flow())
+        assert info.value.status == 503
+        assert "sent tokens from index 3 but the next expected is 2" in info.value.message
+    run(main())
+
+
+def test_no_pods_is_503_with_reason():
+    async def main():
+        cluster = Cluster()
+        await cluster.add("decode")
+        async with cluster:
+            with pytest.raises(ApiError) as info:
+                await _collect(cluster.flow())
+        assert info.value.status == 503 and info.value.code == "no_pod_available"
+        assert info.value.message.startswith(
+            "no pod can serve the request: no healthy prefill pod and no healthy colocated pod"
+        )
+    run(main())
+
+
+def test_stop_string_trims_and_cancels_decode():
+    async def main():
+        cluster = Cluster()
+        await cluster.add("prefill")
+        decode = await cluster.add("decode", delay=0.02)
+        full = expected_text(PROMPT, 12)
+        stop = full[3:5]
+        async with cluster:
+            deltas = await _collect(cluster.flow(max_tokens=12, stop=(stop,)))
+            await asyncio.sleep(0.2)
+            assert not decode.active
+        assert _text(deltas) == full[: full.index(stop)]
+        assert deltas[-1].finish_reason == "stop"
+        assert deltas[-1].usage.completion_tokens == 5
+        assert cluster.sample("pdserve_aborts_total", reason="stop_string") == 1
+    run(main())
+
+
+def test_client_leaving_cancels_the_decode_stream():
+    async def main():
+        cluster = Cluster()
+        await cluster.add("prefill")
+        decode = await cluster.add("decode", delay=0.05)
+        async with cluster:
+            flow = cluster.flow(max_tokens=50)
+            async with contextlib.aclosing(flow.run()) as stream:
+                async for delta in stream:
+                    if delta.token_ids and delta.token_ids[0] == expected_token(PROMPT, 2):
+                        break
+            await asyncio.sleep(0.3)
+            assert not decode.active
+            assert decode.cancelled == ["r1-1"]
+        assert flow.state is FlowState.FAILED
+        assert cluster.sample("pdserve_aborts_total", reason="client_disconnect") == 1
+    run(main())
+
+
+def test_invalid_argument_from_pod_is_400_and_timeout_is_504():
+    async def main():
+        cluster = Cluster(request_timeout=0.3)
+        await cluster.add("colocated", invalid="prompt too long for this pod")
+        slow = Cluster(request_timeout=0.3)
+        await slow.add("colocated", delay=0.2)
+        async with cluster, slow:
+            with pytest.raises(ApiError) as bad:
+                await _collect(cluster.flow())
+            with pytest.raises(ApiError) as late:
+                await _collect(slow.flow(max_tokens=20))
+        assert bad.value.status == 400
+        assert bad.value.message.endswith("prompt too long for this pod")
+        assert late.value.status == 504
+        assert late.value.message == "the request did not finish within --request-timeout 0.3s"
+    run(main())
