@@ -1,0 +1,362 @@
+"""`LLMEngine`: the inference core one pod runs: requests in, tokens out.
+
+Threading: single-threaded. Every method is called from the one engine loop
+thread (`engine.engine_loop.EngineLoop` in the pods, the caller's thread in
+`generate()` and tests). Only `kv_caches` may be read elsewhere (the decode
+pod's injector writes into reserved slots; the tensors never move).
+
+A request's life (states in `engine.request`):
+
+    add_request ─> waiting ─> running (chunked prefill, then decode) ─> finished
+                      ^           │ preempted (blocks freed, recompute later)
+                      └───────────┘
+    reserve_remote ─> reserved (blocks for context + max_tokens held; the
+                      injector fills them) ─ commit_remote ─> running ─> finished
+    abort_request: any state ─> finished ("abort"), blocks freed at once
+
+`step()` schedules one batch, runs one forward pass, samples, and returns
+one `RequestOutput` per request that sampled a token or finished (a finish
+caused between steps, by `abort_request` or a `commit_remote` whose first
+token ends the request, is reported by the next `step()`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from engine.block_manager import BlockManager, cdiv
+from engine.config import EngineConfig
+from engine.errors import CapacityError
+from engine.kv_cache import allocate_kv_caches, kv_bytes_per_block, num_blocks_for_budget
+from engine.kv_hook import LayerKVHook
+from engine.loader import load_model
+from engine.model_runner import ModelRunner, slots_for
+from engine.outputs import (
+    EngineStats,
+    GenerationResult,
+    RemoteReservation,
+    RequestOutput,
+    TokenLogprobs,
+)
+from engine.request import Request, RequestStatus
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+
+
+class LLMEngine:
+    """Owns the model, the paged KV cache, the scheduler and the sampler.
+
+    `layer_kv_hook` (prefill pods) is a constructor argument rather than
+    config because it is a live object bound to the pod's sender.
+    """
+
+    def __init__(self, config: EngineConfig, *, layer_kv_hook: LayerKVHook | None = None) -> None:
+        self.config = config
+        self.model, self.model_config = load_model(config.model_dir, dtype=config.dtype,
+                                                   device=config.device)
+        mc = self.model_config
+        limit = mc.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > limit:
+            raise ValueError(
+                f"max_model_len {config.max_model_len} exceeds the model's "
+                f"max_position_embeddings {limit}"
+            )
+        self.max_model_len = config.max_model_len or limit
+        dtype = self.model.dtype
+        per_block = kv_bytes_per_block(num_layers=mc.num_hidden_layers,
+                                       block_size=config.block_size,
+                                       num_kv_heads=mc.num_key_value_heads,
+                                       head_dim=mc.head_dim, dtype=dtype)
+        num_blocks = num_blocks_for_budget(config, per_block)
+        self.kv_caches = allocate_kv_caches(
+            num_layers=mc.num_hidden_layers, num_blocks=num_blocks,
+            block_size=config.block_size, num_kv_heads=mc.num_key_value_heads,
+            head_dim=mc.head_dim, dtype=dtype, device=config.device)
+        self.block_manager = BlockManager(num_blocks, config.block_size,
+                                          enable_prefix_caching=config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
+                                   max_num_batched_tokens=config.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, self.kv_caches, config.block_size,
+                                  layer_kv_hook=layer_kv_hook)
+        self.sampler = Sampler(config.seed)
+        self.eos_token_ids = frozenset(mc.eos_token_ids) | _generation_eos_ids(config.model_dir)
+        self._tokenizer = None  # loaded by the first generate() that needs text
+        self._generate_ids = itertools.count()
+        self._requests: dict[str, Request] = {}
+        # Finished between steps (abort, commit ending a request): reported next step.
+        self._pending: list[RequestOutput] = []
+
+    # ------------------------------------------------------------ admission
+
+    def _new_request(self, request_id: str, prompt_token_ids: Sequence[int],
+                     sampling_params: SamplingParams, output_token_ids: Sequence[int],
+                     **kwargs) -> Request:
+        """Validate everything a caller can get wrong; raises ValueError naming it."""
+        if not isinstance(sampling_params, SamplingParams):
+            raise ValueError(f"sampling_params must be SamplingParams, got "
+                             f"{type(sampling_params).__name__}")
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if not prompt_token_ids:
+            raise ValueError("prompt_token_ids must not be empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in (*prompt_token_ids, *output_token_ids) if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if len(output_token_ids) >= sampling_params.max_tokens:
+            raise ValueError(f"output_token_ids has {len(output_token_ids)} tokens, nothing "
+                             f"left to generate under max_tokens {sampling_params.max_tokens}")
+        total = len(prompt_token_ids) + sampling_params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens "
+                f"({sampling_params.max_tokens}) = {total} exceeds max_model_len "
+                f"{self.max_model_len}"
+            )
+        if cdiv(total, self.config.block_size) > self.block_manager.num_total_blocks:
+            raise ValueError(
+                f"prompt + max_tokens = {total} tokens needs more than the "
+                f"{self.block_manager.num_total_blocks} KV blocks of {self.config.block_size} "
+                f"this engine has"
+            )
+        return Request(request_id, prompt_token_ids, sampling_params,
+                       output_token_ids=output_token_ids, **kwargs)
+
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
+                    sampling_params: SamplingParams, *, output_token_ids: Sequence[int] = (),
+                    prefill_only: bool = False) -> None:
+        """Queue a request. `output_token_ids` (a migration) are context and
+        count toward max_tokens. `prefill_only` (prefill pods): finish with
+        "prefill_done" after the first sampled token; its blocks return to
+        the pool but stay in the prefix cache."""
+        request = self._new_request(request_id, prompt_token_ids, sampling_params,
+                                    output_token_ids, prefill_only=prefill_only)
+        self._requests[request_id] = request
+        self.scheduler.add(request)
+
+    def reserve_remote(self, request_id: str, prompt_token_ids: Sequence[int],
+                       sampling_params: SamplingParams, *,
+                       output_token_ids: Sequence[int] = ()) -> RemoteReservation:
+        """Decode pod: hold blocks for all context tokens plus the remaining
+        max_tokens, so the request never needs more. Raises CapacityError
+        when the blocks or a batch slot are not free now."""
+        request = self._new_request(request_id, prompt_token_ids, sampling_params,
+                                    output_token_ids,
+                                    status=RequestStatus.WAITING_FOR_REMOTE_KV)
+        total = request.num_prompt_tokens + sampling_params.max_tokens
+        needed = cdiv(total, self.config.block_size)
+        if self.scheduler.num_seqs >= self.config.max_num_seqs:
+            raise CapacityError(f"all {self.config.max_num_seqs} sequence slots are taken")
+        if needed > self.block_manager.num_free_blocks:
+            raise CapacityError(f"request needs {needed} KV blocks, "
+                                f"{self.block_manager.num_free_blocks} are free")
+        self.block_manager.allocate_slots(request, total)
+        self._requests[request_id] = request
+        self.scheduler.add_reserved(request)
+        slots = slots_for(request.block_ids, self.config.block_size, 0,
+                          request.num_context_tokens, self.config.device)
+        return RemoteReservation(request_id, tuple(request.block_ids), self.config.block_size,
+                                 request.num_context_tokens, slots)
+
+    def commit_remote(self, request_id: str, first_token_id: int) -> None:
+        """Decode pod: all layers of the reservation's KV are injected and the
+        prefill pod sampled `first_token_id`; the request decodes from the
+        next step on (or finishes there if that token already ends it)."""
+        request = self._requests.get(request_id)
+        if request is None or request.status is not RequestStatus.WAITING_FOR_REMOTE_KV:
+            state = "unknown" if request is None else request.status.name
+            raise ValueError(f"request {request_id!r} is not awaiting remote KV ({state})")
+        if not 0 <= first_token_id < self.model_config.vocab_size:
+            raise ValueError(f"first_token_id {first_token_id} is outside the vocabulary "
+                             f"[0, {self.model_config.vocab_size})")
+        request.num_computed_tokens = request.num_context_tokens
+        request.append_output_token(first_token_id)
+        self.block_manager.cache_computed_blocks(request)
+        status = self._stop_status(request, first_token_id, prefill_only=False)
+        if status is None:
+            self.scheduler.commit_reserved(request)
+        else:
+            self._finish(request, status)
+            self._pending.append(self._output(request, (), ()))
+
+    def abort_request(self, request_id: str) -> bool:
+        """Abort in any state and free its blocks now; False if unknown or
+        already finished. The next `step()` reports it with "abort"."""
+        request = self._requests.get(request_id)
+        if request is None or request.is_finished:
+            return False
+        self._finish(request, RequestStatus.FINISHED_ABORTED)
+        self._pending.append(self._output(request, (), ()))
+        return True
+
+    # ------------------------------------------------------------ stepping
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether `step()` has work: waiting or running requests, or pending
+        finish reports. Reserved requests need no step until committed."""
+        return bool(self.scheduler.waiting or self.scheduler.running or self._pending)
+
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        plan = self.scheduler.schedule()
+        if not plan.scheduled:
+            return outputs
+        result = self.runner.execute(plan.scheduled)
+        self.scheduler.update_computed(plan)
+        if not result.sampling_requests:
+            return outputs
+        sampled = self.sampler(result.logits, [r.sampling_params for r in result.sampling_requests],
+                               [r.num_output_tokens for r in result.sampling_requests])
+        for request, token, logprob in zip(result.sampling_requests, sampled.token_ids,
+                                           sampled.logprobs, strict=True):
+            request.append_output_token(token)
+            status = self._stop_status(request, token, prefill_only=request.prefill_only)
+            if status is not None:
+                self._finish(request, status)
+            outputs.append(self._output(request, (token,), () if logprob is None else (logprob,)))
+        return outputs
+
+    def _stop_status(self, request: Request, token: int, *,
+                     prefill_only: bool) -> RequestStatus | None:
+        """Why the request ends after `token`, or None to continue. A prefill-only
+        request always ends ("prefill_done"); the decode pod judges the token."""
+        if prefill_only:
+            return RequestStatus.FINISHED_PREFILL_DONE
+        params = request.sampling_params
+        if (token in self.eos_token_ids and not params.ignore_eos) or (
+                token in params.stop_token_ids):
+            return RequestStatus.FINISHED_STOPPED
+        if (request.num_output_tokens >= params.max_tokens
+                or request.num_tokens >= self.max_model_len):
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        self.scheduler.finish(request, status)
+        del self._requests[request.request_id]
+
+    @staticmethod
+    def _output(request: Request, new_token_ids: tuple[int, ...],
+                new_logprobs: tuple[TokenLogprobs, ...]) -> RequestOutput:
+        return RequestOutput(
+            request_id=request.request_id, new_token_ids=new_token_ids,
+            new_logprobs=new_logprobs, finish_reason=request.status.finish_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+            num_output_tokens=request.num_output_tokens)
+
+    def stats(self) -> EngineStats:
+        """Counts for GetLoad and the gauges (engine loop thread)."""
+        waiting = self.scheduler.waiting
+        cache = self.block_manager.prefix_cache
+        return EngineStats(
+            num_waiting=len(waiting),
+            num_waiting_tokens=sum(r.num_tokens - r.num_computed_tokens for r in waiting),
+            num_running=len(self.scheduler.running),
+            num_reserved=len(self.scheduler.reserved),
+            num_free_blocks=self.block_manager.num_free_blocks,
+            num_total_blocks=self.block_manager.num_total_blocks,
+            prefix_cache_queries=cache.num_queries,
+            prefix_cache_hits=cache.num_hits)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    # ------------------------------------------------------------ offline use
+
+    def generate(self, prompts: list[list[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams]
+                 ) -> list[GenerationResult]:
+        """Run `prompts` to completion (all batched together) and return one
+        result per prompt, in order. Text and stop strings use the model
+        directory's tokenizer when it has one: a request whose text contains
+        a stop string ends there (text cut before it, finish_reason "stop").
+        Must not be mixed with requests that other code steps concurrently."""
+        params = ([sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams)
+                  else list(sampling_params))
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        tokenizer = self._load_tokenizer()
+        streams: dict[str, _TextStream] = {}
+        for prompt, p in zip(prompts, params, strict=True):
+            request_id = f"generate-{next(self._generate_ids)}"
+            self.add_request(request_id, prompt, p)
+            streams[request_id] = _TextStream(request_id, tuple(prompt), p, tokenizer)
+        while any(s.finish_reason is None for s in streams.values()):
+            for output in self.step():
+                stream = streams.get(output.request_id)
+                if stream is None or stream.finish_reason is not None:
+                    continue
+                if stream.add(output):  # a stop string matched: the text is final
+                    self.abort_request(output.request_id)
+        return [s.result() for s in streams.values()]
+
+    def _load_tokenizer(self):
+        if self._tokenizer is None and (Path(self.config.model_dir) / "tokenizer.json").is_file():
+            from engine.tokenizer import Tokenizer
+
+            self._tokenizer = Tokenizer.from_pretrained(self.config.model_dir)
+        return self._tokenizer
+
+
+class _TextStream:
+    """One `generate()` request's accumulated tokens, logprobs and text."""
+
+    def __init__(self, request_id: str, prompt: tuple[int, ...], params: SamplingParams,
+                 tokenizer) -> None:
+        from engine.detokenizer import IncrementalDetokenizer
+
+        self.request_id = request_id
+        self.prompt = prompt
+        self.params = params
+        self.detokenizer = None if tokenizer is None else IncrementalDetokenizer(tokenizer)
+        self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprobs] = []
+        self.text = ""
+        self.finish_reason: str | None = None
+        self.num_cached_tokens = 0
+
+    def add(self, output: RequestOutput) -> bool:
+        """Take one step's output; True when a stop string just ended the request."""
+        self.token_ids.extend(output.new_token_ids)
+        self.logprobs.extend(output.new_logprobs)
+        self.num_cached_tokens = output.num_cached_tokens
+        self.finish_reason = output.finish_reason
+        if self.detokenizer is None:
+            return False
+        self.text += self.detokenizer.add(output.new_token_ids)
+        if output.finished:
+            self.text += self.detokenizer.flush()
+        cut = min((i for i in (self.text.find(s) for s in self.params.stop) if i >= 0),
+                  default=-1)
+        if cut < 0:
+            return False
+        self.text = self.text[:cut]
+        stopped_early = self.finish_reason is None
+        self.finish_reason = "stop"
+        return stopped_early
+
+    def result(self) -> GenerationResult:
+        assert self.finish_reason is not None
+        return GenerationResult(
+            request_id=self.request_id, prompt_token_ids=self.prompt,
+            token_ids=tuple(self.token_ids),
+            text=None if self.detokenizer is None else self.text,
+            finish_reason=self.finish_reason, logprobs=tuple(self.logprobs),
+            num_cached_tokens=self.num_cached_tokens)
+
+
+def _generation_eos_ids(model_dir: str) -> frozenset[int]:
+    """eos ids of generation_config.json, which HF generation also stops on."""
+    path = Path(model_dir) / "generation_config.json"
+    if not path.is_file():
+        return frozenset()
+    eos = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
+    return frozenset() if eos is None else frozenset([eos] if isinstance(eos, int) else eos)

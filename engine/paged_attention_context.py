@@ -1,0 +1,108 @@
+"""`PagedAttentionContext`: attention over the paged KV cache for one step.
+
+Built by `ModelRunner` for each forward pass (engine loop thread only) and
+passed to the model as an explicit argument; the model calls
+`attend(layer_idx, q, k, v)` once per layer, in layer order.
+
+The batch is flattened with **decode rows first**: sequences computing one
+token (decoding, or the last token of a prompt) occupy rows `[0, B)`, then
+each prefill chunk occupies a contiguous run of rows. Per layer:
+
+1. the new K/V of all N rows go into the cache in one
+   `kernels.inject_kv(cache, [k, v], slot_mapping)`;
+2. decode rows attend with `kernels.paged_decode_attention` over their
+   block tables (their own K/V are in the cache already);
+3. prefill chunks gather their whole context (cached prefix + this chunk)
+   with one `kernels.extract_kv` and run causal attention with the query
+   offset `context_len - num_new` (torch sdpa, a boolean mask);
+4. the `LayerKVHook`, if any, receives the layer with this step's spans.
+
+Sliding window W: a query at position p sees keys j with p - W < j <= p
+(the convention of `engine.reference` and the kernels).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+import kernels
+from engine.kv_hook import LayerKVHook, LayerKVSpan
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillChunk:
+    """Rows `[row_start, row_start + num_new)` of the batch are the last
+    `num_new` of the sequence's `context_len` tokens; their context K/V are
+    rows `[context_start, context_start + context_len)` of the gathered context."""
+
+    row_start: int
+    num_new: int
+    context_start: int
+    context_len: int
+
+
+class PagedAttentionContext:
+    """Per-step attention state; see the module docstring for the batch layout."""
+
+    def __init__(self, *, kv_caches: list[torch.Tensor], slot_mapping: torch.Tensor,
+                 num_decode: int, decode_block_tables: torch.Tensor,
+                 decode_context_lens: torch.Tensor, prefill_chunks: tuple[PrefillChunk, ...],
+                 prefill_context_slots: torch.Tensor, scale: float,
+                 sliding_window: int | None, hook: LayerKVHook | None = None,
+                 spans: tuple[LayerKVSpan, ...] = ()) -> None:
+        self.kv_caches = kv_caches
+        self.slot_mapping = slot_mapping
+        self.num_decode = num_decode
+        self.decode_block_tables = decode_block_tables
+        self.decode_context_lens = decode_context_lens
+        self.prefill_chunks = prefill_chunks
+        self.prefill_context_slots = prefill_context_slots
+        self.scale = scale
+        self.sliding_window = sliding_window
+        self.hook = hook
+        self.spans = spans
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> torch.Tensor:
+        """Called by the model's layer `layer_idx`; see module docstring."""
+        cache = self.kv_caches[layer_idx]
+        kernels.inject_kv(cache, torch.stack((k, v)).to(cache.dtype), self.slot_mapping)
+        if self.hook is not None and self.spans:
+            self.hook.on_layer_kv(layer_idx, cache, self.spans)
+        nd = self.num_decode
+        decode_out = None
+        if nd:
+            decode_out = kernels.paged_decode_attention(
+                q[:nd], cache, self.decode_block_tables, self.decode_context_lens,
+                scale=self.scale, sliding_window=self.sliding_window,
+            )
+            if not self.prefill_chunks:
+                return decode_out
+        out = torch.empty_like(q)
+        if decode_out is not None:
+            out[:nd] = decode_out
+        context = kernels.extract_kv(cache, self.prefill_context_slots)
+        for c in self.prefill_chunks:
+            rows = slice(c.row_start, c.row_start + c.num_new)
+            ctx = slice(c.context_start, c.context_start + c.context_len)
+            out[rows] = self._chunk_attention(q[rows], context[0, ctx], context[1, ctx])
+        return out
+
+    def _chunk_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of the last `len(q)` positions over `len(k)` keys."""
+        num_new, num_heads, _ = q.shape
+        context_len, num_kv_heads, _ = k.shape
+        group = num_heads // num_kv_heads
+        query_pos = torch.arange(context_len - num_new, context_len, device=q.device)[:, None]
+        key_pos = torch.arange(context_len, device=q.device)[None, :]
+        visible = key_pos <= query_pos
+        if self.sliding_window is not None:
+            visible &= key_pos > query_pos - self.sliding_window
+        qh = q.transpose(0, 1)                                    # [Hq, n, D]
+        kh = k.to(q.dtype).repeat_interleave(group, dim=1).transpose(0, 1)
+        vh = v.to(q.dtype).repeat_interleave(group, dim=1).transpose(0, 1)
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=visible, scale=self.scale)
+        return out.transpose(0, 1)
