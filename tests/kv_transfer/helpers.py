@@ -72,7 +72,8 @@ def send_all(sender: KVSender, request_id: str, kv: torch.Tensor, cuts: list[int
 
 
 def run_concurrent(sender: KVSender, receiver: KVReceiver, listener: RecordingListener,
-                   layouts: list[KVLayout], seed: int) -> None:  # fmt: skip
+                   layouts: list[KVLayout], seed: int,
+                   check_pool: bool = True) -> None:  # fmt: skip
     """Send one random transfer per layout from concurrent threads, and assert that
     each arrives byte-exact, layers in order, and that the pool is empty after release."""
     gen = torch.Generator().manual_seed(seed)
@@ -105,4 +106,5 @@ def run_concurrent(sender: KVSender, receiver: KVReceiver, listener: RecordingLi
             assert got.dtype == kvs[i].dtype
             assert torch.equal(got.view(torch.uint8), kvs[i][layer].view(torch.uint8))
         assert receiver.release(rid)
-    assert receiver.stats().bytes_in_use == 0
+    if check_pool:  # only when nothing else uses the receiver meanwhile
+        assert receiver.stats().bytes_in_use == 0
