@@ -1,0 +1,53 @@
+"""Validated configurations of the decode pod (`DecodeConfig`) and the
+colocated pod (`ColocatedConfig`), built by `pdserve decode` / `pdserve
+serve` from their flags; the services never see argparse."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.config import EngineConfig
+from prefill_service.pod import ServerConfig
+
+KV_TRANSPORTS = ("tcp", "grpc")
+MAX_TRANSFER_TIMEOUT_S = 3600.0
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeConfig:
+    """A decode pod: engine, gRPC server, and the KV receiver.
+
+    `kv_port` is where prefill pods push KV (the TCP listener, or the gRPC
+    `KVTransfer` server); `landing_memory` bounds the bytes of KV in flight
+    (a full pool refuses new requests with RESOURCE_EXHAUSTED);
+    `transfer_timeout_s` is how long a reserved request waits for its KV
+    before it fails with DEADLINE_EXCEEDED and its blocks are freed.
+    """
+
+    engine: EngineConfig
+    server: ServerConfig
+    kv_port: int = 50062
+    kv_transport: str = "tcp"
+    landing_memory: int = 1 << 30
+    transfer_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.kv_port <= 65535:
+            raise ValueError(f"kv_port must be in [0, 65535] (0 = any free port), "
+                             f"got {self.kv_port}")
+        if self.kv_transport not in KV_TRANSPORTS:
+            raise ValueError(f"kv_transport must be one of {KV_TRANSPORTS}, "
+                             f"got {self.kv_transport!r}")
+        if self.landing_memory <= 0:
+            raise ValueError(f"landing_memory must be > 0 bytes, got {self.landing_memory}")
+        if not 0 < self.transfer_timeout_s <= MAX_TRANSFER_TIMEOUT_S:
+            raise ValueError(f"transfer_timeout must be in (0, {MAX_TRANSFER_TIMEOUT_S}] "
+                             f"seconds, got {self.transfer_timeout_s}")
+
+
+@dataclass(frozen=True, slots=True)
+class ColocatedConfig:
+    """A colocated pod: prefill and decode in one engine, no KV transfer."""
+
+    engine: EngineConfig
+    server: ServerConfig

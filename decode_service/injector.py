@@ -1,0 +1,222 @@
+"""`KVInjector`: writes KV arriving from prefill pods into the decode pod's
+paged cache, layer by layer, while the engine keeps stepping its batch.
+
+Threads:
+
+* receiver I/O threads (and its collector) call the `KVReceiveListener`
+  hooks; each only queues an item, so the receiver never waits on injection;
+* one **injector thread** takes items in order and runs
+  `kernels.inject_kv(cache[layer], landing_view, reservation.slot_mapping)`.
+  On CUDA the H2D copy and the scatter run on the injector's own CUDA stream;
+  before a request is declared ready the thread waits on that stream's event,
+  so the engine's default stream is never blocked and never reads a slot
+  before its KV is in. On CPU the scatter runs on this thread (torch releases
+  the GIL), beside the engine loop thread;
+* the decode servicer (event loop) calls `expect`, `fail` and `forget`.
+
+Life of one request R (per-request state, checked transitions):
+
+    expect(R)           -> WAITING   (slots reserved by the engine; future pending)
+    layer l ready       -> INJECTING (layers 0..l injected, in order)
+    END accepted        -> READY     once all layers are in: future = first token
+    failed / fail(R)    -> FAILED    future = TransferFailed(reason)
+    forget(R)           -> (removed) after this returns, the injector thread never
+                                     touches R's slots or landing views again,
+                                     so the engine may free the blocks and the
+                                     receiver the landing buffer.
+
+Only the engine writes R's slots after commit; only the injector before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+import kernels
+from engine.metrics import PodMetrics
+from kv_transfer.base import KVReceiveListener
+
+log = logging.getLogger(__name__)
+
+
+class TransferFailed(Exception):
+    """R's KV will not arrive; `reason` is kv_transfer's reason string."""
+
+    def __init__(self, request_id: str, reason: str) -> None:
+        super().__init__(f"KV transfer of {request_id} failed: {reason}")
+        self.request_id = request_id
+        self.reason = reason
+
+
+class InjectState(enum.Enum):
+    WAITING = "waiting"
+    INJECTING = "injecting"
+    READY = "ready"
+    FAILED = "failed"
+
+
+_INJECT_TRANSITIONS = {
+    InjectState.WAITING: frozenset({InjectState.INJECTING, InjectState.READY,
+                                    InjectState.FAILED}),
+    InjectState.INJECTING: frozenset({InjectState.INJECTING, InjectState.READY,
+                                      InjectState.FAILED}),
+    InjectState.READY: frozenset(),
+    InjectState.FAILED: frozenset(),
+}
+
+
+@dataclass(slots=True)
+class _Pending:
+    slot_mapping: torch.Tensor
+    num_layers: int
+    num_bytes: int
+    future: asyncio.Future[int]
+    loop: asyncio.AbstractEventLoop
+    state: InjectState = InjectState.WAITING
+    layers_done: int = 0
+    first_layer_at: float | None = None
+    reason: str = field(default="")
+
+    def to(self, new: InjectState) -> None:
+        if new not in _INJECT_TRANSITIONS[self.state]:
+            raise RuntimeError(f"inject state {self.state.value} -> {new.value} is not allowed")
+        self.state = new
+
+
+class KVInjector(KVReceiveListener):
+    """One per decode pod; `kv_caches` are the engine's per-layer cache tensors."""
+
+    def __init__(self, kv_caches: list[torch.Tensor], metrics: PodMetrics) -> None:
+        self._caches = kv_caches
+        self._metrics = metrics
+        self._device = kv_caches[0].device
+        self._stream = torch.cuda.Stream(self._device) if self._device.type == "cuda" else None
+        self._items: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self._pending: dict[str, _Pending] = {}  # injector thread only (after expect)
+        self._lock = threading.Lock()  # guards _pending between expect and the thread
+        self._thread = threading.Thread(target=self._run, name="kv-injector", daemon=True)
+        self._thread.start()
+
+    # ---------------------------------------------------------------- servicer (event loop)
+
+    def expect(self, request_id: str, slot_mapping: torch.Tensor, num_layers: int,
+               num_bytes: int) -> asyncio.Future[int]:
+        """Register R before its receiver ticket exists, so no layer can
+        arrive unannounced. The future resolves with the first token id once
+        every layer is in the cache, or raises TransferFailed."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[int] = loop.create_future()
+        with self._lock:
+            if request_id in self._pending:
+                raise ValueError(f"request {request_id!r} is already waiting for KV")
+            self._pending[request_id] = _Pending(slot_mapping, num_layers, num_bytes, future, loop)
+        return future
+
+    def fail(self, request_id: str, reason: str) -> None:
+        """Fail R from the service side (Abort RPC); ordered after queued layers."""
+        self._items.put(("failed", request_id, reason))
+
+    async def forget(self, request_id: str) -> None:
+        """Drop R; returns once the injector thread will never touch it again."""
+        done = asyncio.get_running_loop().create_future()
+        self._items.put(("forget", request_id, done))
+        await done
+
+    def close(self) -> None:
+        self._items.put(("stop",))
+        self._thread.join(timeout=5)
+
+    # ---------------------------------------------------------------- receiver threads
+
+    def on_layer_ready(self, request_id: str, layer: int, kv_view: torch.Tensor) -> None:
+        self._items.put(("layer", request_id, layer, kv_view))
+
+    def on_complete(self, request_id: str, first_token_id: int) -> None:
+        self._items.put(("complete", request_id, first_token_id))
+
+    def on_failed(self, request_id: str, reason: str) -> None:
+        self._items.put(("failed", request_id, reason))
+
+    # ---------------------------------------------------------------- injector thread
+
+    def _run(self) -> None:
+        while True:
+            item = self._items.get()
+            kind = item[0]
+            p: _Pending | None = None
+            if kind == "stop":
+                return
+            try:
+                if kind == "forget":
+                    if self._stream is not None:
+                        # queued H2D copies may still read the landing buffer
+                        self._stream.synchronize()
+                    with self._lock:
+                        self._pending.pop(item[1], None)
+                    done = item[2]
+                    done.get_loop().call_soon_threadsafe(_resolve, done, None)
+                    continue
+                with self._lock:
+                    p = self._pending.get(item[1])
+                if p is None or p.state in (InjectState.READY, InjectState.FAILED):
+                    continue
+                if kind == "layer":
+                    self._inject(item[1], p, item[2], item[3])
+                elif kind == "complete":
+                    self._complete(item[1], p, item[2])
+                elif kind == "failed":
+                    self._fail(p, TransferFailed(item[1], item[2]))
+            except Exception as exc:  # noqa: BLE001 - one bad request must not stop injection
+                log.exception("KV injection of %s failed", item[1])
+                if p is not None and p.state not in (InjectState.READY, InjectState.FAILED):
+                    self._fail(p, TransferFailed(item[1], f"injection: {exc}"))
+
+    def _inject(self, request_id: str, p: _Pending, layer: int, view: torch.Tensor) -> None:
+        if layer != p.layers_done:
+            raise RuntimeError(f"layer {layer} arrived, expected layer {p.layers_done}")
+        if p.first_layer_at is None:
+            p.first_layer_at = time.monotonic()
+        if self._stream is None:
+            kernels.inject_kv(self._caches[layer], view, p.slot_mapping)
+        else:
+            with torch.cuda.stream(self._stream):
+                src = view.to(self._device, non_blocking=True)
+                kernels.inject_kv(self._caches[layer], src, p.slot_mapping)
+        p.layers_done += 1
+        p.to(InjectState.INJECTING)
+
+    def _complete(self, request_id: str, p: _Pending, first_token_id: int) -> None:
+        if p.layers_done != p.num_layers:
+            raise RuntimeError(f"END after {p.layers_done} of {p.num_layers} layers")
+        if self._stream is not None:
+            # The engine's stream must never read these slots before the
+            # scatter finished; wait here, on the injector thread.
+            self._stream.synchronize()
+        if p.first_layer_at is not None:
+            self._metrics.kv_injection_seconds.observe(time.monotonic() - p.first_layer_at)
+        self._metrics.kv_transfer_bytes.inc(p.num_bytes)
+        p.to(InjectState.READY)
+        p.loop.call_soon_threadsafe(_resolve, p.future, first_token_id)
+
+    def _fail(self, p: _Pending, exc: TransferFailed) -> None:
+        p.to(InjectState.FAILED)
+        p.reason = exc.reason
+        p.loop.call_soon_threadsafe(_reject, p.future, exc)
+
+
+def _resolve(future: asyncio.Future, value: object) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def _reject(future: asyncio.Future, exc: BaseException) -> None:
+    if not future.done():
+        future.set_exception(exc)

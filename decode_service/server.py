@@ -1,0 +1,98 @@
+"""Assembles and runs a decode pod (engine + KV receiver + injector) or a
+colocated pod (engine only) behind `DecodeServicer`, until SIGTERM.
+
+Called by `pdserve decode` / `pdserve serve` with a validated config; runs in
+the caller's asyncio loop, plus the engine loop thread, the receiver's I/O
+threads and the injector thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from pathlib import Path
+
+from decode_service.config import ColocatedConfig, DecodeConfig
+from decode_service.injector import KVInjector
+from decode_service.servicer import DecodeServicer, RemoteKV
+from engine.config import EngineConfig
+from engine.engine_loop import EngineLoop
+from engine.llm_engine import LLMEngine
+from engine.metrics import PodMetrics, serve_metrics
+from engine.model_config import ModelConfig
+from kv_transfer.base import KVReceiver
+from kv_transfer.config import ReceiverConfig
+from kv_transfer.errors import BufferPoolExhausted
+from prefill_service.messages import ModelLimits
+from prefill_service.pod import DrainGate, PodServer, ServerConfig
+from prefill_service.server import kv_shape_of
+from proto import pdserve_pb2_grpc
+from proto.status import register_capacity_error
+
+log = logging.getLogger(__name__)
+
+# A full landing pool is "no room now", like a full block pool.
+register_capacity_error(BufferPoolExhausted)
+
+
+def make_receiver(config: DecodeConfig, injector: KVInjector) -> KVReceiver:
+    """The receiver for --kv-transport, listening on --kv-port."""
+    rc = ReceiverConfig(
+        capacity_bytes=config.landing_memory, host=config.server.host, port=config.kv_port,
+        advertise_host=config.server.public_host(),
+    )
+    if config.kv_transport == "tcp":
+        from kv_transfer.tcp import TcpKVReceiver
+
+        return TcpKVReceiver(rc, injector)
+    from kv_transfer.grpc import GrpcKVReceiver
+
+    return GrpcKVReceiver(rc, injector)
+
+
+async def _serve(role: str, engine_config: EngineConfig, server_config: ServerConfig,
+                 stop: asyncio.Event | None, decode: DecodeConfig | None) -> int:
+    metrics = PodMetrics.create(role)
+    engine = LLMEngine(engine_config)
+    loop = EngineLoop(engine, metrics)
+    model_config = ModelConfig.from_pretrained(engine_config.model_dir)
+    model_name = Path(engine_config.model_dir).name
+    on_stopped = [loop.stop]
+    extra_ports: dict[str, int] = {}
+    remote = None
+    if decode is not None:
+        injector = KVInjector(loop.kv_caches(), metrics)
+        receiver = make_receiver(decode, injector)
+        receiver.start()
+        extra_ports["kv"] = int(receiver.endpoints[0].rpartition(":")[2])
+        metrics.kv_landing_bytes_in_use.set_function(lambda: receiver.stats().bytes_in_use)
+        remote = RemoteKV(receiver, injector, kv_shape_of(engine_config.model_dir,
+                                                          engine_config.dtype),
+                          decode.transfer_timeout_s)
+        on_stopped = [receiver.close, injector.close, loop.stop]
+    gate = DrainGate()
+    servicer = DecodeServicer(
+        role=role, loop=loop, metrics=metrics, gate=gate,
+        limits=ModelLimits(model_config.vocab_size, loop.max_model_len),
+        model=model_name, generation=secrets.randbits(63), remote=remote,
+    )
+    server = PodServer.new_grpc_server()
+    pdserve_pb2_grpc.add_DecodeServicer_to_server(servicer, server)
+    pod = PodServer(
+        role=role, model=model_name, config=server_config, gate=gate, server=server,
+        services=("pdserve.v1.Decode",), extra_ports=extra_ports, on_stopped=on_stopped,
+        metrics_start=lambda host, port: serve_metrics(metrics, host, port),
+    )
+    loop.start()
+    return await pod.run(stop)
+
+
+async def run_decode_pod(config: DecodeConfig, stop: asyncio.Event | None = None) -> int:
+    """Serve a decode pod until SIGTERM/SIGINT or `stop`; returns the exit status."""
+    return await _serve("decode", config.engine, config.server, stop, config)
+
+
+async def run_colocated_pod(config: ColocatedConfig, stop: asyncio.Event | None = None) -> int:
+    """Serve a colocated pod until SIGTERM/SIGINT or `stop`; returns the exit status."""
+    return await _serve("colocated", config.engine, config.server, stop, None)

@@ -1,0 +1,108 @@
+"""Flags every pod command shares (`pdserve prefill|decode|serve`), and their
+translation into the validated `EngineConfig` / `ServerConfig`.
+
+Only command modules import this; services receive the config dataclasses.
+Flag names are a contract with the router engineers and the Helm chart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from engine.config import EngineConfig
+from prefill_service.config import parse_size
+from prefill_service.pod import ServerConfig
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser, *, block_size: int,
+                         prefix_cache_default: bool) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", required=True, metavar="DIR",
+                   help="Hugging Face style model directory (config.json + safetensors).")
+    g.add_argument("--block-size", type=int, default=block_size,
+                   help=f"KV cache block size in tokens (default {block_size}).")
+    size = g.add_mutually_exclusive_group()
+    size.add_argument("--kv-cache-memory", type=parse_size, default=None, metavar="SIZE",
+                      help="KV cache budget, e.g. 2GiB (default: a fraction of free memory).")
+    size.add_argument("--num-blocks", type=int, default=None, help="Exact number of KV blocks.")
+    g.add_argument("--max-num-seqs", type=int, default=64, help="Sequences per batch.")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="Tokens computed per step (longer prompts are chunked).")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="Context limit (default: the model's max_position_embeddings).")
+    g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    g.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
+    g.add_argument("--seed", type=int, default=0, help="Seed of the pod's sampling generator.")
+    if prefix_cache_default:
+        g.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                       help="Disable the prefix cache.")
+    else:
+        g.add_argument("--prefix-cache", dest="prefix_cache", action="store_true",
+                       help="Enable the prefix cache (off by default on this role).")
+
+
+def add_server_arguments(parser: argparse.ArgumentParser, *, port: int,
+                         metrics_port: int) -> None:
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="0.0.0.0", help="Address to bind (default 0.0.0.0).")
+    g.add_argument("--port", type=int, default=port, help=f"gRPC port (default {port}).")
+    g.add_argument("--metrics-port", type=int, default=metrics_port,
+                   help=f"Prometheus /metrics port, 0 = any free port (default {metrics_port}).")
+    g.add_argument("--advertise-host", default=None,
+                   help="Host peers dial (default: --host, or this machine's address).")
+    g.add_argument("--redis-url", default=None,
+                   help="Register this pod in Redis with a TTL heartbeat.")
+    g.add_argument("--grace-period", type=float, default=30.0,
+                   help="Seconds to finish in-flight requests after SIGTERM (default 30).")
+    g.add_argument("--ready-file", default=None, metavar="PATH",
+                   help='Write {"grpc": port, "metrics": port, "kv": port} here once serving.')
+    g.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+
+
+def resolve_device(device: str) -> str:
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_dtype(dtype: str, device: str, model_dir: str) -> str:
+    """auto: the checkpoint's dtype on CUDA, float32 on CPU (CPU half math is slow)."""
+    if dtype != "auto":
+        return dtype
+    if device == "cpu":
+        return "float32"
+    from engine.model_config import ModelConfig
+
+    return ModelConfig.from_pretrained(model_dir).torch_dtype
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    device = resolve_device(args.device)
+    return EngineConfig(
+        model_dir=args.model,
+        dtype=resolve_dtype(args.dtype, device, args.model),
+        device=device,
+        block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory,
+        num_blocks=args.num_blocks,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=args.prefix_cache,
+        seed=args.seed,
+    )
+
+
+def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(
+        host=args.host, port=args.port, metrics_port=args.metrics_port,
+        advertise_host=args.advertise_host, redis_url=args.redis_url,
+        grace_period_s=args.grace_period, ready_file=args.ready_file,
+    )
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -1,0 +1,42 @@
+"""`pdserve decode`: run a decode pod (see decode_service/servicer.py)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+HELP = "Run a decode pod: receives KV from prefill pods, injects it, and decodes."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from pdserve.commands._pod_flags import add_engine_arguments, add_server_arguments
+    from prefill_service.config import parse_size
+
+    add_engine_arguments(parser, block_size=128, prefix_cache_default=False)
+    add_server_arguments(parser, port=50061, metrics_port=9102)
+    g = parser.add_argument_group("kv transfer")
+    g.add_argument("--kv-port", type=int, default=50062,
+                   help="Port prefill pods push KV to, 0 = any free port (default 50062).")
+    g.add_argument("--kv-transport", choices=("tcp", "grpc"), default="tcp")
+    g.add_argument("--landing-memory", type=parse_size, default=parse_size("1GiB"),
+                   metavar="SIZE", help="Budget of KV in flight (landing buffers, default 1GiB).")
+    g.add_argument("--transfer-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="How long a reserved request waits for its KV (default 30).")
+
+
+def main(args: argparse.Namespace) -> int:
+    from decode_service.config import DecodeConfig
+    from decode_service.server import run_decode_pod
+    from pdserve.commands._pod_flags import (
+        engine_config_from_args,
+        server_config_from_args,
+        setup_logging,
+    )
+
+    setup_logging(args.log_level)
+    config = DecodeConfig(
+        engine=engine_config_from_args(args), server=server_config_from_args(args),
+        kv_port=args.kv_port, kv_transport=args.kv_transport,
+        landing_memory=args.landing_memory, transfer_timeout_s=args.transfer_timeout,
+    )
+    return asyncio.run(run_decode_pod(config))

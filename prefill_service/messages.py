@@ -1,0 +1,102 @@
+"""Conversions between `pdserve.v1` messages and engine types, with the
+boundary checks every pod applies before a request reaches its engine.
+
+Called by the prefill and decode servicers on the pod's event loop. Every
+check raises `ValueError` with a message naming the field and the limit, which
+`proto.status.grpc_errors` turns into INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engine.outputs import RequestOutput, TokenLogprobs
+from engine.sampling_params import SamplingParams
+from proto import pdserve_pb2
+
+MAX_REQUEST_ID_CHARS = 64  # the KV frame header holds at most 64 bytes of id
+
+
+@dataclass(frozen=True, slots=True)
+class ModelLimits:
+    """What a request's tokens are checked against on this pod."""
+
+    vocab_size: int
+    max_model_len: int
+
+    def __post_init__(self) -> None:
+        if self.vocab_size < 1 or self.max_model_len < 1:
+            raise ValueError(f"vocab_size and max_model_len must be >= 1, got {self}")
+
+
+def check_request_id(request_id: str) -> None:
+    if not request_id:
+        raise ValueError("request_id must be non-empty")
+    if len(request_id.encode()) > MAX_REQUEST_ID_CHARS:
+        raise ValueError(
+            f"request_id is {len(request_id.encode())} bytes UTF-8, the limit is "
+            f"{MAX_REQUEST_ID_CHARS}"
+        )
+
+
+def sampling_from_proto(msg: pdserve_pb2.SamplingParams) -> SamplingParams:
+    """proto3 leaves unset fields at zero: top_p 0 means "off" (1.0),
+    logprobs 0 means none; max_tokens 0 is refused by `SamplingParams`."""
+    return SamplingParams(
+        temperature=msg.temperature,
+        top_p=msg.top_p if msg.top_p != 0 else 1.0,
+        top_k=msg.top_k,
+        seed=msg.seed if msg.HasField("seed") else None,
+        max_tokens=msg.max_tokens,
+        stop_token_ids=tuple(msg.stop_token_ids),
+        stop=tuple(msg.stop),
+        ignore_eos=msg.ignore_eos,
+        logprobs=msg.logprobs if msg.logprobs > 0 else None,
+    )
+
+
+def check_context(prompt_token_ids: Sequence[int], output_token_ids: Sequence[int],
+                  params: SamplingParams, limits: ModelLimits) -> None:
+    """Refuse a request the model cannot hold: empty prompt, ids outside the
+    vocabulary, or context + tokens still to generate over max_model_len."""
+    if not prompt_token_ids:
+        raise ValueError("prompt_token_ids must be non-empty")
+    for name, ids in (("prompt_token_ids", prompt_token_ids),
+                      ("output_token_ids", output_token_ids)):
+        bad = next((t for t in ids if not 0 <= t < limits.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"{name} contains {bad}, outside the vocabulary [0, "
+                             f"{limits.vocab_size})")
+    if len(output_token_ids) >= params.max_tokens:
+        raise ValueError(f"output_token_ids already holds {len(output_token_ids)} tokens, "
+                         f"max_tokens is {params.max_tokens}")
+    context = len(prompt_token_ids) + len(output_token_ids)
+    total = len(prompt_token_ids) + params.max_tokens
+    if total > limits.max_model_len:
+        raise ValueError(
+            f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = "
+            f"{total} exceeds max_model_len {limits.max_model_len}"
+            if context < limits.max_model_len else
+            f"context of {context} tokens exceeds max_model_len {limits.max_model_len}"
+        )
+
+
+def logprob_to_proto(lp: TokenLogprobs) -> pdserve_pb2.TokenLogprob:
+    return pdserve_pb2.TokenLogprob(
+        token_id=lp.token_id, logprob=lp.logprob,
+        top_token_ids=list(lp.top_token_ids), top_logprobs=list(lp.top_logprobs),
+    )
+
+
+def tokens_message(output: RequestOutput, first_index: int) -> pdserve_pb2.DecodeGenerateResponse:
+    """One engine output as a `DecodeTokens` stream message; `first_index` is
+    the output index of `output.new_token_ids[0]` (0 = first generated token)."""
+    return pdserve_pb2.DecodeGenerateResponse(tokens=pdserve_pb2.DecodeTokens(
+        first_index=first_index,
+        token_ids=list(output.new_token_ids),
+        logprobs=[logprob_to_proto(lp) for lp in output.new_logprobs],
+        finish_reason=output.finish_reason or "",
+        num_prompt_tokens=output.num_prompt_tokens,
+        num_cached_tokens=output.num_cached_tokens,
+    ))

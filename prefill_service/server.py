@@ -1,0 +1,75 @@
+"""Assembles and runs a prefill pod: engine + engine loop + KV senders +
+`PrefillServicer` + health + metrics, until SIGTERM.
+
+Called by `pdserve prefill` (pdserve/commands/prefill.py) with a validated
+`PrefillConfig`; everything runs in the calling thread's asyncio loop except
+the engine loop thread and the senders' I/O threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from pathlib import Path
+
+from engine.engine_loop import EngineLoop
+from engine.llm_engine import LLMEngine
+from engine.metrics import PodMetrics, serve_metrics
+from engine.model_config import ModelConfig
+from kv_transfer.base import KVSender
+from kv_transfer.config import SenderConfig
+from kv_transfer.tcp import TcpKVSender
+from prefill_service.config import PrefillConfig
+from prefill_service.kv_export import KVExport
+from prefill_service.messages import ModelLimits
+from prefill_service.pod import DrainGate, PodServer
+from prefill_service.servicer import KVShape, PrefillServicer
+from proto import pdserve_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+def make_senders(kv_streams: int) -> dict[str, KVSender]:
+    """One sender per transport this build has; the target picks per request."""
+    config = SenderConfig(num_streams=kv_streams)
+    senders: dict[str, KVSender] = {"tcp": TcpKVSender(config)}
+    try:
+        from kv_transfer.grpc import GrpcKVSender
+    except ImportError:  # the gRPC connector is optional
+        log.info("gRPC KV sender not available; serving tcp targets only")
+    else:
+        senders["grpc"] = GrpcKVSender(config)
+    return senders
+
+
+def kv_shape_of(model_dir: str, dtype: str) -> KVShape:
+    model = ModelConfig.from_pretrained(model_dir)
+    return KVShape(model.num_hidden_layers, model.num_key_value_heads, model.head_dim, dtype)
+
+
+async def run_prefill_pod(config: PrefillConfig, stop: asyncio.Event | None = None) -> int:
+    """Serve until SIGTERM/SIGINT or `stop`; returns the exit status."""
+    metrics = PodMetrics.create("prefill")
+    export = KVExport(make_senders(config.kv_streams))
+    engine = LLMEngine(config.engine, layer_kv_hook=export)
+    loop = EngineLoop(engine, metrics)
+    model_config = ModelConfig.from_pretrained(config.engine.model_dir)
+    gate = DrainGate()
+    model_name = Path(config.engine.model_dir).name
+    servicer = PrefillServicer(
+        loop=loop, export=export, metrics=metrics, gate=gate,
+        limits=ModelLimits(model_config.vocab_size, loop.max_model_len),
+        kv_shape=kv_shape_of(config.engine.model_dir, config.engine.dtype),
+        model=model_name, generation=secrets.randbits(63),
+    )
+    server = PodServer.new_grpc_server()
+    pdserve_pb2_grpc.add_PrefillServicer_to_server(servicer, server)
+    pod = PodServer(
+        role="prefill", model=model_name, config=config.server, gate=gate, server=server,
+        services=("pdserve.v1.Prefill",),
+        on_stopped=[loop.stop, export.close],
+        metrics_start=lambda host, port: serve_metrics(metrics, host, port),
+    )
+    loop.start()
+    return await pod.run(stop)
