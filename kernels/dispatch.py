@@ -200,7 +200,7 @@ def rms_norm(
     """
     checks.check_rms_norm(x, weight, eps, residual)
     if _use_triton(x.device):
-        from kernels.rms_norm import rms_norm_triton
+        from kernels.norm import rms_norm_triton
 
         return rms_norm_triton(x, weight, eps, residual)
     return reference.rms_norm_reference(x, weight, eps, residual)

@@ -7,7 +7,7 @@ import torch
 
 import kernels
 from kernels import Backend, dispatch
-from tests.kernels.cases import generator, make_paged_case, randn
+from tests.kernels.cases import assert_close, generator, make_paged_case, randn, rope_cache
 
 
 def test_parse_backend_names_and_rejects_unknown():
@@ -74,3 +74,84 @@ def test_inject_rejects_mismatched_layout():
         kernels.inject_kv(kv, src, torch.arange(3))
     with pytest.raises(ValueError, match="slot_mapping must be int64"):
         kernels.inject_kv(kv, src.expand(2, 3, 2, 64).contiguous(), torch.arange(3).int())
+
+
+def _both_backends(fn):
+    with kernels.use_backend("torch"):
+        via_torch = fn()
+    with kernels.use_backend("triton"):
+        via_triton = fn()
+    return via_torch, via_triton
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_backends_agree_through_the_engine_facing_api(dtype):
+    case = make_paged_case(
+        40, [37, 1, 150], dtype=dtype, num_kv_heads=2, group=4, head_dim=128, block_size=32
+    )
+    attn_torch, attn_triton = _both_backends(lambda: kernels.paged_decode_attention(
+        case.q, case.kv_cache, case.block_tables, case.context_lens,
+        scale=case.scale, sliding_window=100,
+    ))
+    assert_close(attn_triton, attn_torch)
+
+    slots = torch.tensor([5, 77, -1, 31, 32], dtype=torch.int64)
+    src = randn((2, 5, 2, 128), dtype, generator(41))
+    caches = []
+    for backend in ("torch", "triton"):
+        cache = case.kv_cache.clone()
+        with kernels.use_backend(backend):
+            kernels.inject_kv(cache, src, slots)
+        caches.append(cache)
+    assert torch.equal(caches[0], caches[1])
+    got_torch, got_triton = _both_backends(lambda: kernels.extract_kv(caches[0], slots))
+    assert torch.equal(got_torch, got_triton)
+
+    x, residual = randn((3, 320), dtype, generator(42)), randn((3, 320), dtype, generator(43))
+    weight = randn((320,), dtype, generator(44))
+    (y_torch, r_torch), (y_triton, r_triton) = _both_backends(
+        lambda: kernels.rms_norm(x, weight, 1e-6, residual)
+    )
+    assert_close(y_triton, y_torch)
+    assert torch.equal(r_triton, r_torch)
+
+    positions = torch.tensor([0, 9, 4], dtype=torch.int64)
+    cache = rope_cache(16, 128)
+    (q_torch, k_torch), (q_triton, k_triton) = _both_backends(
+        lambda: kernels.rotary_embedding(positions, case.q, case.q[:, :2], cache)
+    )
+    assert_close(q_triton, q_torch)
+    assert_close(k_triton, k_torch)
+
+
+_NO_TRITON = """
+import sys
+import torch
+sys.modules["triton"] = None  # from here on, import triton raises ImportError
+import kernels
+assert not kernels.triton_available()
+x = torch.ones(2, 64)
+assert torch.allclose(kernels.rms_norm(x, torch.ones(64), 1e-6), x)
+kernels.set_backend("triton")
+try:
+    kernels.rms_norm(x, torch.ones(64), 1e-6)
+except RuntimeError as exc:
+    print(exc)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_kernels_import_and_run_without_triton():
+    import subprocess
+    import sys
+
+    plain = subprocess.run(
+        [sys.executable, "-c", "import sys, kernels; print('triton' in sys.modules)"],
+        capture_output=True, text=True, check=True,
+    )
+    assert plain.stdout.strip() == "False"
+    blocked = subprocess.run(
+        [sys.executable, "-c", _NO_TRITON], capture_output=True, text=True, check=True
+    )
+    assert blocked.stdout.strip() == "PDSERVE_KERNEL_BACKEND=triton but triton is not installed"

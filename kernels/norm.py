@@ -1,5 +1,8 @@
 """RMSNorm with an optional fused residual add, in Triton.
 
+(Named `norm`, not `rms_norm`, so the submodule never shadows the
+`kernels.rms_norm` function on the package.)
+
 One program normalises one row of x [N, H]: it loads the whole row (padded
 to a power-of-two tile), adds the residual if given, rounds that sum to
 x.dtype and stores it (the next layer's residual), then computes the mean

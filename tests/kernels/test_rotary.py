@@ -1,0 +1,48 @@
+"""Triton neox RoPE (interpreter on CPU) against the torch reference.
+
+One token, odd token counts, head counts not a multiple of the head tile,
+repeated and unsorted positions, strided q (a slice of a fused qkv tensor).
+Outputs are NaN-poisoned; inputs must come back untouched.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import reference
+from kernels.rotary import all_rotary_configs, rotary_embedding_triton
+from tests.kernels.cases import DTYPE_IDS, DTYPES, assert_close, generator, randn, rope_cache
+
+CASES = {
+    # name: (num_tokens, q_heads, kv_heads, head_dim)
+    "one_token": (1, 1, 1, 64),
+    "odd_heads": (7, 5, 3, 128),
+    "gqa": (11, 8, 2, 64),
+}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("name", list(CASES))
+def test_rotary_matches_reference(name, dtype):
+    num_tokens, q_heads, kv_heads, head_dim = CASES[name]
+    gen = generator(list(CASES).index(name) * 3 + DTYPES.index(dtype))
+    positions = torch.randint(0, 300, (num_tokens,), generator=gen, dtype=torch.int64)
+    # q and k as views into one fused projection output, as the model produces them.
+    qkv = randn((num_tokens, q_heads + 2 * kv_heads, head_dim), dtype, gen)
+    q, k = qkv[:, :q_heads], qkv[:, q_heads : q_heads + kv_heads]
+    before = qkv.clone()
+    cache = rope_cache(300, head_dim)
+    q_out = torch.full(q.shape, float("nan"), dtype=dtype)
+    k_out = torch.full(k.shape, float("nan"), dtype=dtype)
+    got_q, got_k = rotary_embedding_triton(positions, q, k, cache, q_out=q_out, k_out=k_out)
+    assert got_q is q_out and got_k is k_out
+    want_q, want_k = reference.rotary_embedding_reference(positions, q, k, cache)
+    assert_close(q_out, want_q)
+    assert_close(k_out, want_k)
+    assert torch.equal(qkv, before)
+
+
+def test_rotary_configs():
+    assert len(all_rotary_configs()) == 6
