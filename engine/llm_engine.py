@@ -263,7 +263,8 @@ class LLMEngine:
             num_free_blocks=self.block_manager.num_free_blocks,
             num_total_blocks=self.block_manager.num_total_blocks,
             prefix_cache_queries=cache.num_queries,
-            prefix_cache_hits=cache.num_hits)
+            prefix_cache_hits=cache.num_hits,
+            num_preemptions=self.scheduler.num_preemptions)
 
     @property
     def device(self) -> torch.device:

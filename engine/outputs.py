@@ -116,3 +116,4 @@ class EngineStats:
     num_total_blocks: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    num_preemptions: int  # cumulative

@@ -63,6 +63,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.reserved: dict[str, Request] = {}
+        self.num_preemptions = 0  # cumulative, for stats and tests
 
     @property
     def num_seqs(self) -> int:
@@ -129,6 +130,7 @@ class Scheduler:
         return ScheduledRequest(request, request.num_computed_tokens, num_new)
 
     def _preempt(self, request: Request) -> None:
+        self.num_preemptions += 1
         self.block_manager.free(request)
         request.transition(RequestStatus.PREEMPTED)
         self.waiting.appendleft(request)
