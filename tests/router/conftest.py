@@ -1,12 +1,18 @@
-"""Router test fixtures: a real redis-server per test (flushed state, free port)."""
+"""Router test fixtures: a real redis-server (flushed per test, free port) and one
+shared event loop for tests that use grpc.aio."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+import io
+from collections.abc import Callable, Coroutine, Iterator
+from typing import Any, TypeVar
 
 import pytest
 
 from tests.redis_server import RedisServer
+
+T = TypeVar("T")
 
 
 @pytest.fixture(scope="module")
@@ -25,3 +31,38 @@ def redis_url(redis_server: RedisServer) -> Iterator[str]:
     client.flushall()
     client.close()
     yield redis_server.url
+
+
+@pytest.fixture(scope="session")
+def run_async() -> Iterator[Callable[[Coroutine[Any, Any, T]], T]]:
+    """Run coroutines on ONE event loop for the whole test session.
+
+    grpc.aio binds its completion-queue poller to the event loop that created
+    the first aio object; objects from an earlier `asyncio.run()` loop can
+    leave callbacks pointing at a closed loop, and a later call then hangs
+    (seen here about one run in six). Tests that create gRPC aio servers or
+    channels use this fixture instead of `asyncio.run`.
+    """
+    loop = asyncio.new_event_loop()
+
+    def run(coro: Coroutine[Any, Any, T], timeout_s: float = 20.0) -> T:
+        async def guarded() -> T:
+            task = asyncio.ensure_future(coro)
+            done, _ = await asyncio.wait({task}, timeout=timeout_s)
+            if not done:
+                stacks = io.StringIO()
+                for other in asyncio.all_tasks():
+                    other.print_stack(file=stacks)
+                task.cancel()
+                raise TimeoutError(
+                    f"coroutine still running after {timeout_s}s:\n{stacks.getvalue()}"
+                )
+            return task.result()
+
+        return loop.run_until_complete(guarded())
+
+    try:
+        yield run
+    finally:
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()

@@ -1,0 +1,237 @@
+"""Pod registry and polling (router/registry/*, pdserve/registry.py).
+
+The poller is exercised against real gRPC servers on loopback that serve the
+standard health service and GetLoad with a report the test controls (the
+layer below the poller is the network, which is real here). Redis discovery
+and heartbeats run against a real redis-server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import grpc
+import pytest
+import redis
+from grpc_health.v1 import _async as health_async
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pdserve.registry import PodHeartbeat, parse_pod_record, pod_key
+from proto import pdserve_pb2, pdserve_pb2_grpc
+from router.registry.base import PodEntry
+from router.registry.poller import PodState, PolledPodPool
+from router.registry.redis_registry import RedisPodSource
+from router.registry.static import StaticPodSource, parse_addresses
+
+
+class LoadServicer(pdserve_pb2_grpc.PrefillServicer, pdserve_pb2_grpc.DecodeServicer):
+    def __init__(self, report: pdserve_pb2.LoadReport) -> None:
+        self.report = report
+
+    async def GetLoad(self, request, context):  # noqa: N802 (gRPC method name)
+        return self.report
+
+
+class LoadServer:
+    """A gRPC server on a free loopback port serving health + GetLoad for one role."""
+
+    def __init__(self, role: str, **report: int) -> None:
+        self.servicer = LoadServicer(
+            pdserve_pb2.LoadReport(role=role, generation=7, num_total_blocks=64,
+                                   num_free_blocks=64, block_size=16, **report)
+        )
+        self.health = health_async.HealthServicer()
+        self.server = grpc.aio.server()
+        if role == "prefill":
+            pdserve_pb2_grpc.add_PrefillServicer_to_server(self.servicer, self.server)
+        else:
+            pdserve_pb2_grpc.add_DecodeServicer_to_server(self.servicer, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.address = f"127.0.0.1:{self.port}"
+
+    async def start(self) -> LoadServer:
+        await self.server.start()
+        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        return self
+
+    async def stop(self) -> None:
+        await self.server.stop(grace=None)
+
+
+def test_parse_addresses_and_static_source_validation() -> None:
+    assert parse_addresses(" a:1, b:2,,") == ["a:1", "b:2"]
+    with pytest.raises(ValueError, match="listed as both prefill and decode"):
+        StaticPodSource(prefill=["h:1"], decode=["h:1"])
+    with pytest.raises(ValueError, match="pod address must be host:port"):
+        StaticPodSource(prefill=["h"])
+    source = StaticPodSource(prefill=["h:2", "h:1"], decode=["h:3"])
+    assert asyncio.run(source.discover()) == [
+        PodEntry("h:3", "decode"), PodEntry("h:1", "prefill"), PodEntry("h:2", "prefill"),
+    ]
+
+
+@pytest.mark.timeout(30)
+def test_poller_reports_loads_and_drops_dead_pods_within_an_interval(run_async) -> None:
+    async def run() -> None:
+        p1 = await LoadServer("prefill", num_waiting=2, num_waiting_tokens=300).start()
+        p2 = await LoadServer("prefill").start()
+        d1 = await LoadServer("decode", num_running=3).start()
+        pool = PolledPodPool(
+            StaticPodSource(prefill=[p1.address, p2.address], decode=[d1.address]),
+            poll_interval=0.1,
+        )
+        await pool.start()
+        try:
+            assert pool.is_ready()
+            prefill = pool.pods("prefill")
+            assert [p.address for p in prefill] == sorted([p1.address, p2.address])
+            by_address = {p.address: p for p in prefill}
+            assert by_address[p1.address].num_waiting_tokens == 300
+            assert by_address[p1.address].num_waiting == 2
+            assert by_address[p1.address].generation == 7
+            assert pool.pods("decode")[0].num_running == 3
+            with pool.track(p2.address, num_tokens=40):
+                assert {p.address: p.in_flight_tokens for p in pool.pods("prefill")} == {
+                    p1.address: 0, p2.address: 40,
+                }
+            # load changes show up at the next poll
+            p1.servicer.report.num_waiting_tokens = 10
+            await asyncio.sleep(0.3)
+            assert {p.address: p.num_waiting_tokens for p in pool.pods("prefill")}[p1.address] == 10
+            # a dead pod leaves within one interval, and comes back when it answers again
+            await d1.stop()
+            await asyncio.sleep(0.35)
+            assert pool.pods("decode") == []
+            assert not pool.is_ready()
+            assert pool.state(d1.address)[0] is PodState.UNHEALTHY
+            assert pool.known("decode") == [d1.address]
+            # health NOT_SERVING and draining also take a pod out
+            await p2.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+            p1.servicer.report.draining = True
+            await asyncio.sleep(0.3)
+            assert pool.pods("prefill") == []
+            assert pool.state(p1.address) == (PodState.UNHEALTHY, "draining")
+            p1.servicer.report.draining = False
+            await asyncio.sleep(0.3)
+            assert [p.address for p in pool.pods("prefill")] == [p1.address]
+            # the server can take a pod out at once; the next good poll returns it
+            pool.mark_unhealthy(p1.address, "connect failed")
+            assert pool.pods("prefill") == []
+            await asyncio.sleep(0.3)
+            assert [p.address for p in pool.pods("prefill")] == [p1.address]
+        finally:
+            await pool.close()
+            for server in (p1, p2):
+                await server.stop()
+
+    run_async(run())
+
+
+@pytest.mark.timeout(30)
+def test_poller_refuses_a_pod_reporting_another_role(run_async) -> None:
+    async def run() -> None:
+        server = await LoadServer("decode").start()
+        # a colocated pod address given as --decode: the report says "decode" for a
+        # pod registered as colocated -> not used
+        pool = PolledPodPool(StaticPodSource(colocated=[server.address]), poll_interval=0.1)
+        await pool.start()
+        try:
+            assert pool.pods("colocated") == []
+            state, reason = pool.state(server.address)
+            assert state is PodState.UNHEALTHY
+            assert reason == "registered as colocated but reports role 'decode'"
+        finally:
+            await pool.close()
+            await server.stop()
+
+    run_async(run())
+
+
+def test_pod_record_round_trip_and_validation() -> None:
+    heartbeat_value = json.dumps(
+        {"address": "10.1.2.3:50051", "role": "decode", "model": "tiny", "started_at": 5.0}
+    )
+    record = parse_pod_record(heartbeat_value)
+    assert record.key == "pdserve:pods:decode:10.1.2.3:50051"
+    assert parse_pod_record(record.to_json()) == record
+    with pytest.raises(ValueError, match="malformed pod record"):
+        parse_pod_record('{"role": "decode"}')
+    with pytest.raises(ValueError, match="pod role must be one of"):
+        parse_pod_record('{"address": "h:1", "role": "router"}')
+    with pytest.raises(ValueError, match=r"heartbeat ttl_s must be in \[0.5, 3600\]"):
+        PodHeartbeat("redis://127.0.0.1:1", role="decode", address="h:1", model="m", ttl_s=0.1)
+
+
+@pytest.mark.timeout(30)
+def test_heartbeat_writes_refreshes_and_deletes_its_key(redis_url: str) -> None:
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    beat = PodHeartbeat(redis_url, role="prefill", address="127.0.0.1:5999", model="tiny",
+                        ttl_s=0.6)
+    beat.start()
+    try:
+        key = pod_key("prefill", "127.0.0.1:5999")
+        assert json.loads(client.get(key)) == {
+            "address": "127.0.0.1:5999", "role": "prefill", "model": "tiny",
+            "started_at": beat.record.started_at,
+        }
+        time.sleep(1.0)  # longer than the TTL: only the refresh keeps it alive
+        assert client.exists(key) == 1
+        assert 0 < client.pttl(key) <= 600
+    finally:
+        beat.stop()
+    assert client.exists(key) == 0
+    client.close()
+
+
+@pytest.mark.timeout(30)
+def test_heartbeat_start_fails_loudly_without_redis() -> None:
+    from tests.redis_server import free_port
+
+    beat = PodHeartbeat(f"redis://127.0.0.1:{free_port()}", role="decode", address="h:1",
+                        model="m")
+    with pytest.raises(redis.ConnectionError):
+        beat.start()
+
+
+@pytest.mark.timeout(30)
+def test_redis_registry_adds_new_pods_and_drops_expired_ones(redis_url: str, run_async) -> None:
+    async def run() -> None:
+        p1 = await LoadServer("prefill").start()
+        d1 = await LoadServer("decode").start()
+        client = redis.Redis.from_url(redis_url, decode_responses=True)
+        client.set("pdserve:pods:decode:junk", "not json")  # skipped with a warning
+        pool = PolledPodPool(RedisPodSource(redis_url), poll_interval=0.1)
+        await pool.start()
+        beats = []
+        try:
+            assert pool.known("prefill") == [] and not pool.is_ready()
+            for role, server in (("prefill", p1), ("decode", d1)):
+                beat = PodHeartbeat(redis_url, role=role, address=server.address, model="m",
+                                    ttl_s=0.6)
+                beat.start()
+                beats.append(beat)
+            await asyncio.sleep(0.3)
+            assert [p.address for p in pool.pods("prefill")] == [p1.address]
+            assert [p.address for p in pool.pods("decode")] == [d1.address]
+            # a crashed pod stops refreshing: its key expires and the pod leaves the pool
+            beats[0]._stop.set()
+            beats[0]._thread.join()
+            await asyncio.sleep(0.9)
+            assert pool.known("prefill") == []
+            assert [p.address for p in pool.pods("decode")] == [d1.address]
+            # a clean stop deletes the key at once
+            beats[1].stop()
+            await asyncio.sleep(0.25)
+            assert pool.known("decode") == []
+        finally:
+            for beat in beats:
+                beat.stop()
+            await pool.close()
+            client.close()
+            await p1.stop()
+            await d1.stop()
+
+    run_async(run())
