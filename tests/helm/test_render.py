@@ -290,3 +290,34 @@ def test_lint_reports_no_warnings() -> None:
     assert report["errors"] == []
     # Severity 1 is INFO (e.g. "icon is recommended"); 2+ are warnings/errors.
     assert [m for m in report["messages"] if m["severity"] >= 2] == []
+
+
+FULL_VALUES: dict[str, Any] = {
+    "redis": {"enabled": True},
+    "prefill": {
+        "autoscaling": {"enabled": True, "targetCPUUtilizationPercentage": 50,
+                        "behavior": {"scaleDown": {"stabilizationWindowSeconds": 600}}},
+        "resources": {"limits": {"nvidia.com/gpu": 1}},
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        "strategy": {"type": "RollingUpdate",
+                     "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}},
+    },
+    "decode": {"autoscaling": {"enabled": True}, "kvTransport": "grpc"},
+    "router": {"apiKey": {"value": "x"}, "extraEnv": [{"name": "LOG", "value": "1"}],
+               "service": {"type": "LoadBalancer"}},
+    "model": {"source": "hostPath", "hostPath": {"path": "/models"}},
+}
+
+
+@pytest.mark.parametrize("values", [{}, FULL_VALUES], ids=["defaults", "everything-on"])
+def test_objects_match_kubernetes_schemas(values: dict[str, Any]) -> None:
+    kubernetes_validate = pytest.importorskip(
+        "kubernetes_validate", reason="needs the kubernetes-validate package"
+    )
+    docs = render(values)
+    # ServiceMonitor is a CRD without a schema in the Kubernetes API.
+    checked = [d for d in docs if d["kind"] != "ServiceMonitor"]
+    for doc in checked:
+        # strict: unknown fields (typos in a template) fail too.
+        kubernetes_validate.validate(doc, "1.30", strict=True)
+    assert len(checked) == (9 if not values else 14)
