@@ -1,0 +1,82 @@
+"""`pdserve router`: the OpenAI-compatible front door (HTTP + gRPC) over
+prefill/decode (and colocated) pods. Flags become a `RouterConfig`; the
+environment is read here only (PDSERVE_API_KEY)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+
+HELP = "Run the router: OpenAI-compatible HTTP + gRPC API over prefill/decode pods."
+
+
+def _addresses(value: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in value.split(",") if part.strip())
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="model directory (tokenizer, config.json)")
+    parser.add_argument("--served-model-name", default="",
+                        help="name clients use in 'model' (default: the directory name)")
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port (0 = any free port)")
+    parser.add_argument("--grpc-port", type=int, default=50050, help="gRPC port (0 = any)")
+    parser.add_argument("--prefill", type=_addresses, default=(), metavar="ADDR,...")
+    parser.add_argument("--decode", type=_addresses, default=(), metavar="ADDR,...")
+    parser.add_argument("--colocated", type=_addresses, default=(), metavar="ADDR,...")
+    parser.add_argument("--redis-url", default=None,
+                        help="pod registry and shared session map (redis://host:port/db)")
+    parser.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer KEY' (default: $PDSERVE_API_KEY)")
+    parser.add_argument("--session-epsilon", type=float, default=0.25,
+                        help="a session moves off its pod above (1 + eps) x average load")
+    parser.add_argument("--load-poll-interval", type=float, default=0.5, metavar="SECONDS")
+    parser.add_argument("--max-prefill-retries", type=int, default=2)
+    parser.add_argument("--max-migrations", type=int, default=3,
+                        help="moves to a new pod pair per request after decode pods fail")
+    parser.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="context limit (default: max_position_embeddings in config.json)")
+    parser.add_argument("--shutdown-grace", type=float, default=30.0, metavar="SECONDS",
+                        help="how long SIGTERM waits for in-flight requests")
+    parser.add_argument("--log-level", default="INFO")
+
+
+def config_from_args(args: argparse.Namespace):
+    from router.config import RouterConfig
+
+    return RouterConfig(
+        model_dir=args.model,
+        served_model_name=args.served_model_name,
+        host=args.host,
+        port=args.port,
+        grpc_port=args.grpc_port,
+        prefill=args.prefill,
+        decode=args.decode,
+        colocated=args.colocated,
+        redis_url=args.redis_url,
+        api_key=args.api_key or os.environ.get("PDSERVE_API_KEY") or None,
+        session_epsilon=args.session_epsilon,
+        load_poll_interval=args.load_poll_interval,
+        max_prefill_retries=args.max_prefill_retries,
+        max_migrations=args.max_migrations,
+        request_timeout=args.request_timeout,
+        max_model_len=args.max_model_len,
+        shutdown_grace=args.shutdown_grace,
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from router.server import RouterServer
+
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        logging.getLogger("pdserve.router").error("bad router flags: %s", exc)
+        return 2
+    asyncio.run(RouterServer(config).run_until_signal())
+    return 0

@@ -1,0 +1,156 @@
+"""The router's public gRPC API: `pdserve.v1.Router` (Generate, ListModels)
+plus the standard health service.
+
+A thin servicer over the same `Frontend` the HTTP API uses, on the same
+event loop: `Generate` turns the `GenerateRequest` into the OpenAI-shaped
+fields, validates them with router.openai_api (so both front doors accept
+and refuse exactly the same requests), tokenizes once and streams one
+`GenerateResponse` per delta; the last carries `finish_reason` and `usage`.
+Errors leave through `proto.status.grpc_errors`: an `ApiError` becomes its
+matching code (400 → INVALID_ARGUMENT, 404 → NOT_FOUND, 503 → UNAVAILABLE,
+401 → UNAUTHENTICATED). A cancelled call closes the flow, which cancels its
+pod calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from proto import pdserve_pb2 as pb
+from proto import pdserve_pb2_grpc
+from proto.status import ServiceError, grpc_errors
+from router.api_error import ApiError, bad_request
+from router.auth import ApiKeyCheck
+from router.frontend import Frontend
+from router.generation import Delta
+from router.openai_api import ParsedRequest, check_model, parse_chat, parse_completion
+
+
+def request_body(request: pb.GenerateRequest, default_model: str) -> tuple[str, dict[str, Any]]:
+    """(kind, OpenAI-style body) for a GenerateRequest. Proto zeros mean "unset",
+    except temperature, where 0 is greedy as in SamplingParams."""
+    inputs = [bool(request.prompt), bool(request.messages), bool(request.prompt_token_ids)]
+    if sum(inputs) != 1:
+        raise bad_request("set exactly one of prompt, messages, prompt_token_ids", "prompt")
+    s = request.sampling
+    if s.stop_token_ids:
+        raise bad_request("sampling.stop_token_ids is not supported by the router; use stop",
+                          "stop_token_ids")
+    body: dict[str, Any] = {
+        "model": request.model or default_model,
+        "temperature": s.temperature,
+        "top_p": s.top_p or 1.0,
+        "top_k": s.top_k,
+        "ignore_eos": s.ignore_eos,
+    }
+    if s.max_tokens:
+        body["max_tokens"] = s.max_tokens
+    if s.HasField("seed"):
+        body["seed"] = s.seed
+    if s.stop:
+        body["stop"] = list(s.stop)
+    if request.session_id:
+        body["user"] = request.session_id
+    if request.messages:
+        body["messages"] = [{"role": m.role, "content": m.content} for m in request.messages]
+        if s.logprobs:
+            body.update(logprobs=True, top_logprobs=s.logprobs)
+        return "chat", body
+    body["prompt"] = request.prompt or list(request.prompt_token_ids)
+    if s.logprobs:
+        body["logprobs"] = s.logprobs
+    return "completion", body
+
+
+def response_message(request_id: str, delta: Delta) -> pb.GenerateResponse:
+    message = pb.GenerateResponse(
+        request_id=request_id,
+        text=delta.text,
+        token_ids=delta.token_ids,
+        logprobs=[
+            pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
+                            top_token_ids=lp.top_token_ids, top_logprobs=lp.top_logprobs)
+            for lp in delta.logprobs
+        ],
+        finish_reason=delta.finish_reason or "",
+    )
+    if delta.usage is not None:
+        message.usage.CopyFrom(pb.Usage(
+            prompt_tokens=delta.usage.prompt_tokens,
+            completion_tokens=delta.usage.completion_tokens,
+            cached_tokens=delta.usage.cached_tokens,
+        ))
+    return message
+
+
+class RouterServicer(pdserve_pb2_grpc.RouterServicer):
+    """Router.Generate / Router.ListModels over a `Frontend`."""
+
+    def __init__(self, frontend: Frontend, auth: ApiKeyCheck) -> None:
+        self._frontend = frontend
+        self._auth = auth
+
+    def _check_auth(self, context: grpc.aio.ServicerContext) -> None:
+        metadata = dict(context.invocation_metadata() or ())
+        self._auth.check(metadata.get("authorization"))
+
+    def _parse(self, request: pb.GenerateRequest) -> ParsedRequest:
+        kind, body = request_body(request, self._frontend.model_name)
+        parsed = parse_chat(body) if kind == "chat" else parse_completion(body)
+        check_model(parsed.model, self._frontend.model_name)
+        return parsed
+
+    @grpc_errors
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        try:
+            self._check_auth(context)
+            generation = self._frontend.prepare(self._parse(request), request.session_id)
+            request_id = request.request_id or generation.request_id
+            async with contextlib.aclosing(self._frontend.flow(generation).run()) as deltas:
+                async for delta in deltas:
+                    yield response_message(request_id, delta)
+        except ApiError as exc:
+            raise ServiceError(exc.grpc_code, exc.message) from None
+
+    @grpc_errors
+    async def ListModels(
+        self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListModelsResponse:
+        try:
+            self._check_auth(context)
+        except ApiError as exc:
+            raise ServiceError(exc.grpc_code, exc.message) from None
+        frontend = self._frontend
+        return pb.ListModelsResponse(models=[pb.ModelInfo(
+            id=frontend.model_name, max_model_len=frontend.max_model_len,
+            created=frontend.created)])
+
+
+def build_grpc_server(
+    frontend: Frontend, auth: ApiKeyCheck, address: str
+) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
+    """A started-later server with Router + health bound to `address`;
+    returns (server, bound port, health servicer — the router server sets
+    it SERVING / NOT_SERVING as the pool's readiness changes)."""
+    server = grpc.aio.server(options=[
+        ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+        ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    ])
+    pdserve_pb2_grpc.add_RouterServicer_to_server(RouterServicer(frontend, auth), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise ValueError(f"cannot bind the router's gRPC port at {address}")
+    return server, port, health_servicer
+
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING

@@ -1,0 +1,184 @@
+"""The router's OpenAI-compatible HTTP API (aiohttp).
+
+Routes: POST /v1/completions, POST /v1/chat/completions (SSE with
+`stream: true`), GET /v1/models, GET /health (the process is up),
+GET /ready (503 until the pod pool can serve), GET /metrics (Prometheus).
+
+Life of one generation request, all on the router's event loop:
+
+1. the middleware checks the API key (/v1/* only) and turns any `ApiError`
+   into OpenAI's error JSON with its status;
+2. the handler parses and validates the body (router.openai_api), checks
+   the model name, tokenizes through the `Frontend` and starts a flow;
+3. the first delta is awaited *before* the response starts, so routing
+   failures (503) and pod refusals (400) get a real status code; after
+   that, a streaming response sends one SSE chunk per delta and ends with
+   `data: [DONE]` (a later error is sent as an `{"error": ...}` event);
+4. the app runs with handler cancellation on: a client that disconnects
+   cancels the handler task, which closes the flow and cancels its pod calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+
+from router.api_error import ApiError, bad_request
+from router.auth import OPEN_PATHS, ApiKeyCheck
+from router.frontend import Frontend
+from router.http.shapes import DONE_EVENT, ResponseShaper, sse_event
+from router.metrics import CONTENT_TYPE
+from router.openai_api import check_model, parse_chat, parse_completion
+from router.routing.base import PodPool
+
+log = logging.getLogger(__name__)
+
+FRONTEND = web.AppKey("frontend", Frontend)
+POOL = web.AppKey("pool", PodPool)
+AUTH = web.AppKey("auth", ApiKeyCheck)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def error_response(error: ApiError) -> web.Response:
+    return web.json_response(error.body(), status=error.status)
+
+
+@web.middleware
+async def _errors_and_auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        if request.path not in OPEN_PATHS:
+            request.app[AUTH].check(request.headers.get("Authorization"))
+        return await handler(request)
+    except ApiError as exc:
+        return error_response(exc)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        code = "not_found" if exc.status == 404 else None
+        return error_response(
+            ApiError(exc.status, f"{request.method} {request.path}: {exc.reason}", code=code)
+        )
+
+
+async def _json_body(request: web.Request) -> object:
+    raw = await request.read()
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise bad_request(f"the request body is not valid JSON: {exc}") from None
+
+
+async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
+    frontend = request.app[FRONTEND]
+    body = await _json_body(request)
+    parsed = parse_chat(body) if kind == "chat" else parse_completion(body)
+    check_model(parsed.model, frontend.model_name)
+    generation = frontend.prepare(parsed, request.headers.get("x-session-id"))
+    shaper = ResponseShaper(
+        kind=kind,
+        response_id=("chatcmpl-" if kind == "chat" else "cmpl-") + generation.request_id,
+        model=frontend.model_name,
+        created=frontend.created,
+        token_text=frontend.token_text,
+        include_usage=parsed.include_usage,
+        top_logprobs=parsed.logprobs,
+    )
+    flow = frontend.flow(generation)
+    async with contextlib.aclosing(flow.run()) as deltas:
+        first = await anext(deltas)  # ApiError here still gets its own status
+        if not parsed.stream:
+            delta = first
+            shaper.collect(delta)
+            async for delta in deltas:
+                shaper.collect(delta)
+            assert delta.finish_reason is not None and delta.usage is not None
+            return web.json_response(shaper.final_body(delta.finish_reason, delta.usage))
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await response.prepare(request)
+        role = shaper.role_chunk()
+        if role is not None:
+            await response.write(sse_event(role))
+        delta = first
+        try:
+            while True:
+                chunk = shaper.chunk(delta)
+                if chunk is not None:
+                    await response.write(sse_event(chunk))
+                if delta.usage is not None:
+                    usage = shaper.usage_chunk(delta.usage)
+                    if usage is not None:
+                        await response.write(sse_event(usage))
+                    break
+                delta = await anext(deltas)
+        except ApiError as exc:
+            # Headers are gone; OpenAI clients raise on an event with "error".
+            await response.write(sse_event(exc.body()))
+        await response.write(DONE_EVENT)
+        await response.write_eof()
+        return response
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "completion")
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "chat")
+
+
+async def models(request: web.Request) -> web.Response:
+    frontend = request.app[FRONTEND]
+    return web.json_response({
+        "object": "list",
+        "data": [{
+            "id": frontend.model_name,
+            "object": "model",
+            "created": frontend.created,
+            "owned_by": "pdserve",
+            "max_model_len": frontend.max_model_len,
+        }],
+    })
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def ready(request: web.Request) -> web.Response:
+    pool = request.app[POOL]
+    counts = {role: len(pool.pods(role)) for role in ("prefill", "decode", "colocated")}
+    if pool.is_ready():
+        return web.json_response({"status": "ready", "healthy_pods": counts})
+    return web.json_response(
+        {"status": "not ready",
+         "reason": "need >= 1 healthy prefill and >= 1 healthy decode pod, or >= 1 healthy "
+                   "colocated pod",
+         "healthy_pods": counts},
+        status=503,
+    )
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = request.app[FRONTEND].deps.metrics.render()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+
+def build_app(frontend: Frontend, pool: PodPool, auth: ApiKeyCheck) -> web.Application:
+    """The aiohttp application; run it with `AppRunner(app, handler_cancellation=True)`."""
+    app = web.Application(middlewares=[_errors_and_auth], client_max_size=64 * 1024 * 1024)
+    app[FRONTEND] = frontend
+    app[POOL] = pool
+    app[AUTH] = auth
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
+    app.router.add_get("/metrics", metrics)
+    return app

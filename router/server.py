@@ -1,0 +1,173 @@
+"""`RouterServer`: wires config, pod pool, policy and both front doors.
+
+Life cycle, driven by `pdserve router` (or `pdserve up`) on one asyncio
+event loop:
+
+    start():  tokenizer → pod pool (static list and/or Redis; first poll
+              awaited) → routing policy + session store → HTTP (aiohttp,
+              handler cancellation on) and gRPC servers bound → a readiness
+              task mirrors `pool.is_ready()` into the gRPC health service.
+    run_until_signal(): start, then wait for SIGTERM/SIGINT, then stop().
+    stop():   refuse new work (health NOT_SERVING, listeners closed), give
+              in-flight requests up to `shutdown_grace` seconds, then close
+              the pod channels, the pool and the session store.
+
+Nothing here touches torch: the tokenizer is the only engine module the
+router loads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+
+from aiohttp import web
+
+from engine.tokenizer import Tokenizer
+from router.auth import ApiKeyCheck
+from router.config import RouterConfig
+from router.frontend import Frontend
+from router.grpc_server import NOT_SERVING, SERVING, build_grpc_server
+from router.http_server import build_app
+from router.metrics import RouterMetrics
+from router.pod_calls import FlowDeps, FlowSettings
+from router.pod_clients import PodChannels
+from router.registry.base import PodEntry, PodSource
+from router.registry.poller import PolledPodPool
+from router.registry.static import StaticPodSource
+from router.routing.policy import RoutingPolicy
+from router.sessions import InMemorySessionStore, RedisSessionStore, SessionStore
+
+log = logging.getLogger(__name__)
+
+
+class _CombinedSource(PodSource):
+    """Static addresses plus the Redis registry's, when both are configured."""
+
+    def __init__(self, sources: list[PodSource]) -> None:
+        self._sources = sources
+
+    async def discover(self) -> list[PodEntry]:
+        entries: dict[str, PodEntry] = {}
+        for source in self._sources:
+            for entry in await source.discover():
+                entries.setdefault(entry.address, entry)
+        return sorted(entries.values(), key=lambda e: (e.role, e.address))
+
+    async def close(self) -> None:
+        for source in self._sources:
+            await source.close()
+
+
+class RouterServer:
+    """One router process. Not reusable: start() once, stop() once."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.metrics = RouterMetrics()
+        self.http_port = 0
+        self.grpc_port = 0
+        self._runner: web.AppRunner | None = None
+        self._grpc = None
+        self._health = None
+        self._ready_task: asyncio.Task[None] | None = None
+        self.pool: PolledPodPool | None = None
+        self._sessions: SessionStore | None = None
+        self._channels = PodChannels()
+
+    def _pod_source(self) -> PodSource:
+        c = self.config
+        sources: list[PodSource] = []
+        if c.prefill or c.decode or c.colocated:
+            sources.append(StaticPodSource(prefill=c.prefill, decode=c.decode,
+                                           colocated=c.colocated))
+        if c.redis_url:
+            from router.registry.redis_registry import RedisPodSource
+
+            sources.append(RedisPodSource(c.redis_url))
+        if not sources:
+            raise ValueError("no pods configured: pass --prefill/--decode, --colocated "
+                             "or --redis-url")
+        return sources[0] if len(sources) == 1 else _CombinedSource(sources)
+
+    async def start(self) -> None:
+        c = self.config
+        max_model_len = c.resolve_max_model_len()
+        tokenizer = Tokenizer.from_pretrained(c.model_dir)
+        self.pool = PolledPodPool(self._pod_source(), poll_interval=c.load_poll_interval)
+        await self.pool.start()
+        self._sessions = RedisSessionStore(c.redis_url) if c.redis_url else InMemorySessionStore()
+        policy = RoutingPolicy(self.pool, self._sessions, epsilon=c.session_epsilon)
+        deps = FlowDeps(
+            pool=self.pool, policy=policy, channels=self._channels, metrics=self.metrics,
+            settings=FlowSettings(max_prefill_retries=c.max_prefill_retries,
+                                  max_migrations=c.max_migrations,
+                                  request_timeout=c.request_timeout),
+        )
+        frontend = Frontend(model_name=c.model_name, max_model_len=max_model_len,
+                            tokenizer=tokenizer, deps=deps)
+        auth = ApiKeyCheck(c.api_key)
+        self._runner = web.AppRunner(build_app(frontend, self.pool, auth),
+                                     handler_cancellation=True, access_log=None,
+                                     shutdown_timeout=c.shutdown_grace)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, c.host, c.port)
+        await site.start()
+        self.http_port = self._runner.addresses[0][1]
+        self._grpc, self.grpc_port, self._health = build_grpc_server(
+            frontend, auth, f"{c.host}:{c.grpc_port}")
+        await self._grpc.start()
+        self._ready_task = asyncio.create_task(self._mirror_readiness(), name="router-ready")
+        log.info("router serving %s: HTTP on %s:%d, gRPC on %s:%d",
+                 c.model_name, c.host, self.http_port, c.host, self.grpc_port)
+
+    async def _mirror_readiness(self) -> None:
+        """Keep the gRPC health status equal to the pool's readiness."""
+        last = None
+        while True:
+            assert self.pool is not None and self._health is not None
+            status = SERVING if self.pool.is_ready() else NOT_SERVING
+            if status != last:
+                await self._health.set("", status)
+                last = status
+            await asyncio.sleep(self.config.load_poll_interval)
+
+    async def stop(self) -> None:
+        """Stop taking work, let in-flight requests finish (up to the grace
+        period), then release everything."""
+        if self._ready_task is not None:
+            self._ready_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._ready_task
+        if self._health is not None:
+            await self._health.enter_graceful_shutdown()
+        grace = self.config.shutdown_grace
+        # Both servers drain at once: gRPC streams and HTTP handlers each get
+        # the grace period (aiohttp's shutdown_timeout) to finish.
+        waits = []
+        if self._grpc is not None:
+            waits.append(self._grpc.stop(grace))
+        if self._runner is not None:
+            waits.append(self._runner.cleanup())
+        await asyncio.gather(*waits)
+        await self._channels.close()
+        if self.pool is not None:
+            await self.pool.close()
+        if self._sessions is not None:
+            await self._sessions.close()
+
+    async def run_until_signal(self) -> None:
+        """Serve until SIGTERM or SIGINT, then shut down gracefully."""
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await self.start()
+        try:
+            await stop.wait()
+            log.info("router: signal received, draining for up to %gs",
+                     self.config.shutdown_grace)
+        finally:
+            await self.stop()
