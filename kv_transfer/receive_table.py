@@ -176,6 +176,12 @@ class ReceiveTable:
             return False
         return self._fail(t, make_reason(Reason.CANCELLED, reason))
 
+    def deadline_of(self, request_id: str) -> float:
+        """The transfer's deadline (now, if it is unknown or already gone)."""
+        with self._lock:
+            t = self._transfers.get(request_id)
+            return t.deadline if t is not None else time.time()
+
     def stats(self) -> ReceiverStats:
         with self._lock:
             return ReceiverStats(

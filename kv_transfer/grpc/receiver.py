@@ -1,0 +1,104 @@
+"""gRPC receiver: the table + collector behind a `KVTransfer` servicer.
+
+Two ways to host it: `start()` runs its own `grpc.server` on `config.port`
+(the kv port; `serve(config, listener)` does that in one call), or
+`add_to_server(server, endpoint)` puts the servicer on a server the decode pod
+already runs (create it with `SERVER_OPTIONS` and enough threads) and
+`start()` then only starts the collector.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from kv_transfer.base import (
+    KVLayout,
+    KVReceiveListener,
+    KVReceiver,
+    ReceiverStats,
+    TransferTarget,
+    split_endpoint,
+)
+from kv_transfer.config import ReceiverConfig
+from kv_transfer.gc import Collector
+from kv_transfer.grpc.servicer import SERVER_OPTIONS, KVTransferServicer
+from kv_transfer.landing import LandingBufferPool
+from kv_transfer.receive_table import ReceiveTable
+from kv_transfer.tickets import TicketAuthority
+
+DEFAULT_SERVER_THREADS = 64  # one per open stream: N streams x transfers in flight
+
+
+class GrpcKVReceiver(KVReceiver):
+    def __init__(self, config: ReceiverConfig, listener: KVReceiveListener,
+                 server_threads: int = DEFAULT_SERVER_THREADS) -> None:  # fmt: skip
+        if not 1 <= server_threads <= 4096:
+            raise ValueError(f"server_threads must be in [1, 4096], got {server_threads}")
+        self.config = config
+        self.pool = LandingBufferPool(config.capacity_bytes, config.pin_memory)
+        self.table = ReceiveTable(
+            self.pool, TicketAuthority(config.secret, config.generation), listener,
+            transport="grpc", claim_grace_s=config.claim_grace_s,
+        )  # fmt: skip
+        self.servicer = KVTransferServicer(self.table)
+        self._server_threads = server_threads
+        self._server: grpc.Server | None = None
+        self._endpoints: tuple[str, ...] = ()
+        self._collector = Collector(self.table.sweep, config.sweep_interval_s, "kv-grpc-gc")
+
+    @property
+    def generation(self) -> int:
+        return self.table.authority.generation
+
+    @property
+    def endpoints(self) -> tuple[str, ...]:
+        return self._endpoints
+
+    def add_to_server(self, server: grpc.Server, endpoint: str) -> None:
+        """Host the servicer on an existing server reachable at `endpoint` ('host:port')."""
+        split_endpoint(endpoint)
+        self.servicer.add_to_server(server)
+        self._endpoints = (endpoint,)
+
+    def start(self) -> None:
+        if not self._endpoints:
+            server = grpc.server(ThreadPoolExecutor(self._server_threads,
+                                                    thread_name_prefix="kv-grpc"),
+                                 options=SERVER_OPTIONS)  # fmt: skip
+            self.servicer.add_to_server(server)
+            port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+            if port == 0:
+                raise OSError(f"cannot bind {self.config.host}:{self.config.port}")
+            server.start()
+            self._server = server
+            self._endpoints = (f"{self.config.advertise_host or self.config.host}:{port}",)
+        self._collector.start()
+
+    def expect(self, request_id: str, layout: KVLayout, deadline: float) -> TransferTarget:
+        if not self._endpoints:
+            raise RuntimeError("GrpcKVReceiver.expect called before start()/add_to_server()")
+        return self.table.expect(request_id, layout, deadline, self._endpoints)
+
+    def release(self, request_id: str) -> bool:
+        return self.table.release(request_id)
+
+    def cancel(self, request_id: str, reason: str) -> bool:
+        return self.table.cancel(request_id, reason)
+
+    def stats(self) -> ReceiverStats:
+        return self.table.stats()
+
+    def close(self) -> None:
+        self._collector.stop()
+        if self._server is not None:
+            self._server.stop(grace=0).wait(10)
+        self.table.close()
+
+
+def serve(config: ReceiverConfig, listener: KVReceiveListener) -> GrpcKVReceiver:
+    """A started standalone receiver on `config.port` (0: any free port)."""
+    receiver = GrpcKVReceiver(config, listener)
+    receiver.start()
+    return receiver

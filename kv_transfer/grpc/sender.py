@@ -1,0 +1,242 @@
+"""gRPC sender: each transfer runs N concurrent `KVTransfer.Push` calls.
+
+Life of a transfer: `begin` opens N client-streaming calls (call i on channel
+i of the pool for endpoint i mod E; channels are separate HTTP/2 connections so
+the streams really run in parallel), each fed by its own queue that starts
+with BEGIN. `send_layer` stages the chunk and spreads its pieces round-robin
+over the queues; gRPC's own threads pull the frames (building the bytes
+message and its xxhash64 there, not on the engine thread). `end` puts END on
+call 0 and closes every call's queue: the receiver answers call 0 with the
+verdict once all streams' bytes are in. Any call answering ok=False, or
+breaking, fails the transfer; `abort` sends ABORT on call 0.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from kv_transfer.base import KVLayout, KVSender, TransferOutcome, TransferTarget, check_request_id
+from kv_transfer.config import SenderConfig
+from kv_transfer.device import HostCopy, HostStager, byte_view
+from kv_transfer.errors import Reason, make_reason
+from kv_transfer.frames import MAX_DATA_BYTES, VERSION, checksum
+from kv_transfer.gc import Collector
+from kv_transfer.outgoing import Outgoing, Piece, plan_pieces
+from proto import pdserve_pb2, pdserve_pb2_grpc
+
+_KIND = pdserve_pb2.FrameKind
+_FINISHED_KEPT = 4096
+_CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_DATA_BYTES + (1 << 20)),
+    ("grpc.use_local_subchannel_pool", 1),  # channel i really owns its own connection
+]
+
+
+@dataclass(frozen=True, slots=True)
+class _Item:
+    kind: int
+    payload: bytes = b""
+    piece: Piece | None = None
+    host: HostCopy | None = None
+    first_token_id: int = 0
+
+
+class _Transfer:
+    """An Outgoing plus its calls' queues (guarded by Outgoing.lock for `closed`)."""
+
+    __slots__ = ("out", "queues", "closed")
+
+    def __init__(self, out: Outgoing, num_streams: int) -> None:
+        self.out = out
+        self.queues: list[queue.SimpleQueue[_Item | None]] = [
+            queue.SimpleQueue() for _ in range(num_streams)
+        ]
+        self.closed = False
+
+    def close_queues(self, last: _Item | None = None) -> None:
+        """Optionally put `last` on call 0, then end every call's stream (once)."""
+        with self.out.lock:
+            if self.closed:
+                return
+            self.closed = True
+        if last is not None:
+            self.queues[0].put(last)
+        for q in self.queues:
+            q.put(None)
+
+
+class GrpcKVSender(KVSender):
+    def __init__(self, config: SenderConfig | None = None) -> None:
+        self.config = config or SenderConfig()
+        self._stager = HostStager()
+        self._lock = threading.Lock()
+        self._channels: dict[str, list[grpc.Channel]] = {}
+        self._transfers: dict[str, _Transfer] = {}
+        self._finished: OrderedDict[str, _Transfer] = OrderedDict()
+        self._closed = False
+        self._collector = Collector(self._sweep, self.config.sweep_interval_s, "kv-grpc-send-gc")
+        self._collector.start()
+
+    def begin(self, request_id: str, target: TransferTarget, layout: KVLayout) -> None:
+        check_request_id(request_id)
+        if target.transport != "grpc":
+            raise ValueError(f"GrpcKVSender cannot send to a {target.transport!r} target")
+        n = self.config.num_streams
+        t = _Transfer(Outgoing(request_id, target, layout), n)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("GrpcKVSender is closed")
+            if request_id in self._transfers:
+                raise ValueError(f"request {request_id!r} is already being sent")
+            self._finished.pop(request_id, None)
+            self._transfers[request_id] = t
+            channels = self._channels_for(target.endpoints)
+        begin = pdserve_pb2.KVFrame(
+            version=VERSION, kind=_KIND.FRAME_KIND_BEGIN, request_id=request_id,
+            ticket=target.ticket, num_layers=layout.num_layers, num_tokens=layout.num_tokens,
+            num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim, dtype=layout.dtype,
+            checksum=checksum(b""),
+        )  # fmt: skip
+        timeout = max(0.1, target.deadline + self.config.verdict_grace_s - time.time())
+        for i, channel in enumerate(channels):
+            call = pdserve_pb2_grpc.KVTransferStub(channel).Push.future(
+                self._frames(t, i, begin), timeout=timeout
+            )
+            call.add_done_callback(lambda f, i=i: self._call_done(t, i, f))
+
+    def send_layer(self, request_id: str, layer: int, kv: torch.Tensor, token_start: int) -> None:
+        t = self._get(request_id)
+        t.out.layout.check_chunk(layer, kv, token_start)
+        if t.out.done or t.closed:
+            return
+        host = self._stager.stage(kv)
+        n = len(t.queues)
+        pieces = plan_pieces(t.out.layout, layer, token_start, kv.shape[1], n,
+                             self.config.max_chunk_bytes)  # fmt: skip
+        with t.out.lock:
+            first = t.out.next_stream
+            t.out.next_stream = (first + len(pieces)) % n
+        for i, piece in enumerate(pieces):
+            t.queues[(first + i) % n].put(_Item(_KIND.FRAME_KIND_DATA, piece=piece, host=host))
+
+    def end(self, request_id: str, first_token_id: int) -> Future[TransferOutcome]:
+        t = self._get(request_id)
+        t.out.request_end(first_token_id)  # raises on a second END
+        t.close_queues(_Item(_KIND.FRAME_KIND_END, first_token_id=first_token_id))
+        return t.out.future
+
+    def abort(self, request_id: str, reason: str) -> None:
+        with self._lock:
+            t = self._transfers.get(request_id)
+        if t is not None:
+            self._fail(t, make_reason(Reason.ABORTED, reason), abort_payload=reason)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            transfers = list(self._transfers.values())
+            channels = [c for pool in self._channels.values() for c in pool]
+        for t in transfers:
+            self._fail(t, make_reason(Reason.CLOSED), abort_payload="sender closed")
+        self._collector.stop()
+        for channel in channels:
+            channel.close()
+
+    # ---------------------------------------------------------------- internals
+
+    def _get(self, request_id: str) -> _Transfer:
+        with self._lock:
+            t = self._transfers.get(request_id) or self._finished.get(request_id)
+        if t is None:
+            raise ValueError(f"no transfer for request {request_id!r}: call begin() first")
+        return t
+
+    def _channels_for(self, endpoints: tuple[str, ...]) -> list[grpc.Channel]:
+        """Caller holds _lock. Channel i goes to endpoint i mod E."""
+        n = self.config.num_streams
+        for endpoint in endpoints:
+            pool = self._channels.setdefault(endpoint, [])
+            while len(pool) < -(-n // len(endpoints)):
+                options = [*_CHANNEL_OPTIONS, ("pdserve.kv_stream", len(pool))]
+                pool.append(grpc.insecure_channel(endpoint, options=options))
+        return [self._channels[endpoints[i % len(endpoints)]][i // len(endpoints)]
+                for i in range(n)]  # fmt: skip
+
+    def _frames(self, t: _Transfer, index: int, begin: pdserve_pb2.KVFrame
+                ) -> Iterator[pdserve_pb2.KVFrame]:  # fmt: skip
+        """Call `index`'s request stream; runs on a gRPC thread."""
+        yield begin
+        rid = t.out.request_id
+        while (item := t.queues[index].get()) is not None:
+            if t.out.done and item.kind != _KIND.FRAME_KIND_ABORT:
+                continue  # failed: drain without sending
+            if item.kind == _KIND.FRAME_KIND_DATA:
+                assert item.piece is not None and item.host is not None
+                item.host.wait()
+                p = item.piece
+                view = byte_view(item.host.tensor)[p.src_start : p.src_start + p.length]
+                yield pdserve_pb2.KVFrame(
+                    version=VERSION, kind=item.kind, request_id=rid, layer=p.layer,
+                    offset=p.offset, payload=bytes(view), checksum=checksum(view),
+                )  # fmt: skip
+            elif item.kind == _KIND.FRAME_KIND_END:
+                yield pdserve_pb2.KVFrame(
+                    version=VERSION, kind=item.kind, request_id=rid, checksum=checksum(b""),
+                    first_token_id=item.first_token_id, total_bytes=t.out.layout.total_bytes,
+                )  # fmt: skip
+            else:
+                yield pdserve_pb2.KVFrame(version=VERSION, kind=item.kind, request_id=rid,
+                                          payload=item.payload, checksum=checksum(item.payload))
+
+    def _call_done(self, t: _Transfer, index: int, call: grpc.Future) -> None:
+        """A call finished (gRPC thread): the verdict (call 0 after END), a refusal, or
+        a break."""
+        try:
+            result = call.result()
+        except grpc.RpcError as exc:
+            code = exc.code() if hasattr(exc, "code") else None
+            self._fail(t, make_reason(Reason.CONNECTION_LOST, f"stream {index}: {code}"))
+            return
+        except grpc.FutureCancelledError:
+            self._fail(t, make_reason(Reason.CONNECTION_LOST, f"stream {index} cancelled"))
+            return
+        if not result.ok:
+            self._fail(t, result.reason or make_reason(Reason.BAD_FRAME, "no reason given"))
+        elif index == 0 and t.out.end_first_token is not None and t.closed:
+            self._resolve(t, TransferOutcome.complete())
+
+    def _fail(self, t: _Transfer, reason: str, abort_payload: str | None = None) -> None:
+        if self._resolve(t, TransferOutcome.failed(reason)):
+            last = None
+            if abort_payload is not None:
+                payload = abort_payload.encode()[:1024]
+                last = _Item(_KIND.FRAME_KIND_ABORT, payload=payload)
+            t.close_queues(last)
+
+    def _resolve(self, t: _Transfer, outcome: TransferOutcome) -> bool:
+        if not t.out.resolve(outcome):
+            return False
+        with self._lock:
+            if self._transfers.get(t.out.request_id) is t:
+                del self._transfers[t.out.request_id]
+                self._finished[t.out.request_id] = t
+                if len(self._finished) > _FINISHED_KEPT:
+                    self._finished.popitem(last=False)
+        return True
+
+    def _sweep(self, now: float) -> None:
+        with self._lock:
+            late = [t for t in self._transfers.values()
+                    if now > t.out.target.deadline + self.config.verdict_grace_s]  # fmt: skip
+        for t in late:
+            self._fail(t, make_reason(Reason.DEADLINE, "no verdict before the deadline"),
+                       abort_payload="deadline")  # fmt: skip

@@ -1,0 +1,143 @@
+"""`KVTransfer.Push` servicer: one client stream = one sender stream of one transfer.
+
+Every frame's `checksum` is xxhash64 of its `payload` (empty for BEGIN and END,
+whose fields carry the data; the reason for ABORT).
+
+Life of a call (a servicer thread; the servicer is synchronous, so it runs in a
+`grpc.server` thread pool, or in a `grpc.aio.server(migration_thread_pool=...)`):
+
+    first frame must be BEGIN -> ReceiveTable.begin (ticket, layout, version)
+    DATA  -> claim the landing region, copy the payload in, verify xxhash64, commit
+    ABORT -> fail the transfer
+    END   -> wait for the verdict (all streams' rows in) and return it
+    the client closes its side without END -> PushResult(ok) for this stream
+
+The call's `PushResult` is the back channel. A transfer that fails while the
+call is open (cancelled on this side, a bad frame on another stream) answers
+at the call's next frame with PushResult(ok=False, reason); the client stops
+sending once it sees it. A call that breaks (client killed, cancelled) fails
+its unfinished transfer with `connection_lost`.
+
+Give the server enough threads: one per open stream (N per transfer in flight).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+
+from kv_transfer.base import KVLayout, TransferOutcome
+from kv_transfer.errors import Reason, TransferRefused, make_reason
+from kv_transfer.frames import MAX_DATA_BYTES, VERSION, checksum
+from kv_transfer.receive_table import ReceiveTable
+from proto import pdserve_pb2, pdserve_pb2_grpc
+
+# options a server hosting the servicer needs (DATA frames exceed gRPC's 4 MiB default)
+SERVER_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_DATA_BYTES + (1 << 20)),
+    ("grpc.max_send_message_length", 1 << 20),
+]
+_KIND = pdserve_pb2.FrameKind
+
+
+class _CallPeer:
+    """The table's `Peer` for one call: holds the verdict until the handler reads it."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self.outcome: TransferOutcome | None = None
+
+    def notify(self, request_id: str, outcome: TransferOutcome) -> None:
+        if self.outcome is None:
+            self.outcome = outcome
+            self._event.set()
+
+    def failed(self) -> bool:
+        return self.outcome is not None and not self.outcome.ok
+
+    def wait(self, timeout: float) -> TransferOutcome | None:
+        self._event.wait(max(0.0, timeout))
+        return self.outcome
+
+
+def _result(outcome: TransferOutcome) -> pdserve_pb2.PushResult:
+    return pdserve_pb2.PushResult(ok=outcome.ok, reason=outcome.reason)
+
+
+def _refused(refused: TransferRefused) -> pdserve_pb2.PushResult:
+    return pdserve_pb2.PushResult(ok=False, reason=refused.reason)
+
+
+class KVTransferServicer(pdserve_pb2_grpc.KVTransferServicer):
+    """Thin: frames in, table calls out. Add with `add_to_server`."""
+
+    def __init__(self, table: ReceiveTable) -> None:
+        self.table = table
+
+    def add_to_server(self, server: grpc.Server) -> None:
+        pdserve_pb2_grpc.add_KVTransferServicer_to_server(self, server)
+
+    def Push(self, request_iterator, context) -> pdserve_pb2.PushResult:  # noqa: N802
+        peer = _CallPeer()
+        request_id = ""
+        try:
+            frames = iter(request_iterator)
+            begin = next(frames, None)
+            if begin is None:
+                return pdserve_pb2.PushResult(ok=False, reason="bad_frame: empty stream")
+            request_id = begin.request_id
+            self._begin(begin, peer)
+            for frame in frames:
+                if peer.failed():
+                    break
+                result = self._handle(frame, peer)
+                if result is not None:
+                    return result
+            if peer.failed():
+                return _result(peer.outcome)
+            return pdserve_pb2.PushResult(ok=True)
+        except TransferRefused as refused:
+            return _refused(refused)
+        except Exception as exc:  # the call broke: client gone, cancelled, deadline
+            if request_id:
+                self.table.peer_lost(peer, make_reason(Reason.CONNECTION_LOST, str(exc)[:200]))
+            raise
+
+    def _begin(self, frame: pdserve_pb2.KVFrame, peer: _CallPeer) -> None:
+        if frame.version != VERSION:
+            raise TransferRefused(Reason.BAD_FRAME, f"version {frame.version} != {VERSION}")
+        if frame.kind != _KIND.FRAME_KIND_BEGIN:
+            raise TransferRefused(Reason.BAD_FRAME, "the first frame of a stream must be BEGIN")
+        if checksum(frame.payload) != frame.checksum:
+            raise TransferRefused(Reason.BAD_CHECKSUM, "BEGIN payload")
+        try:
+            layout = KVLayout(frame.num_layers, frame.num_tokens, frame.num_kv_heads,
+                              frame.head_dim, frame.dtype)  # fmt: skip
+        except ValueError as exc:
+            raise TransferRefused(Reason.BAD_FRAME, str(exc)) from None
+        self.table.begin(frame.request_id, frame.ticket, layout, peer)
+
+    def _handle(self, frame: pdserve_pb2.KVFrame, peer: _CallPeer) -> pdserve_pb2.PushResult | None:
+        """One frame after BEGIN; a PushResult ends the call."""
+        rid = frame.request_id
+        if frame.kind == _KIND.FRAME_KIND_DATA:
+            claim = self.table.claim(rid, peer, frame.layer, frame.offset, len(frame.payload))
+            claim.view[:] = frame.payload  # the one copy gRPC's bytes force on us
+            ok = checksum(claim.view) == frame.checksum
+            self.table.commit(claim, None if ok else make_reason(
+                Reason.BAD_CHECKSUM, f"layer {frame.layer} offset {frame.offset}"))  # fmt: skip
+            return None
+        if checksum(frame.payload) != frame.checksum:  # control frames: check before acting
+            raise TransferRefused(Reason.BAD_CHECKSUM, f"frame kind {frame.kind} payload")
+        if frame.kind == _KIND.FRAME_KIND_END:
+            self.table.end(rid, peer, frame.first_token_id, frame.total_bytes)
+            outcome = peer.wait(self.table.deadline_of(rid) + 1.0 - time.time())
+            if outcome is None:  # the collector fails it at the deadline; do not wait on
+                outcome = TransferOutcome.failed(make_reason(Reason.DEADLINE))
+            return _result(outcome)
+        if frame.kind == _KIND.FRAME_KIND_ABORT:
+            self.table.abort(rid, peer, frame.payload.decode(errors="replace"))
+            return _result(TransferOutcome.failed(make_reason(Reason.ABORTED)))
+        raise TransferRefused(Reason.BAD_FRAME, f"unexpected frame kind {frame.kind}")
