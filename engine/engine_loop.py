@@ -110,7 +110,7 @@ class EngineLoop:
     def __init__(self, engine: Any, metrics: PodMetrics) -> None:
         self._engine = engine
         self._metrics = metrics
-        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}  # touched by the loop thread only
         self._state = LoopState.NEW
         self._state_lock = threading.Lock()
@@ -147,7 +147,7 @@ class EngineLoop:
         Called by the pod's main after the gRPC server stopped."""
         if not self._transition(LoopState.STOPPED):
             return
-        self._commands.put(lambda: None)  # wake an idle loop
+        self._commands.put(None)  # wake an idle loop
         if self._thread.is_alive():
             self._thread.join(timeout)
 
@@ -155,22 +155,15 @@ class EngineLoop:
 
     async def run(self, fn: Callable[[Any], T]) -> T:
         """Run `fn(engine)` on the loop thread and return its result (or
-        raise its exception) on the caller's event loop."""
-        if self._state is not LoopState.RUNNING:
-            raise EngineDead(f"engine loop is {self._state.value}")
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[T] = loop.create_future()
-
-        def command() -> None:
-            try:
-                result = fn(self._engine)
-            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting caller
-                loop.call_soon_threadsafe(_set_exception, future, exc)
-            else:
-                loop.call_soon_threadsafe(_set_result, future, result)
-
-        self._commands.put(command)
-        return await future
+        raise its exception) on the caller's event loop. Raises EngineDead
+        when the loop is not running (also for a command still queued when
+        the loop stops)."""
+        command = _Command(fn, asyncio.get_running_loop())
+        with self._state_lock:  # see _fail_all: nothing is queued after the drain
+            if self._state is not LoopState.RUNNING:
+                raise EngineDead(f"engine loop is {self._state.value}")
+            self._commands.put(command)
+        return await command.future
 
     async def add_request(
         self,
@@ -270,8 +263,11 @@ class EngineLoop:
                 if self._state is not LoopState.RUNNING:
                     break
                 if self._engine.has_unfinished_requests():
-                    self._dispatch(self._engine.step())
+                    outputs = self._engine.step()
+                    # Stats first: a caller woken by its last output must see
+                    # the blocks that output's request released.
                     self._publish_stats()
+                    self._dispatch(outputs)
         except BaseException as exc:  # noqa: BLE001 - the pod must learn its engine died
             log.exception("engine loop died")
             self._transition(LoopState.DEAD)
@@ -287,12 +283,21 @@ class EngineLoop:
         except queue.Empty:
             return
         while True:
-            command()
+            if command is not None:
+                self._execute(command)
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
-                self._publish_stats()
                 return
+
+    def _execute(self, command: _Command) -> None:
+        try:
+            result = command.fn(self._engine)
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting caller
+            command.reject(exc)
+        else:
+            self._publish_stats()  # the caller may read `stats` right after
+            command.resolve(result)
 
     def _dispatch(self, outputs: Sequence[RequestOutput]) -> None:
         for output in outputs:
@@ -309,14 +314,15 @@ class EngineLoop:
             stream.closed = True
             stream._push_threadsafe(exc)
         self._streams.clear()
-        # Commands queued after death still owe their callers an answer.
+        # Commands queued before the state changed still owe their callers
+        # an answer; `run` queues nothing once the state is not RUNNING.
         while True:
             try:
-                self._commands.get_nowait()()
+                command = self._commands.get_nowait()
             except queue.Empty:
                 return
-            except BaseException:  # noqa: BLE001 - best effort while dying
-                continue
+            if command is not None:
+                command.reject(EngineDead(f"engine loop is {self._state.value}"))
 
     def _publish_stats(self) -> None:
         stats = self._engine.stats()
@@ -331,6 +337,23 @@ class EngineLoop:
         m.prefix_cache_hits.inc(max(0, stats.prefix_cache_hits - self._counted_hits))
         self._counted_queries = stats.prefix_cache_queries
         self._counted_hits = stats.prefix_cache_hits
+
+
+class _Command:
+    """One queued `fn(engine)` call and the caller's future (on its event loop)."""
+
+    __slots__ = ("fn", "loop", "future")
+
+    def __init__(self, fn: Callable[[Any], Any], loop: asyncio.AbstractEventLoop) -> None:
+        self.fn = fn
+        self.loop = loop
+        self.future: asyncio.Future[Any] = loop.create_future()
+
+    def resolve(self, value: Any) -> None:
+        self.loop.call_soon_threadsafe(_set_result, self.future, value)
+
+    def reject(self, exc: BaseException) -> None:
+        self.loop.call_soon_threadsafe(_set_exception, self.future, exc)
 
 
 def _set_result(future: asyncio.Future[Any], value: Any) -> None:
