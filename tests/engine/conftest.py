@@ -31,3 +31,13 @@ def make_engine(tiny_model_dir: Path) -> Callable[..., LLMEngine]:
         return LLMEngine(EngineConfig(**fields), layer_kv_hook=hook)
 
     return make
+
+
+@pytest.fixture(scope="session")
+def sliding_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with a 20-token sliding window (Mistral convention)."""
+    from engine.make_model import make_model
+
+    return make_model(tmp_path_factory.mktemp("models") / "tiny-sliding", size="tiny", seed=1,
+                      architecture="MistralForCausalLM",
+                      sliding_window=20)
