@@ -1,0 +1,85 @@
+"""Router.Generate / ListModels / health against in-process fake pods."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from proto import pdserve_pb2 as pb
+from proto import pdserve_pb2_grpc
+from tests.router.http_harness import fake_cluster
+from tests.router.inprocess_pods import Behaviour, expected_token
+
+pytestmark = pytest.mark.timeout(120)
+PD = {"prefill": [Behaviour()], "decode": [Behaviour()]}
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def _generate(stub, request, metadata=()):
+    return [m async for m in stub.Generate(request, metadata=metadata)]
+
+
+def test_generate_streams_tokens_text_and_usage(tiny_model_dir):
+    async def main():
+        async with fake_cluster(tiny_model_dir, PD) as (server, _):
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+                stub = pdserve_pb2_grpc.RouterStub(channel)
+                request = pb.GenerateRequest(prompt_token_ids=[7, 8, 9], request_id="mine",
+                                             sampling=pb.SamplingParams(max_tokens=5))
+                messages = await _generate(stub, request)
+                models = await stub.ListModels(pb.ListModelsRequest())
+                health = await health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(service=""))
+        tokens = [t for m in messages for t in m.token_ids]
+        assert tokens == [expected_token([7, 8, 9], i) for i in range(5)]
+        assert {m.request_id for m in messages} == {"mine"}
+        assert [m.finish_reason for m in messages][-1] == "length"
+        assert all(m.finish_reason == "" for m in messages[:-1])
+        last = messages[-1].usage
+        assert (last.prompt_tokens, last.completion_tokens) == (3, 5)
+        assert [(m.id, m.max_model_len) for m in models.models] == [("tiny", 4096)]
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+    run(main())
+
+
+@pytest.mark.parametrize(
+    ("request_fields", "code", "fragment"),
+    [
+        ({"prompt": "x", "model": "other"}, grpc.StatusCode.NOT_FOUND, "'other' does not exist"),
+        ({}, grpc.StatusCode.INVALID_ARGUMENT, "set exactly one of prompt, messages"),
+        ({"prompt": "x", "sampling": pb.SamplingParams(top_p=1.5)},
+         grpc.StatusCode.INVALID_ARGUMENT, "'top_p' must be in (0, 1], got 1.5"),
+        ({"prompt": "x", "sampling": pb.SamplingParams(max_tokens=5000)},
+         grpc.StatusCode.INVALID_ARGUMENT, "maximum context length is 4096"),
+    ],
+)
+def test_generate_refuses_bad_requests(tiny_model_dir, request_fields, code, fragment):
+    async def main():
+        async with fake_cluster(tiny_model_dir, PD) as (server, _):
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+                stub = pdserve_pb2_grpc.RouterStub(channel)
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await _generate(stub, pb.GenerateRequest(**request_fields))
+        assert info.value.code() == code
+        assert fragment in info.value.details()
+    run(main())
+
+
+def test_api_key_on_grpc(tiny_model_dir):
+    async def main():
+        async with fake_cluster(tiny_model_dir, PD, api_key="k3y") as (server, _):
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+                stub = pdserve_pb2_grpc.RouterStub(channel)
+                request = pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(max_tokens=2))
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await _generate(stub, request)
+                ok = await _generate(stub, request, metadata=(("authorization", "Bearer k3y"),))
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert ok[-1].usage.completion_tokens == 2
+    run(main())
