@@ -1,0 +1,78 @@
+"""Pods shared by the integration tests (real processes on loopback, tiny model).
+
+Session-scoped so the whole package starts each pod once: a colocated pod
+(the parity baseline), a prefill pod (block 16, prefix cache on, 256-token
+chunks so long prompts stream over several steps), and two decode pods:
+block 128 over TCP and block 256 over gRPC, both with a short transfer
+timeout so the never-arriving-KV test finishes quickly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from proto import pdserve_pb2_grpc
+from tests.integration.pods import PodProcess, start_pod
+
+TRANSFER_TIMEOUT_S = 4.0
+
+
+def _stop(pod: PodProcess) -> None:
+    try:
+        pod.terminate(timeout=30)
+    finally:
+        pod.kill()
+
+
+@pytest.fixture(scope="session")
+def colocated_pod(tiny_model_dir) -> Iterator[PodProcess]:
+    pod = start_pod("colocated", tiny_model_dir, block_size=16, num_blocks=512)
+    yield pod
+    _stop(pod)
+
+
+@pytest.fixture(scope="session")
+def prefill_pod(tiny_model_dir) -> Iterator[PodProcess]:
+    pod = start_pod("prefill", tiny_model_dir, block_size=16, num_blocks=512,
+                    max_num_batched_tokens=256, kv_streams=4)
+    yield pod
+    _stop(pod)
+
+
+@pytest.fixture(scope="session")
+def decode_pods(tiny_model_dir) -> Iterator[dict[str, PodProcess]]:
+    """{"tcp": block-128 pod over TCP, "grpc": block-256 pod over gRPC}."""
+    pods = {
+        "tcp": start_pod("decode", tiny_model_dir, block_size=128, num_blocks=64,
+                         kv_transport="tcp", transfer_timeout=TRANSFER_TIMEOUT_S,
+                         landing_memory="64MiB"),
+        "grpc": start_pod("decode", tiny_model_dir, block_size=256, num_blocks=32,
+                          kv_transport="grpc", transfer_timeout=TRANSFER_TIMEOUT_S,
+                          landing_memory="64MiB"),
+    }
+    yield pods
+    for pod in pods.values():
+        _stop(pod)
+
+
+@pytest.fixture(scope="session")
+def colocated_stub(colocated_pod) -> Iterator[pdserve_pb2_grpc.DecodeStub]:
+    with grpc.insecure_channel(colocated_pod.address) as channel:
+        yield pdserve_pb2_grpc.DecodeStub(channel)
+
+
+@pytest.fixture(scope="session")
+def prefill_stub(prefill_pod) -> Iterator[pdserve_pb2_grpc.PrefillStub]:
+    with grpc.insecure_channel(prefill_pod.address) as channel:
+        yield pdserve_pb2_grpc.PrefillStub(channel)
+
+
+@pytest.fixture(scope="session")
+def decode_stubs(decode_pods) -> Iterator[dict[str, pdserve_pb2_grpc.DecodeStub]]:
+    channels = {name: grpc.insecure_channel(pod.address) for name, pod in decode_pods.items()}
+    yield {name: pdserve_pb2_grpc.DecodeStub(ch) for name, ch in channels.items()}
+    for channel in channels.values():
+        channel.close()
