@@ -1,0 +1,355 @@
+"""`pdserve up`: router + prefill + decode pods on this machine, one command.
+
+Life cycle (the supervisor runs on the main thread; one reader thread per
+child copies its output to ours, each line prefixed with the child's name):
+
+    model    --model DIR, or the built-in tiny model (created on first use)
+    pods     every pod starts at once (`python -m pdserve prefill|decode|serve`
+             on free ports, `--ready-file`); each line "[k/n] ... ready" as it
+             comes up
+    router   `python -m pdserve router` on --port/--grpc-port, pointed at the
+             pods (static lists, or Redis discovery with --redis-url); ready
+             when its HTTP /ready answers 200
+    serving  prints the URL and a curl example, then watches the children
+    stop     SIGINT/SIGTERM: router first (no new requests), then the pods;
+             each gets SIGTERM, then SIGKILL after --grace-period seconds
+
+A child that exits on its own (at startup or later) is a failure: its log tail
+is already on screen, everyone else is stopped, and `up` exits with status 1.
+Children run in their own sessions, so a terminal Ctrl-C reaches only `up`,
+which then stops them in order; on Linux they also get SIGTERM if `up` itself
+dies (PR_SET_PDEATHSIG), so nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HELP = "Run router + prefill + decode pods locally on a built-in model (OpenAI API on :8000)."
+
+POD_COMMANDS = {"prefill": "prefill", "decode": "decode", "colocated": "serve"}
+
+
+class StartupError(RuntimeError):
+    """A child failed to come up; the message says which and why."""
+
+
+class Stopping(Exception):
+    """SIGINT/SIGTERM arrived: unwind and stop every child."""
+
+
+@dataclass(frozen=True, slots=True)
+class UpConfig:
+    """Validated `pdserve up` settings (built from the flags by `config_from_args`)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    grpc_port: int = 50050
+    num_prefill: int = 1
+    num_decode: int = 1
+    num_colocated: int = 0
+    model_dir: str | None = None
+    redis_url: str | None = None
+    grace_period_s: float = 10.0
+    startup_timeout_s: float = 300.0
+    log_level: str = "WARNING"
+    pod_args: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("port", "grpc_port"):
+            value = getattr(self, name)
+            if not 0 < value < 65536:
+                raise ValueError(f"--{name.replace('_', '-')} must be in 1..65535; got {value}")
+        for name, value in (("prefill", self.num_prefill), ("decode", self.num_decode),
+                            ("colocated", self.num_colocated)):
+            if not 0 <= value <= 16:
+                raise ValueError(f"--{name} must be between 0 and 16 pods; got {value}")
+        if self.num_colocated == 0 and (self.num_prefill == 0 or self.num_decode == 0):
+            raise ValueError("need at least one prefill and one decode pod, or --colocated >= 1")
+        if self.grace_period_s <= 0 or self.startup_timeout_s <= 0:
+            raise ValueError("--grace-period and --startup-timeout must be > 0 seconds")
+
+
+@dataclass
+class Child:
+    """One child process and what `up` knows about it."""
+
+    name: str  # "prefill-0", "router", ...
+    process: subprocess.Popen
+    workdir: Path
+    started_at: float = field(default_factory=time.monotonic)
+    address: str = ""
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address the router binds")
+    parser.add_argument("--port", type=int, default=8000, help="router HTTP port (OpenAI API)")
+    parser.add_argument("--grpc-port", type=int, default=50050, help="router gRPC port")
+    parser.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill pods")
+    parser.add_argument("--decode", type=int, default=1, metavar="M", help="decode pods")
+    parser.add_argument("--colocated", type=int, default=0, metavar="K",
+                        help="colocated pods (prefill + decode in one process)")
+    parser.add_argument("--model", default=None, metavar="DIR",
+                        help="model directory (default: the built-in tiny model)")
+    parser.add_argument("--redis-url", default=None,
+                        help="pods register in Redis and the router discovers them there")
+    parser.add_argument("--grace-period", type=float, default=10.0, metavar="SECONDS",
+                        help="SIGTERM -> SIGKILL delay when stopping children")
+    parser.add_argument("--startup-timeout", type=float, default=300.0, metavar="SECONDS")
+    parser.add_argument("--log-level", default="WARNING",
+                        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+                        help="log level of the children (their lines are prefixed)")
+    parser.add_argument("--pod-arg", action="append", default=[], metavar="ARG",
+                        help="extra flag for every pod, e.g. --pod-arg=--num-blocks=256")
+
+
+def config_from_args(args: argparse.Namespace) -> UpConfig:
+    return UpConfig(
+        host=args.host, port=args.port, grpc_port=args.grpc_port, num_prefill=args.prefill,
+        num_decode=args.decode, num_colocated=args.colocated, model_dir=args.model,
+        redis_url=args.redis_url, grace_period_s=args.grace_period,
+        startup_timeout_s=args.startup_timeout, log_level=args.log_level,
+        pod_args=tuple(args.pod_arg),
+    )
+
+
+def say(message: str) -> None:
+    print(f"pdserve up: {message}", flush=True)
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: SIGTERM it if `up` dies, even by SIGKILL (Linux)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _pump(name: str, stream) -> None:
+    """Reader thread: copy a child's output to ours, one prefixed line at a time."""
+    for raw in iter(stream.readline, b""):
+        line = raw.decode(errors="replace").rstrip()
+        sys.stdout.write(f"[{name}] {line}\n")
+        sys.stdout.flush()
+    stream.close()
+
+
+def spawn(name: str, argv: list[str], workdir: Path) -> Child:
+    """Start `python -m pdserve ARGV` in its own session with prefixed output."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pdserve", *argv], stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+        start_new_session=True, preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+    )
+    threading.Thread(target=_pump, args=(name, process.stdout), name=f"log-{name}",
+                     daemon=True).start()
+    return Child(name, process, workdir)
+
+
+def resolve_model(config: UpConfig) -> Path:
+    if config.model_dir is not None:
+        path = Path(config.model_dir)
+        if not (path / "config.json").is_file():
+            raise StartupError(f"--model {path}: no config.json there")
+        return path
+    from engine.make_model import default_model_dir, ensure_model
+
+    target = default_model_dir("tiny")
+    if not (target / "config.json").is_file():
+        say(f"[model] creating the built-in tiny model in {target} (first run only) ...")
+    started = time.monotonic()
+    path = ensure_model("tiny")
+    say(f"[model] {path} ({time.monotonic() - started:.1f} s)")
+    return path
+
+
+def pod_argv(role: str, model: Path, config: UpConfig, ready_file: Path) -> list[str]:
+    argv = [POD_COMMANDS[role], "--model", str(model), "--host", "127.0.0.1", "--port", "0",
+            "--metrics-port", "0", "--ready-file", str(ready_file),
+            "--log-level", config.log_level]
+    if role == "decode":
+        argv += ["--kv-port", "0"]
+    if config.redis_url:
+        argv += ["--redis-url", config.redis_url]
+    return argv + list(config.pod_args)
+
+
+def start_pods(model: Path, config: UpConfig, tmp: Path, children: list[Child]) -> None:
+    """Start every pod at once and wait for each ready file, reporting progress."""
+    roles = (["prefill"] * config.num_prefill + ["decode"] * config.num_decode
+             + ["colocated"] * config.num_colocated)
+    total = len(roles) + 1  # + the router
+    pending: list[tuple[Child, str, Path]] = []
+    counts: dict[str, int] = {}
+    for role in roles:
+        index = counts[role] = counts.get(role, -1) + 1
+        name = f"{role}-{index}"
+        workdir = tmp / name
+        workdir.mkdir()
+        ready_file = workdir / "ready.json"
+        children.append(spawn(name, pod_argv(role, model, config, ready_file), workdir))
+        pending.append((children[-1], role, ready_file))
+    say(f"starting {len(roles)} pods ({', '.join(f'{n} {r}' for r, n in counts_of(roles))})")
+    deadline = time.monotonic() + config.startup_timeout_s
+    done = 0
+    while pending:
+        for item in list(pending):
+            child, role, ready_file = item
+            check_alive(child)
+            if ready_file.is_file():
+                ports = json.loads(ready_file.read_text())
+                child.address = f"127.0.0.1:{ports['grpc']}"
+                done += 1
+                elapsed = time.monotonic() - child.started_at
+                say(f"[{done}/{total}] {role} pod ready on {child.address} ({elapsed:.1f} s)")
+                pending.remove(item)
+        if time.monotonic() > deadline:
+            names = ", ".join(c.name for c, _, _ in pending)
+            raise StartupError(f"{names} not ready within --startup-timeout "
+                               f"{config.startup_timeout_s:.0f} s")
+        time.sleep(0.05)
+
+
+def counts_of(roles: list[str]) -> list[tuple[str, int]]:
+    return [(r, roles.count(r)) for r in POD_COMMANDS if roles.count(r)]
+
+
+def check_alive(child: Child) -> None:
+    if not child.alive():
+        raise StartupError(f"{child.name} exited with status {child.process.returncode} "
+                           "(its log is above, prefixed with its name)")
+
+
+def router_argv(model: Path, config: UpConfig, children: list[Child]) -> list[str]:
+    argv = ["router", "--model", str(model), "--host", config.host, "--port", str(config.port),
+            "--grpc-port", str(config.grpc_port), "--log-level", config.log_level]
+    if config.redis_url:
+        return argv + ["--redis-url", config.redis_url]
+    for role in POD_COMMANDS:
+        addresses = [c.address for c in children if c.name.startswith(role + "-")]
+        if addresses:
+            argv += [f"--{role}", ",".join(addresses)]
+    return argv
+
+
+def start_router(model: Path, config: UpConfig, tmp: Path, children: list[Child]) -> Child:
+    workdir = tmp / "router"
+    workdir.mkdir()
+    router = spawn("router", router_argv(model, config, children), workdir)
+    children.append(router)
+    url = f"http://{_client_host(config.host)}:{config.port}/ready"
+    deadline = time.monotonic() + config.startup_timeout_s
+    while True:
+        for child in children:
+            check_alive(child)
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    break
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass  # not listening yet, or 503 until it has polled the pods
+        if time.monotonic() > deadline:
+            raise StartupError(f"router not ready at {url} within --startup-timeout")
+        time.sleep(0.1)
+    total = config.num_prefill + config.num_decode + config.num_colocated + 1
+    elapsed = time.monotonic() - router.started_at
+    say(f"[{total}/{total}] router ready on http://{config.host}:{config.port} "
+        f"(gRPC :{config.grpc_port}) ({elapsed:.1f} s)")
+    return router
+
+
+def _client_host(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+
+
+def print_banner(config: UpConfig, model_name: str) -> None:
+    base = f"http://{_client_host(config.host)}:{config.port}"
+    body = json.dumps({"model": model_name, "prompt": "The cache", "max_tokens": 16})
+    print(
+        f"\npdserve is serving {model_name!r} at {base}/v1  (Ctrl-C stops everything)\n\n"
+        f"  curl {base}/v1/completions -H 'Content-Type: application/json' \\\n"
+        f"       -d '{body}'\n\n"
+        f"  python -c \"import openai; c = openai.OpenAI(base_url='{base}/v1', api_key='-'); "
+        f"print(c.completions.create(model='{model_name}', prompt='The cache', "
+        f"max_tokens=16).choices[0].text)\"\n",
+        flush=True,
+    )
+
+
+def stop_all(children: list[Child], grace_s: float) -> None:
+    """Router first (stops taking requests), then the pods: SIGTERM, then SIGKILL."""
+    for group in ([c for c in children if c.name == "router"],
+                  [c for c in children if c.name != "router"]):
+        for child in group:
+            if child.alive():
+                child.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for child in group:
+            try:
+                child.process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                say(f"{child.name} still running {grace_s:.0f} s after SIGTERM: SIGKILL")
+                child.process.kill()
+                child.process.wait()
+
+
+def run(config: UpConfig) -> int:
+    children: list[Child] = []
+    with tempfile.TemporaryDirectory(prefix="pdserve-up-") as tmp_name:
+        try:
+            model = resolve_model(config)
+            start_pods(model, config, Path(tmp_name), children)
+            start_router(model, config, Path(tmp_name), children)
+            print_banner(config, model.name)
+            while True:
+                for child in children:
+                    check_alive(child)
+                time.sleep(0.2)
+        except Stopping:
+            say("stopping ...")
+            stop_all(children, config.grace_period_s)
+            say("stopped")
+            return 0
+        except StartupError as exc:
+            say(f"error: {exc}; stopping everything")
+            stop_all(children, config.grace_period_s)
+            return 1
+        except BaseException:
+            stop_all(children, config.grace_period_s)
+            raise
+
+
+def _raise_stopping(signum: int, frame: object) -> None:
+    # restore defaults so a second Ctrl-C during shutdown cannot interrupt it half-way
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise Stopping()
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        say(f"error: {exc}")
+        return 2
+    signal.signal(signal.SIGINT, _raise_stopping)
+    signal.signal(signal.SIGTERM, _raise_stopping)
+    return run(config)
