@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+from collections.abc import Callable
 
 from aiohttp import web
 
@@ -158,13 +159,17 @@ class RouterServer:
         if self._sessions is not None:
             await self._sessions.close()
 
-    async def run_until_signal(self) -> None:
-        """Serve until SIGTERM or SIGINT, then shut down gracefully."""
+    async def run_until_signal(self, on_started: Callable[[RouterServer], None] | None = None
+                               ) -> None:
+        """Serve until SIGTERM or SIGINT, then shut down gracefully.
+        `on_started` runs once both servers listen (e.g. to write a ready file)."""
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         await self.start()
+        if on_started is not None:
+            on_started(self)
         try:
             await stop.wait()
             log.info("router: signal received, draining for up to %gs",

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
+from pathlib import Path
 
 HELP = "Run the router: OpenAI-compatible HTTP + gRPC API over prefill/decode pods."
 
@@ -41,6 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="context limit (default: max_position_embeddings in config.json)")
     parser.add_argument("--shutdown-grace", type=float, default=30.0, metavar="SECONDS",
                         help="how long SIGTERM waits for in-flight requests")
+    parser.add_argument("--ready-file", default=None, metavar="PATH",
+                        help='written once serving: {"http": port, "grpc": port}')
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -78,5 +82,12 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         logging.getLogger("pdserve.router").error("bad router flags: %s", exc)
         return 2
-    asyncio.run(RouterServer(config).run_until_signal())
+    def write_ready_file(server: RouterServer) -> None:
+        if args.ready_file:
+            # write then rename, so a reader never sees half a file
+            tmp = Path(args.ready_file + ".tmp")
+            tmp.write_text(json.dumps({"http": server.http_port, "grpc": server.grpc_port}))
+            tmp.replace(args.ready_file)
+
+    asyncio.run(RouterServer(config).run_until_signal(write_ready_file))
     return 0
