@@ -212,7 +212,7 @@ class ReceiveTable:
                     Reason.LAYOUT_MISMATCH, f"sender has {layout}, receiver expects {t.layout}"
                 )
         except TransferRefused as refused:
-            self._refuse(t, refused)
+            self._refuse(t, refused, request_id)
             raise
         with self._lock:
             if t.state.terminal:
@@ -250,7 +250,7 @@ class ReceiveTable:
             )
         else:
             refused = TransferRefused(Reason.DUPLICATE_DATA, f"layer {layer} offset {offset}")
-        self._refuse(t, refused)
+        self._refuse(t, refused, request_id)
         raise refused
 
     def commit(self, claim: WriteClaim, failure: str | None = None) -> None:
@@ -282,7 +282,7 @@ class ReceiveTable:
             else:
                 duplicate = True
         if duplicate:
-            self._refuse(t, TransferRefused(Reason.BAD_FRAME, "second END"))
+            self._refuse(t, TransferRefused(Reason.BAD_FRAME, "second END"), request_id)
         elif total_bytes != t.layout.total_bytes:
             self._fail(t, make_reason(
                 Reason.SIZE_MISMATCH, f"END says {total_bytes} bytes, layout has "
@@ -346,14 +346,23 @@ class ReceiveTable:
             raise _ended(t)
         return t
 
-    def _refuse(self, t: _Incoming | None, refused: TransferRefused) -> None:
+    def _refuse(self, t: _Incoming | None, refused: TransferRefused, request_id: str) -> None:
         """A refused frame fails its transfer if there is one (counted once, by the
-        first failure), else is only counted."""
+        first failure); for an unknown transfer it is counted once per request id
+        (a tombstone turns the other streams' copies into quiet refusals)."""
         if t is not None:
             self._fail(t, refused.reason)
-        else:
-            with self._lock:
+            return
+        with self._lock:
+            if request_id not in self._ended:
                 self._failures[refused.code.value] += 1
+                self._remember_ended(request_id, refused.reason)
+
+    def _remember_ended(self, request_id: str, reason: str) -> None:
+        """Caller holds _lock."""
+        self._ended[request_id] = reason
+        if len(self._ended) > _ENDED_KEPT:
+            self._ended.popitem(last=False)
 
     def _advance(self, t: _Incoming) -> None:
         """Deliver every layer that became complete, in order; decide END."""
@@ -428,9 +437,7 @@ class ReceiveTable:
             t.state = t.state.to(TransferState.RELEASED)
             if self._transfers.get(t.request_id) is t:
                 del self._transfers[t.request_id]
-                self._ended[t.request_id] = t.reason
-                if len(self._ended) > _ENDED_KEPT:
-                    self._ended.popitem(last=False)
+                self._remember_ended(t.request_id, t.reason)
         self.pool.free(buffer)
 
 

@@ -106,7 +106,8 @@ class GrpcKVSender(KVSender):
             num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim, dtype=layout.dtype,
             checksum=checksum(b""),
         )  # fmt: skip
-        timeout = max(0.1, target.deadline + self.config.verdict_grace_s - time.time())
+        remaining = target.deadline + self.config.verdict_grace_s - time.time()
+        timeout = min(max(0.1, remaining), 86400.0)  # gRPC rejects absurd deadlines
         for i, channel in enumerate(channels):
             call = pdserve_pb2_grpc.KVTransferStub(channel).Push.future(
                 self._frames(t, i, begin), timeout=timeout

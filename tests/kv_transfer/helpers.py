@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
 
 import torch
 
-from kv_transfer.base import KVLayout, KVReceiveListener, KVReceiver, KVSender
+from kv_transfer.base import KVLayout, KVReceiveListener, KVReceiver, KVSender, TransferTarget
 
 
 class RecordingListener(KVReceiveListener):
@@ -108,3 +110,33 @@ def run_concurrent(sender: KVSender, receiver: KVReceiver, listener: RecordingLi
         assert receiver.release(rid)
     if check_pool:  # only when nothing else uses the receiver meanwhile
         assert receiver.stats().bytes_in_use == 0
+
+
+# a sender in its own process: sends layer 0 of "victim" and half of layer 1, then
+# sleeps until the test kills it with SIGKILL (layout KILLABLE_LAYOUT)
+_KILLABLE_SENDER = """
+import sys, time, torch
+from kv_transfer.base import KVLayout, TransferTarget
+from kv_transfer.tcp import TcpKVSender
+from kv_transfer.grpc import GrpcKVSender
+endpoint, ticket, generation, deadline, transport = sys.argv[1:6]
+layout = KVLayout(4, 256, 2, 32, "float32")
+target = TransferTarget((endpoint,), bytes.fromhex(ticket), transport, int(generation),
+                        float(deadline))
+sender = TcpKVSender() if transport == "tcp" else GrpcKVSender()
+sender.begin("victim", target, layout)
+sender.send_layer("victim", 0, torch.ones(2, 256, 2, 32), 0)
+sender.send_layer("victim", 1, torch.ones(2, 100, 2, 32), 0)
+print("sent", flush=True)
+time.sleep(60)
+"""
+KILLABLE_LAYOUT = KVLayout(4, 256, 2, 32, "float32")
+
+
+def start_killable_sender(target: TransferTarget) -> subprocess.Popen:
+    """Start the process; it prints "sent" once its frames are queued."""
+    return subprocess.Popen(
+        [sys.executable, "-c", _KILLABLE_SENDER, target.endpoints[0], target.ticket.hex(),
+         str(target.generation), str(target.deadline), target.transport],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import random
 import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -23,25 +21,17 @@ from kv_transfer.frames import (
     encode_end,
 )
 from kv_transfer.tcp import TcpKVReceiver, TcpKVSender
-from tests.kv_transfer.helpers import RecordingListener, random_kv, run_concurrent, wait_until
+from tests.kv_transfer.helpers import (
+    RecordingListener,
+    random_kv,
+    run_concurrent,
+    start_killable_sender,
+    wait_until,
+)
 from tests.kv_transfer.tcp.raw import RawClient, data_frame
 
 pytestmark = pytest.mark.timeout(90)
 
-KILLED_SENDER = """
-import sys, time, torch
-from kv_transfer.base import KVLayout, TransferTarget
-from kv_transfer.tcp import TcpKVSender
-endpoint, ticket, generation, deadline = sys.argv[1:5]
-layout = KVLayout(4, 256, 2, 32, "float32")
-target = TransferTarget((endpoint,), bytes.fromhex(ticket), "tcp", int(generation), float(deadline))
-sender = TcpKVSender()
-sender.begin("victim", target, layout)
-sender.send_layer("victim", 0, torch.ones(2, 256, 2, 32), 0)
-sender.send_layer("victim", 1, torch.ones(2, 100, 2, 32), 0)
-print("sent", flush=True)
-time.sleep(60)
-"""
 
 
 @pytest.fixture
@@ -61,11 +51,7 @@ def test_killed_sender_process_frees_the_buffer(receiver, listener):
     layout = KVLayout(4, 256, 2, 32, "float32")
     deadline = time.time() + 20
     target = receiver.expect("victim", layout, deadline)
-    proc = subprocess.Popen(
-        [sys.executable, "-c", KILLED_SENDER, target.endpoints[0], target.ticket.hex(),
-         str(target.generation), str(target.deadline)],
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    proc = start_killable_sender(target)
     try:
         assert proc.stdout.readline().strip() == "sent"
         assert wait_until(lambda: ("victim", 0) in listener.layers, timeout=10)
