@@ -1,10 +1,10 @@
 """Pods shared by the integration tests (real processes on loopback, tiny model).
 
-Session-scoped so the whole package starts each pod once: a colocated pod
-(the parity baseline), a prefill pod (block 16, prefix cache on, 256-token
-chunks so long prompts stream over several steps), and two decode pods:
-block 128 over TCP and block 256 over gRPC, both with a short transfer
-timeout so the never-arriving-KV test finishes quickly.
+Session-scoped and started together, so the whole package pays for one pod
+start-up: a colocated pod (the parity baseline), a prefill pod (block 16,
+prefix cache on, 256-token chunks so long prompts stream over several
+steps), and two decode pods: block 128 over TCP and block 256 over gRPC,
+both with a short transfer timeout so the never-arriving-KV test is quick.
 """
 
 from __future__ import annotations
@@ -15,47 +15,47 @@ import grpc
 import pytest
 
 from proto import pdserve_pb2_grpc
-from tests.integration.pods import PodProcess, start_pod
+from tests.integration.pods import PodProcess, start_pods
 
 TRANSFER_TIMEOUT_S = 4.0
 
-
-def _stop(pod: PodProcess) -> None:
-    try:
-        pod.terminate(timeout=30)
-    finally:
-        pod.kill()
-
-
-@pytest.fixture(scope="session")
-def colocated_pod(tiny_model_dir) -> Iterator[PodProcess]:
-    pod = start_pod("colocated", tiny_model_dir, block_size=16, num_blocks=512)
-    yield pod
-    _stop(pod)
+_DECODE_FLAGS = {"transfer_timeout": TRANSFER_TIMEOUT_S, "landing_memory": "64MiB"}
+POD_SPECS = {
+    "colocated": ("colocated", {"block_size": 16, "num_blocks": 512}),
+    "prefill": ("prefill", {"block_size": 16, "num_blocks": 512,
+                            "max_num_batched_tokens": 256, "kv_streams": 4}),
+    "tcp": ("decode", {"block_size": 128, "num_blocks": 64, "kv_transport": "tcp",
+                       **_DECODE_FLAGS}),
+    "grpc": ("decode", {"block_size": 256, "num_blocks": 32, "kv_transport": "grpc",
+                        **_DECODE_FLAGS}),
+}
 
 
 @pytest.fixture(scope="session")
-def prefill_pod(tiny_model_dir) -> Iterator[PodProcess]:
-    pod = start_pod("prefill", tiny_model_dir, block_size=16, num_blocks=512,
-                    max_num_batched_tokens=256, kv_streams=4)
-    yield pod
-    _stop(pod)
+def pods(tiny_model_dir) -> Iterator[dict[str, PodProcess]]:
+    started = start_pods(POD_SPECS, tiny_model_dir)
+    yield started
+    for pod in started.values():
+        try:
+            pod.terminate(timeout=30)
+        finally:
+            pod.kill()
 
 
 @pytest.fixture(scope="session")
-def decode_pods(tiny_model_dir) -> Iterator[dict[str, PodProcess]]:
+def colocated_pod(pods) -> PodProcess:
+    return pods["colocated"]
+
+
+@pytest.fixture(scope="session")
+def prefill_pod(pods) -> PodProcess:
+    return pods["prefill"]
+
+
+@pytest.fixture(scope="session")
+def decode_pods(pods) -> dict[str, PodProcess]:
     """{"tcp": block-128 pod over TCP, "grpc": block-256 pod over gRPC}."""
-    pods = {
-        "tcp": start_pod("decode", tiny_model_dir, block_size=128, num_blocks=64,
-                         kv_transport="tcp", transfer_timeout=TRANSFER_TIMEOUT_S,
-                         landing_memory="64MiB"),
-        "grpc": start_pod("decode", tiny_model_dir, block_size=256, num_blocks=32,
-                          kv_transport="grpc", transfer_timeout=TRANSFER_TIMEOUT_S,
-                          landing_memory="64MiB"),
-    }
-    yield pods
-    for pod in pods.values():
-        _stop(pod)
+    return {"tcp": pods["tcp"], "grpc": pods["grpc"]}
 
 
 @pytest.fixture(scope="session")

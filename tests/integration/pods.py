@@ -140,6 +140,24 @@ def start_pod(role: str, model_dir: str | Path, *, timeout: float = DEFAULT_STAR
     return pod
 
 
+def start_pods(specs: dict[str, tuple[str, dict[str, Any]]], model_dir: str | Path,
+               ) -> dict[str, PodProcess]:
+    """Start several pods at once (`name -> (role, flags)`), waiting for all;
+    if one fails, the others are killed and the error is raised."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(specs)) as pool:
+        futures = {name: pool.submit(start_pod, role, model_dir, **flags)
+                   for name, (role, flags) in specs.items()}
+        errors = [f.exception() for f in futures.values() if f.exception() is not None]
+        pods = {name: f.result() for name, f in futures.items() if f.exception() is None}
+    if errors:
+        for pod in pods.values():
+            pod.kill()
+        raise errors[0]
+    return pods
+
+
 def _wait_ready(pod: PodProcess, ready_file: Path, deadline: float) -> dict[str, int]:
     while time.monotonic() < deadline:
         if not pod.alive():
