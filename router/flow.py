@@ -396,6 +396,8 @@ class RequestFlow:
                     api_error = self._pod_error(error, address)
                     if api_error is not None:
                         raise api_error from None
+                    if error.code() == grpc.StatusCode.UNAVAILABLE:
+                        self._deps.pool.mark_unhealthy(address, describe(error))
                     raise AttemptFailed(f"decode stream from {address} broke: {describe(error)}",
                                         addresses=frozenset({address}), migrate=True) from None
             if message is grpc.aio.EOF or message.WhichOneof("kind") != "tokens":

@@ -1,0 +1,136 @@
+"""Pods die under a running router (real processes, tiny model, kill -9):
+requests move or retry and finish exactly as the colocated baseline would,
+or fail with a clear error — none hangs.
+
+The router polls loads only every 30 s here, so after a kill it still sends
+work to the dead pod: that exercises the prefill retry and the decode-side
+refusal and migration paths, not just the poller dropping the pod.
+Cluster (module scope): 2 prefill, 3 decode, 1 colocated pod (the baseline);
+each test kills its own pods.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from proto import pdserve_pb2 as pb
+from proto import pdserve_pb2_grpc
+from tests.integration.pods import start_pod
+from tests.router.router_process import start_router, wait_ready
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+
+def _generate(router, prompt: str, max_tokens: int, on_tokens=None, timeout: float = 120):
+    """Stream Router.Generate (greedy, no EOS stop); returns all token ids."""
+    tokens: list[int] = []
+    with grpc.insecure_channel(router.grpc_address) as channel:
+        stub = pdserve_pb2_grpc.RouterStub(channel)
+        request = pb.GenerateRequest(prompt=prompt, sampling=pb.SamplingParams(
+            max_tokens=max_tokens, temperature=0, ignore_eos=True))
+        for message in stub.Generate(request, timeout=timeout):
+            tokens.extend(message.token_ids)
+            if on_tokens is not None:
+                on_tokens(len(tokens))
+            if message.finish_reason:
+                assert message.finish_reason == "length"
+    return tokens
+
+
+def _running(pod) -> int:
+    if not pod.alive():
+        return 0
+    with grpc.insecure_channel(pod.address) as channel:
+        stub = pdserve_pb2_grpc.DecodeStub(channel)
+        return stub.GetLoad(pb.LoadRequest(), timeout=10).num_running
+
+
+def _bytes_sent(pod) -> float:
+    try:
+        return pod.metric_value("pdserve_kv_transfer_bytes_total")
+    except KeyError:  # nothing sent yet
+        return 0.0
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir):
+    roles = ["prefill", "prefill", "decode", "decode", "decode", "colocated"]
+    with ThreadPoolExecutor(len(roles)) as pool:
+        pods = [f.result() for f in [pool.submit(start_pod, r, tiny_model_dir) for r in roles]]
+    prefill, decode = pods[:2], pods[2:5]
+    routers = []
+    try:
+        routers.append(start_router(tiny_model_dir, prefill=[p.address for p in prefill],
+                                    decode=[d.address for d in decode],
+                                    load_poll_interval=30, max_migrations=4))
+        routers.append(start_router(tiny_model_dir, colocated=[pods[5].address]))
+        for router in routers:
+            wait_ready(router)
+        yield {"prefill": prefill, "decode": decode, "pd": routers[0], "co": routers[1]}
+    finally:
+        for router in routers:
+            router.terminate()
+        for pod in pods:
+            pod.kill()
+
+
+def test_decode_pod_killed_mid_stream_keeps_the_stream_exact(cluster):
+    prompt = "A long story about routers and pods"
+    expected = _generate(cluster["co"], prompt, 120)
+    killed = []
+
+    def kill_serving_decode_pod(num_tokens: int) -> None:
+        if num_tokens >= 10 and not killed:
+            victim = next(d for d in cluster["decode"] if _running(d) == 1)
+            victim.kill()
+            killed.append(victim)
+
+    got = _generate(cluster["pd"], prompt, 120, on_tokens=kill_serving_decode_pod)
+    assert len(killed) == 1
+    assert got == expected  # no duplicates, no gaps, the same greedy tokens
+    assert cluster["pd"].metric("pdserve_migrations_total") == 1
+
+
+def test_prefill_and_decode_pods_killed_during_a_run(cluster):
+    pd = cluster["pd"]
+    warm = "Which prefill pod takes this prompt?"
+    _generate(pd, warm, 2)
+    # prefix affinity sends the same prompt to the same prefill pod: kill that one
+    victim_prefill = max(cluster["prefill"], key=_bytes_sent)
+    prompts = [warm] + [f"Request number {i} asks about topic {i * 7}" for i in range(7)]
+    expected = {p: _generate(cluster["co"], p, 40) for p in prompts}
+    results: dict[str, object] = {}
+    migrations_before = pd.metric("pdserve_migrations_total")
+
+    def client(prompt: str) -> None:
+        try:
+            results[prompt] = _generate(pd, prompt, 40, timeout=90)
+        except grpc.RpcError as exc:  # a clear error is allowed; a hang is not
+            results[prompt] = exc
+
+    victim_prefill.kill()
+    threads = []
+    for i, prompt in enumerate(prompts):
+        threads.append(threading.Thread(target=client, args=(prompt,)))
+        threads[-1].start()
+        if i == 3:  # kill a decode pod that is serving some of them right now
+            busy = [d for d in cluster["decode"] if _running(d) > 0]
+            assert busy, "no decode pod was busy"
+            busy[0].kill()
+        time.sleep(0.1)
+    for thread in threads:
+        thread.join(120)
+        assert not thread.is_alive(), "a request hung after the kills"
+    errors = {p: r for p, r in results.items() if isinstance(r, grpc.RpcError)}
+    for error in errors.values():
+        assert error.code() == grpc.StatusCode.UNAVAILABLE and error.details()
+    assert not errors, {p: e.details() for p, e in errors.items()}
+    for prompt in prompts:
+        assert results[prompt] == expected[prompt], prompt
+    assert pd.metric("pdserve_retries_total", role="prefill") >= 1
+    assert pd.metric("pdserve_migrations_total") > migrations_before
