@@ -74,7 +74,7 @@ def test_decoding_continues_while_kv_is_injected(prefill_stub, decode_stubs, dec
     reader.join()
 
     during = [t for t in arrivals if started <= t <= joined]
-    gaps = [b - a for a, b in zip([started, *during], [*during, joined])]
+    gaps = [b - a for a, b in zip([started, *during], [*during, joined], strict=True)]
     assert len(during) >= 3, f"only {len(during)} tokens in {joined - started:.2f}s"
     assert max(gaps) < MAX_GAP_S, f"decode stalled {max(gaps):.2f}s during the transfer"
     report = wait_released(decode_pods["tcp"], "Decode")
