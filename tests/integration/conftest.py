@@ -9,6 +9,7 @@ both with a short transfer timeout so the never-arriving-KV test is quick.
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterator
 
 import grpc
@@ -35,9 +36,11 @@ POD_SPECS = {
 def pods(tiny_model_dir) -> Iterator[dict[str, PodProcess]]:
     started = start_pods(POD_SPECS, tiny_model_dir)
     yield started
+    for pod in started.values():  # drain all at once, then wait for each
+        pod.process.send_signal(signal.SIGTERM)
     for pod in started.values():
         try:
-            pod.terminate(timeout=30)
+            assert pod.terminate(timeout=30) == 0, f"{pod.role} pod exit status"
         finally:
             pod.kill()
 
