@@ -68,6 +68,7 @@ class Behaviour:
     delay: float = 0.0  # seconds between decode tokens
     cached_tokens: int = 0
     invalid: str | None = None  # answer INVALID_ARGUMENT with this message
+    waiting_tokens: int = 0  # GetLoad's num_waiting_tokens (steers the prefill policy)
 
 
 class FakePod(pdserve_pb2_grpc.DecodeServicer, pdserve_pb2_grpc.PrefillServicer):
@@ -102,7 +103,8 @@ class FakePod(pdserve_pb2_grpc.DecodeServicer, pdserve_pb2_grpc.PrefillServicer)
     async def GetLoad(self, request, context):
         return pb.LoadReport(role=self.role, generation=1, num_free_blocks=1000,
                              num_total_blocks=1000, block_size=16, model="fake",
-                             max_model_len=4096, num_running=len(self.active))
+                             max_model_len=4096, num_running=len(self.active),
+                             num_waiting_tokens=self.behaviour.waiting_tokens)
 
     async def Abort(self, request, context):
         return pb.AbortResponse(found=request.request_id in self.active)
