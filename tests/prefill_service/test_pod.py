@@ -1,0 +1,61 @@
+"""`prefill_service.pod`: the drain gate and the ready file."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import grpc
+import pytest
+
+from prefill_service.pod import DrainGate, PodState, write_ready_file
+from proto.status import ServiceError
+
+
+def test_gate_counts_in_flight_and_refuses_while_draining():
+    async def scenario():
+        gate = DrainGate()
+        with gate.admit():
+            assert gate.in_flight == 1
+            gate.transition(PodState.DRAINING)
+            with pytest.raises(ServiceError) as err:
+                with gate.admit():
+                    pass
+            assert err.value.code == grpc.StatusCode.UNAVAILABLE
+            assert await gate.wait_idle(0.01) is False
+        assert gate.in_flight == 0
+        assert await gate.wait_idle(0.01) is True
+
+    asyncio.run(scenario())
+
+
+def test_wait_idle_wakes_when_the_last_request_leaves():
+    async def scenario():
+        gate = DrainGate()
+
+        async def request():
+            with gate.admit():
+                await asyncio.sleep(0.05)
+
+        task = asyncio.create_task(request())
+        await asyncio.sleep(0)
+        assert gate.in_flight == 1
+        assert await gate.wait_idle(5.0) is True
+        await task
+
+    asyncio.run(scenario())
+
+
+def test_pod_state_transitions_are_checked():
+    gate = DrainGate()
+    gate.transition(PodState.DRAINING)
+    gate.transition(PodState.STOPPED)
+    with pytest.raises(RuntimeError, match="pod state stopped -> serving is not allowed"):
+        gate.transition(PodState.SERVING)
+
+
+def test_ready_file_is_written_whole(tmp_path):
+    path = tmp_path / "ready.json"
+    write_ready_file(str(path), {"grpc": 1, "metrics": 2, "kv": 3})
+    assert json.loads(path.read_text()) == {"grpc": 1, "metrics": 2, "kv": 3}
+    assert not (tmp_path / "ready.json.tmp").exists()
