@@ -1,0 +1,317 @@
+"""`pdserve bench router`: latency the router adds, and its routing-decision time.
+
+Setup (all real processes on loopback): one prefill pod, one decode pod and
+one `pdserve router` (started here unless --prefill/--decode/--router-grpc
+point at running ones), a small model, short outputs, so the pods' own cost is
+small and the router's shows.
+
+Two clients run the *same* disaggregated flow at the same concurrency:
+
+* direct — the benchmark plays router itself: Decode.Generate(remote_prefill)
+  -> Reserved -> Prefill.Prefill(target) -> first token -> decode stream;
+* router — Router.Generate (gRPC) with the same prompt token ids, through
+  the router (validation, routing, session store, detokenizing, metrics).
+
+Rounds alternate direct / router so drift on the shared 2-core machine hits
+both alike. Reported: time to first token and end-to-end latency p50/p99 of
+each, and the difference (router - direct) = latency added by the router.
+
+Routing decision: `RoutingPolicy.choose_prefill` + `choose_decode` timed in
+this process over a `PolledPodPool` polling the same pods (sessions spread
+over 1,000 ids), plus `choose_bounded` alone over 64 pods.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+HELP = "Router-added latency (through the router vs. direct to pods) and routing-decision time."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="model dir (default: built-in tiny)")
+    parser.add_argument("--concurrency", default="1,16,200",
+                        help="comma-separated concurrent stream counts (default 1,16,200)")
+    parser.add_argument("--requests", type=int, default=1000, help="requests per round")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds per client (alternating)")
+    parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=4)
+    parser.add_argument("--decision-iterations", type=int, default=20000)
+    parser.add_argument("--prefill", default=None, help="use this running prefill pod")
+    parser.add_argument("--decode", default=None, help="use this running decode pod")
+    parser.add_argument("--router-grpc", default=None, help="use this running router (host:port)")
+    parser.add_argument("--pod-arg", action="append", default=[],
+                        help="extra flag for the pods started here")
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    ttft_s: float
+    e2e_s: float
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[index]
+
+
+# ------------------------------------------------------------------ processes
+
+
+def _spawn(argv: list[str], log: Path) -> subprocess.Popen:
+    with open(log, "wb") as out:
+        return subprocess.Popen([sys.executable, "-m", "pdserve", *argv], stdout=out,
+                                stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def _wait_file(proc: subprocess.Popen, path: Path, log: Path, timeout: float = 180) -> dict:
+    deadline = time.monotonic() + timeout
+    while not path.is_file():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"child failed to start:\n{log.read_text()[-3000:]}")
+        time.sleep(0.05)
+    return json.loads(path.read_text())
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_stack(model: Path, tmp: Path, pod_args: list[str]) -> tuple[list, str, str, str]:
+    """Start prefill, decode, router; return (processes, prefill, decode, router grpc)."""
+    procs, addresses = [], []
+    for role in ("prefill", "decode"):
+        ready, log = tmp / f"{role}.json", tmp / f"{role}.log"
+        argv = [role, "--model", str(model), "--host", "127.0.0.1", "--port", "0",
+                "--metrics-port", "0", "--ready-file", str(ready), "--log-level", "WARNING",
+                # room for every stream at once: a full pod would refuse, not queue
+                "--max-num-seqs", "256", *pod_args]
+        if role == "decode":
+            argv += ["--kv-port", "0"]
+        procs.append((_spawn(argv, log), ready, log))
+    for proc, ready, log in procs:
+        addresses.append(f"127.0.0.1:{_wait_file(proc, ready, log)['grpc']}")
+    http_port, grpc_port = _free_port(), _free_port()
+    log = tmp / "router.log"
+    router = _spawn(["router", "--model", str(model), "--host", "127.0.0.1", "--port",
+                     str(http_port), "--grpc-port", str(grpc_port), "--prefill", addresses[0],
+                     "--decode", addresses[1], "--log-level", "WARNING"], log)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/ready", timeout=2):
+                break
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            if router.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"router failed:\n{log.read_text()[-3000:]}") from None
+            time.sleep(0.1)
+    return [p for p, _, _ in procs] + [router], addresses[0], addresses[1], \
+        f"127.0.0.1:{grpc_port}"
+
+
+def stop_stack(procs: list[subprocess.Popen]) -> None:
+    for proc in reversed(procs):
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+# ------------------------------------------------------------------ clients
+
+
+async def direct_request(pb, stubs, request_id: str, prompt: list[int], max_tokens: int
+                         ) -> Sample:
+    """The router's flow, done by hand: reserve on decode, prefill, stream the rest."""
+    import grpc
+
+    prefill_stub, decode_stub = stubs
+    sampling = pb.SamplingParams(max_tokens=max_tokens, top_p=1.0, ignore_eos=True)
+    started = time.perf_counter()
+    call = decode_stub.Generate(pb.DecodeGenerateRequest(
+        request_id=request_id, prompt_token_ids=prompt, sampling=sampling, remote_prefill=True))
+    first = await call.read()
+    await prefill_stub.Prefill(pb.PrefillRequest(
+        request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
+        target=first.reserved.target))
+    ttft = time.perf_counter() - started
+    while True:
+        message = await call.read()
+        if message is grpc.aio.EOF or message.tokens.finish_reason:
+            break
+    return Sample(ttft, time.perf_counter() - started)
+
+
+async def router_request(pb, stub, request_id: str, prompt: list[int], max_tokens: int
+                         ) -> Sample:
+    sampling = pb.SamplingParams(max_tokens=max_tokens, top_p=1.0, ignore_eos=True)
+    started = time.perf_counter()
+    ttft = None
+    async for message in stub.Generate(pb.GenerateRequest(
+            prompt_token_ids=prompt, sampling=sampling, request_id=request_id,
+            session_id=f"session-{hash(request_id) % 1000}")):
+        if ttft is None and message.token_ids:
+            ttft = time.perf_counter() - started
+        if message.finish_reason:
+            break
+    end = time.perf_counter() - started
+    return Sample(ttft if ttft is not None else end, end)
+
+
+async def run_round(make_call, num_requests: int, concurrency: int) -> list[Sample]:
+    queue = iter(range(num_requests))
+    samples: list[Sample] = []
+
+    async def worker() -> None:
+        for i in queue:
+            samples.append(await make_call(i))
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return samples
+
+
+async def measure_latency(args, prefill: str, decode: str, router: str, concurrency: int
+                          ) -> dict[str, tuple[list[Sample], float]]:
+    import grpc
+
+    from proto import pdserve_pb2 as pb
+    from proto import pdserve_pb2_grpc as rpc
+
+    rng = random.Random(0)
+    prompts = [[rng.randrange(5, 1000) for _ in range(args.prompt_tokens)] for _ in range(64)]
+    channels = [grpc.aio.insecure_channel(a) for a in (prefill, decode, router)]
+    direct_stubs = (rpc.PrefillStub(channels[0]), rpc.DecodeStub(channels[1]))
+    router_stub = rpc.RouterStub(channels[2])
+    results: dict[str, list[Sample]] = {"direct": [], "router": []}
+    busy: dict[str, float] = {"direct": 0.0, "router": 0.0}
+    try:
+        clients = {
+            "direct": lambda tag: lambda i: direct_request(
+                pb, direct_stubs, f"d{tag}-{i}", prompts[i % 64], args.max_tokens),
+            "router": lambda tag: lambda i: router_request(
+                pb, router_stub, f"r{tag}-{i}", prompts[i % 64], args.max_tokens),
+        }
+        for factory in clients.values():  # warm-up: connections, caches
+            await run_round(factory("warm"), min(200, args.requests), concurrency)
+        for r in range(args.rounds):
+            for name, factory in clients.items():
+                t0 = time.perf_counter()
+                samples = await run_round(factory(f"{concurrency}-{r}"), args.requests,
+                                          concurrency)
+                elapsed = time.perf_counter() - t0
+                results[name].extend(samples)
+                busy[name] += elapsed
+                print(f"  {concurrency:4d} streams, round {r + 1}, {name:6s}: {len(samples)} "
+                      f"requests in {elapsed:.1f} s", flush=True)
+    finally:
+        for channel in channels:
+            await channel.close()
+    return {name: (results[name], len(results[name]) / busy[name]) for name in results}
+
+
+async def measure_decisions(args, prefill: str, decode: str) -> dict[str, list[float]]:
+    from router.registry.poller import PolledPodPool
+    from router.registry.static import StaticPodSource
+    from router.routing.policy import RoutingPolicy
+    from router.routing.rendezvous import choose_bounded, session_key
+    from router.sessions import InMemorySessionStore
+
+    pool = PolledPodPool(StaticPodSource(prefill=[prefill], decode=[decode]))
+    await pool.start()
+    policy = RoutingPolicy(pool, InMemorySessionStore())
+    rng = random.Random(1)
+    prompt = [rng.randrange(5, 1000) for _ in range(args.prompt_tokens)]
+    policy_us, bounded_us = [], []
+    try:
+        for i in range(args.decision_iterations):
+            t0 = time.perf_counter()
+            await policy.choose_prefill(session_id=f"s{i % 1000}", prompt_token_ids=prompt)
+            policy.choose_decode(num_tokens=args.prompt_tokens + args.max_tokens)
+            policy_us.append((time.perf_counter() - t0) * 1e6)
+    finally:
+        await pool.close()
+    loads = {f"10.0.{i // 250}.{i % 250}:50051": float(rng.randrange(0, 5000)) for i in range(64)}
+    for i in range(args.decision_iterations):
+        t0 = time.perf_counter()
+        choose_bounded(session_key(f"s{i}"), loads, epsilon=0.25, slack=32.0)
+        bounded_us.append((time.perf_counter() - t0) * 1e6)
+    return {"policy (2 pods, session)": policy_us, "choose_bounded (64 pods)": bounded_us}
+
+
+def report(runs: dict[int, dict[str, tuple[list[Sample], float]]],
+           decisions: dict[str, list[float]], args) -> None:
+    print(f"\nrouter-added latency: {args.rounds} x {args.requests} requests per client and "
+          f"concurrency, prompt {args.prompt_tokens} tokens, {args.max_tokens} output tokens\n")
+    print("| streams | client | req/s | TTFT p50 ms | TTFT p99 ms | e2e p50 ms | e2e p99 ms |")
+    print("|---|---|---|---|---|---|---|")
+    for concurrency, results in runs.items():
+        stats = {}
+        for name, (samples, rate) in results.items():
+            ttft = [s.ttft_s * 1e3 for s in samples]
+            e2e = [s.e2e_s * 1e3 for s in samples]
+            stats[name] = [percentile(ttft, 50), percentile(ttft, 99), percentile(e2e, 50),
+                           percentile(e2e, 99)]
+            print(f"| {concurrency} | {name} | {rate:.0f} | "
+                  + " | ".join(f"{v:.2f}" for v in stats[name]) + " |")
+        added = [r - d for r, d in zip(stats["router"], stats["direct"], strict=True)]
+        print(f"| {concurrency} | **added by router** | | "
+              + " | ".join(f"{v:+.2f}" for v in added) + " |")
+    print("\nrouting decision (this process, no contention)\n")
+    print("| decision | p50 µs | p99 µs | mean µs |")
+    print("|---|---|---|---|")
+    for name, values in decisions.items():
+        print(f"| {name} | {percentile(values, 50):.1f} | {percentile(values, 99):.1f} | "
+              f"{statistics.fmean(values):.1f} |")
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    except ValueError:
+        levels = []
+    if not levels or min(levels) <= 0 or args.requests <= 0 or args.rounds <= 0:
+        print("--concurrency (comma-separated), --requests and --rounds must be > 0",
+              file=sys.stderr)
+        return 2
+    procs: list[subprocess.Popen] = []
+    with tempfile.TemporaryDirectory(prefix="pdserve-bench-router-") as tmp:
+        try:
+            if args.prefill and args.decode and args.router_grpc:
+                prefill, decode, router = args.prefill, args.decode, args.router_grpc
+            else:
+                from engine.make_model import ensure_model
+
+                model = Path(args.model) if args.model else ensure_model("tiny")
+                procs, prefill, decode, router = start_stack(model, Path(tmp), args.pod_arg)
+            print(f"pods: prefill {prefill}, decode {decode}; router gRPC {router}", flush=True)
+            runs = {c: asyncio.run(measure_latency(args, prefill, decode, router, c))
+                    for c in levels}
+            decisions = asyncio.run(measure_decisions(args, prefill, decode))
+        finally:
+            stop_stack(procs)
+    report(runs, decisions, args)
+    return 0
