@@ -135,14 +135,25 @@ class PolledPodPool(PodPool):
             pod.move(PodState.UNHEALTHY, reason)
 
     async def poll_once(self) -> None:
-        """Refresh the pod set from the source and poll every pod once."""
+        """Refresh the pod set from the source and poll every pod once.
+
+        Every await here is bounded (`asyncio.wait_for`), so neither a stuck
+        registry nor a stuck pod can stall the poller and freeze the pool's view.
+        """
         try:
-            entries = await self._source.discover()
+            entries = await asyncio.wait_for(self._source.discover(), self.poll_timeout + 2.0)
         except Exception as exc:  # registry outage: keep polling the pods we know
-            log.warning("pod discovery failed, keeping %d known pods: %s", len(self._pods), exc)
+            log.warning("pod discovery failed, keeping %d known pods: %r", len(self._pods), exc)
         else:
             await self._sync(entries)
-        await asyncio.gather(*(self._poll(pod) for pod in list(self._pods.values())))
+        await asyncio.gather(*(self._poll_bounded(pod) for pod in list(self._pods.values())))
+
+    async def _poll_bounded(self, pod: _Pod) -> None:
+        try:
+            await asyncio.wait_for(self._poll(pod), 2 * self.poll_timeout + 1.0)
+        except asyncio.TimeoutError:
+            pod.failures += 1
+            pod.move(PodState.UNHEALTHY, "poll did not finish in time")
 
     async def _sync(self, entries: list[PodEntry]) -> None:
         wanted = {e.address: e for e in entries}
