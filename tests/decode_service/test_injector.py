@@ -1,0 +1,109 @@
+"""`KVInjector`: layers written into reserved slots, in order, off the caller's thread.
+
+The listener hooks are called here from the test thread, the way the
+receiver's I/O threads call them; the cache is a real paged layout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from decode_service.injector import KVInjector, TransferFailed
+from engine.metrics import PodMetrics
+
+pytestmark = pytest.mark.timeout(60)
+
+NUM_LAYERS, BLOCKS, BLOCK, HEADS, DIM = 2, 4, 16, 2, 64
+
+
+def _caches() -> list[torch.Tensor]:
+    return [torch.zeros(2, BLOCKS, BLOCK, HEADS, DIM) for _ in range(NUM_LAYERS)]
+
+
+def _slots(blocks: list[int], num_tokens: int) -> torch.Tensor:
+    return torch.tensor([blocks[i // BLOCK] * BLOCK + i % BLOCK for i in range(num_tokens)],
+                        dtype=torch.int64)
+
+
+def test_layers_land_in_the_reserved_slots_and_the_future_gets_the_first_token():
+    caches = _caches()
+    metrics = PodMetrics.create("decode")
+    injector = KVInjector(caches, metrics)
+
+    async def scenario():
+        slots = _slots([3, 1], 20)  # 20 tokens over blocks 3 then 1
+        ready = injector.expect("r", slots, NUM_LAYERS, num_bytes=1234)
+        sent = [torch.randn(2, 20, HEADS, DIM) for _ in range(NUM_LAYERS)]
+        for layer, kv in enumerate(sent):
+            injector.on_layer_ready("r", layer, kv)
+        injector.on_complete("r", 42)
+        assert await asyncio.wait_for(ready, 10) == 42
+        await injector.forget("r")
+        return sent
+
+    sent = asyncio.run(scenario())
+    injector.close()
+    for layer, kv in enumerate(sent):
+        flat = caches[layer].view(2, BLOCKS * BLOCK, HEADS, DIM)
+        assert torch.equal(flat[:, 48:64], kv[:, :16])  # block 3 holds tokens 0..15
+        assert torch.equal(flat[:, 16:20], kv[:, 16:])  # block 1 holds tokens 16..19
+        assert flat[:, :16].abs().sum() == 0 and flat[:, 20:48].abs().sum() == 0
+    assert metrics.kv_transfer_bytes._value.get() == 1234
+
+
+@pytest.mark.parametrize(("events", "reason"), [
+    ([("failed", "deadline: deadline 1.000 passed")], "deadline: deadline 1.000 passed"),
+    ([("layer", 0), ("complete", 7)], "injection: END after 1 of 2 layers"),
+    ([("layer", 1)], "injection: layer 1 arrived, expected layer 0"),
+])
+def test_failures_reject_the_future_with_the_reason(events, reason):
+    caches = _caches()
+    injector = KVInjector(caches, PodMetrics.create("decode"))
+
+    async def scenario():
+        ready = injector.expect("r", _slots([0], 5), NUM_LAYERS, num_bytes=1)
+        for kind, arg in events:
+            if kind == "layer":
+                injector.on_layer_ready("r", arg, torch.ones(2, 5, HEADS, DIM))
+            elif kind == "complete":
+                injector.on_complete("r", arg)
+            else:
+                injector.on_failed("r", arg)
+        with pytest.raises(TransferFailed) as err:
+            await asyncio.wait_for(ready, 10)
+        await injector.forget("r")
+        return err.value
+
+    err = asyncio.run(scenario())
+    injector.close()
+    assert err.reason == reason
+
+
+def test_nothing_is_written_after_forget():
+    caches = _caches()
+    injector = KVInjector(caches, PodMetrics.create("decode"))
+
+    async def scenario():
+        injector.expect("r", _slots([2], 5), NUM_LAYERS, num_bytes=1)
+        await injector.forget("r")
+        injector.on_layer_ready("r", 0, torch.ones(2, 5, HEADS, DIM))  # a late layer
+        await injector.forget("sync")  # a barrier: the late layer has been handled
+
+    asyncio.run(scenario())
+    injector.close()
+    assert all(cache.abs().sum() == 0 for cache in caches)
+
+
+def test_duplicate_expect_is_refused():
+    injector = KVInjector(_caches(), PodMetrics.create("decode"))
+
+    async def scenario():
+        injector.expect("r", _slots([0], 5), NUM_LAYERS, num_bytes=1)
+        with pytest.raises(ValueError, match="request 'r' is already waiting for KV"):
+            injector.expect("r", _slots([1], 5), NUM_LAYERS, num_bytes=1)
+
+    asyncio.run(scenario())
+    injector.close()
