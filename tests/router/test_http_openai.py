@@ -216,7 +216,8 @@ def test_no_pod_is_503_with_reason(tiny_model_dir):
         assert ready.value.code == 503
         status, payload = _post(router, {"model": "tiny", "prompt": "x"})
     finally:
-        router.terminate()
+        exit_status = router.terminate()
+    assert exit_status == 0  # SIGTERM is a clean shutdown
     assert status == 503
     assert payload["error"]["code"] == "no_pod_available"
     assert payload["error"]["message"].startswith("no pod can serve the request: no healthy "

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 
 import aiohttp
 import pytest
@@ -196,3 +198,11 @@ def test_client_disconnect_cancels_the_pod_stream(tiny_model_dir):
                 metrics = await r.text()
         assert 'pdserve_aborts_total{reason="client_disconnect"} 1.0' in metrics
     run(main())
+
+
+def test_router_never_imports_torch():
+    code = ("import sys, router.server, router.http_server, router.grpc_server, "
+            "pdserve.commands.router; assert 'torch' not in sys.modules, 'torch imported'")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
