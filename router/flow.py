@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -46,43 +45,19 @@ import grpc
 
 from proto import pdserve_pb2 as pb
 from router.api_error import ApiError
-from router.generation import Delta, GenerationRequest, TokenLogprobs
-from router.output import Detokenizer, OutputAssembler, OutputGap
+from router.flow_state import FlowState, check_transition
+from router.generation import Delta, GenerationRequest
+from router.output import (
+    Detokenizer,
+    OutputAssembler,
+    OutputGap,
+    fold_final,
+    logprobs_from_proto,
+)
 from router.pod_calls import AttemptFailed, FlowDeps, client_error, describe, sampling_message
 from router.routing.base import NoPodAvailable
 
 log = logging.getLogger(__name__)
-
-
-class FlowState(enum.Enum):
-    ROUTING = "routing"
-    RESERVING = "reserving"
-    PREFILLING = "prefilling"
-    DECODING = "decoding"
-    COLOCATED = "colocated"
-    MIGRATING = "migrating"
-    FINISHED = "finished"
-    FAILED = "failed"
-
-
-_S = FlowState
-_TRANSITIONS: dict[FlowState, frozenset[FlowState]] = {
-    _S.ROUTING: frozenset({_S.RESERVING, _S.COLOCATED}),
-    _S.RESERVING: frozenset({_S.PREFILLING}),
-    _S.PREFILLING: frozenset({_S.DECODING, _S.MIGRATING}),
-    _S.DECODING: frozenset({_S.MIGRATING, _S.FINISHED}),
-    _S.COLOCATED: frozenset({_S.MIGRATING, _S.FINISHED}),
-    _S.MIGRATING: frozenset({_S.ROUTING}),
-    _S.FINISHED: frozenset(),
-    _S.FAILED: frozenset(),
-}
-
-
-def _logprobs(messages) -> tuple[TokenLogprobs, ...]:
-    return tuple(
-        TokenLogprobs(m.token_id, m.logprob, tuple(m.top_token_ids), tuple(m.top_logprobs))
-        for m in messages
-    )
 
 
 class RequestFlow:
@@ -105,8 +80,7 @@ class RequestFlow:
         self._last_token_time: float | None = None
 
     def _to(self, state: FlowState) -> None:
-        if state is not FlowState.FAILED and state not in _TRANSITIONS[self.state]:
-            raise AssertionError(f"{self.request.request_id}: {self.state} -> {state}")
+        check_transition(self.request.request_id, self.state, state)
         self.state = state
 
     @property
@@ -135,6 +109,11 @@ class RequestFlow:
                     self._after_failure(failure)
         except ApiError as exc:
             outcome = f"http_{exc.status}"
+            # pods had the request and are told to drop it (their calls are cancelled)
+            if exc.status == 504:
+                metrics.aborts.labels(reason="timeout").inc()
+            elif exc.code == "pod_failure":
+                metrics.aborts.labels(reason="pod_failure").inc()
             self._to(FlowState.FAILED)
             raise
         except (GeneratorExit, asyncio.CancelledError):
@@ -320,16 +299,16 @@ class RequestFlow:
             self._to(FlowState.PREFILLING)
             response = await self._prefill(request_id, first.reserved.target, address)
             self._out.set_cached_tokens(response.num_cached_tokens)
-            first_logprobs = (
-                _logprobs([response.first_logprob]) if response.HasField("first_logprob") else ()
-            )
+            first_logprobs = ()
+            if response.HasField("first_logprob"):
+                first_logprobs = logprobs_from_proto([response.first_logprob])
             delta = self._out.accept(self._out.next_index, [response.first_token_id],
                                      first_logprobs)
             self._to(FlowState.DECODING)
             if self._out.stopped:  # a stop string ended in the very first token
                 call.cancel()
                 self._deps.metrics.aborts.labels(reason="stop_string").inc()
-                yield from_delta_and_finish(delta, self._finish("stop"))
+                yield fold_final(delta, self._finish("stop"))
                 return
             if delta is not None:
                 yield delta  # the first token goes out before decode streams anything
@@ -408,20 +387,20 @@ class RequestFlow:
                 self._out.set_cached_tokens(tokens.num_cached_tokens)
             try:
                 delta = self._out.accept(tokens.first_index, tokens.token_ids,
-                                         _logprobs(tokens.logprobs))
+                                         logprobs_from_proto(tokens.logprobs))
             except OutputGap as gap:
                 raise AttemptFailed(f"decode pod {address}: {gap}",
                                     addresses=frozenset({address}), migrate=True) from None
             if self._out.stopped:
                 call.cancel()
                 self._deps.metrics.aborts.labels(reason="stop_string").inc()
-                yield from_delta_and_finish(delta, self._finish("stop"))
+                yield fold_final(delta, self._finish("stop"))
                 return
             if tokens.finish_reason == "abort":
                 raise AttemptFailed(f"decode pod {address} aborted the request",
                                     addresses=frozenset({address}), migrate=True)
             if tokens.finish_reason:
-                yield from_delta_and_finish(delta, self._finish(tokens.finish_reason))
+                yield fold_final(delta, self._finish(tokens.finish_reason))
                 return
             if delta is not None:
                 yield delta
@@ -429,17 +408,3 @@ class RequestFlow:
     def _finish(self, finish_reason: str) -> Delta:
         self._to(FlowState.FINISHED)
         return self._out.finish(finish_reason)
-
-
-def from_delta_and_finish(delta: Delta | None, final: Delta) -> Delta:
-    """Fold the last batch's delta into the final one, so the client gets
-    the last text and the finish reason in one message."""
-    if delta is None:
-        return final
-    return Delta(
-        text=delta.text + final.text,
-        token_ids=delta.token_ids,
-        logprobs=delta.logprobs,
-        finish_reason=final.finish_reason,
-        usage=final.usage,
-    )

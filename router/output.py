@@ -17,7 +17,7 @@ Used from the request's task only.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 from router.generation import Delta, TokenLogprobs, Usage
@@ -110,3 +110,25 @@ class OutputAssembler:
             cached_tokens=self.cached_tokens or 0,
         )
         return Delta(text=text, finish_reason=finish_reason, usage=usage)
+
+
+def logprobs_from_proto(messages: Iterable) -> tuple[TokenLogprobs, ...]:
+    """pdserve.v1.TokenLogprob messages -> TokenLogprobs."""
+    return tuple(
+        TokenLogprobs(m.token_id, m.logprob, tuple(m.top_token_ids), tuple(m.top_logprobs))
+        for m in messages
+    )
+
+
+def fold_final(delta: Delta | None, final: Delta) -> Delta:
+    """Fold the last batch's delta into the final one, so the client gets
+    the last text and the finish reason in one message."""
+    if delta is None:
+        return final
+    return Delta(
+        text=delta.text + final.text,
+        token_ids=delta.token_ids,
+        logprobs=delta.logprobs,
+        finish_reason=final.finish_reason,
+        usage=final.usage,
+    )

@@ -288,4 +288,5 @@ def test_invalid_argument_from_pod_is_400_and_timeout_is_504():
         assert bad.value.message.endswith("prompt too long for this pod")
         assert late.value.status == 504
         assert late.value.message == "the request did not finish within --request-timeout 0.3s"
+        assert slow.sample("pdserve_aborts_total", reason="timeout") == 1
     run(main())

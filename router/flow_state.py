@@ -1,0 +1,42 @@
+"""`FlowState`: the states of one request in the router, with the allowed
+transitions written down and checked (see router.flow for the life cycle).
+
+    ROUTING -> RESERVING -> PREFILLING -> DECODING -> FINISHED
+    ROUTING -> COLOCATED -> FINISHED
+    PREFILLING | DECODING | COLOCATED -> MIGRATING -> ROUTING
+    any state -> FAILED
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class FlowState(enum.Enum):
+    ROUTING = "routing"
+    RESERVING = "reserving"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    COLOCATED = "colocated"
+    MIGRATING = "migrating"
+    FINISHED = "finished"
+    FAILED = "failed"
+
+
+_S = FlowState
+_TRANSITIONS: dict[FlowState, frozenset[FlowState]] = {
+    _S.ROUTING: frozenset({_S.RESERVING, _S.COLOCATED}),
+    _S.RESERVING: frozenset({_S.PREFILLING}),
+    _S.PREFILLING: frozenset({_S.DECODING, _S.MIGRATING}),
+    _S.DECODING: frozenset({_S.MIGRATING, _S.FINISHED}),
+    _S.COLOCATED: frozenset({_S.MIGRATING, _S.FINISHED}),
+    _S.MIGRATING: frozenset({_S.ROUTING}),
+    _S.FINISHED: frozenset(),
+    _S.FAILED: frozenset(),
+}
+
+
+def check_transition(request_id: str, old: FlowState, new: FlowState) -> None:
+    """Raise AssertionError (an internal bug) unless `old -> new` is allowed."""
+    if new is not FlowState.FAILED and new not in _TRANSITIONS[old]:
+        raise AssertionError(f"request {request_id}: {old.value} -> {new.value} is not allowed")
