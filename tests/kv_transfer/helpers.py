@@ -36,7 +36,7 @@ class RecordingListener(KVReceiveListener):
     def on_failed(self, request_id: str, reason: str) -> None:
         self._add(request_id, ("failed", reason))
 
-    def wait_final(self, request_id: str, timeout: float = 10.0) -> tuple:
+    def wait_final(self, request_id: str, timeout: float = 30.0) -> tuple:
         """The complete/failed event of `request_id` (AssertionError on timeout)."""
         with self.cond:
             ok = self.cond.wait_for(lambda: self._final(request_id) is not None, timeout)
@@ -82,7 +82,7 @@ def run_concurrent(sender: KVSender, receiver: KVReceiver, listener: RecordingLi
     kvs = [random_kv(layout, gen) for layout in layouts]
     ids = [f"req-{seed}-{i}" for i in range(len(layouts))]
     targets = [
-        receiver.expect(rid, layout, time.time() + 30)
+        receiver.expect(rid, layout, time.time() + 60)
         for rid, layout in zip(ids, layouts, strict=True)
     ]
     results: dict[str, object] = {}
@@ -91,14 +91,15 @@ def run_concurrent(sender: KVSender, receiver: KVReceiver, listener: RecordingLi
         sender.begin(ids[i], targets[i], layouts[i])
         cut = max(1, layouts[i].num_tokens // 3)
         cuts = [cut] if layouts[i].num_tokens > 1 else []
-        results[ids[i]] = send_all(sender, ids[i], kvs[i], cuts, 1000 + i).result(30)
+        results[ids[i]] = send_all(sender, ids[i], kvs[i], cuts, 1000 + i).result(60)
 
     threads = [threading.Thread(target=push, args=(i,)) for i in range(len(layouts))]
     for t in threads:
         t.start()
     for t in threads:
-        t.join(60)
+        t.join(90)
     for i, rid in enumerate(ids):
+        assert rid in results, f"{rid}: the sending thread died"
         assert results[rid].ok, results[rid]
         assert listener.wait_final(rid) == ("complete", 1000 + i)
         layers = [e[1] for e in listener.events[rid] if e[0] == "layer"]

@@ -12,7 +12,7 @@ class RawClient:
 
     def __init__(self, endpoint: str):
         host, port = endpoint.rsplit(":", 1)
-        self.sock = socket.create_connection((host, int(port)), timeout=5)
+        self.sock = socket.create_connection((host, int(port)), timeout=30)
 
     def send(self, data: bytes) -> None:
         self.sock.sendall(data)

@@ -30,7 +30,7 @@ from tests.kv_transfer.helpers import (
 )
 from tests.kv_transfer.tcp.raw import RawClient, data_frame
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = pytest.mark.timeout(180)
 
 
 
@@ -41,7 +41,7 @@ def listener():
 
 @pytest.fixture
 def receiver(listener):
-    rx = TcpKVReceiver(ReceiverConfig(capacity_bytes=64 << 20, claim_grace_s=0.5), listener)
+    rx = TcpKVReceiver(ReceiverConfig(capacity_bytes=64 << 20, claim_grace_s=3.0), listener)
     rx.start()
     yield rx
     rx.close()
@@ -49,20 +49,20 @@ def receiver(listener):
 
 def test_killed_sender_process_frees_the_buffer(receiver, listener):
     layout = KVLayout(4, 256, 2, 32, "float32")
-    deadline = time.time() + 20
+    deadline = time.time() + 60
     target = receiver.expect("victim", layout, deadline)
     proc = start_killable_sender(target)
     try:
         assert proc.stdout.readline().strip() == "sent"
-        assert wait_until(lambda: ("victim", 0) in listener.layers, timeout=10)
+        assert wait_until(lambda: ("victim", 0) in listener.layers, timeout=30)
         assert receiver.stats().bytes_in_use == layout.total_bytes
         proc.kill()  # SIGKILL mid-transfer: layer 1 is incomplete, no END
         proc.wait(5)
     finally:
         proc.kill()
-    final = listener.wait_final("victim", timeout=10)
+    final = listener.wait_final("victim")
     assert final[0] == "failed" and final[1].startswith("connection_lost")
-    # layer 0 was handed out, so the buffer waits for release or the 0.5 s claim grace
+    # layer 0 was handed out, so the buffer waits for release or the 3 s claim grace
     assert wait_until(lambda: receiver.stats().bytes_in_use == 0, timeout=deadline - time.time())
     assert receiver.stats().unclaimed_freed == 1
 
@@ -78,7 +78,7 @@ def test_abrupt_close_mid_payload(receiver, listener):
     client.close()  # RST
     final = listener.wait_final("cut")
     assert final[0] == "failed" and final[1].startswith("connection_lost")
-    assert wait_until(lambda: receiver.stats().bytes_in_use == 0, timeout=5)
+    assert wait_until(lambda: receiver.stats().bytes_in_use == 0, timeout=30)
 
 
 def _fuzz_case(rng: random.Random, receiver: TcpKVReceiver, index: int,
@@ -147,7 +147,7 @@ def test_fuzzed_frames_do_not_hurt_good_transfers(receiver, listener):
     # every fuzz transfer ends (complete, refused, or past its 3 s deadline) and is freed
     for index in range(80):
         receiver.release(f"fz-{index}")
-    assert wait_until(lambda: receiver.stats().bytes_in_use == 0, timeout=10)
+    assert wait_until(lambda: receiver.stats().bytes_in_use == 0, timeout=30)
     # and the receiver still works
     run_concurrent(sender, receiver, listener, [KVLayout(2, 5, 1, 8, "float32")], seed=99)
     sender.close()
