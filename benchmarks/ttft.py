@@ -1,0 +1,171 @@
+"""`pdserve bench ttft`: time to first token, disaggregated vs prefill-only.
+
+One run, one prefill pod and one decode pod (real processes on loopback),
+the built-in `base` model by default:
+
+- **prefill-only** (baseline): `Prefill.Prefill` with an empty target (no
+  endpoints = no KV transfer); TTFT = the RPC's round trip.
+- **disaggregated**: the router's flow: open `Decode.Generate(remote_prefill)`,
+  read `Reserved`, call `Prefill.Prefill` with its target; TTFT = time from
+  opening the decode stream until the first token is in the client's hand
+  (the Prefill response, which returns only after the decode pod accepted
+  every layer and END). Includes the reservation round trip and the tail of
+  the layer-wise transfer that did not overlap the compute.
+
+Both run at low load (one request at a time), interleaved so drift hits
+both alike, over fresh random prompts (prefix cache off on the prefill pod,
+so every request computes its whole prompt). Reports medians per prompt
+length and the ratio; the target is disaggregated <= 1.10x prefill-only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HELP = "TTFT: disaggregated (prefill pod -> decode pod) vs prefill-only, several prompt lengths."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="base",
+                        help="model directory, or 'tiny' / 'base' (built-in, made on first use)")
+    parser.add_argument("--prompt-lens", default="128,512,2048",
+                        help="comma-separated prompt lengths")
+    parser.add_argument("--repeats", type=int, default=5, help="measurements per length and mode")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--kv-transport", default="tcp", choices=("tcp", "grpc"))
+    parser.add_argument("--kv-streams", type=int, default=4)
+    parser.add_argument("--prefill-block-size", type=int, default=16)
+    parser.add_argument("--decode-block-size", type=int, default=128)
+    parser.add_argument("--kv-cache-memory", default="2GiB", help="per pod")
+    parser.add_argument("--json", default=None, metavar="PATH", help="also write results here")
+
+
+def _model_dir(name: str) -> str:
+    if name in ("tiny", "base"):
+        from engine.make_model import ensure_model
+
+        return str(ensure_model(name))
+    return name
+
+
+class _Pod:
+    """A pod subprocess on loopback with OS-picked ports (see --ready-file)."""
+
+    def __init__(self, command: str, flags: list[str]) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix=f"pdserve-bench-{command}-"))
+        ready = self.dir / "ready.json"
+        self.log = open(self.dir / "pod.log", "wb")  # noqa: SIM115 - closed in stop()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "pdserve", command, "--host", "127.0.0.1", "--port", "0",
+             "--metrics-port", "0", "--ready-file", str(ready), *flags],
+            stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        deadline = time.monotonic() + 600
+        while not ready.exists():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"pdserve {command} did not start; see {self.dir / 'pod.log'}:"
+                                   f"\n{(self.dir / 'pod.log').read_text()[-3000:]}")
+            time.sleep(0.1)
+        self.address = f"127.0.0.1:{json.loads(ready.read_text())['grpc']}"
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        self.log.close()
+
+
+def _measure_prefill_only(prefill, pb, rid: str, prompt: list[int]) -> float:
+    sampling = pb.SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    start = time.perf_counter()
+    prefill.Prefill(pb.PrefillRequest(request_id=rid, prompt_token_ids=prompt,
+                                      sampling=sampling), timeout=600)
+    return time.perf_counter() - start
+
+
+def _measure_disaggregated(prefill, decode, pb, rid: str, prompt: list[int]) -> tuple[float, int]:
+    sampling = pb.SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    start = time.perf_counter()
+    call = decode.Generate(pb.DecodeGenerateRequest(
+        request_id=rid, prompt_token_ids=prompt, sampling=sampling, remote_prefill=True),
+        timeout=600)
+    reserved = next(call).reserved
+    response = prefill.Prefill(pb.PrefillRequest(
+        request_id=rid, prompt_token_ids=prompt, sampling=sampling, target=reserved.target),
+        timeout=600)
+    ttft = time.perf_counter() - start
+    for _ in call:  # the decode stream finishes the request (not timed)
+        pass
+    return ttft, response.kv_bytes_sent
+
+
+def main(args: argparse.Namespace) -> int:
+    import grpc
+
+    from proto import pdserve_pb2 as pb
+    from proto import pdserve_pb2_grpc as pbg
+
+    lengths = [int(x) for x in args.prompt_lens.split(",")]
+    model = _model_dir(args.model)
+    common = ["--model", model, "--device", args.device, "--kv-cache-memory",
+              args.kv_cache_memory, "--max-num-batched-tokens", str(max(2048, max(lengths)))]
+    prefill_pod = _Pod("prefill", [*common, "--block-size", str(args.prefill_block_size),
+                                   "--kv-streams", str(args.kv_streams), "--no-prefix-cache"])
+    decode_pod = None
+    try:
+        decode_pod = _Pod("decode", [*common, "--block-size", str(args.decode_block_size),
+                                     "--kv-port", "0", "--kv-transport", args.kv_transport])
+        prefill = pbg.PrefillStub(grpc.insecure_channel(prefill_pod.address))
+        decode = pbg.DecodeStub(grpc.insecure_channel(decode_pod.address))
+        rng = random.Random(0)
+        results = []
+        # warm up both paths (first calls pay for lazy initialisation)
+        for i in range(2):
+            warm = [rng.randrange(5, 1000) for _ in range(min(lengths))]
+            _measure_prefill_only(prefill, pb, f"warm-p-{i}", warm)
+            _measure_disaggregated(prefill, decode, pb, f"warm-d-{i}", warm)
+        for length in lengths:
+            base, disagg, kv_bytes = [], [], 0
+            for r in range(args.repeats):
+                prompt = [rng.randrange(5, 1000) for _ in range(length)]
+                other = [rng.randrange(5, 1000) for _ in range(length)]
+                base.append(_measure_prefill_only(prefill, pb, f"p-{length}-{r}", prompt))
+                ttft, kv_bytes = _measure_disaggregated(prefill, decode, pb,
+                                                        f"d-{length}-{r}", other)
+                disagg.append(ttft)
+            results.append({"prompt_len": length, "prefill_only_ms": statistics.median(base) * 1e3,
+                            "disaggregated_ms": statistics.median(disagg) * 1e3,
+                            "kv_bytes": kv_bytes})
+    finally:
+        for pod in (decode_pod, prefill_pod):
+            if pod is not None:
+                pod.stop()
+    _print_table(args, results)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+def _print_table(args: argparse.Namespace, results: list[dict]) -> None:
+    print(f"model={args.model} device={args.device} transport={args.kv_transport} "
+          f"streams={args.kv_streams} prefill block={args.prefill_block_size} "
+          f"decode block={args.decode_block_size} repeats={args.repeats} (medians)")
+    print("| prompt tokens | prefill-only TTFT (ms) | disaggregated TTFT (ms) | ratio | KV bytes |")
+    print("|---:|---:|---:|---:|---:|")
+    for row in results:
+        ratio = row["disaggregated_ms"] / row["prefill_only_ms"]
+        print(f"| {row['prompt_len']} | {row['prefill_only_ms']:.1f} | "
+              f"{row['disaggregated_ms']:.1f} | {ratio:.3f} | {row['kv_bytes']:,} |")
