@@ -290,3 +290,21 @@ def test_invalid_argument_from_pod_is_400_and_timeout_is_504():
         assert late.value.message == "the request did not finish within --request-timeout 0.3s"
         assert slow.sample("pdserve_aborts_total", reason="timeout") == 1
     run(main())
+
+
+def test_colocated_pod_failure_moves_to_another_colocated_pod():
+    async def main():
+        cluster = Cluster()
+        first = await cluster.add("colocated", break_after=3)
+        second = await cluster.add("colocated")
+        async with cluster:
+            second.active.update({"x", "y"})  # look busy, so `first` is chosen first
+            await cluster.pool.poll_once()
+            deltas = await _collect(cluster.flow(max_tokens=9))
+        assert _text(deltas) == expected_text(PROMPT, 9)
+        assert len(first.requests) == 1
+        (moved,) = second.requests
+        assert not moved.remote_prefill
+        assert list(moved.output_token_ids) == [expected_token(PROMPT, i) for i in range(3)]
+        assert cluster.sample("pdserve_migrations_total") == 1
+    run(main())

@@ -83,3 +83,22 @@ def test_api_key_on_grpc(tiny_model_dir):
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
         assert ok[-1].usage.completion_tokens == 2
     run(main())
+
+
+def test_cancelled_generate_cancels_the_pod_call(tiny_model_dir):
+    async def main():
+        roles = {"colocated": [Behaviour(delay=0.05)]}
+        async with fake_cluster(tiny_model_dir, roles) as (server, pods):
+            pod = pods["colocated"][0]
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+                call = pdserve_pb2_grpc.RouterStub(channel).Generate(pb.GenerateRequest(
+                    prompt="hi", sampling=pb.SamplingParams(max_tokens=500)))
+                await call.read()
+                assert len(pod.active) == 1
+                call.cancel()
+                for _ in range(100):
+                    if not pod.active:
+                        break
+                    await asyncio.sleep(0.05)
+            assert not pod.active and len(pod.cancelled) == 1
+    run(main())
