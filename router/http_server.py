@@ -43,6 +43,11 @@ AUTH = web.AppKey("auth", ApiKeyCheck)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
+def _internal_error(exc: BaseException) -> ApiError:
+    return ApiError(500, f"internal error: {type(exc).__name__}: {exc}",
+                    error_type="internal_error")
+
+
 def error_response(error: ApiError) -> web.Response:
     return web.json_response(error.body(), status=error.status)
 
@@ -62,6 +67,9 @@ async def _errors_and_auth(request: web.Request, handler: Handler) -> web.Stream
         return error_response(
             ApiError(exc.status, f"{request.method} {request.path}: {exc.reason}", code=code)
         )
+    except Exception as exc:  # a bug: still answer in OpenAI's shape, and keep serving
+        log.exception("%s %s failed", request.method, request.path)
+        return error_response(_internal_error(exc))
 
 
 async def _json_body(request: web.Request) -> object:
@@ -119,6 +127,9 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
         except ApiError as exc:
             # Headers are gone; OpenAI clients raise on an event with "error".
             await response.write(sse_event(exc.body()))
+        except Exception as exc:
+            log.exception("stream of %s failed", generation.request_id)
+            await response.write(sse_event(_internal_error(exc).body()))
         await response.write(DONE_EVENT)
         await response.write_eof()
         return response

@@ -206,3 +206,30 @@ def test_router_never_imports_torch():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 0, result.stderr
+
+
+def test_internal_error_keeps_openai_shape_and_serving(tiny_model_dir, monkeypatch):
+    from router.frontend import Frontend
+
+    real_prepare = Frontend.prepare
+
+    def prepare(self, parsed, session_id):
+        if parsed.prompt == "boom":
+            raise RuntimeError("tokenizer exploded")
+        return real_prepare(self, parsed, session_id)
+
+    monkeypatch.setattr(Frontend, "prepare", prepare)
+
+    async def main():
+        async with fake_cluster(tiny_model_dir, PD) as (server, _), \
+                aiohttp.ClientSession() as http:
+            body = {"model": "tiny", "prompt": "boom", "max_tokens": 2}
+            async with http.post(_url(server, "/v1/completions"), json=body) as r:
+                assert r.status == 500
+                assert await r.json() == {"error": {
+                    "message": "internal error: RuntimeError: tokenizer exploded",
+                    "type": "internal_error", "param": None, "code": None}}
+            async with http.post(_url(server, "/v1/completions"),
+                                 json={**body, "prompt": "fine"}) as r:
+                assert r.status == 200
+    run(main())
