@@ -173,11 +173,13 @@ def resolve_model(config: UpConfig) -> Path:
     from engine.make_model import default_model_dir, ensure_model
 
     target = default_model_dir("tiny")
-    if not (target / "config.json").is_file():
-        say(f"[model] creating the built-in tiny model in {target} (first run only) ...")
+    if (target / "config.json").is_file():
+        say(f"[model] using the built-in tiny model in {target}")
+        return ensure_model("tiny")
+    say(f"[model] creating the built-in tiny model in {target} (first run only) ...")
     started = time.monotonic()
     path = ensure_model("tiny")
-    say(f"[model] {path} ({time.monotonic() - started:.1f} s)")
+    say(f"[model] created {path} ({time.monotonic() - started:.1f} s)")
     return path
 
 
@@ -207,7 +209,9 @@ def start_pods(model: Path, config: UpConfig, tmp: Path, children: list[Child]) 
         ready_file = workdir / "ready.json"
         children.append(spawn(name, pod_argv(role, model, config, ready_file), workdir))
         pending.append((children[-1], role, ready_file))
-    say(f"starting {len(roles)} pods ({', '.join(f'{n} {r}' for r, n in counts_of(roles))})")
+    plural = "pod" if len(roles) == 1 else "pods"
+    say(f"starting {len(roles)} {plural} "
+        f"({', '.join(f'{n} {r}' for r, n in counts_of(roles))})")
     deadline = time.monotonic() + config.startup_timeout_s
     done = 0
     while pending:

@@ -24,8 +24,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -59,8 +58,7 @@ class _Pod:
     state: PodState = PodState.NEW
     report: pdserve_pb2.LoadReport | None = None
     reason: str = "not polled yet"
-    last_ok: float = 0.0
-    failures: int = field(default=0)
+    failures: int = 0  # consecutive failed polls (in the log line when it goes down)
 
     def move(self, new: PodState, reason: str) -> None:
         if new not in _TRANSITIONS[self.state]:
@@ -180,7 +178,8 @@ class PolledPodPool(PodPool):
             )
         except grpc.aio.AioRpcError as exc:
             pod.failures += 1
-            pod.move(PodState.UNHEALTHY, f"poll failed: {exc.code().name} {exc.details()}")
+            pod.move(PodState.UNHEALTHY, f"poll failed ({pod.failures} in a row): "
+                                         f"{exc.code().name} {exc.details()}")
             return
         if self._pods.get(pod.entry.address) is not pod:
             return  # removed from the registry while we were polling
@@ -193,7 +192,6 @@ class PolledPodPool(PodPool):
             pod.move(PodState.UNHEALTHY, "draining")
         else:
             pod.report = report
-            pod.last_ok = time.monotonic()
             pod.failures = 0
             pod.move(PodState.HEALTHY, "poll ok")
 
