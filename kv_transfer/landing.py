@@ -1,11 +1,13 @@
 """Landing buffer pool: where arriving KV is written, bounded by a byte budget.
 
-The receiver allocates one buffer per expected transfer (`expect`) and frees it
-when the transfer is over and no writer can touch it. The budget is the only
-back-pressure: a full pool raises `BufferPoolExhausted` at `expect`, nothing is
-queued. Buffers are pinned host memory when CUDA is available (so the injector's
-H2D copies are asynchronous); torch's caching host allocator keeps pinned
-allocations cheap to repeat.
+The pool is one slab allocated (and faulted in) when the receiver starts, as
+DESIGN.md asks of every KV memory: nothing grows after start, and the receive
+path never pays for page faults. Buffers are carved out first-fit at 64-byte
+alignment and coalesced on free. The slab is pinned host memory when CUDA is
+available, so the injector's H2D copies are asynchronous.
+
+The budget is the only back-pressure: a request that does not fit raises
+`BufferPoolExhausted` at `expect`; nothing is queued.
 
 Thread-safe: `allocate`/`free` are called from service threads, receiver I/O
 threads and the collector thread.
@@ -13,6 +15,7 @@ threads and the collector thread.
 
 from __future__ import annotations
 
+import bisect
 import threading
 from dataclasses import dataclass
 
@@ -20,26 +23,36 @@ import torch
 
 from kv_transfer.errors import BufferPoolExhausted
 
+ALIGNMENT = 64  # bytes; covers every KV dtype and keeps buffers on their own cache lines
+
 
 @dataclass(frozen=True, slots=True)
 class LandingBuffer:
-    """One transfer's landing area: `data` is a flat uint8 tensor of `nbytes`."""
+    """One transfer's landing area: `data` is a flat uint8 view of `nbytes` in the slab."""
 
-    buffer_id: int
+    offset: int
     nbytes: int
+    reserved: int  # nbytes rounded up to ALIGNMENT: what the pool accounts
     data: torch.Tensor
 
 
 class LandingBufferPool:
     def __init__(self, capacity_bytes: int, pin_memory: bool | None = None) -> None:
-        if not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
-            raise ValueError(f"capacity_bytes must be a positive int, got {capacity_bytes!r}")
-        self.capacity_bytes = capacity_bytes
+        if not isinstance(capacity_bytes, int) or capacity_bytes < ALIGNMENT:
+            raise ValueError(
+                f"capacity_bytes must be an int >= {ALIGNMENT}, got {capacity_bytes!r}"
+            )
+        self.capacity_bytes = capacity_bytes - capacity_bytes % ALIGNMENT
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self._slab = torch.empty(self.capacity_bytes, dtype=torch.uint8, pin_memory=self.pin_memory)
+        if not self.pin_memory:
+            self._slab.zero_()  # fault the pages in now (pinned memory already is)
         self._lock = threading.Lock()
-        self._in_use: dict[int, int] = {}  # buffer id -> bytes
+        # free extents as two parallel sorted lists: offsets and sizes (coalesced)
+        self._free_offsets = [0]
+        self._free_sizes = [self.capacity_bytes]
+        self._in_use: dict[int, int] = {}  # offset -> reserved bytes
         self._bytes_in_use = 0
-        self._next_id = 1
 
     @property
     def bytes_in_use(self) -> int:
@@ -52,31 +65,47 @@ class LandingBufferPool:
             return len(self._in_use)
 
     def allocate(self, nbytes: int) -> LandingBuffer:
-        """Reserve `nbytes`; raises BufferPoolExhausted when it does not fit now."""
+        """Reserve `nbytes` (first fit); raises BufferPoolExhausted when no extent fits."""
         if not isinstance(nbytes, int) or nbytes <= 0:
             raise ValueError(f"nbytes must be a positive int, got {nbytes!r}")
+        reserved = -(-nbytes // ALIGNMENT) * ALIGNMENT
         with self._lock:
-            if self._bytes_in_use + nbytes > self.capacity_bytes:
+            index = next((i for i, size in enumerate(self._free_sizes) if size >= reserved), None)
+            if index is None:
+                largest = max(self._free_sizes, default=0)
                 raise BufferPoolExhausted(
                     f"landing pool has {self.capacity_bytes - self._bytes_in_use} of "
-                    f"{self.capacity_bytes} bytes free, {nbytes} requested"
+                    f"{self.capacity_bytes} bytes free (largest extent {largest}), "
+                    f"{nbytes} requested"
                 )
-            buffer_id = self._next_id
-            self._next_id += 1
-            self._in_use[buffer_id] = nbytes
-            self._bytes_in_use += nbytes
-        try:
-            # allocated outside the lock: pinning can take milliseconds
-            data = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin_memory)
-        except BaseException:
-            self._forget(buffer_id)
-            raise
-        return LandingBuffer(buffer_id, nbytes, data)
+            offset = self._free_offsets[index]
+            if self._free_sizes[index] == reserved:
+                del self._free_offsets[index], self._free_sizes[index]
+            else:
+                self._free_offsets[index] += reserved
+                self._free_sizes[index] -= reserved
+            self._in_use[offset] = reserved
+            self._bytes_in_use += reserved
+        return LandingBuffer(offset, nbytes, reserved, self._slab[offset : offset + nbytes])
 
     def free(self, buffer: LandingBuffer) -> None:
         """Return a buffer; freeing one twice is an internal error (KeyError)."""
-        self._forget(buffer.buffer_id)
-
-    def _forget(self, buffer_id: int) -> None:
         with self._lock:
-            self._bytes_in_use -= self._in_use.pop(buffer_id)
+            reserved = self._in_use.pop(buffer.offset)
+            self._bytes_in_use -= reserved
+            offset, size = buffer.offset, reserved
+            i = bisect.bisect(self._free_offsets, offset)
+            # merge with the following extent, then the preceding one
+            if i < len(self._free_offsets) and offset + size == self._free_offsets[i]:
+                size += self._free_sizes[i]
+                del self._free_offsets[i], self._free_sizes[i]
+            if i > 0 and self._free_offsets[i - 1] + self._free_sizes[i - 1] == offset:
+                self._free_sizes[i - 1] += size
+            else:
+                self._free_offsets.insert(i, offset)
+                self._free_sizes.insert(i, size)
+
+    def free_extents(self) -> list[tuple[int, int]]:
+        """(offset, size) of every free extent, for tests and debugging."""
+        with self._lock:
+            return list(zip(self._free_offsets, self._free_sizes, strict=True))

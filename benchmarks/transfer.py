@@ -1,0 +1,255 @@
+"""`pdserve bench transfer`: KV transfer throughput over loopback, against baselines.
+
+In one run, for each stream count N (default 1, 2, 4, 8):
+
+- **ceiling**: N plain TCP connections, the same bytes split evenly, `sendall`
+  of memoryviews on one side and `recv_into` a preallocated buffer on the
+  other; no framing, no checksums: what loopback TCP gives on this machine;
+- **tcp**: `TcpKVSender` -> `TcpKVReceiver`, K requests x L layers, every
+  layer sent as the engine does (`send_layer` per layer), xxhash64 on both
+  sides, frames sliced across N streams;
+- **grpc**: `GrpcKVSender` -> `GrpcKVReceiver` with N concurrent Push calls;
+
+and once: **grpc-plain**, one client-streaming `KVTransfer.Push` call sending
+the same bytes as bare payload messages (same chunk size) to a servicer that
+only counts them: the gRPC baseline.
+
+GB/s = bytes of all K requests / wall time from the first BEGIN to the last
+verdict. Per-layer latency = time from a request's `begin` to that layer's
+`on_layer_ready` on the receiver. Each figure is the best of --repeats runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import threading
+import time
+
+HELP = "KV transfer: TCP and gRPC connectors at 1/2/4/8 streams vs raw sockets and plain gRPC."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--requests", type=int, default=2, help="K requests per measurement")
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--tokens", type=int, default=2000)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--streams", default="1,2,4,8", help="comma-separated stream counts")
+    parser.add_argument("--connectors", default="tcp,grpc", help="comma-separated: tcp,grpc")
+    parser.add_argument("--chunk-mib", type=float, default=4.0, help="max DATA payload (MiB)")
+    parser.add_argument("--repeats", type=int, default=3)
+
+
+def main(args: argparse.Namespace) -> int:
+    import torch
+
+    from kv_transfer.base import KVLayout
+
+    layout = KVLayout(args.layers, args.tokens, args.kv_heads, args.head_dim, args.dtype)
+    streams = [int(s) for s in args.streams.split(",")]
+    connectors = [c for c in args.connectors.split(",") if c]
+    chunk = int(args.chunk_mib * (1 << 20))
+    gen = torch.Generator().manual_seed(0)
+    kvs = [
+        torch.randint(0, 256, (layout.total_bytes,), dtype=torch.uint8, generator=gen)
+        .view(layout.torch_dtype).view(layout.num_layers, *layout.layer_shape)
+        for _ in range(args.requests)
+    ]  # fmt: skip
+    total = layout.total_bytes * args.requests
+    print(f"# {args.requests} requests x {layout}: {total / 2**20:.1f} MiB per measurement, "
+          f"best of {args.repeats}, chunk {args.chunk_mib} MiB")  # fmt: skip
+    rows = []
+    plain = None
+    if "grpc" in connectors:
+        plain = _best(args.repeats, lambda: _plain_grpc(kvs, chunk))
+        rows.append(("grpc-plain", 1, total / plain / 1e9, None, None, None))
+    for n in streams:
+        ceiling = _best(args.repeats, lambda n=n: _raw_ceiling(kvs, n))
+        rows.append(("ceiling", n, total / ceiling / 1e9, None, None, None))
+        for connector in connectors:
+            best, lat = None, None
+            for _ in range(args.repeats):
+                seconds, latencies = _connector(connector, kvs, layout, n, chunk)
+                if best is None or seconds < best:
+                    best, lat = seconds, latencies
+            base = ceiling if connector == "tcp" else plain
+            rows.append((connector, n, total / best / 1e9, base / best,
+                         _pct(lat, 50), _pct(lat, 99)))  # fmt: skip
+    _print(rows)
+    return 0
+
+
+def _best(repeats: int, run) -> float:
+    return min(run() for _ in range(repeats))
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * q / 100))]
+
+
+def _print(rows) -> None:
+    print("| path | streams | GB/s | vs baseline | layer p50 ms | layer p99 ms |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for path, n, gbps, ratio, p50, p99 in rows:
+        base = {"tcp": "ceiling", "grpc": "grpc-plain"}.get(path)
+        ratio_s = f"{ratio:.0%} of {base}" if ratio is not None else "-"
+        lat = (f"{p50 * 1e3:.1f} | {p99 * 1e3:.1f}" if p50 is not None else "- | -")
+        print(f"| {path} | {n} | {gbps:.2f} | {ratio_s} | {lat} |")
+
+
+def _raw_ceiling(kvs, num_streams: int) -> float:
+    """Plain sockets: N connections, sendall/recv_into of the same bytes, no framing."""
+    from kv_transfer.device import byte_view
+
+    src = [byte_view(kv.view(-1)) for kv in kvs]
+    total = sum(len(v) for v in src)
+    dst = bytearray(total)
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    # stream i carries bytes [i*total/N, (i+1)*total/N) of the concatenation
+    bounds = [total * i // num_streams for i in range(num_streams + 1)]
+
+    def receive(conn: socket.socket, lo: int, hi: int) -> None:
+        view = memoryview(dst)[lo:hi]
+        got = 0
+        while got < len(view):
+            got += conn.recv_into(view[got:])
+        conn.close()
+
+    def send(lo: int, hi: int) -> None:
+        sock = socket.create_connection(("127.0.0.1", port))
+        sock.sendall(lo.to_bytes(8, "little"))
+        offset = 0
+        for view in src:
+            a, b = max(lo - offset, 0), min(hi - offset, len(view))
+            if a < b:
+                sock.sendall(view[a:b])
+            offset += len(view)
+        sock.close()
+
+    def accept_all(threads: list) -> None:
+        for _ in range(num_streams):
+            conn, _ = server.accept()
+            lo = int.from_bytes(_recv_exact(conn, 8), "little")
+            hi = bounds[bounds.index(lo) + 1]
+            thread = threading.Thread(target=receive, args=(conn, lo, hi))
+            thread.start()
+            threads.append(thread)
+
+    receivers: list[threading.Thread] = []
+    start = time.perf_counter()
+    acceptor = threading.Thread(target=accept_all, args=(receivers,))
+    acceptor.start()
+    senders = [threading.Thread(target=send, args=(bounds[i], bounds[i + 1]))
+               for i in range(num_streams)]  # fmt: skip
+    for thread in senders:
+        thread.start()
+    for thread in senders:
+        thread.join()
+    acceptor.join()
+    for thread in receivers:
+        thread.join()
+    elapsed = time.perf_counter() - start
+    server.close()
+    return elapsed
+
+
+def _recv_exact(conn: socket.socket, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        buf += conn.recv(n - len(buf))
+    return buf
+
+
+def _connector(name: str, kvs, layout, num_streams: int, chunk: int) -> tuple[float, list[float]]:
+    """K requests through a real connector; (seconds, per-layer BEGIN->ready latencies)."""
+    from kv_transfer.base import KVReceiveListener
+    from kv_transfer.config import ReceiverConfig, SenderConfig
+
+    if name == "tcp":
+        from kv_transfer.tcp import TcpKVReceiver as Receiver
+        from kv_transfer.tcp import TcpKVSender as Sender
+    else:
+        from kv_transfer.grpc import GrpcKVReceiver as Receiver
+        from kv_transfer.grpc import GrpcKVSender as Sender
+
+    ready: dict[tuple[str, int], float] = {}
+
+    class Timing(KVReceiveListener):
+        def on_layer_ready(self, request_id, layer, kv_view):
+            ready[(request_id, layer)] = time.perf_counter()
+
+        def on_complete(self, request_id, first_token_id):
+            pass
+
+        def on_failed(self, request_id, reason):
+            print(f"  transfer {request_id} failed: {reason}")
+
+    capacity = layout.total_bytes * len(kvs)
+    receiver = Receiver(ReceiverConfig(capacity_bytes=capacity), Timing())
+    receiver.start()
+    sender = Sender(SenderConfig(num_streams=num_streams, max_chunk_bytes=chunk))
+    try:
+        ids = [f"bench-{i}" for i in range(len(kvs))]
+        targets = [receiver.expect(rid, layout, time.time() + 600) for rid in ids]
+        begun: dict[str, float] = {}
+        futures = []
+        start = time.perf_counter()
+        for rid, target, kv in zip(ids, targets, kvs, strict=True):
+            begun[rid] = time.perf_counter()
+            sender.begin(rid, target, layout)
+            for layer in range(layout.num_layers):
+                sender.send_layer(rid, layer, kv[layer], 0)
+            futures.append(sender.end(rid, 1))
+        outcomes = [f.result(600) for f in futures]
+        elapsed = time.perf_counter() - start
+        assert all(o.ok for o in outcomes), outcomes
+        for rid in ids:
+            receiver.release(rid)
+        latencies = [ready[(rid, layer)] - begun[rid]
+                     for rid in ids for layer in range(layout.num_layers)]  # fmt: skip
+        return elapsed, latencies
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def _plain_grpc(kvs, chunk: int) -> float:
+    """One client-streaming Push call of bare payload messages to a counting servicer."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+
+    from kv_transfer.device import byte_view
+    from kv_transfer.grpc import SERVER_OPTIONS
+    from proto import pdserve_pb2, pdserve_pb2_grpc
+
+    class Counting(pdserve_pb2_grpc.KVTransferServicer):
+        def Push(self, request_iterator, context):  # noqa: N802
+            received = sum(len(frame.payload) for frame in request_iterator)
+            return pdserve_pb2.PushResult(ok=received > 0)
+
+    server = grpc.server(ThreadPoolExecutor(4), options=SERVER_OPTIONS)
+    pdserve_pb2_grpc.add_KVTransferServicer_to_server(Counting(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}",
+                                    options=[("grpc.max_send_message_length", 1 << 30)])
+    stub = pdserve_pb2_grpc.KVTransferStub(channel)
+
+    def frames():
+        for kv in kvs:
+            view = byte_view(kv.view(-1))
+            for at in range(0, len(view), chunk):
+                yield pdserve_pb2.KVFrame(payload=bytes(view[at : at + chunk]))
+
+    start = time.perf_counter()
+    result = stub.Push(frames(), timeout=600)
+    elapsed = time.perf_counter() - start
+    assert result.ok
+    channel.close()
+    server.stop(0).wait()
+    return elapsed
