@@ -62,10 +62,16 @@ def decode_config(dtype: torch.dtype, head_dim: int, block_size: int, group: int
     if not 1 <= group <= MAX_GQA_GROUP:
         raise ValueError(f"GQA group {group} outside 1..{MAX_GQA_GROUP}")
     group_pad = max(16, 1 << (group - 1).bit_length())
-    # K and V tiles are [tile_n, head_dim] in registers; fp32 at head_dim 128
-    # takes half as many tokens so the tiles stay the same size in bytes.
-    tile_n = 32 if dtype == torch.float32 and head_dim == 128 else 64
-    num_warps = 8 if group_pad == 64 else 4
+    # Chosen from ptxas's allocation on sm_80 and sm_90 (docs/kernels.md):
+    # the largest token tile whose K, V, scores and accumulator stay in
+    # registers without spilling. 8 warps: with 4, the 64-token
+    # half-precision tiles spill at head_dim 128. Exact fp32 dots run on
+    # FMA units with larger register tiles, hence the smaller token tiles
+    # and, for the widest group at head_dim 128, 16 warps.
+    tile_n, num_warps = 64, 8
+    if dtype == torch.float32 and (head_dim == 128 or group_pad == 64):
+        tile_n = 32
+        num_warps = 16 if head_dim == 128 and group_pad == 64 else 8
     return DecodeConfig(_DTYPE_NAMES[dtype], head_dim, block_size, group_pad, tile_n, num_warps)
 
 

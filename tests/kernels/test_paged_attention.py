@@ -78,5 +78,7 @@ def test_every_selected_config_is_one_the_aot_test_compiles():
     assert decode_config(torch.float16, 128, 16, 8).group_pad == 16
     assert decode_config(torch.float16, 128, 16, 40).group_pad == 64
     assert decode_config(torch.float32, 128, 16, 1).tile_n == 32
+    assert decode_config(torch.float32, 128, 16, 64).num_warps == 16
+    assert decode_config(torch.bfloat16, 128, 16, 64).tile_n == 64
     with pytest.raises(ValueError, match="GQA group 65 outside 1..64"):
         decode_config(torch.float16, 128, 16, 65)

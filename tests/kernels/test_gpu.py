@@ -1,0 +1,115 @@
+"""The compiled Triton kernels on a real CUDA device against the torch references.
+
+Skipped without CUDA. The suite runs with TRITON_INTERPRET=1 (tests/conftest.py),
+under which Triton would interpret even CUDA tensors, so on a GPU machine
+`test_gpu_suite_compiled` re-runs this file in a subprocess with
+TRITON_INTERPRET=0; the other tests run only in that compiled mode.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels import reference
+from tests.kernels.cases import DTYPE_IDS, DTYPES, assert_close, make_paged_case, rope_cache
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+compiled_only = pytest.mark.skipif(INTERPRETED, reason="runs in the TRITON_INTERPRET=0 re-run")
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(not INTERPRETED, reason="already in compiled mode")
+def test_gpu_suite_compiled():
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
+         str(Path(__file__).relative_to(REPO))],
+        cwd=REPO, env=env, capture_output=True, text=True,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+
+
+def _cuda(case):
+    return [t.cuda() for t in (case.q, case.kv_cache, case.block_tables, case.context_lens)]
+
+
+@compiled_only
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("block_size", [16, 32, 64, 128, 256])
+@pytest.mark.parametrize("head_dim,group", [(64, 1), (128, 4), (128, 8), (64, 40)])
+@pytest.mark.parametrize("window", [None, 300])
+def test_decode_attention_on_gpu(dtype, block_size, head_dim, group, window):
+    from kernels.paged_attention import paged_decode_attention_triton
+
+    case = make_paged_case(block_size + head_dim + group, [1, 17, 1000, 4097, 255, 0],
+                           dtype=dtype, num_kv_heads=2, group=group, head_dim=head_dim,
+                           block_size=block_size)
+    q, kv, tables, lens = _cuda(case)
+    out = torch.full_like(q, float("nan"))
+    paged_decode_attention_triton(q, kv, tables, lens, scale=case.scale,
+                                  sliding_window=window, out=out)
+    expected = reference.paged_decode_attention_reference(
+        q, kv, tables, lens, scale=case.scale, sliding_window=window)
+    assert_close(out, expected)
+
+
+@compiled_only
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_kv_copy_on_gpu(dtype):
+    from kernels.kv_copy import extract_kv_triton, inject_kv_triton
+
+    gen = torch.Generator().manual_seed(3)
+    cache = torch.randn((2, 300, 128, 8, 128), generator=gen).to(dtype).cuda()
+    slots = torch.randperm(300 * 128, generator=gen)[:5000].cuda()
+    slots[::97] = -1
+    src = torch.randn((2, 5000, 8, 128), generator=gen).to(dtype).cuda()
+    expected = cache.clone()
+    reference.inject_kv_reference(expected, src, slots)
+    inject_kv_triton(cache, src, slots)
+    assert torch.equal(cache, expected)
+    out = torch.full_like(src, float("nan"))
+    extract_kv_triton(cache, slots, out)
+    assert torch.equal(out, reference.extract_kv_reference(cache, slots))
+
+
+@compiled_only
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("hidden", [4096, 5120, 16384])
+def test_rms_norm_on_gpu(dtype, hidden):
+    from kernels.norm import rms_norm_triton
+
+    gen = torch.Generator().manual_seed(hidden)
+    x, residual = (torch.randn((333, hidden), generator=gen).to(dtype).cuda() for _ in range(2))
+    weight = torch.randn((hidden,), generator=gen).to(dtype).cuda()
+    y, r = rms_norm_triton(x, weight, 1e-5, residual)
+    want_y, want_r = reference.rms_norm_reference(x, weight, 1e-5, residual)
+    assert_close(y, want_y)
+    assert torch.equal(r, want_r)
+
+
+@compiled_only
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_rotary_on_gpu(dtype, head_dim):
+    from kernels.rotary import rotary_embedding_triton
+
+    gen = torch.Generator().manual_seed(head_dim)
+    positions = torch.randint(0, 8192, (777,), generator=gen).cuda()
+    q = torch.randn((777, 32, head_dim), generator=gen).to(dtype).cuda()
+    k = torch.randn((777, 8, head_dim), generator=gen).to(dtype).cuda()
+    cache = rope_cache(8192, head_dim).cuda()
+    got_q, got_k = rotary_embedding_triton(positions, q, k, cache)
+    want_q, want_k = reference.rotary_embedding_reference(positions, q, k, cache)
+    assert_close(got_q, want_q)
+    assert_close(got_k, want_k)
