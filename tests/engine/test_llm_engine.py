@@ -217,3 +217,18 @@ def test_generate_honours_stop_strings(make_engine):
     assert cut[0].token_ids == plain[0].token_ids[: len(cut[0].token_ids)]
     assert cut[1].text == plain[1].text and cut[1].finish_reason == "length"
     assert engine.stats().num_free_blocks == 64
+
+
+def test_triton_kernels_in_the_engine_match_reference(make_engine, reference_model):
+    """The same engine path with the Triton kernels (interpreted on CPU)."""
+    import kernels
+
+    if not kernels.triton_available():
+        pytest.skip("triton is not installed")
+    engine = make_engine(block_size=16, max_num_batched_tokens=24)
+    prompts = _prompts([20, 5], seed=14)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    with kernels.use_backend("triton"):
+        got = _run(engine, [(f"r{i}", p, params) for i, p in enumerate(prompts)])
+    for i, p in enumerate(prompts):
+        assert got[f"r{i}"] == (reference_greedy(reference_model, p, 3), "length")
