@@ -96,7 +96,9 @@ class Sampler:
                 gen = torch.Generator(device="cpu")
                 gen.manual_seed(seed_for_index(p.seed, output_indices[r]))
                 noise[r].exponential_(generator=gen)
-        return noise
+        # An exact 0 draw would turn a filtered token's 0 / 0 into NaN, which
+        # argmax would pick; the smallest normal float keeps 0-probability tokens at 0.
+        return noise.clamp_(min=torch.finfo(torch.float32).tiny)
 
 
 def _filter_top_k_top_p(scaled: torch.Tensor, top_k: list[int],
