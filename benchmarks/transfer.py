@@ -8,6 +8,7 @@ In one run, for each stream count N (default 1, 2, 4, 8):
 - **tcp**: `TcpKVSender` -> `TcpKVReceiver`, K requests x L layers, every
   layer sent as the engine does (`send_layer` per layer), xxhash64 on both
   sides, frames sliced across N streams;
+- **tcp-xxh3**: the same with `SenderConfig(checksum="xxh3")`;
 - **grpc**: `GrpcKVSender` -> `GrpcKVReceiver` with N concurrent Push calls;
 
 and once: **grpc-plain**, one client-streaming `KVTransfer.Push` call sending
@@ -37,7 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--streams", default="1,2,4,8", help="comma-separated stream counts")
-    parser.add_argument("--connectors", default="tcp,grpc", help="comma-separated: tcp,grpc")
+    parser.add_argument("--connectors", default="tcp,tcp-xxh3,grpc",
+                        help="comma-separated: tcp, tcp-xxh3 (XXH3 checksums), grpc")
     parser.add_argument("--chunk-mib", type=float, default=4.0, help="max DATA payload (MiB)")
     parser.add_argument("--repeats", type=int, default=3)
 
@@ -74,7 +76,7 @@ def main(args: argparse.Namespace) -> int:
                 seconds, latencies = _connector(connector, kvs, layout, n, chunk)
                 if best is None or seconds < best:
                     best, lat = seconds, latencies
-            base = ceiling if connector == "tcp" else plain
+            base = plain if connector == "grpc" else ceiling
             rows.append((connector, n, total / best / 1e9, base / best,
                          _pct(lat, 50), _pct(lat, 99)))  # fmt: skip
     _print(rows)
@@ -94,7 +96,7 @@ def _print(rows) -> None:
     print("| path | streams | GB/s | vs baseline | layer p50 ms | layer p99 ms |")
     print("|---|---:|---:|---:|---:|---:|")
     for path, n, gbps, ratio, p50, p99 in rows:
-        base = {"tcp": "ceiling", "grpc": "grpc-plain"}.get(path)
+        base = "grpc-plain" if path == "grpc" else "ceiling"
         ratio_s = f"{ratio:.0%} of {base}" if ratio is not None else "-"
         lat = (f"{p50 * 1e3:.1f} | {p99 * 1e3:.1f}" if p50 is not None else "- | -")
         print(f"| {path} | {n} | {gbps:.2f} | {ratio_s} | {lat} |")
@@ -169,7 +171,7 @@ def _connector(name: str, kvs, layout, num_streams: int, chunk: int) -> tuple[fl
     from kv_transfer.base import KVReceiveListener
     from kv_transfer.config import ReceiverConfig, SenderConfig
 
-    if name == "tcp":
+    if name.startswith("tcp"):
         from kv_transfer.tcp import TcpKVReceiver as Receiver
         from kv_transfer.tcp import TcpKVSender as Sender
     else:
@@ -191,7 +193,8 @@ def _connector(name: str, kvs, layout, num_streams: int, chunk: int) -> tuple[fl
     capacity = layout.total_bytes * len(kvs)
     receiver = Receiver(ReceiverConfig(capacity_bytes=capacity), Timing())
     receiver.start()
-    sender = Sender(SenderConfig(num_streams=num_streams, max_chunk_bytes=chunk))
+    checksum = "xxh3" if name == "tcp-xxh3" else "xxh64"
+    sender = Sender(SenderConfig(num_streams=num_streams, max_chunk_bytes=chunk, checksum=checksum))
     try:
         ids = [f"bench-{i}" for i in range(len(kvs))]
         targets = [receiver.expect(rid, layout, time.time() + 600) for rid in ids]

@@ -6,13 +6,13 @@ Header, little-endian, 104 bytes (`HEADER.size`):
     0      4    magic  b"PDKV"
     4      2    version (1)
     6      1    kind   (FrameKind)
-    7      1    flags  (STATUS: bit 0 = ok)
+    7      1    flags  (STATUS: bit 0 = ok; DATA: bit 1 = checksum is XXH3-64)
     8      2    request id length in bytes (1..64)
     10     2    reserved, 0
     12     4    layer
     16     8    byte offset within the layer (DATA)
     24     8    payload length
-    32     8    xxhash64 (seed 0) of the payload
+    32     8    xxhash64 (seed 0) of the payload (XXH3-64 if DATA flag bit 1)
     40     64   request id, UTF-8, zero-padded (fixed size keeps the header fixed)
 
 Payloads:
@@ -48,6 +48,10 @@ HEADER = struct.Struct(f"<4sHBBHHIQQQ{MAX_REQUEST_ID_BYTES}s")
 MAX_DATA_BYTES = 64 << 20  # one DATA frame; senders slice below this
 MAX_CONTROL_BYTES = 4096  # BEGIN, END, ABORT, STATUS payloads
 FLAG_OK = 1
+# DATA only: the checksum is XXH3-64 (about 3x cheaper than XXH64; a sender
+# option, SenderConfig.checksum="xxh3"; receivers verify whichever the flag says)
+FLAG_XXH3 = 2
+CHECKSUMS = ("xxh64", "xxh3")
 
 _BEGIN = struct.Struct("<IIIIBH")
 _END = struct.Struct("<iQ")
@@ -111,6 +115,13 @@ def decode_header(raw: bytes | memoryview) -> FrameHeader:
 
 def checksum(payload: bytes | memoryview) -> int:
     """xxhash64, seed 0 (releases the GIL on large buffers)."""
+    return xxhash.xxh64_intdigest(payload)
+
+
+def data_checksum(payload: bytes | memoryview, flags: int) -> int:
+    """The checksum a DATA frame with `flags` carries."""
+    if flags & FLAG_XXH3:
+        return xxhash.xxh3_64_intdigest(payload)
     return xxhash.xxh64_intdigest(payload)
 
 

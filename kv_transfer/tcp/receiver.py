@@ -38,6 +38,7 @@ from kv_transfer.frames import (
     HeaderError,
     checksum,
     control_frame,
+    data_checksum,
     decode_begin,
     decode_end,
 )
@@ -156,7 +157,7 @@ class _Connection:
         except BaseException as exc:
             self.table.commit(claim, make_reason(Reason.CONNECTION_LOST, f"mid-payload: {exc}"))
             raise
-        ok = checksum(claim.view) == header.checksum
+        ok = data_checksum(claim.view, header.flags) == header.checksum
         self.table.commit(claim, None if ok else make_reason(
             Reason.BAD_CHECKSUM, f"layer {header.layer} offset {header.offset}"))  # fmt: skip
 

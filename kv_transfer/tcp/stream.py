@@ -24,11 +24,13 @@ from kv_transfer.device import HostCopy, byte_view
 from kv_transfer.errors import Reason, make_reason
 from kv_transfer.frames import (
     FLAG_OK,
+    FLAG_XXH3,
     FrameHeader,
     FrameKind,
     HeaderError,
     checksum,
     control_frame,
+    data_checksum,
 )
 from kv_transfer.outgoing import Outgoing, Piece
 from kv_transfer.tcp.wire import (
@@ -136,8 +138,9 @@ class Stream:
             item.host.wait()  # D2H finished (CUDA); no-op on CPU
             p = item.piece
             view = byte_view(item.host.tensor)[p.src_start : p.src_start + p.length]
+            flags = FLAG_XXH3 if self._config.checksum == "xxh3" else 0
             header = FrameHeader(FrameKind.DATA, t.request_id, p.layer, p.offset, p.length,
-                                 checksum(view))  # fmt: skip
+                                 data_checksum(view, flags), flags)  # fmt: skip
             sock.sendall(header.pack())
             sock.sendall(view)
         else:

@@ -1,8 +1,10 @@
 import pytest
+import xxhash
 
 from kv_transfer.base import KVLayout
 from kv_transfer.errors import Reason, TransferRefused
 from kv_transfer.frames import (
+    FLAG_XXH3,
     HEADER,
     MAX_CONTROL_BYTES,
     FrameHeader,
@@ -10,6 +12,7 @@ from kv_transfer.frames import (
     HeaderError,
     checksum,
     control_frame,
+    data_checksum,
     decode_begin,
     decode_end,
     decode_header,
@@ -65,3 +68,10 @@ def test_control_frame_checksum():
     header = decode_header(frame[: HEADER.size])
     assert header.length == 4 and header.checksum == checksum(b"gone")
     assert frame[HEADER.size :] == b"gone"
+
+
+def test_data_checksum_follows_the_flag():
+    payload = bytes(range(256)) * 3
+    assert data_checksum(payload, 0) == checksum(payload) == xxhash.xxh64_intdigest(payload)
+    assert data_checksum(payload, FLAG_XXH3) == xxhash.xxh3_64_intdigest(payload)
+    assert data_checksum(payload, FLAG_XXH3) != data_checksum(payload, 0)

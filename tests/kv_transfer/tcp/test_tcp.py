@@ -11,7 +11,10 @@ from kv_transfer.base import KVLayout
 from kv_transfer.config import ReceiverConfig, SenderConfig
 from kv_transfer.errors import reason_code
 from kv_transfer.frames import (
+    FLAG_XXH3,
+    FrameHeader,
     FrameKind,
+    checksum,
     control_frame,
     encode_begin,
     encode_end,
@@ -61,6 +64,14 @@ def test_concurrent_transfers_are_byte_exact(receiver, listener, num_streams):
     try:
         run_concurrent(sender, receiver, listener, ODD_LAYOUTS, seed=num_streams)
         run_concurrent(sender, receiver, listener, ODD_LAYOUTS[::-1], seed=100 + num_streams)
+    finally:
+        sender.close()
+
+
+def test_xxh3_checksums_are_byte_exact(receiver, listener):
+    sender = make_sender(4, checksum="xxh3")
+    try:
+        run_concurrent(sender, receiver, listener, ODD_LAYOUTS[:3], seed=31)
     finally:
         sender.close()
 
@@ -165,6 +176,12 @@ def test_bad_checksum_fails_transfer_and_connection_continues(receiver, listener
     client.send(data_frame("cs", 0, 0, b"a" * 64, bad_checksum=True))
     assert client.status() == ("cs", False, "bad_checksum: layer 0 offset 0")
     client.send(data_frame("cs", 0, 64, b"b" * 64))  # refused quietly: already told
+    target = receiver.expect("x3", layout, time.time() + 30)
+    client.send(control_frame(FrameKind.BEGIN, "x3", encode_begin(layout, target.ticket)))
+    payload = b"c" * 64  # flagged XXH3 but carrying the XXH64 digest
+    client.send(FrameHeader(FrameKind.DATA, "x3", 0, 0, 64, checksum(payload), FLAG_XXH3).pack()
+                + payload)  # fmt: skip
+    assert client.status() == ("x3", False, "bad_checksum: layer 0 offset 0")
     client.send(data_frame("ok", 0, 0, bytes(range(128))))
     client.send(control_frame(FrameKind.END, "ok", encode_end(3, 128)))
     assert client.status() == ("ok", True, "")
