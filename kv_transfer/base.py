@@ -253,8 +253,9 @@ class KVSender(abc.ABC):
     afterwards; the engine hands in a freshly extracted tensor. A CUDA tensor
     is copied D2H into pinned memory on the sender's own CUDA stream, ordered
     after the caller's current stream with an event; the caller's stream is
-    never blocked and the caller may reuse the CUDA tensor at once (the copy
-    holds it via `record_stream`). The host copy is freed once sent.
+    never blocked. The caller may drop the CUDA tensor at once (`record_stream`
+    keeps its memory from being reused before the copy ran) but must not write
+    into it in place. The host copy is freed once sent.
     """
 
     @abc.abstractmethod

@@ -43,7 +43,7 @@ class HostStager:
         with torch.cuda.stream(self._stream):
             self._stream.wait_stream(producer)  # the layer's KV is final on the producer
             pinned.copy_(kv, non_blocking=True)
-            # the caller may free/reuse kv at once; the allocator must wait for our copy
+            # the caller may drop kv at once; the allocator must wait for our copy
             kv.record_stream(self._stream)
             event = torch.cuda.Event()
             event.record(self._stream)
