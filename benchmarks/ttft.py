@@ -126,8 +126,11 @@ def main(args: argparse.Namespace) -> int:
                                    "--kv-streams", str(args.kv_streams), "--no-prefix-cache"])
     decode_pod = None
     try:
+        # a CPU prefill of thousands of tokens on a shared machine can take
+        # longer than the default 30 s transfer timeout
         decode_pod = _Pod("decode", [*common, "--block-size", str(args.decode_block_size),
-                                     "--kv-port", "0", "--kv-transport", args.kv_transport])
+                                     "--kv-port", "0", "--kv-transport", args.kv_transport,
+                                     "--transfer-timeout", "600"])
         prefill = pbg.PrefillStub(grpc.insecure_channel(prefill_pod.address))
         decode = pbg.DecodeStub(grpc.insecure_channel(decode_pod.address))
         rng = random.Random(0)
@@ -146,6 +149,8 @@ def main(args: argparse.Namespace) -> int:
                 ttft, kv_bytes = _measure_disaggregated(prefill, decode, pb,
                                                         f"d-{length}-{r}", other)
                 disagg.append(ttft)
+                print(f"prompt {length} #{r}: prefill-only {base[-1] * 1e3:.1f} ms, "
+                      f"disaggregated {ttft * 1e3:.1f} ms", file=sys.stderr, flush=True)
             results.append({"prompt_len": length, "prefill_only_ms": statistics.median(base) * 1e3,
                             "disaggregated_ms": statistics.median(disagg) * 1e3,
                             "kv_bytes": kv_bytes})
