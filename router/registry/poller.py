@@ -35,6 +35,8 @@ from router.routing.base import PodLoad, PodPool, check_role
 
 log = logging.getLogger(__name__)
 
+_CLOSE_TIMEOUT_S = 5.0
+
 
 class PodState(enum.Enum):
     NEW = "new"
@@ -91,6 +93,7 @@ class PolledPodPool(PodPool):
         self._source = source
         self._pods: dict[str, _Pod] = {}
         self._task: asyncio.Task[None] | None = None
+        self._closing: set[asyncio.Task[None]] = set()  # channels of pods that left
 
     async def start(self) -> None:
         if self._task is not None:
@@ -99,16 +102,25 @@ class PolledPodPool(PodPool):
         self._task = asyncio.create_task(self._run(), name="pod-poller")
 
     async def close(self) -> None:
+        # Bounded waits: shutdown must finish even if a gRPC call ignores cancellation.
         if self._task is not None:
             self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+            done, _ = await asyncio.wait({self._task}, timeout=_CLOSE_TIMEOUT_S)
+            if not done:
+                log.warning("pod poller did not stop within %.0f s; abandoning it",
+                            _CLOSE_TIMEOUT_S)
         for pod in self._pods.values():
-            await pod.channel.close()
+            self._close_channel(pod.channel)
         self._pods.clear()
-        await self._source.close()
+        if self._closing:
+            await asyncio.wait(set(self._closing), timeout=_CLOSE_TIMEOUT_S)
+        await asyncio.wait_for(self._source.close(), _CLOSE_TIMEOUT_S)
+
+    def _close_channel(self, channel: grpc.aio.Channel) -> None:
+        """Close in the background, so a slow close never delays a poll."""
+        task = asyncio.create_task(channel.close())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     def pods(self, role: str) -> list[PodLoad]:
         check_role(role)
@@ -143,7 +155,7 @@ class PolledPodPool(PodPool):
         except Exception as exc:  # registry outage: keep polling the pods we know
             log.warning("pod discovery failed, keeping %d known pods: %r", len(self._pods), exc)
         else:
-            await self._sync(entries)
+            self._sync(entries)
         await asyncio.gather(*(self._poll_bounded(pod) for pod in list(self._pods.values())))
 
     async def _poll_bounded(self, pod: _Pod) -> None:
@@ -153,12 +165,12 @@ class PolledPodPool(PodPool):
             pod.failures += 1
             pod.move(PodState.UNHEALTHY, "poll did not finish in time")
 
-    async def _sync(self, entries: list[PodEntry]) -> None:
+    def _sync(self, entries: list[PodEntry]) -> None:
         wanted = {e.address: e for e in entries}
         for address in [a for a, pod in self._pods.items() if wanted.get(a) != pod.entry]:
             pod = self._pods.pop(address)
             log.info("%s pod %s left the registry", pod.entry.role, address)
-            await pod.channel.close()
+            self._close_channel(pod.channel)
         for address, entry in wanted.items():
             if address not in self._pods:
                 log.info("%s pod %s joined the registry", entry.role, address)

@@ -52,7 +52,10 @@ def run_async() -> Iterator[Callable[[Coroutine[Any, Any, T]], T]]:
             if not done:
                 stacks = io.StringIO()
                 for other in asyncio.all_tasks():
-                    other.print_stack(file=stacks)
+                    stacks.write(f"{other!r}\n")
+                    for frame in other.get_stack():
+                        code = frame.f_code
+                        stacks.write(f"  {code.co_filename}:{frame.f_lineno} {code.co_name}\n")
                 task.cancel()
                 raise TimeoutError(
                     f"coroutine still running after {timeout_s}s:\n{stacks.getvalue()}"

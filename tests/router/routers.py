@@ -56,6 +56,14 @@ class RouterProcess:
             raise AssertionError(f"router answered {exc.code}: {exc.read()!r}\nlog tail:\n"
                                  f"{self.log_tail()}") from None
 
+    def healthy_pods(self) -> dict[str, int]:
+        """The router's own view: healthy pods per role, from GET /ready."""
+        try:
+            with urllib.request.urlopen(f"{self.base_url}/ready", timeout=5) as response:
+                return json.loads(response.read())["healthy_pods"]
+        except urllib.error.HTTPError as exc:  # 503 (not ready) carries the counts too
+            return json.loads(exc.read())["healthy_pods"]
+
     def terminate(self) -> None:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)

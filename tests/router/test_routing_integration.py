@@ -165,6 +165,7 @@ def test_redis_registry_new_pod_gets_traffic_and_dead_pod_leaves(
         pods = start_pods(tiny_model_dir, ["prefill", "decode"], redis_url=redis_server.url)
         router = start_router(tiny_model_dir, redis_url=redis_server.url)
         router.complete("hello")
+        assert router.healthy_pods() == {"prefill": 1, "decode": 1, "colocated": 0}
         # a new prefill pod registers itself and gets traffic within seconds
         (newcomer,) = start_pods(tiny_model_dir, ["prefill"], redis_url=redis_server.url)
         pods.append(newcomer)
@@ -179,12 +180,15 @@ def test_redis_registry_new_pod_gets_traffic_and_dead_pod_leaves(
         client = redis_server.client()
         dead_key = f"pdserve:pods:prefill:{pods[0].address}"
         assert client.exists(dead_key) == 1
+        assert router.healthy_pods()["prefill"] == 2
         pods[0].kill()
         killed_at = time.monotonic()
         for j in range(20):
             result = router.complete("still served", session=f"after-kill-{j}")
             assert result["choices"][0]["finish_reason"] in ("length", "stop")
-        # its heartbeat key expires within the TTL (6 s)
+        # the router stopped using it at its first failed poll (0.2 s here) ...
+        assert router.healthy_pods()["prefill"] == 1
+        # ... and its heartbeat key expires within the TTL (6 s)
         while client.exists(dead_key):
             assert time.monotonic() - killed_at < 8, "dead pod's key outlived its TTL"
             time.sleep(0.2)
