@@ -16,8 +16,11 @@ the same bytes as bare payload messages (same chunk size) to a servicer that
 only counts them: the gRPC baseline.
 
 GB/s = bytes of all K requests / wall time from the first BEGIN to the last
-verdict. Per-layer latency = time from a request's `begin` to that layer's
-`on_layer_ready` on the receiver. Each figure is the best of --repeats runs.
+verdict. CPU s/GB = CPU time of the process (sender and receiver threads both
+live in it) per GB moved: steadier than GB/s on a shared machine. Per-layer
+latency = time from a request's `begin` to that layer's `on_layer_ready` on
+the receiver. Repeats interleave the paths; each row is the run with the best
+wall time out of --repeats.
 """
 
 from __future__ import annotations
@@ -65,26 +68,38 @@ def main(args: argparse.Namespace) -> int:
     rows = []
     plain = None
     if "grpc" in connectors:
-        plain = _best(args.repeats, lambda: _plain_grpc(kvs, chunk))
-        rows.append(("grpc-plain", 1, total / plain / 1e9, None, None, None))
+        plain = _best([_plain_grpc(kvs, chunk) for _ in range(args.repeats)])
+        rows.append(("grpc-plain", 1, total, plain, None))
     for n in streams:
-        ceiling = _best(args.repeats, lambda n=n: _raw_ceiling(kvs, n))
-        rows.append(("ceiling", n, total / ceiling / 1e9, None, None, None))
+        # repeats interleave the paths, so a burst of load on the machine hits all alike
+        runs: dict[str, list] = {path: [] for path in ("ceiling", *connectors)}
+        for _ in range(args.repeats):
+            runs["ceiling"].append(_raw_ceiling(kvs, n))
+            for connector in connectors:
+                runs[connector].append(_connector(connector, kvs, layout, n, chunk))
+        ceiling = _best(runs["ceiling"])
+        rows.append(("ceiling", n, total, ceiling, None))
         for connector in connectors:
-            best, lat = None, None
-            for _ in range(args.repeats):
-                seconds, latencies = _connector(connector, kvs, layout, n, chunk)
-                if best is None or seconds < best:
-                    best, lat = seconds, latencies
-            base = plain if connector == "grpc" else ceiling
-            rows.append((connector, n, total / best / 1e9, base / best,
-                         _pct(lat, 50), _pct(lat, 99)))  # fmt: skip
+            rows.append((connector, n, total, _best(runs[connector]),
+                         plain if connector == "grpc" else ceiling))  # fmt: skip
     _print(rows)
     return 0
 
 
-def _best(repeats: int, run) -> float:
-    return min(run() for _ in range(repeats))
+class _Clock:
+    """Wall and process CPU time of the measured section only (setup excluded)."""
+
+    def __init__(self) -> None:
+        self.wall = time.perf_counter()
+        self.cpu = time.process_time()
+
+    def stop(self, latencies: list[float] | None = None) -> tuple[float, float, list[float]]:
+        return (time.perf_counter() - self.wall, time.process_time() - self.cpu,
+                latencies or [])  # fmt: skip
+
+
+def _best(runs: list[tuple[float, float, list[float]]]) -> tuple[float, float, list[float]]:
+    return min(runs, key=lambda run: run[0])
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -93,16 +108,21 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def _print(rows) -> None:
-    print("| path | streams | GB/s | vs baseline | layer p50 ms | layer p99 ms |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for path, n, gbps, ratio, p50, p99 in rows:
-        base = "grpc-plain" if path == "grpc" else "ceiling"
-        ratio_s = f"{ratio:.0%} of {base}" if ratio is not None else "-"
-        lat = (f"{p50 * 1e3:.1f} | {p99 * 1e3:.1f}" if p50 is not None else "- | -")
-        print(f"| {path} | {n} | {gbps:.2f} | {ratio_s} | {lat} |")
+    print("| path | streams | GB/s | vs baseline | CPU s/GB | layer p50 ms | layer p99 ms |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for path, n, total, (seconds, cpu, latencies), base in rows:
+        gbps = total / seconds / 1e9
+        ratio = "-"
+        if base is not None:
+            name = "grpc-plain" if path == "grpc" else "ceiling"
+            ratio = f"{base[0] / seconds:.0%} of {name}"
+        lat = "- | -"
+        if latencies:
+            lat = f"{_pct(latencies, 50) * 1e3:.1f} | {_pct(latencies, 99) * 1e3:.1f}"
+        print(f"| {path} | {n} | {gbps:.2f} | {ratio} | {cpu / (total / 1e9):.2f} | {lat} |")
 
 
-def _raw_ceiling(kvs, num_streams: int) -> float:
+def _raw_ceiling(kvs, num_streams: int) -> tuple[float, float, list[float]]:
     """Plain sockets: N connections, sendall/recv_into of the same bytes, no framing."""
     from kv_transfer.device import byte_view
 
@@ -142,7 +162,7 @@ def _raw_ceiling(kvs, num_streams: int) -> float:
             threads.append(thread)
 
     receivers: list[threading.Thread] = []
-    start = time.perf_counter()
+    clock = _Clock()
     acceptor = threading.Thread(target=accept_all, args=(receivers,))
     acceptor.start()
     senders = [threading.Thread(target=send, args=(bounds[i], bounds[i + 1]))
@@ -154,9 +174,9 @@ def _raw_ceiling(kvs, num_streams: int) -> float:
     acceptor.join()
     for thread in receivers:
         thread.join()
-    elapsed = time.perf_counter() - start
+    measured = clock.stop()
     server.close()
-    return elapsed
+    return measured
 
 
 def _recv_exact(conn: socket.socket, n: int) -> bytes:
@@ -166,7 +186,8 @@ def _recv_exact(conn: socket.socket, n: int) -> bytes:
     return buf
 
 
-def _connector(name: str, kvs, layout, num_streams: int, chunk: int) -> tuple[float, list[float]]:
+def _connector(name: str, kvs, layout, num_streams: int,
+               chunk: int) -> tuple[float, float, list[float]]:  # fmt: skip
     """K requests through a real connector; (seconds, per-layer BEGIN->ready latencies)."""
     from kv_transfer.base import KVReceiveListener
     from kv_transfer.config import ReceiverConfig, SenderConfig
@@ -200,7 +221,7 @@ def _connector(name: str, kvs, layout, num_streams: int, chunk: int) -> tuple[fl
         targets = [receiver.expect(rid, layout, time.time() + 600) for rid in ids]
         begun: dict[str, float] = {}
         futures = []
-        start = time.perf_counter()
+        clock = _Clock()
         for rid, target, kv in zip(ids, targets, kvs, strict=True):
             begun[rid] = time.perf_counter()
             sender.begin(rid, target, layout)
@@ -208,19 +229,19 @@ def _connector(name: str, kvs, layout, num_streams: int, chunk: int) -> tuple[fl
                 sender.send_layer(rid, layer, kv[layer], 0)
             futures.append(sender.end(rid, 1))
         outcomes = [f.result(600) for f in futures]
-        elapsed = time.perf_counter() - start
+        measured = clock.stop()
         assert all(o.ok for o in outcomes), outcomes
         for rid in ids:
             receiver.release(rid)
         latencies = [ready[(rid, layer)] - begun[rid]
                      for rid in ids for layer in range(layout.num_layers)]  # fmt: skip
-        return elapsed, latencies
+        return measured[0], measured[1], latencies
     finally:
         sender.close()
         receiver.close()
 
 
-def _plain_grpc(kvs, chunk: int) -> float:
+def _plain_grpc(kvs, chunk: int) -> tuple[float, float, list[float]]:
     """One client-streaming Push call of bare payload messages to a counting servicer."""
     from concurrent.futures import ThreadPoolExecutor
 
@@ -249,10 +270,10 @@ def _plain_grpc(kvs, chunk: int) -> float:
             for at in range(0, len(view), chunk):
                 yield pdserve_pb2.KVFrame(payload=bytes(view[at : at + chunk]))
 
-    start = time.perf_counter()
+    clock = _Clock()
     result = stub.Push(frames(), timeout=600)
-    elapsed = time.perf_counter() - start
+    measured = clock.stop()
     assert result.ok
     channel.close()
     server.stop(0).wait()
-    return elapsed
+    return measured
