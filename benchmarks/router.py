@@ -54,6 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill", default=None, help="use this running prefill pod")
     parser.add_argument("--decode", default=None, help="use this running decode pod")
     parser.add_argument("--router-grpc", default=None, help="use this running router (host:port)")
+    parser.add_argument("--pin", action="store_true",
+                        help="Linux: router on the last CPU, pods and this client on the others "
+                             "(router overhead without CPU contention with the pods)")
     parser.add_argument("--pod-arg", action="append", default=[],
                         help="extra flag for the pods started here")
 
@@ -127,6 +130,25 @@ def start_stack(model: Path, tmp: Path, pod_args: list[str]) -> tuple[list, str,
             time.sleep(0.1)
     return [p for p, _, _ in procs] + [router], addresses[0], addresses[1], \
         f"127.0.0.1:{grpc_port}"
+
+
+def pin_cpus(procs: list[subprocess.Popen]) -> str:
+    """Router (the last process) alone on the last CPU; pods and this process elsewhere."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        raise RuntimeError("--pin needs at least 2 CPUs")
+    router_cpus, other_cpus = {cpus[-1]}, set(cpus[:-1])
+    for proc in procs[:-1]:
+        _pin_tree(proc.pid, other_cpus)
+    _pin_tree(procs[-1].pid, router_cpus)
+    os.sched_setaffinity(0, other_cpus)
+    return f"router on CPU {sorted(router_cpus)}, pods + client on CPUs {sorted(other_cpus)}"
+
+
+def _pin_tree(pid: int, cpus: set[int]) -> None:
+    """Pin every thread of `pid` (threads already started keep their own mask)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        os.sched_setaffinity(int(tid), cpus)
 
 
 def stop_stack(procs: list[subprocess.Popen]) -> None:
@@ -307,6 +329,8 @@ def main(args: argparse.Namespace) -> int:
 
                 model = Path(args.model) if args.model else ensure_model("tiny")
                 procs, prefill, decode, router = start_stack(model, Path(tmp), args.pod_arg)
+                if args.pin:
+                    print(pin_cpus(procs), flush=True)
             print(f"pods: prefill {prefill}, decode {decode}; router gRPC {router}", flush=True)
             runs = {c: asyncio.run(measure_latency(args, prefill, decode, router, c))
                     for c in levels}
