@@ -122,14 +122,15 @@ class KVTransferServicer(pdserve_pb2_grpc.KVTransferServicer):
     def _handle(self, frame: pdserve_pb2.KVFrame, peer: _CallPeer) -> pdserve_pb2.PushResult | None:
         """One frame after BEGIN; a PushResult ends the call."""
         rid = frame.request_id
+        payload = frame.payload  # read once: every access of a bytes field copies it
         if frame.kind == _KIND.FRAME_KIND_DATA:
-            claim = self.table.claim(rid, peer, frame.layer, frame.offset, len(frame.payload))
-            claim.view[:] = frame.payload  # the one copy gRPC's bytes force on us
+            claim = self.table.claim(rid, peer, frame.layer, frame.offset, len(payload))
+            claim.view[:] = payload  # the one copy gRPC's bytes force on us
             ok = checksum(claim.view) == frame.checksum
             self.table.commit(claim, None if ok else make_reason(
                 Reason.BAD_CHECKSUM, f"layer {frame.layer} offset {frame.offset}"))  # fmt: skip
             return None
-        if checksum(frame.payload) != frame.checksum:  # control frames: check before acting
+        if checksum(payload) != frame.checksum:  # control frames: check before acting
             raise TransferRefused(Reason.BAD_CHECKSUM, f"frame kind {frame.kind} payload")
         if frame.kind == _KIND.FRAME_KIND_END:
             self.table.end(rid, peer, frame.first_token_id, frame.total_bytes)
@@ -138,6 +139,6 @@ class KVTransferServicer(pdserve_pb2_grpc.KVTransferServicer):
                 outcome = TransferOutcome.failed(make_reason(Reason.DEADLINE))
             return _result(outcome)
         if frame.kind == _KIND.FRAME_KIND_ABORT:
-            self.table.abort(rid, peer, frame.payload.decode(errors="replace"))
+            self.table.abort(rid, peer, payload.decode(errors="replace"))
             return _result(TransferOutcome.failed(make_reason(Reason.ABORTED)))
         raise TransferRefused(Reason.BAD_FRAME, f"unexpected frame kind {frame.kind}")
