@@ -60,6 +60,13 @@ from router.routing.base import NoPodAvailable
 log = logging.getLogger(__name__)
 
 
+# Prefill errors that say the pod itself is gone or broken (as opposed to
+# the KV transfer or the reservation having failed).
+_BROKEN_POD = frozenset({
+    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
+})
+
+
 class RequestFlow:
     """Drives one `GenerationRequest` through the pods; see the module docstring."""
 
@@ -317,7 +324,15 @@ class RequestFlow:
                     yield delta
 
     async def _prefill(self, request_id: str, target: pb.KVTarget, decode_address: str):
-        """Prefill.Prefill against `target`, on up to 1 + max_prefill_retries pods."""
+        """Prefill.Prefill against `target`, on up to 1 + max_prefill_retries pods.
+
+        A prefill pod that is gone or broken (UNAVAILABLE, INTERNAL, UNKNOWN)
+        or busy (RESOURCE_EXHAUSTED) is replaced by another against the same
+        reservation. Any other failure (ABORTED: the transfer failed,
+        DEADLINE_EXCEEDED from the pod, ...) means the reservation itself is
+        gone, so the attempt ends and the request starts over on a new pair;
+        only the broken pods are left out of that.
+        """
         policy, metrics = self._deps.policy, self._deps.metrics
         request = pb.PrefillRequest(
             request_id=request_id,
@@ -327,6 +342,7 @@ class RequestFlow:
             target=target,
         )
         tried: set[str] = set(self._left_out)
+        broken: set[str] = set()
         failures: list[str] = []
         for attempt in range(self._deps.settings.max_prefill_retries + 1):
             try:
@@ -351,16 +367,20 @@ class RequestFlow:
                     api_error = self._pod_error(error, address)
                     if api_error is not None:
                         raise api_error from None
-                    if error.code() == grpc.StatusCode.UNAVAILABLE:
-                        self._deps.pool.mark_unhealthy(address, describe(error))
                     failures.append(f"{address} {describe(error)}")
                     tried.add(address)
+                    if error.code() in _BROKEN_POD:
+                        broken.add(address)
+                        if error.code() == grpc.StatusCode.UNAVAILABLE:
+                            self._deps.pool.mark_unhealthy(address, describe(error))
+                    elif error.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                        break
                 finally:
                     call.cancel()  # no-op when done; frees the prefill pod when we leave early
         raise AttemptFailed(
             f"prefill failed on {len(failures)} pod(s) for decode pod {decode_address}: "
             + "; ".join(failures),
-            addresses=frozenset(tried - self._left_out),
+            addresses=frozenset(broken),
             migrate=False,
         )
 

@@ -62,6 +62,7 @@ class Behaviour:
 
     full: bool = False  # Decode.Generate -> RESOURCE_EXHAUSTED
     fail_prefill: bool = False  # Prefill.Prefill -> UNAVAILABLE
+    abort_prefill_once: bool = False  # first Prefill.Prefill -> ABORTED (transfer failed)
     break_after: int | None = None  # decode: abort the stream after this many tokens sent
     repeat: int = 0  # decode: resend this many already-known tokens first (duplicates)
     gap: bool = False  # decode: skip one index
@@ -116,6 +117,8 @@ class FakePod(pdserve_pb2_grpc.DecodeServicer, pdserve_pb2_grpc.PrefillServicer)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, b.invalid)
         if b.fail_prefill:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "prefill pod is broken")
+        if b.abort_prefill_once and len(self.requests) == 1:
+            await context.abort(grpc.StatusCode.ABORTED, "KV transfer failed: connection_lost")
         index = len(request.output_token_ids)
         first = expected_token(request.prompt_token_ids, index)
         self.wire.event(request.request_id).set()

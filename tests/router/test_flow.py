@@ -170,6 +170,22 @@ def test_prefill_failure_retries_against_the_same_reservation():
     run(main())
 
 
+def test_failed_transfer_starts_over_with_a_new_reservation():
+    async def main():
+        cluster = Cluster()
+        prefill = await cluster.add("prefill", abort_prefill_once=True)
+        decode = await cluster.add("decode")
+        async with cluster:
+            deltas = await _collect(cluster.flow())
+        assert _text(deltas) == expected_text(PROMPT, 6)
+        # the reservation died with the transfer: a second one, on the same (healthy) pods
+        assert [r.request_id for r in decode.requests] == ["r1-1", "r1-2"]
+        assert [r.request_id for r in prefill.requests] == ["r1-1", "r1-2"]
+        assert cluster.sample("pdserve_retries_total", role="prefill") == 1
+        assert cluster.sample("pdserve_migrations_total") == 0
+    run(main())
+
+
 def test_all_prefill_pods_failing_gives_up_with_reason():
     async def main():
         cluster = Cluster(max_prefill_retries=1, max_migrations=0)
@@ -298,7 +314,8 @@ def test_colocated_pod_failure_moves_to_another_colocated_pod():
         first = await cluster.add("colocated", break_after=3)
         second = await cluster.add("colocated")
         async with cluster:
-            second.active.update({"x", "y"})  # look busy, so `first` is chosen first
+            # look far over the bounded-load limit, so `first` is chosen first
+            second.active.update(f"busy-{i}" for i in range(20))
             await cluster.pool.poll_once()
             deltas = await _collect(cluster.flow(max_tokens=9))
         assert _text(deltas) == expected_text(PROMPT, 9)
