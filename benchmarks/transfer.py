@@ -11,9 +11,10 @@ In one run, for each stream count N (default 1, 2, 4, 8):
 - **tcp-xxh3**: the same with `SenderConfig(checksum="xxh3")`;
 - **grpc**: `GrpcKVSender` -> `GrpcKVReceiver` with N concurrent Push calls;
 
-and once: **grpc-plain**, one client-streaming `KVTransfer.Push` call sending
-the same bytes as bare payload messages (same chunk size) to a servicer that
-only counts them: the gRPC baseline.
+and **grpc-plain**, one client-streaming `KVTransfer.Push` call sending the
+same bytes as bare payload messages (same chunk size) to a servicer that only
+counts them: the gRPC baseline (its "streams" column is the group it was
+measured in; it always uses one call).
 
 GB/s = bytes of all K requests / wall time from the first BEGIN to the last
 verdict. CPU s/GB = CPU time of the process (sender and receiver threads both
@@ -66,22 +67,22 @@ def main(args: argparse.Namespace) -> int:
     print(f"# {args.requests} requests x {layout}: {total / 2**20:.1f} MiB per measurement, "
           f"best of {args.repeats}, chunk {args.chunk_mib} MiB")  # fmt: skip
     rows = []
-    plain = None
-    if "grpc" in connectors:
-        plain = _best([_plain_grpc(kvs, chunk) for _ in range(args.repeats)])
-        rows.append(("grpc-plain", 1, total, plain, None))
+    baselines = ["ceiling"] + (["grpc-plain"] if "grpc" in connectors else [])
     for n in streams:
-        # repeats interleave the paths, so a burst of load on the machine hits all alike
-        runs: dict[str, list] = {path: [] for path in ("ceiling", *connectors)}
+        # repeats interleave every path, baselines included, so that a burst of load
+        # on the machine hits them all alike; each group has its own baselines
+        runs: dict[str, list] = {path: [] for path in (*baselines, *connectors)}
         for _ in range(args.repeats):
             runs["ceiling"].append(_raw_ceiling(kvs, n))
+            if "grpc-plain" in runs:
+                runs["grpc-plain"].append(_plain_grpc(kvs, chunk))
             for connector in connectors:
                 runs[connector].append(_connector(connector, kvs, layout, n, chunk))
-        ceiling = _best(runs["ceiling"])
-        rows.append(("ceiling", n, total, ceiling, None))
-        for connector in connectors:
-            rows.append((connector, n, total, _best(runs[connector]),
-                         plain if connector == "grpc" else ceiling))  # fmt: skip
+        best = {path: _best(results) for path, results in runs.items()}
+        for path in (*baselines, *connectors):
+            base_path = "grpc-plain" if path == "grpc" else "ceiling"
+            base = None if path in baselines else best[base_path]
+            rows.append((path, n, total, best[path], base))
     _print(rows)
     return 0
 
@@ -119,7 +120,8 @@ def _print(rows) -> None:
         lat = "- | -"
         if latencies:
             lat = f"{_pct(latencies, 50) * 1e3:.1f} | {_pct(latencies, 99) * 1e3:.1f}"
-        print(f"| {path} | {n} | {gbps:.2f} | {ratio} | {cpu / (total / 1e9):.2f} | {lat} |")
+        streams = "1 call" if path == "grpc-plain" else n
+        print(f"| {path} | {streams} | {gbps:.2f} | {ratio} | {cpu / (total / 1e9):.2f} | {lat} |")
 
 
 def _raw_ceiling(kvs, num_streams: int) -> tuple[float, float, list[float]]:
