@@ -3,6 +3,7 @@ transitions written down and checked (see router.flow for the life cycle).
 
     ROUTING -> RESERVING -> PREFILLING -> DECODING -> FINISHED
     ROUTING -> COLOCATED -> FINISHED
+    RESERVING (no Reserved answer) -> MIGRATING
     PREFILLING | DECODING | COLOCATED -> MIGRATING -> ROUTING
     any state -> FAILED
 """
@@ -26,7 +27,7 @@ class FlowState(enum.Enum):
 _S = FlowState
 _TRANSITIONS: dict[FlowState, frozenset[FlowState]] = {
     _S.ROUTING: frozenset({_S.RESERVING, _S.COLOCATED}),
-    _S.RESERVING: frozenset({_S.PREFILLING}),
+    _S.RESERVING: frozenset({_S.PREFILLING, _S.MIGRATING}),
     _S.PREFILLING: frozenset({_S.DECODING, _S.MIGRATING}),
     _S.DECODING: frozenset({_S.MIGRATING, _S.FINISHED}),
     _S.COLOCATED: frozenset({_S.MIGRATING, _S.FINISHED}),

@@ -69,6 +69,7 @@ class Behaviour:
     delay: float = 0.0  # seconds between decode tokens
     cached_tokens: int = 0
     invalid: str | None = None  # answer INVALID_ARGUMENT with this message
+    no_reserved: bool = False  # decode: answer remote_prefill with tokens, not Reserved
     waiting_tokens: int = 0  # GetLoad's num_waiting_tokens (steers the prefill policy)
 
 
@@ -148,6 +149,9 @@ class FakePod(pdserve_pb2_grpc.DecodeServicer, pdserve_pb2_grpc.PrefillServicer)
         prompt, done = list(request.prompt_token_ids), len(request.output_token_ids)
         max_tokens = request.sampling.max_tokens
         start = done
+        if request.remote_prefill and b.no_reserved:
+            yield pb.DecodeGenerateResponse(tokens=pb.DecodeTokens(first_index=0, token_ids=[1]))
+            return
         if request.remote_prefill:
             yield pb.DecodeGenerateResponse(reserved=pb.Reserved(
                 target=pb.KVTarget(endpoints=[self.address], ticket=request.request_id.encode()),

@@ -225,6 +225,25 @@ def test_decode_failure_migrates_without_duplicates_or_gaps():
     run(main())
 
 
+def test_decode_pod_without_reserved_answer_is_left_out():
+    async def main():
+        cluster = Cluster()
+        await cluster.add("prefill")
+        odd = await cluster.add("decode", no_reserved=True)
+        good = await cluster.add("decode")
+        async with cluster:
+            # make `odd` the first choice: `good` looks busy
+            good.active.update(f"busy-{i}" for i in range(20))
+            await cluster.pool.poll_once()
+            good.active.clear()
+            deltas = await _collect(cluster.flow())
+        assert _text(deltas) == expected_text(PROMPT, 6)
+        assert [r.request_id for r in odd.requests] == ["r1-1"]
+        assert [r.request_id for r in good.requests] == ["r1-2"]
+        assert cluster.sample("pdserve_migrations_total") == 1
+    run(main())
+
+
 def test_gap_counts_as_a_failed_decode_pod():
     async def main():
         cluster = Cluster(max_migrations=0)
