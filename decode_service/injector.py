@@ -187,6 +187,9 @@ class KVInjector(KVReceiveListener):
         if self._stream is None:
             kernels.inject_kv(self._caches[layer], view, p.slot_mapping)
         else:
+            if layer == 0:
+                # the slot mapping was written on the engine's stream at reserve time
+                self._stream.wait_stream(torch.cuda.default_stream(self._device))
             with torch.cuda.stream(self._stream):
                 src = view.to(self._device, non_blocking=True)
                 kernels.inject_kv(self._caches[layer], src, p.slot_mapping)

@@ -46,6 +46,7 @@ import grpc
 from decode_service.injector import KVInjector, TransferFailed
 from engine.engine_loop import EngineLoop, RequestAborted, RequestStream
 from engine.metrics import PodMetrics
+from engine.sampling_params import SamplingParams
 from kv_transfer.base import KVReceiver
 from kv_transfer.errors import reason_code
 from prefill_service.messages import (
@@ -117,17 +118,19 @@ class DecodeServicer(pdserve_pb2_grpc.DecodeServicer):
                 yield message
 
     async def _generate_local(self, rid: str, prompt: list[int], outputs: list[int],
-                              params: object, arrived: float
+                              params: SamplingParams, arrived: float
                               ) -> AsyncIterator[pdserve_pb2.DecodeGenerateResponse]:
         stream = await self._loop.add_request(rid, prompt, params, output_token_ids=outputs)
         async for message in self._stream_tokens(rid, stream, len(outputs), arrived):
             yield message
 
     async def _stream_tokens(self, rid: str, stream: RequestStream, first_index: int,
-                             arrived: float
+                             arrived: float, first_token_at: float | None = None,
                              ) -> AsyncIterator[pdserve_pb2.DecodeGenerateResponse]:
-        """Relay R's outputs; on cancel, abort R in the engine (frees its blocks)."""
-        index, last = first_index, None
+        """Relay R's outputs; on cancel, abort R in the engine (frees its blocks).
+        `first_token_at`: when a remote R's first token (from the prefill pod)
+        was committed; later gaps count as inter-token latency."""
+        index, last = first_index, first_token_at
         finished = False
         try:
             async for output in stream:
@@ -153,7 +156,7 @@ class DecodeServicer(pdserve_pb2_grpc.DecodeServicer):
                 await asyncio.shield(self._loop.abort(rid, "client"))
 
     async def _generate_remote(self, rid: str, prompt: list[int], outputs: list[int],
-                               params: object, arrived: float
+                               params: SamplingParams, arrived: float
                                ) -> AsyncIterator[pdserve_pb2.DecodeGenerateResponse]:
         remote = self._remote
         assert remote is not None
@@ -178,6 +181,8 @@ class DecodeServicer(pdserve_pb2_grpc.DecodeServicer):
             await self._release_transfer(rid, remote)
             await self._loop.commit_remote(rid, first_token)
             committed = True
+            first_token_at = time.monotonic()
+            self._metrics.time_to_first_token.observe(first_token_at - arrived)
         except (TransferFailed, RequestAborted, ServiceError) as exc:
             outcome = "abort_rpc" if isinstance(exc, RequestAborted) else "transfer"
             raise self._transfer_error(rid, exc, remote) from None
@@ -185,7 +190,8 @@ class DecodeServicer(pdserve_pb2_grpc.DecodeServicer):
             self._waiting_kv.pop(rid, None)
             if not committed:
                 await asyncio.shield(self._free_uncommitted(rid, remote, outcome))
-        async for message in self._stream_tokens(rid, stream, 1 + len(outputs), arrived):
+        async for message in self._stream_tokens(rid, stream, 1 + len(outputs), arrived,
+                                                 first_token_at):
             yield message
 
     async def _await_kv(self, rid: str, ready: asyncio.Future[int], remote: RemoteKV) -> int:

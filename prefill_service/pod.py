@@ -195,6 +195,11 @@ class PodServer:
                 loop.add_signal_handler(signum, stop.set)
         await stop.wait()
         await self._drain(heartbeat)
+        # Already shutting down: a repeated SIGTERM after the event loop (and
+        # its handlers) is gone must not turn the clean exit into a kill.
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(ValueError):  # not the main thread (tests)
+                signal.signal(signum, signal.SIG_IGN)
         return 0
 
     async def _drain(self, heartbeat: object | None) -> None:

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from engine.engine_loop import EngineLoop, RequestAborted
+from engine.engine_loop import EngineLoop, RequestAborted, RequestStream
 from engine.metrics import PodMetrics
 from engine.outputs import RequestOutput
 from kv_transfer.base import KVLayout, TransferTarget
@@ -176,10 +176,10 @@ class PrefillServicer(pdserve_pb2_grpc.PrefillServicer):
                            draining=self._gate.draining)
 
 
-async def _first_output(stream: object) -> RequestOutput:
+async def _first_output(stream: RequestStream) -> RequestOutput:
     """The output carrying the first sampled token (prefill_only requests
     finish with it; the engine may still send it in the finishing output)."""
-    async for output in stream:  # type: ignore[attr-defined]
+    async for output in stream:
         if output.new_token_ids:
             return output
         if output.finished:

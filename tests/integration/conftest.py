@@ -9,7 +9,6 @@ both with a short transfer timeout so the never-arriving-KV test is quick.
 
 from __future__ import annotations
 
-import signal
 from collections.abc import Iterator
 
 import grpc
@@ -37,7 +36,7 @@ def pods(tiny_model_dir) -> Iterator[dict[str, PodProcess]]:
     started = start_pods(POD_SPECS, tiny_model_dir)
     yield started
     for pod in started.values():  # drain all at once, then wait for each
-        pod.process.send_signal(signal.SIGTERM)
+        pod.sigterm()
     for pod in started.values():
         try:
             assert pod.terminate(timeout=30) == 0, f"{pod.role} pod exit status"

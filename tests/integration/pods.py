@@ -44,6 +44,7 @@ class PodProcess:
     grpc_port: int
     metrics_port: int
     kv_port: int
+    sigterm_sent: bool = False
 
     @property
     def address(self) -> str:
@@ -64,14 +65,19 @@ class PodProcess:
 
     def terminate(self, timeout: float = 60.0) -> int:
         """SIGTERM (graceful drain) and wait; returns the exit status."""
-        if self.alive():
-            self.process.send_signal(signal.SIGTERM)
+        if self.alive() and not self.sigterm_sent:
+            self.sigterm()
         try:
             return self.process.wait(timeout)
         except subprocess.TimeoutExpired:
             self.kill()
             raise RuntimeError(f"{self.role} pod did not exit within {timeout}s of SIGTERM; "
                                f"log tail:\n{self.log_tail()}") from None
+
+    def sigterm(self) -> None:
+        """Send SIGTERM once (start the drain) without waiting."""
+        self.sigterm_sent = True
+        self.process.send_signal(signal.SIGTERM)
 
     def kill(self) -> None:
         if self.alive():

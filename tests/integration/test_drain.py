@@ -1,9 +1,11 @@
 """SIGTERM: the pod stops taking work (health NOT_SERVING, new requests
-UNAVAILABLE), finishes what is in flight, and exits 0."""
+UNAVAILABLE), finishes what is in flight, and exits 0. The same pod runs
+with --redis-url against a real redis-server: it registers itself while
+serving and deletes its key when it drains."""
 
 from __future__ import annotations
 
-import signal
+import json
 import threading
 import time
 
@@ -13,14 +15,21 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from proto import pdserve_pb2, pdserve_pb2_grpc
 from tests.integration.pods import start_pod
+from tests.redis_server import RedisServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 
-def test_sigterm_drains_in_flight_requests_then_exits_zero(tiny_model_dir):
-    pod = start_pod("colocated", tiny_model_dir, block_size=16, num_blocks=128,
-                    grace_period=60)
+def test_sigterm_drains_in_flight_requests_then_exits_zero(tiny_model_dir, tmp_path):
+    redis = RedisServer(tmp_path)
+    pod = None
     try:
+        pod = start_pod("colocated", tiny_model_dir, block_size=16, num_blocks=128,
+                        grace_period=60, redis_url=redis.url, advertise_host="127.0.0.1")
+        key = f"pdserve:pods:colocated:127.0.0.1:{pod.grpc_port}"
+        record = json.loads(redis.client().get(key))
+        assert (record["role"], record["address"], record["model"]) == (
+            "colocated", f"127.0.0.1:{pod.grpc_port}", tiny_model_dir.name)
         channel = grpc.insecure_channel(pod.address)
         stub = pdserve_pb2_grpc.DecodeStub(channel)
         health = health_pb2_grpc.HealthStub(channel)
@@ -40,7 +49,7 @@ def test_sigterm_drains_in_flight_requests_then_exits_zero(tiny_model_dir):
         reader = threading.Thread(target=read)
         reader.start()
         assert first.wait(60)
-        pod.process.send_signal(signal.SIGTERM)
+        pod.sigterm()
 
         deadline = time.monotonic() + 10
         status = None
@@ -59,6 +68,9 @@ def test_sigterm_drains_in_flight_requests_then_exits_zero(tiny_model_dir):
         reader.join(60)
         assert len(tokens) == 200 and reasons[-1] == "length"
         assert pod.process.wait(30) == 0
+        assert redis.client().get(key) is None  # deregistered on drain
         channel.close()
     finally:
-        pod.kill()
+        if pod is not None:
+            pod.kill()
+        redis.stop()

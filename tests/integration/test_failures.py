@@ -220,3 +220,36 @@ def test_pods_still_produce_parity_after_failures(colocated_stub, prefill_stub, 
     want = colocated_generate(colocated_stub, "after-col", prompt, GREEDY)
     got = disaggregated_generate(prefill_stub, decode_stubs["tcp"], "after-dis", prompt, GREEDY)
     assert got.token_ids == want.token_ids
+
+
+# ---------------------------------------------------------------- capacity and dead targets
+
+
+def test_full_decode_pod_answers_resource_exhausted(decode_stubs, decode_pods, prefill_pod):
+    sampling = pdserve_pb2.SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True)
+    # 4000 + 96 tokens = 32 blocks of 128: two such reservations fill the 64-block pod
+    held = [_open_reserved(decode_stubs["tcp"], f"hold-{i}", _prompt(4000, 20 + i), sampling)
+            for i in range(2)]
+    with pytest.raises(grpc.RpcError) as err:
+        list(decode_stubs["tcp"].Generate(pdserve_pb2.DecodeGenerateRequest(
+            request_id="one-too-many", prompt_token_ids=_prompt(10, 22), sampling=GREEDY,
+            remote_prefill=True), timeout=30))
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert err.value.details() == "request needs 1 KV blocks, 0 are free"
+    for call, _ in held:
+        call.cancel()
+    _assert_released(prefill_pod, decode_pods["tcp"])
+
+
+def test_prefill_to_an_unreachable_decode_pod_fails_with_the_reason(prefill_stub, prefill_pod,
+                                                                    decode_pods):
+    target = pdserve_pb2.KVTarget(endpoints=["127.0.0.1:1"], ticket=b"x" * 16, transport="tcp",
+                                  generation=1, deadline_unix_ms=int((time.time() + 5) * 1000))
+    with pytest.raises(grpc.RpcError) as err:
+        prefill_stub.Prefill(pdserve_pb2.PrefillRequest(
+            request_id="dead-target", prompt_token_ids=_prompt(40, 23), sampling=GREEDY,
+            target=target), timeout=30)
+    assert err.value.code() == grpc.StatusCode.ABORTED
+    assert err.value.details().startswith(
+        "KV transfer of dead-target to 127.0.0.1:1 failed: connect")
+    _assert_released(prefill_pod, decode_pods["tcp"])
