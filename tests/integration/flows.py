@@ -34,23 +34,27 @@ def colocated_generate(stub: pdserve_pb2_grpc.DecodeStub, request_id: str, promp
 
 def disaggregated_generate(prefill: pdserve_pb2_grpc.PrefillStub,
                            decode: pdserve_pb2_grpc.DecodeStub, request_id: str,
-                           prompt: list[int], sampling: pdserve_pb2.SamplingParams) -> Generated:
+                           prompt: list[int], sampling: pdserve_pb2.SamplingParams,
+                           output_token_ids: tuple[int, ...] = ()) -> Generated:
     """The router's flow: Decode.Generate(remote_prefill) -> Reserved ->
-    Prefill.Prefill(target) -> first token -> tokens 1..n from the decode stream."""
+    Prefill.Prefill(target) -> first token -> tokens 1..n from the decode stream.
+    With `output_token_ids` (a migrated request) generation resumes at index
+    len(output_token_ids); the result holds only the new tokens."""
     call = decode.Generate(pdserve_pb2.DecodeGenerateRequest(
         request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
-        remote_prefill=True), timeout=120)
+        output_token_ids=output_token_ids, remote_prefill=True), timeout=120)
     try:
         first = next(call)
         assert first.WhichOneof("kind") == "reserved"
         response = prefill.Prefill(pdserve_pb2.PrefillRequest(
             request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
-            target=first.reserved.target), timeout=120)
+            output_token_ids=output_token_ids, target=first.reserved.target), timeout=120)
         assert response.kv_bytes_sent > 0
         tokens = [response.first_token_id]
         reason = ""
         for message in call:
-            assert message.tokens.first_index == len(tokens), "gap or duplicate in the stream"
+            assert message.tokens.first_index == len(output_token_ids) + len(tokens), (
+                "gap or duplicate in the stream")
             tokens.extend(message.tokens.token_ids)
             reason = message.tokens.finish_reason
         return Generated(tokens, reason, response.num_cached_tokens)

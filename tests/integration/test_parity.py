@@ -66,3 +66,19 @@ def test_prefix_cache_hit_on_the_prefill_pod(colocated_stub, prefill_stub, decod
     for name, result, suffix in (("a", first, [11, 12, 13]), ("b", second, [21, 22])):
         want = colocated_generate(colocated_stub, f"prefix-col-{name}", system + suffix, sampling)
         assert result.token_ids == want.token_ids
+
+
+@pytest.mark.parametrize("sampling", [
+    pdserve_pb2.SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
+    pdserve_pb2.SamplingParams(temperature=1.0, top_p=0.95, seed=77, max_tokens=10,
+                               ignore_eos=True),
+], ids=["greedy", "seeded"])
+def test_migrated_request_resumes_where_it_left_off(sampling, colocated_stub, prefill_stub,
+                                                    decode_stubs):
+    """output_token_ids are context and set the resume index (and the seeded RNG index)."""
+    prompt = _prompts(seed=3)[5]  # 129 tokens
+    full = colocated_generate(colocated_stub, f"mig-col-{sampling.seed}", prompt, sampling)
+    resumed = disaggregated_generate(prefill_stub, decode_stubs["tcp"], f"mig-{sampling.seed}",
+                                     prompt, sampling, output_token_ids=tuple(full.token_ids[:4]))
+    assert resumed.token_ids == full.token_ids[4:]
+    assert resumed.finish_reason == "length"
