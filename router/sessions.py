@@ -31,6 +31,12 @@ from router.routing.base import check_role
 SESSION_KEY_PREFIX = "pdserve:session:"
 
 
+class SessionStoreError(Exception):
+    """The store could not be reached (e.g. Redis down or slow). The policy then
+    routes by rendezvous ranking alone — the same pod while the pod set and
+    loads are unchanged — and logs it; requests keep being served."""
+
+
 def _check_session_id(session_id: str) -> None:
     if not session_id or len(session_id) > 256:
         raise ValueError(f"session id must be 1..256 characters; got {len(session_id)}")
@@ -131,13 +137,21 @@ return current
 class RedisSessionStore(SessionStore):
     """Mappings shared by every router replica through Redis (see module docstring)."""
 
-    def __init__(self, redis_url: str, *, ttl_s: float = 3600.0) -> None:
+    def __init__(self, redis_url: str, *, ttl_s: float = 3600.0, timeout_s: float = 0.5) -> None:
+        import redis
         import redis.asyncio as aioredis
 
         if ttl_s <= 0:
             raise ValueError(f"session ttl_s must be > 0; got {ttl_s}")
+        if timeout_s <= 0:
+            raise ValueError(f"session store timeout_s must be > 0; got {timeout_s}")
         self._ttl_ms = int(ttl_s * 1000)
-        self._redis = aioredis.Redis.from_url(redis_url, decode_responses=True)
+        # a request waits at most this long on Redis before routing without it
+        self._redis = aioredis.Redis.from_url(
+            redis_url, decode_responses=True, socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+        )
+        self._errors = (redis.RedisError, OSError, TimeoutError)
         self._assign = self._redis.register_script(_ASSIGN_LUA)
 
     @staticmethod
@@ -147,14 +161,20 @@ class RedisSessionStore(SessionStore):
     async def get(self, role: str, session_id: str) -> str | None:
         check_role(role)
         _check_session_id(session_id)
-        return await self._redis.getex(self.key(role, session_id), px=self._ttl_ms)
+        try:
+            return await self._redis.getex(self.key(role, session_id), px=self._ttl_ms)
+        except self._errors as exc:
+            raise SessionStoreError(f"session store get failed: {exc!r}") from exc
 
     async def assign(self, role: str, session_id: str, expected: str | None, new: str) -> str:
         check_role(role)
         _check_session_id(session_id)
-        return await self._assign(
-            keys=[self.key(role, session_id)], args=[expected or "", new, self._ttl_ms]
-        )
+        try:
+            return await self._assign(
+                keys=[self.key(role, session_id)], args=[expected or "", new, self._ttl_ms]
+            )
+        except self._errors as exc:
+            raise SessionStoreError(f"session store assign failed: {exc!r}") from exc
 
     async def close(self) -> None:
         await self._redis.aclose()

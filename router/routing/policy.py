@@ -30,12 +30,18 @@ then by running + in-flight sequences, then by free blocks.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
+import time
 from collections.abc import Iterator, Sequence
 
 from router.routing.base import NoPodAvailable, PodLoad, PodPool
 from router.routing.rendezvous import choose_bounded, prefix_key, session_key
-from router.sessions import SessionStore
+from router.sessions import SessionStore, SessionStoreError
+
+log = logging.getLogger(__name__)
+
+_STORE_WARNING_INTERVAL_S = 10.0  # one log line per interval while the store is down
 
 
 class RoutingPolicy:
@@ -59,6 +65,7 @@ class RoutingPolicy:
         self.sessions = session_store
         self.epsilon = epsilon
         self.affinity_tokens = block_size_for_affinity
+        self._store_warned_at = -_STORE_WARNING_INTERVAL_S
 
     async def choose_prefill(
         self,
@@ -139,15 +146,29 @@ class RoutingPolicy:
         if not session_id:
             key = prefix_key(prompt_token_ids, self.affinity_tokens)
             return choose_bounded(key, loads, epsilon=self.epsilon, slack=slack)
-        mapped = await self.sessions.get(role, session_id)
-        chosen = choose_bounded(
-            session_key(session_id), loads, epsilon=self.epsilon, slack=slack, preferred=mapped
-        )
+        key = session_key(session_id)
+        try:
+            mapped = await self.sessions.get(role, session_id)
+        except SessionStoreError as exc:
+            # Ranking alone still sends the session where its mapping most likely points.
+            self._warn_store_down(exc)
+            return choose_bounded(key, loads, epsilon=self.epsilon, slack=slack)
+        chosen = choose_bounded(key, loads, epsilon=self.epsilon, slack=slack, preferred=mapped)
         if chosen == mapped:
             return chosen
-        winner = await self.sessions.assign(role, session_id, mapped, chosen)
+        try:
+            winner = await self.sessions.assign(role, session_id, mapped, chosen)
+        except SessionStoreError as exc:
+            self._warn_store_down(exc)
+            return chosen
         # Another router replica may have placed the session first; follow it when we can.
         return winner if winner in loads else chosen
+
+    def _warn_store_down(self, exc: SessionStoreError) -> None:
+        now = time.monotonic()
+        if now - self._store_warned_at >= _STORE_WARNING_INTERVAL_S:
+            self._store_warned_at = now
+            log.warning("routing sessions by hash only: %s", exc)
 
 
 def _blocks_needed(num_tokens: int, pod: PodLoad) -> int:

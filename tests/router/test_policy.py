@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections import Counter
 
 import pytest
@@ -215,3 +216,38 @@ def test_policy_validation() -> None:
     with pytest.raises(ValueError, match="track\\(num_tokens\\) must be >= 0"):
         with pool.track("a:1", num_tokens=-1):
             pass
+
+
+@pytest.mark.timeout(30)
+def test_sessions_route_by_hash_alone_while_redis_is_down(
+    tmp_path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from router.sessions import RedisSessionStore, SessionStoreError
+    from tests.redis_server import RedisServer
+
+    server = RedisServer(tmp_path)
+    pool = SnapshotPool([load(a, "prefill") for a in PREFILL])
+    store = RedisSessionStore(server.url, timeout_s=0.3)
+    policy = RoutingPolicy(pool, store)
+    order = rank(session_key("frank"), PREFILL)
+
+    async def run() -> tuple[str, str, str]:
+        try:
+            # mapped to the 3rd-ranked pod while Redis is up
+            assert await store.assign("prefill", "frank", None, order[2]) == order[2]
+            up = await policy.choose_prefill(session_id="frank", prompt_token_ids=[1])
+            server.stop()
+            with pytest.raises(SessionStoreError, match="session store get failed"):
+                await store.get("prefill", "frank")
+            started = time.monotonic()
+            down = await policy.choose_prefill(session_id="frank", prompt_token_ids=[1])
+            again = await policy.choose_prefill(session_id="frank", prompt_token_ids=[1])
+            assert time.monotonic() - started < 2.0  # bounded by the store timeout
+            return up, down, again
+        finally:
+            await store.close()
+
+    up, down, again = asyncio.run(run())
+    assert (up, down, again) == (order[2], order[0], order[0])
+    warnings = [r for r in caplog.records if "routing sessions by hash only" in r.message]
+    assert len(warnings) == 1  # rate-limited: one line, not one per request
