@@ -235,3 +235,32 @@ def test_redis_registry_adds_new_pods_and_drops_expired_ones(redis_url: str, run
             await d1.stop()
 
     run_async(run())
+
+
+@pytest.mark.timeout(30)
+def test_redis_outage_keeps_the_known_pods(tmp_path, run_async) -> None:
+    from tests.redis_server import RedisServer
+
+    server = RedisServer(tmp_path)
+
+    async def run() -> None:
+        p1 = await LoadServer("prefill").start()
+        client = server.client()
+        client.set(pod_key("prefill", p1.address),
+                   json.dumps({"address": p1.address, "role": "prefill", "model": "m"}))
+        client.close()
+        pool = PolledPodPool(RedisPodSource(server.url), poll_interval=0.1)
+        await pool.start()
+        try:
+            assert [p.address for p in pool.pods("prefill")] == [p1.address]
+            server.stop()
+            await asyncio.sleep(0.5)  # several polls whose discovery fails
+            assert [p.address for p in pool.pods("prefill")] == [p1.address]
+        finally:
+            await pool.close()
+            await p1.stop()
+
+    try:
+        run_async(run())
+    finally:
+        server.stop()
