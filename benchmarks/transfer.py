@@ -214,7 +214,8 @@ def _connector(name: str, kvs, layout, num_streams: int,
             print(f"  transfer {request_id} failed: {reason}")
 
     capacity = layout.total_bytes * len(kvs)
-    receiver = Receiver(ReceiverConfig(capacity_bytes=capacity), Timing())
+    # prefaulted: a pod's long-lived landing slab is resident after its first requests
+    receiver = Receiver(ReceiverConfig(capacity_bytes=capacity, prefault_landing=True), Timing())
     receiver.start()
     checksum = "xxh3" if name == "tcp-xxh3" else "xxh64"
     sender = Sender(SenderConfig(num_streams=num_streams, max_chunk_bytes=chunk, checksum=checksum))

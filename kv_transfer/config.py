@@ -62,6 +62,7 @@ class ReceiverConfig:
     secret: bytes | None = None
     generation: int | None = None
     pin_memory: bool | None = None
+    prefault_landing: bool = False  # touch the whole landing slab at start (see landing.py)
 
     def __post_init__(self) -> None:
         if not isinstance(self.capacity_bytes, int) or self.capacity_bytes <= 0:

@@ -1,10 +1,13 @@
 """Landing buffer pool: where arriving KV is written, bounded by a byte budget.
 
-The pool is one slab allocated (and faulted in) when the receiver starts, as
-DESIGN.md asks of every KV memory: nothing grows after start, and the receive
-path never pays for page faults. Buffers are carved out first-fit at 64-byte
-alignment and coalesced on free. The slab is pinned host memory when CUDA is
-available, so the injector's H2D copies are asynchronous.
+The pool is one slab allocated when the receiver starts, as DESIGN.md asks of
+every KV memory: nothing grows after start. On CPU the slab's pages are faulted
+in on first use and stay resident, since the slab is reused; `prefault=True`
+touches them all at start instead (the receive path then never pays for a
+page fault, at the price of committing the whole budget at once). Buffers
+are carved out first-fit at 64-byte alignment and coalesced on free. The
+slab is pinned host memory when CUDA is available, so the injector's H2D
+copies are asynchronous.
 
 The budget is the only back-pressure: a request that does not fit raises
 `BufferPoolExhausted` at `expect`; nothing is queued.
@@ -37,7 +40,8 @@ class LandingBuffer:
 
 
 class LandingBufferPool:
-    def __init__(self, capacity_bytes: int, pin_memory: bool | None = None) -> None:
+    def __init__(self, capacity_bytes: int, pin_memory: bool | None = None,
+                 prefault: bool = False) -> None:  # fmt: skip
         if not isinstance(capacity_bytes, int) or capacity_bytes < ALIGNMENT:
             raise ValueError(
                 f"capacity_bytes must be an int >= {ALIGNMENT}, got {capacity_bytes!r}"
@@ -45,7 +49,7 @@ class LandingBufferPool:
         self.capacity_bytes = capacity_bytes - capacity_bytes % ALIGNMENT
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self._slab = torch.empty(self.capacity_bytes, dtype=torch.uint8, pin_memory=self.pin_memory)
-        if not self.pin_memory:
+        if prefault and not self.pin_memory:
             self._slab.zero_()  # fault the pages in now (pinned memory already is)
         self._lock = threading.Lock()
         # free extents as two parallel sorted lists: offsets and sizes (coalesced)

@@ -37,7 +37,8 @@ class GrpcKVReceiver(KVReceiver):
         if not 1 <= server_threads <= 4096:
             raise ValueError(f"server_threads must be in [1, 4096], got {server_threads}")
         self.config = config
-        self.pool = LandingBufferPool(config.capacity_bytes, config.pin_memory)
+        self.pool = LandingBufferPool(config.capacity_bytes, config.pin_memory,
+                                      config.prefault_landing)  # fmt: skip
         self.table = ReceiveTable(
             self.pool, TicketAuthority(config.secret, config.generation), listener,
             transport="grpc", claim_grace_s=config.claim_grace_s,

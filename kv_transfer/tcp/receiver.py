@@ -167,7 +167,8 @@ class TcpKVReceiver(KVReceiver):
 
     def __init__(self, config: ReceiverConfig, listener: KVReceiveListener) -> None:
         self.config = config
-        self.pool = LandingBufferPool(config.capacity_bytes, config.pin_memory)
+        self.pool = LandingBufferPool(config.capacity_bytes, config.pin_memory,
+                                      config.prefault_landing)  # fmt: skip
         self.table = ReceiveTable(
             self.pool, TicketAuthority(config.secret, config.generation), listener,
             transport="tcp", claim_grace_s=config.claim_grace_s,
