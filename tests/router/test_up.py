@@ -93,7 +93,8 @@ def env_with(home: Path) -> dict[str, str]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_up_streams_a_completion_and_stops_cleanly_on_sigint(tmp_path: Path) -> None:
+@pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_up_streams_a_completion_and_stops_cleanly(tmp_path: Path, stop_signal: int) -> None:
     import openai
 
     port, grpc_port = free_port(), free_port()
@@ -116,7 +117,7 @@ def test_up_streams_a_completion_and_stops_cleanly_on_sigint(tmp_path: Path) -> 
         assert chunks[-1].choices[0].finish_reason == "length"
         assert sum(1 for c in chunks if c.choices and c.choices[0].text) >= 1
 
-        up.proc.send_signal(signal.SIGINT)
+        up.proc.send_signal(stop_signal)
         output = up.rest(60)
     finally:
         if up.proc.poll() is None:
