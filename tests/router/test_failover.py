@@ -5,7 +5,7 @@ or fail with a clear error — none hangs.
 The router polls loads only every 30 s here, so after a kill it still sends
 work to the dead pod: that exercises the prefill retry and the decode-side
 refusal and migration paths, not just the poller dropping the pod.
-Cluster (module scope): 2 prefill, 3 decode, 1 colocated pod (the baseline);
+Cluster (module scope): 3 prefill, 3 decode, 1 colocated pod (the baseline);
 each test kills its own pods.
 """
 
@@ -51,24 +51,36 @@ def _running(pod) -> int:
 
 
 def _bytes_sent(pod) -> float:
+    if not pod.alive():  # killed by an earlier test
+        return 0.0
     try:
         return pod.metric_value("pdserve_kv_transfer_bytes_total")
     except KeyError:  # nothing sent yet
         return 0.0
 
 
+def _prefill_pod_for(cluster, prompt: str):
+    """The prefill pod the router sends `prompt` to (prefix affinity is sticky):
+    the one whose sent KV bytes grow while a one-token request runs."""
+    before = [_bytes_sent(p) for p in cluster["prefill"]]
+    _generate(cluster["pd"], prompt, 1)
+    grew = [p for p, b in zip(cluster["prefill"], before, strict=True) if _bytes_sent(p) > b]
+    assert len(grew) == 1
+    return grew[0]
+
+
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir):
-    roles = ["prefill", "prefill", "decode", "decode", "decode", "colocated"]
+    roles = ["prefill"] * 3 + ["decode"] * 3 + ["colocated"]
     with ThreadPoolExecutor(len(roles)) as pool:
         pods = [f.result() for f in [pool.submit(start_pod, r, tiny_model_dir) for r in roles]]
-    prefill, decode = pods[:2], pods[2:5]
+    prefill, decode = pods[:3], pods[3:6]
     routers = []
     try:
         routers.append(start_router(tiny_model_dir, prefill=[p.address for p in prefill],
                                     decode=[d.address for d in decode],
                                     load_poll_interval=30, max_migrations=4))
-        routers.append(start_router(tiny_model_dir, colocated=[pods[5].address]))
+        routers.append(start_router(tiny_model_dir, colocated=[pods[6].address]))
         for router in routers:
             wait_ready(router)
         yield {"prefill": prefill, "decode": decode, "pd": routers[0], "co": routers[1]}
@@ -96,20 +108,35 @@ def test_decode_pod_killed_mid_stream_keeps_the_stream_exact(cluster):
     assert cluster["pd"].metric("pdserve_migrations_total") == 1
 
 
+def test_prefill_pod_killed_mid_prefill(cluster):
+    prefix = " ".join(f"shared{i}" for i in range(100))  # decides the prefill pod
+    victim = _prefill_pod_for(cluster, prefix + " ".join(f"a{i}" for i in range(500)))
+    prompt = prefix + " ".join(f"b{i}" for i in range(500))
+    expected = _generate(cluster["co"], prompt, 8)
+    result: dict[str, object] = {}
+    thread = threading.Thread(
+        target=lambda: result.update(tokens=_generate(cluster["pd"], prompt, 8, timeout=90)))
+    thread.start()
+    time.sleep(0.3)  # the long prompt is being prefilled (and its KV sent) now
+    victim.kill()
+    thread.join(120)
+    assert not thread.is_alive(), "the request hung after its prefill pod died"
+    assert result["tokens"] == expected
+
+
 def test_prefill_and_decode_pods_killed_during_a_run(cluster):
     pd = cluster["pd"]
     warm = "Which prefill pod takes this prompt?"
-    _generate(pd, warm, 2)
     # prefix affinity sends the same prompt to the same prefill pod: kill that one
-    victim_prefill = max(cluster["prefill"], key=_bytes_sent)
+    victim_prefill = _prefill_pod_for(cluster, warm)
     prompts = [warm] + [f"Request number {i} asks about topic {i * 7}" for i in range(7)]
-    expected = {p: _generate(cluster["co"], p, 40) for p in prompts}
+    expected = {p: _generate(cluster["co"], p, 80) for p in prompts}
     results: dict[str, object] = {}
     migrations_before = pd.metric("pdserve_migrations_total")
 
     def client(prompt: str) -> None:
         try:
-            results[prompt] = _generate(pd, prompt, 40, timeout=90)
+            results[prompt] = _generate(pd, prompt, 80, timeout=90)
         except grpc.RpcError as exc:  # a clear error is allowed; a hang is not
             results[prompt] = exc
 
@@ -118,9 +145,11 @@ def test_prefill_and_decode_pods_killed_during_a_run(cluster):
     for i, prompt in enumerate(prompts):
         threads.append(threading.Thread(target=client, args=(prompt,)))
         threads[-1].start()
-        if i == 3:  # kill a decode pod that is serving some of them right now
-            busy = [d for d in cluster["decode"] if _running(d) > 0]
-            assert busy, "no decode pod was busy"
+        if i == 3:  # kill a decode pod as soon as it is serving some of them
+            deadline = time.monotonic() + 20
+            while not (busy := [d for d in cluster["decode"] if _running(d) > 0]):
+                assert time.monotonic() < deadline, "no decode pod ever got a request"
+                time.sleep(0.01)
             busy[0].kill()
         time.sleep(0.1)
     for thread in threads:
