@@ -193,8 +193,8 @@ def test_client_disconnect_frees_decode_blocks(cluster):
     response = connection.getresponse()
     assert response.status == 200
     response.fp.readline()  # the first event: the request is decoding now
-    during = _decode_load(cluster["decode"])
-    assert during.num_running == 1 and during.num_free_blocks < baseline
+    # the reservation holds blocks for prompt + max_tokens from admission on
+    assert _decode_load(cluster["decode"]).num_free_blocks < baseline
     connection.sock.close()  # the client goes away mid-stream
     connection.close()
     deadline = time.monotonic() + 30
