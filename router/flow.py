@@ -54,7 +54,14 @@ from router.output import (
     fold_final,
     logprobs_from_proto,
 )
-from router.pod_calls import AttemptFailed, FlowDeps, client_error, describe, sampling_message
+from router.pod_calls import (
+    AttemptFailed,
+    FlowDeps,
+    choose_path,
+    client_error,
+    describe,
+    sampling_message,
+)
 from router.routing.base import NoPodAvailable
 
 log = logging.getLogger(__name__)
@@ -194,41 +201,15 @@ class RequestFlow:
     # ------------------------------------------------------------ one attempt
 
     async def _one_attempt(self) -> AsyncIterator[Delta]:
-        pool, exclude = self._deps.pool, frozenset(self._left_out)
-        colocated = [p for p in pool.pods("colocated") if p.address not in exclude]
-        decode = [p for p in pool.pods("decode") if p.address not in exclude]
-        prefill = [p for p in pool.pods("prefill") if p.address not in exclude]
-        use_colocated = bool(colocated)
-        if colocated and decode and prefill:
-            # Both paths are up: send the request where fewer sequences run.
-            def busy(pods):
-                return min(p.num_running + p.in_flight for p in pods)
-            use_colocated = busy(colocated) < busy(decode)
-        if use_colocated:
+        if choose_path(self._deps.pool, self._left_out) == "colocated":
             self._to(FlowState.COLOCATED)
             stream = self._colocated()
-        elif decode and prefill:
+        else:
             self._to(FlowState.RESERVING)
             stream = self._disaggregated()
-        else:
-            missing = "prefill" if not prefill else "decode"
-            raise ApiError(
-                503,
-                f"no pod can serve the request: no healthy {missing} pod and no healthy "
-                f"colocated pod ({self._known_pods()})",
-                code="no_pod_available",
-            )
         async with contextlib.aclosing(stream) as deltas:
             async for delta in deltas:
                 yield delta
-
-    def _known_pods(self) -> str:
-        pool = self._deps.pool
-        parts = [f"{len(pool.pods(r))}/{len(pool.known(r))} {r} healthy"
-                 for r in ("prefill", "decode", "colocated")]
-        if self._left_out:
-            parts.append(f"{len(self._left_out)} failed this request")
-        return ", ".join(parts)
 
     def _generate_request(self, request_id: str, remote_prefill: bool) -> pb.DecodeGenerateRequest:
         return pb.DecodeGenerateRequest(

@@ -17,7 +17,7 @@ from router.api_error import ApiError
 from router.metrics import RouterMetrics
 from router.openai_api import SamplingSpec
 from router.pod_clients import PodChannels
-from router.routing.base import PodPool
+from router.routing.base import PodLoad, PodPool
 from router.routing.policy import RoutingPolicy
 
 
@@ -94,3 +94,35 @@ def client_error(error: grpc.aio.AioRpcError, address: str, timeout: float) -> A
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return ApiError(504, f"the request did not finish within --request-timeout {timeout:g}s")
     return None
+
+
+def choose_path(pool: PodPool, left_out: set[str] | frozenset[str]) -> str:
+    """"colocated" or "disaggregated" for the next attempt; ApiError 503 when
+    neither can serve. `left_out` are pods that already failed this request.
+
+    With both paths up, the request goes to the colocated pod when the least
+    busy one runs fewer sequences (running + this router's in-flight) than
+    the least busy decode pod; ties go to the P/D pair.
+    """
+    colocated = [p for p in pool.pods("colocated") if p.address not in left_out]
+    decode = [p for p in pool.pods("decode") if p.address not in left_out]
+    prefill = [p for p in pool.pods("prefill") if p.address not in left_out]
+    if colocated and decode and prefill:
+        def busy(pods: list[PodLoad]) -> int:
+            return min(p.num_running + p.in_flight for p in pods)
+        return "colocated" if busy(colocated) < busy(decode) else "disaggregated"
+    if colocated:
+        return "colocated"
+    if decode and prefill:
+        return "disaggregated"
+    missing = "prefill" if not prefill else "decode"
+    parts = [f"{len(pool.pods(r))}/{len(pool.known(r))} {r} healthy"
+             for r in ("prefill", "decode", "colocated")]
+    if left_out:
+        parts.append(f"{len(left_out)} failed this request")
+    raise ApiError(
+        503,
+        f"no pod can serve the request: no healthy {missing} pod and no healthy colocated "
+        f"pod ({', '.join(parts)})",
+        code="no_pod_available",
+    )

@@ -1,0 +1,59 @@
+"""choose_path: colocated vs P/D, and the 503 reason when neither can serve."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.api_error import ApiError
+from router.pod_calls import choose_path
+from router.routing.base import PodLoad, PodPool
+
+
+class FixedPool(PodPool):
+    """A pool whose pods and loads the test sets directly."""
+
+    def __init__(self, **running: dict[str, int]) -> None:
+        super().__init__()
+        self._running = running  # role -> {address: num_running}
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    def pods(self, role: str) -> list[PodLoad]:
+        return [PodLoad(address=a, role=role, healthy=True, generation=1, num_waiting=0,
+                        num_waiting_tokens=0, num_running=n, num_free_blocks=10,
+                        num_total_blocks=10, block_size=16, prefix_hit_rate=0.0,
+                        in_flight=self.in_flight(a)[0])
+                for a, n in sorted(self._running.get(role, {}).items())]
+
+    def known(self, role: str) -> list[str]:
+        return sorted(self._running.get(role, {}))
+
+    def mark_unhealthy(self, address: str, reason: str) -> None: ...
+
+
+P, D, C = "10.0.0.1:1", "10.0.0.2:1", "10.0.0.3:1"
+
+
+def test_single_paths():
+    assert choose_path(FixedPool(colocated={C: 5}), set()) == "colocated"
+    assert choose_path(FixedPool(prefill={P: 0}, decode={D: 9}), set()) == "disaggregated"
+
+
+def test_both_paths_pick_the_less_busy_and_ties_go_to_pd():
+    pool = FixedPool(prefill={P: 0}, decode={D: 2}, colocated={C: 2})
+    assert choose_path(pool, set()) == "disaggregated"
+    with pool.track(D):
+        assert choose_path(pool, set()) == "colocated"
+    assert choose_path(pool, {D}) == "colocated"
+
+
+def test_nothing_to_route_to():
+    with pytest.raises(ApiError) as info:
+        choose_path(FixedPool(prefill={P: 0}, decode={D: 0}), {D})
+    assert info.value.status == 503 and info.value.code == "no_pod_available"
+    assert info.value.message == (
+        "no pod can serve the request: no healthy decode pod and no healthy colocated pod "
+        "(1/1 prefill healthy, 1/1 decode healthy, 0/0 colocated healthy, "
+        "1 failed this request)")
