@@ -52,6 +52,7 @@ def test_rms_norm_config_choice():
     assert rms_norm_config(torch.float16, torch.float16, 4096, True).block_h == 4096
     assert rms_norm_config(torch.bfloat16, torch.float32, 8193, True).num_warps == 16
     assert rms_norm_config(torch.float32, torch.float32, 1000, False).num_warps == 4
+    assert rms_norm_config(torch.float16, torch.float16, 4096, False).num_warps == 8
     with pytest.raises(ValueError, match="hidden 16385 outside 1..16384"):
         rms_norm_config(torch.float16, torch.float16, 16385, False)
     assert len(all_rms_norm_configs()) == 3 * 3 * 7 * 2
