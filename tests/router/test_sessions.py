@@ -141,3 +141,21 @@ def test_redis_mapping_expires(redis_url: str) -> None:
             await store.close()
 
     asyncio.run(run())
+
+
+@pytest.mark.timeout(30)
+def test_redis_store_queues_bursts_larger_than_its_connection_pool(redis_url: str) -> None:
+    """300 requests at once over 8 connections: they wait for a connection, none fail."""
+
+    async def run() -> list[str]:
+        store = RedisSessionStore(redis_url, max_connections=8, timeout_s=5.0)
+        try:
+            return await asyncio.gather(
+                *(store.assign("prefill", f"burst-{i}", None, f"pod{i % 3}:1") for i in range(300))
+            )
+        finally:
+            await store.close()
+
+    assert asyncio.run(run()) == [f"pod{i % 3}:1" for i in range(300)]
+    with pytest.raises(ValueError, match="max_connections must be > 0"):
+        RedisSessionStore(redis_url, max_connections=0)
