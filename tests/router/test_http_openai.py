@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import signal
 import threading
 import time
 import urllib.error
@@ -222,3 +223,21 @@ def test_no_pod_is_503_with_reason(tiny_model_dir):
     assert payload["error"]["code"] == "no_pod_available"
     assert payload["error"]["message"].startswith("no pod can serve the request: no healthy "
                                                   "prefill pod and no healthy colocated pod")
+
+
+def test_sigterm_finishes_in_flight_requests(cluster, tiny_model_dir):
+    router = start_router(tiny_model_dir, colocated=[cluster["colocated"].address])
+    try:
+        wait_ready(router)
+        stream = _client(router).completions.create(
+            model="tiny", prompt=PROMPTS[0], max_tokens=150, temperature=0, stream=True,
+            extra_body={"ignore_eos": True}, stream_options={"include_usage": True})
+        chunks = [next(stream)]  # the request is in flight
+        router.process.send_signal(signal.SIGTERM)
+        chunks.extend(stream)
+    finally:
+        exit_status = router.terminate()
+    assert exit_status == 0
+    assert chunks[-1].usage.completion_tokens == 150
+    with pytest.raises(OSError):
+        urllib.request.urlopen(router.url("/health"), timeout=5)
