@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import time
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
@@ -67,6 +68,8 @@ async def _errors_and_auth(request: web.Request, handler: Handler) -> web.Stream
         return error_response(
             ApiError(exc.status, f"{request.method} {request.path}: {exc.reason}", code=code)
         )
+    except ConnectionResetError:
+        raise  # the client left mid-response; the flow has already been closed
     except Exception as exc:  # a bug: still answer in OpenAI's shape, and keep serving
         log.exception("%s %s failed", request.method, request.path)
         return error_response(_internal_error(exc))
@@ -90,7 +93,7 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
         kind=kind,
         response_id=("chatcmpl-" if kind == "chat" else "cmpl-") + generation.request_id,
         model=frontend.model_name,
-        created=frontend.created,
+        created=int(time.time()),
         token_text=frontend.token_text,
         include_usage=parsed.include_usage,
         top_logprobs=parsed.logprobs,
