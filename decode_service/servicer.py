@@ -177,7 +177,10 @@ class DecodeServicer(pdserve_pb2_grpc.DecodeServicer):
                     deadline_unix_ms=int(target.deadline * 1000)),
                 block_size=reservation.block_size,
                 num_reserved_blocks=len(reservation.block_ids)))
+            reserved_at = time.monotonic()
             first_token = await self._await_kv(rid, ready, remote)
+            # Reserved -> every layer injected and END accepted, as this pod saw it
+            self._metrics.kv_transfer_seconds.observe(time.monotonic() - reserved_at)
             await self._release_transfer(rid, remote)
             await self._loop.commit_remote(rid, first_token)
             committed = True
