@@ -37,11 +37,13 @@ def redis_url(redis_server: RedisServer) -> Iterator[str]:
 def run_async() -> Iterator[Callable[[Coroutine[Any, Any, T]], T]]:
     """Run coroutines on ONE event loop for the whole test session.
 
-    grpc.aio binds its completion-queue poller to the event loop that created
-    the first aio object; objects from an earlier `asyncio.run()` loop can
-    leave callbacks pointing at a closed loop, and a later call then hangs
-    (seen here about one run in six). Tests that create gRPC aio servers or
-    channels use this fixture instead of `asyncio.run`.
+    Tests that create gRPC aio servers or channels use this instead of
+    `asyncio.run`: grpc.aio objects left over from an earlier, closed loop
+    schedule callbacks onto it ("Event loop is closed" at exit). Each call is
+    also guarded by a watchdog: a coroutine still running after `timeout_s`
+    fails the test with every task's stack, instead of hanging until the
+    pytest timeout (an intermittent hang in PolledPodPool.close() was found
+    this way and fixed by bounding every wait in the poller).
     """
     loop = asyncio.new_event_loop()
 
