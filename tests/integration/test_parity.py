@@ -82,3 +82,44 @@ def test_migrated_request_resumes_where_it_left_off(sampling, colocated_stub, pr
                                      prompt, sampling, output_token_ids=tuple(full.token_ids[:4]))
     assert resumed.token_ids == full.token_ids[4:]
     assert resumed.finish_reason == "length"
+
+
+def test_colocated_pod_matches_the_engine_in_process(tiny_model_dir, colocated_stub):
+    """The baseline itself: the colocated pod streams what LLMEngine.generate returns."""
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.sampling_params import SamplingParams
+
+    prompts = _prompts(seed=4)[:4]
+    engine = LLMEngine(EngineConfig(model_dir=str(tiny_model_dir), num_blocks=128))
+    want = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=7,
+                                                   ignore_eos=True))
+    sampling = pdserve_pb2.SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True)
+    for i, (prompt, result) in enumerate(zip(prompts, want, strict=True)):
+        got = colocated_generate(colocated_stub, f"engine-ref-{i}", prompt, sampling)
+        assert got.token_ids == list(result.token_ids)
+
+
+def test_logprobs_travel_with_the_first_token_and_the_stream(colocated_stub, prefill_stub,
+                                                             decode_stubs):
+    prompt = _prompts(seed=5)[6]  # 255 tokens
+    sampling = pdserve_pb2.SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True,
+                                          logprobs=3)
+    colocated = [lp for message in colocated_stub.Generate(pdserve_pb2.DecodeGenerateRequest(
+        request_id="lp-col", prompt_token_ids=prompt, sampling=sampling), timeout=60)
+        for lp in message.tokens.logprobs]
+    call = decode_stubs["grpc"].Generate(pdserve_pb2.DecodeGenerateRequest(
+        request_id="lp-dis", prompt_token_ids=prompt, sampling=sampling, remote_prefill=True),
+        timeout=60)
+    target = next(call).reserved.target
+    first = prefill_stub.Prefill(pdserve_pb2.PrefillRequest(
+        request_id="lp-dis", prompt_token_ids=prompt, sampling=sampling, target=target),
+        timeout=60).first_logprob
+    disaggregated = [first, *(lp for message in call for lp in message.tokens.logprobs)]
+    assert len(colocated) == len(disaggregated) == 4
+    for want, got in zip(colocated, disaggregated, strict=True):
+        assert got.token_id == want.token_id
+        assert list(got.top_token_ids) == list(want.top_token_ids)
+        assert len(got.top_token_ids) == 3
+        assert got.logprob == pytest.approx(want.logprob, abs=1e-4)
+        assert list(got.top_logprobs) == pytest.approx(list(want.top_logprobs), abs=1e-4)
