@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("triton")
+# Importing the kernel modules under TRITON_INTERPRET=1 loads Triton's interpreter (numpy).
+pytest.importorskip("numpy", reason="Triton's interpreter needs numpy")
 
 from kernels import aot, kv_copy, norm, paged_attention, rotary  # noqa: E402
 

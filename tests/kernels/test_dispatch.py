@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
 import kernels
 from kernels import Backend, dispatch
 from tests.kernels.cases import assert_close, generator, make_paged_case, randn, rope_cache
+
+# The Triton path on CPU runs Triton's interpreter, which is written on numpy.
+needs_interpreter = pytest.mark.skipif(
+    importlib.util.find_spec("numpy") is None, reason="Triton's interpreter needs numpy"
+)
 
 
 def test_parse_backend_names_and_rejects_unknown():
@@ -36,6 +43,7 @@ def test_auto_picks_reference_on_cpu(monkeypatch):
     assert len(called) == 1
 
 
+@needs_interpreter
 def test_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     x = randn((3, 64), torch.float32, generator(0))
@@ -84,6 +92,7 @@ def _both_backends(fn):
     return via_torch, via_triton
 
 
+@needs_interpreter
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_backends_agree_through_the_engine_facing_api(dtype):

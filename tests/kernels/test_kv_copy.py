@@ -11,9 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference
-from kernels.kv_copy import all_copy_configs, copy_config, extract_kv_triton, inject_kv_triton
-from tests.kernels.cases import DTYPE_IDS, DTYPES, generator, randn
+# Triton's CPU interpreter is written on numpy (a test extra, see docs/kernels.md).
+pytest.importorskip("numpy", reason="Triton's interpreter needs numpy")
+
+from kernels import reference  # noqa: E402
+from kernels.kv_copy import all_copy_configs, copy_config, extract_kv_triton, inject_kv_triton  # noqa: E402
+from tests.kernels.cases import DTYPE_IDS, DTYPES, generator, randn  # noqa: E402
 
 CASES = {
     # name: (num_blocks, block_size, kv_heads, head_dim, slots)

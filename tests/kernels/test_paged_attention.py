@@ -11,8 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference
-from kernels.paged_attention import (
+# Triton's CPU interpreter is written on numpy (a test extra, see docs/kernels.md).
+pytest.importorskip("numpy", reason="Triton's interpreter needs numpy")
+
+from kernels import reference  # noqa: E402
+from kernels.paged_attention import (  # noqa: E402
     MAX_SPLITS,
     TARGET_PROGRAMS,
     all_decode_configs,
@@ -20,7 +23,7 @@ from kernels.paged_attention import (
     paged_decode_attention_triton,
     split_plan,
 )
-from tests.kernels.cases import DTYPE_IDS, DTYPES, assert_close, make_paged_case
+from tests.kernels.cases import DTYPE_IDS, DTYPES, assert_close, make_paged_case  # noqa: E402
 
 CASES = {
     # name: (block_size, head_dim, kv_heads, group, context_lens, window, num_splits)

@@ -10,9 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference
-from kernels.rotary import all_rotary_configs, rotary_embedding_triton
-from tests.kernels.cases import DTYPE_IDS, DTYPES, assert_close, generator, randn, rope_cache
+# Triton's CPU interpreter is written on numpy (a test extra, see docs/kernels.md).
+pytest.importorskip("numpy", reason="Triton's interpreter needs numpy")
+
+from kernels import reference  # noqa: E402
+from kernels.rotary import all_rotary_configs, rotary_embedding_triton  # noqa: E402
+from tests.kernels.cases import DTYPE_IDS, DTYPES, assert_close, generator, randn, rope_cache  # noqa: E402
 
 CASES = {
     # name: (num_tokens, q_heads, kv_heads, head_dim)
