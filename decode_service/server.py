@@ -17,7 +17,7 @@ from decode_service.config import ColocatedConfig, DecodeConfig
 from decode_service.injector import KVInjector
 from decode_service.servicer import DecodeServicer, RemoteKV
 from engine.config import EngineConfig
-from engine.engine_loop import EngineLoop
+from engine.engine_loop import EngineLoop, LoopState
 from engine.llm_engine import LLMEngine
 from engine.metrics import PodMetrics, serve_metrics
 from engine.model_config import ModelConfig
@@ -83,6 +83,7 @@ async def _serve(role: str, engine_config: EngineConfig, server_config: ServerCo
         role=role, model=model_name, config=server_config, gate=gate, server=server,
         services=("pdserve.v1.Decode",), extra_ports=extra_ports, on_stopped=on_stopped,
         metrics_start=lambda host, port: serve_metrics(metrics, host, port),
+        alive=lambda: loop.state is LoopState.RUNNING,
     )
     loop.start()
     return await pod.run(stop)

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import grpc
 
 from decode_service.injector import KVInjector, TransferFailed
-from engine.engine_loop import EngineLoop, RequestAborted, RequestStream
+from engine.engine_loop import EngineDead, EngineLoop, RequestAborted, RequestStream
 from engine.metrics import PodMetrics
 from engine.sampling_params import SamplingParams
 from kv_transfer.base import KVReceiver
@@ -150,6 +150,10 @@ class DecodeServicer(pdserve_pb2_grpc.DecodeServicer):
             finished = True
             yield pdserve_pb2.DecodeGenerateResponse(
                 tokens=pdserve_pb2.DecodeTokens(first_index=index, finish_reason="abort"))
+        except EngineDead as exc:
+            finished = True  # nothing left to abort
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE,
+                               f"request {rid} lost: {exc}; retry on another pod") from None
         finally:
             if not finished:
                 # Client cancel (CancelledError / generator closed) mid-stream.

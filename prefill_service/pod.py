@@ -12,6 +12,8 @@ Shutdown (SIGTERM or SIGINT):
     SERVING --signal--> DRAINING (health NOT_SERVING, new RPCs -> UNAVAILABLE,
                                   heartbeat stopped, in-flight RPCs continue)
             --in-flight done or grace period over--> STOPPED (server stopped, exit 0)
+
+A pod whose engine loop died takes the same path on its own and exits 1.
 """
 
 from __future__ import annotations
@@ -163,6 +165,9 @@ class PodServer:
     extra_ports: dict[str, int] = field(default_factory=dict)
     on_stopped: list[Callable[[], None]] = field(default_factory=list)
     metrics_start: Callable[[str, int], int] | None = None
+    # False once the pod cannot serve any more (its engine loop died): the
+    # pod then reports NOT_SERVING, stops, and exits 1 so it is restarted.
+    alive: Callable[[], bool] = lambda: True
     _health: health_aio.HealthServicer = field(default_factory=health_aio.HealthServicer)
 
     @staticmethod
@@ -193,14 +198,26 @@ class PodServer:
         for signum in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(signum, stop.set)
+        watchdog = asyncio.create_task(self._watch(stop))
         await stop.wait()
+        watchdog.cancel()
+        failed = not self.alive()
         await self._drain(heartbeat)
         # Already shutting down: a repeated SIGTERM after the event loop (and
         # its handlers) is gone must not turn the clean exit into a kill.
         for signum in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(ValueError):  # not the main thread (tests)
                 signal.signal(signum, signal.SIG_IGN)
-        return 0
+        return 1 if failed else 0
+
+    async def _watch(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            if not self.alive():
+                log.error("%s pod can no longer serve (engine loop stopped); shutting down",
+                          self.role)
+                stop.set()
+                return
+            await asyncio.sleep(0.5)
 
     async def _drain(self, heartbeat: object | None) -> None:
         log.info("%s pod draining: %d request(s) in flight, grace period %.1fs",

@@ -13,7 +13,7 @@ import logging
 import secrets
 from pathlib import Path
 
-from engine.engine_loop import EngineLoop
+from engine.engine_loop import EngineLoop, LoopState
 from engine.llm_engine import LLMEngine
 from engine.metrics import PodMetrics, serve_metrics
 from engine.model_config import ModelConfig
@@ -70,6 +70,7 @@ async def run_prefill_pod(config: PrefillConfig, stop: asyncio.Event | None = No
         services=("pdserve.v1.Prefill",),
         on_stopped=[loop.stop, export.close],
         metrics_start=lambda host, port: serve_metrics(metrics, host, port),
+        alive=lambda: loop.state is LoopState.RUNNING,
     )
     loop.start()
     return await pod.run(stop)

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from engine.engine_loop import EngineLoop, RequestAborted, RequestStream
+from engine.engine_loop import EngineDead, EngineLoop, RequestAborted, RequestStream
 from engine.metrics import PodMetrics
 from engine.outputs import RequestOutput
 from kv_transfer.base import KVLayout, TransferTarget
@@ -52,9 +52,12 @@ from prefill_service.messages import (
 )
 from prefill_service.pod import DrainGate, load_report
 from proto import pdserve_pb2, pdserve_pb2_grpc
-from proto.status import ServiceError, grpc_errors
+from proto.status import ServiceError, grpc_errors, register_status
 
 log = logging.getLogger(__name__)
+
+# A pod whose engine loop stopped cannot serve: the caller should go elsewhere.
+register_status(EngineDead, grpc.StatusCode.UNAVAILABLE)
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,9 +11,10 @@ door decorate each RPC method with `@grpc_errors`; the integration helpers use
     anything else                    -> INTERNAL
 
 Capacity errors are `engine.errors.CapacityError` and any class registered
-with `register_capacity_error` (kv_transfer registers its landing-buffer
-error through the services, so this module never imports torch-heavy
-packages: `engine.errors` is plain Python).
+with `register_capacity_error` (the decode service registers kv_transfer's
+landing-buffer error); other classes get a code with `register_status` (the
+services map a stopped engine loop to UNAVAILABLE). So this module never
+imports torch-heavy packages: `engine.errors` is plain Python.
 
 `asyncio.CancelledError` is never mapped: a cancelled RPC must unwind so the
 servicer's `finally` blocks release what the request held.
@@ -34,7 +35,10 @@ from engine.errors import CapacityError
 
 log = logging.getLogger(__name__)
 
-_capacity_errors: list[type[BaseException]] = [CapacityError]
+# (exception type, code) checked in order before the ValueError/INTERNAL fallback
+_registered: list[tuple[type[BaseException], grpc.StatusCode]] = [
+    (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -51,19 +55,26 @@ class ServiceError(Exception):
         self.message = message
 
 
+def register_status(exc_type: type[BaseException], code: grpc.StatusCode) -> None:
+    """Map `exc_type` (and subclasses) to `code`. Idempotent; called at import
+    time by the service modules that meet such errors (this module cannot
+    import them: it stays free of torch-heavy packages)."""
+    if (exc_type, code) not in _registered:
+        _registered.append((exc_type, code))
+
+
 def register_capacity_error(exc_type: type[BaseException]) -> None:
-    """Map `exc_type` (and subclasses) to RESOURCE_EXHAUSTED. Idempotent;
-    called at import time by the modules that own such errors' users."""
-    if exc_type not in _capacity_errors:
-        _capacity_errors.append(exc_type)
+    """Map `exc_type` (and subclasses) to RESOURCE_EXHAUSTED."""
+    register_status(exc_type, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The status code and details message for `exc` (see module docstring)."""
     if isinstance(exc, ServiceError):
         return exc.code, exc.message
-    if isinstance(exc, tuple(_capacity_errors)):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc) or type(exc).__name__
+    for exc_type, code in _registered:
+        if isinstance(exc, exc_type):
+            return code, str(exc) or type(exc).__name__
     if isinstance(exc, ValueError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc) or type(exc).__name__
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"

@@ -59,3 +59,34 @@ def test_ready_file_is_written_whole(tmp_path):
     write_ready_file(str(path), {"grpc": 1, "metrics": 2, "kv": 3})
     assert json.loads(path.read_text()) == {"grpc": 1, "metrics": 2, "kv": 3}
     assert not (tmp_path / "ready.json.tmp").exists()
+
+
+@pytest.mark.timeout(60)
+def test_pod_server_reports_not_serving_and_exits_1_when_it_can_no_longer_serve(tmp_path):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from prefill_service.pod import PodServer, ServerConfig
+
+    ready = tmp_path / "ready.json"
+    state = {"alive": True}
+
+    async def scenario():
+        pod = PodServer(role="prefill", model="m", config=ServerConfig(
+            host="127.0.0.1", ready_file=str(ready), grace_period_s=1), gate=DrainGate(),
+            server=PodServer.new_grpc_server(), services=("pdserve.v1.Prefill",),
+            alive=lambda: state["alive"])
+        task = asyncio.create_task(pod.run())
+        while not ready.exists():
+            await asyncio.sleep(0.01)
+        port = json.loads(ready.read_text())["grpc"]
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            reply = await health.Check(health_pb2.HealthCheckRequest(service="pdserve.v1.Prefill"))
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            state["alive"] = False  # e.g. the engine loop died
+            return await asyncio.wait_for(task, 30), pod.gate.state
+
+    status, gate_state = asyncio.run(scenario())
+    assert (status, gate_state) == (1, PodState.STOPPED)
+    ports = json.loads(ready.read_text())
+    assert sorted(ports) == ["grpc", "kv"] and ports["kv"] == 0 and ports["grpc"] > 0

@@ -90,3 +90,16 @@ def test_decorated_servicer_sends_mapped_codes():
             await server.stop(None)
 
     asyncio.run(scenario())
+
+
+class _Stopped(RuntimeError):
+    pass
+
+
+def test_registered_types_get_their_code():
+    from proto.status import register_status
+
+    register_status(_Stopped, grpc.StatusCode.UNAVAILABLE)
+    register_status(_Stopped, grpc.StatusCode.UNAVAILABLE)  # idempotent
+    assert status_for(_Stopped("engine loop is stopped")) == (
+        grpc.StatusCode.UNAVAILABLE, "engine loop is stopped")
