@@ -16,6 +16,7 @@ listener is called from connection threads and the collector.
 from __future__ import annotations
 
 import logging
+import select
 import socket
 import threading
 from collections import OrderedDict
@@ -84,9 +85,18 @@ class _Connection:
             if self.closed:
                 return
             try:
+                # never block a receiver thread (or the collector) on a sender that does
+                # not read its back channel: no room for a small frame means it is broken
+                if not self._writable():
+                    raise BlockingIOError("sender is not reading STATUS frames")
                 self.sock.sendall(frame)
             except OSError:
                 close_quietly(self.sock)  # the reader thread notices and cleans up
+
+    def _writable(self) -> bool:
+        poller = select.poll()
+        poller.register(self.sock, select.POLLOUT)
+        return bool(poller.poll(0))
 
     def _remember(self, request_id: str) -> bool:
         """Record that the sender was told about `request_id`; False if it already was."""

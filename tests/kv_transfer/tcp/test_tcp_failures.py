@@ -159,3 +159,25 @@ def test_fuzz_is_seeded(receiver):
     assert [a.randrange(6) for _ in range(20)] == [b.randrange(6) for _ in range(20)]
     assert random_kv(KVLayout(1, 2, 1, 2, "float32"), torch.Generator().manual_seed(1)).shape == (
         1, 2, 2, 1, 2)  # fmt: skip
+
+
+def test_sender_that_never_reads_status_is_cut_off(receiver, listener):
+    """Refusals are answered with STATUS frames; a peer that never reads them must
+    get its connection closed, not block a receiver thread."""
+    client = RawClient(receiver.endpoints[0])
+    closed = False
+    started = time.monotonic()
+    for i in range(200_000):  # each frame names a new unknown request: one STATUS each
+        try:
+            client.send(data_frame(f"ghost-{i}", 0, 0, b""))
+        except OSError:
+            closed = True
+            break
+    client.close()
+    assert closed
+    # at once (the send buffer filled up), not after the 10 s io_timeout of a blocked send
+    assert time.monotonic() - started < 5.0
+    # the receiver is unharmed
+    sender = TcpKVSender(SenderConfig(num_streams=2))
+    run_concurrent(sender, receiver, listener, [KVLayout(2, 5, 1, 8, "float32")], seed=77)
+    sender.close()
