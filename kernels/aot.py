@@ -30,7 +30,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
 
-from kernels import kv_copy, norm, paged_attention, rotary
+from kernels import kv_copy, norm, paged_attention, prefill_attention, rotary
 
 CAPABILITIES = (80, 90)
 _PTR = {"fp32": "*fp32", "fp16": "*fp16", "bf16": "*bf16"}
@@ -84,6 +84,28 @@ def decode_specs(config: paged_attention.DecodeConfig) -> list[KernelSpec]:
     label = (f"decode {config.dtype} D={config.head_dim} bs={config.block_size} "
              f"group<={config.group_pad} tile={config.tile_n}")
     return [KernelSpec(label, paged_attention._decode_partial_kernel, signature, constexprs,
+                       config.num_warps)]
+
+
+def prefill_specs(config: prefill_attention.PrefillConfig) -> list[KernelSpec]:
+    ptr = _PTR[config.dtype]
+    ints = ("sliding_window", "group", "stride_qt", "stride_qh", "stride_ot", "stride_oh",
+            "stride_kb", "stride_kt", "stride_kh", "stride_bt")
+    signature = {
+        "q_ptr": ptr, "k_ptr": ptr, "v_ptr": ptr, "out_ptr": ptr, "block_tables_ptr": "*i32",
+        "query_start_ptr": "*i32", "context_lens_ptr": "*i32", "tile_seq_ptr": "*i32",
+        "tile_start_ptr": "*i32", "scale_log2": "fp32", **dict.fromkeys(ints, "i32"),
+        **dict.fromkeys(("HEAD_DIM", "BLOCK_SIZE", "GROUP_PAD", "BLOCK_M", "TILE_N",
+                         "DOT_FP32"), "constexpr"),
+    }
+    constexprs = {
+        "HEAD_DIM": config.head_dim, "BLOCK_SIZE": config.block_size,
+        "GROUP_PAD": config.group_pad, "BLOCK_M": config.block_m, "TILE_N": config.tile_n,
+        "DOT_FP32": config.dtype == "fp32",
+    }
+    label = (f"prefill {config.dtype} D={config.head_dim} bs={config.block_size} "
+             f"group<={config.group_pad} tile={config.tile_n}")
+    return [KernelSpec(label, prefill_attention._prefill_kernel, signature, constexprs,
                        config.num_warps)]
 
 
@@ -153,6 +175,7 @@ def all_specs() -> list[KernelSpec]:
     """Every variant any launcher can pick."""
     specs = [s for c in paged_attention.all_decode_configs() for s in decode_specs(c)]
     specs += reduce_specs()
+    specs += [s for c in prefill_attention.all_prefill_configs() for s in prefill_specs(c)]
     specs += [s for c in kv_copy.all_copy_configs() for s in copy_specs(c)]
     specs += [s for c in norm.all_rms_norm_configs() for s in rms_norm_specs(c)]
     specs += [s for c in rotary.all_rotary_configs() for s in rotary_specs(c)]
@@ -178,6 +201,14 @@ def representative_specs() -> list[KernelSpec]:
     ]
     specs = [s for c in decode for s in decode_specs(c)]
     specs += [reduce_specs()[2], reduce_specs()[5]]
+    prefills = [
+        prefill_attention.prefill_config(dtype, head_dim, block_size, group)
+        for dtype, head_dim, block_size, group in (
+            (torch.bfloat16, 128, 16, 4), (torch.float16, 128, 256, 8),
+            (torch.float32, 64, 128, 1), (torch.bfloat16, 64, 32, 64),
+        )
+    ]
+    specs += [s for c in prefills for s in prefill_specs(c)]
     specs += [s for c in kv_copy.all_copy_configs() for s in copy_specs(c)]
     specs += [s for c in norms for s in rms_norm_specs(c)]
     specs += rotary_specs(rotary.rotary_config(torch.bfloat16, 128))
@@ -218,7 +249,7 @@ def _ptxas_usage(ptx: str, capability: int) -> tuple[int, int, int]:
 
 
 def main(argv: list[str]) -> int:
-    """`python -m kernels.aot [--all] [--json]`: every variant's resources, one line each.
+    """`python -m kernels.aot [--all] [--only WORD] [--json]`: resources, one line per variant.
 
     Markdown table rows by default, JSON objects with `--json` (what the AOT
     test reads). Must run with TRITON_INTERPRET unset or 0: under the
@@ -228,6 +259,10 @@ def main(argv: list[str]) -> int:
         print("kernels.aot compiles for GPUs: run it with TRITON_INTERPRET=0", file=sys.stderr)
         return 2
     specs = all_specs() if "--all" in argv else representative_specs()
+    # --only WORD keeps the variants whose label starts with WORD (e.g. prefill).
+    if "--only" in argv:
+        word = argv[argv.index("--only") + 1]
+        specs = [spec for spec in specs if spec.label.startswith(word)]
     as_json = "--json" in argv
     if not as_json:
         print("| kernel | target | registers | shared (B) | spill stores (B) | spill loads (B) |")

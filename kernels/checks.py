@@ -193,3 +193,42 @@ def check_rotary(
     if not cos_sin_cache.is_contiguous():
         raise ValueError("cos_sin_cache must be contiguous")
     check_same_device(positions=positions, q=q, k=k, cos_sin_cache=cos_sin_cache)
+
+
+def check_prefill_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+) -> None:
+    """Like check_decode_attention, plus the varlen layout; reads the (small)
+    query_start_loc and context_lens on the host, which prefill needs anyway."""
+    num_seqs = context_lens.shape[0] if context_lens.dim() == 1 else -1
+    check_ndim("query_start_loc", query_start_loc, 1, "[num_seqs + 1]")
+    if query_start_loc.dtype != torch.int32:
+        raise ValueError(f"query_start_loc must be int32, got {query_start_loc.dtype}")
+    if query_start_loc.shape[0] != num_seqs + 1:
+        raise ValueError(
+            f"query_start_loc has {query_start_loc.shape[0]} entries for {num_seqs} sequences"
+        )
+    check_ndim("q", q, 3, "[num_new_tokens, num_q_heads, head_dim]")
+    check_last_dim_contiguous("q", q)
+    # Reuse the decode checks with a stand-in of one query row per sequence
+    # (same dtype, heads, device): same cache, table and GQA rules.
+    check_decode_attention(q.new_empty((max(num_seqs, 0), q.shape[1], q.shape[2])),
+                           kv_cache, block_tables, context_lens, scale, sliding_window)
+    check_same_device(q=q, query_start_loc=query_start_loc)
+    starts = query_start_loc.tolist()
+    lens = context_lens.tolist()
+    if starts[0] != 0 or starts[-1] != q.shape[0]:
+        raise ValueError(f"query_start_loc must run from 0 to {q.shape[0]}, got {starts}")
+    for seq, (begin, end) in enumerate(zip(starts, starts[1:], strict=False)):
+        if not 0 <= end - begin <= lens[seq]:
+            raise ValueError(
+                f"sequence {seq}: {end - begin} new tokens for context_len {lens[seq]}"
+            )
+        if lens[seq] > block_tables.shape[1] * kv_cache.shape[2]:
+            raise ValueError(f"sequence {seq}: context_len {lens[seq]} exceeds its block table")

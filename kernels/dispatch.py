@@ -129,6 +129,41 @@ def paged_decode_attention(
     )
 
 
+def paged_prefill_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of new tokens over their paged context; returns [T, Hq, D].
+
+    q [T, Hq, D] holds the new tokens of S sequences back to back: sequence s
+    owns rows [query_start_loc[s], query_start_loc[s+1]) (query_start_loc
+    [S+1] int32, from 0 to T) and they are the last of its context_lens[s]
+    positions. Their K/V must already be in the cache (inject first), so the
+    cached prefix and the causal part are one walk over the block table
+    [S, max_blocks] int32. Reads query_start_loc and context_lens on the host.
+    """
+    checks.check_prefill_attention(
+        q, kv_cache, block_tables, query_start_loc, context_lens, scale, sliding_window
+    )
+    if _use_triton(q.device):
+        from kernels.prefill_attention import paged_prefill_attention_triton
+
+        return paged_prefill_attention_triton(
+            q, kv_cache, block_tables, query_start_loc, context_lens,
+            scale=scale, sliding_window=sliding_window,
+        )
+    return reference.paged_prefill_attention_reference(
+        q, kv_cache, block_tables, query_start_loc, context_lens,
+        scale=scale, sliding_window=sliding_window,
+    )
+
+
 def inject_kv(kv_cache: torch.Tensor, src: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Scatters src [2, T, Hkv, D] into the cache at slot_mapping [T] int64, in place.
 

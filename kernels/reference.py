@@ -127,3 +127,44 @@ def rotary_embedding_reference(
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
     return rotate(q), rotate(k)
+
+
+def paged_prefill_attention_reference(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its paged context (fp32 math).
+
+    Sequence s owns q rows [query_start_loc[s], query_start_loc[s+1]); they are
+    the last positions of its context_lens[s] tokens, whose K/V are all in the
+    cache. Loops over sequences (a prefill batch has few).
+    """
+    _, num_q_heads, head_dim = q.shape
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    group = num_q_heads // num_kv_heads
+    flat = kv_cache.reshape(2, -1, num_kv_heads, head_dim)
+    out = torch.zeros_like(q)
+    starts = query_start_loc.tolist()
+    for seq, context_len in enumerate(context_lens.tolist()):
+        begin, end = starts[seq], starts[seq + 1]
+        if end == begin:
+            continue
+        positions = torch.arange(context_len, device=q.device)
+        slots = block_tables[seq].to(torch.int64)[positions // block_size] * block_size
+        slots = slots + positions % block_size
+        keys = flat[0][slots].float().repeat_interleave(group, dim=1)  # [L, Hq, D]
+        values = flat[1][slots].float().repeat_interleave(group, dim=1)
+        query_pos = torch.arange(context_len - (end - begin), context_len, device=q.device)
+        visible = positions[None, :] <= query_pos[:, None]
+        if sliding_window is not None:
+            visible &= positions[None, :] > query_pos[:, None] - sliding_window
+        scores = torch.einsum("qhd,khd->hqk", q[begin:end].float(), keys) * scale
+        probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+        out[begin:end] = torch.einsum("hqk,khd->qhd", probs, values).to(q.dtype)
+    return out

@@ -23,7 +23,7 @@ pytest.importorskip("triton")
 # Importing the kernel modules under TRITON_INTERPRET=1 loads Triton's interpreter (numpy).
 pytest.importorskip("numpy", reason="Triton's interpreter needs numpy")
 
-from kernels import aot, kv_copy, norm, paged_attention, rotary  # noqa: E402
+from kernels import aot, kv_copy, norm, paged_attention, prefill_attention, rotary  # noqa: E402
 
 ALL = os.environ.get("PDSERVE_AOT_ALL") == "1"
 SPECS = aot.all_specs() if ALL else aot.representative_specs()
@@ -60,10 +60,11 @@ def test_all_specs_cover_every_selectable_config():
     assert len(labels) == len(set(labels))
     expected = (
         len(paged_attention.all_decode_configs()) + 6  # partial kernels + reduce kernels
+        + len(prefill_attention.all_prefill_configs())
         + 2 * len(kv_copy.all_copy_configs())  # inject and extract
         + len(norm.all_rms_norm_configs()) + len(rotary.all_rotary_configs())
     )
-    assert len(labels) == expected == 90 + 6 + 8 + 126 + 6
+    assert len(labels) == expected == 90 + 6 + 210 + 8 + 126 + 6
     assert {s.label for s in aot.representative_specs()} <= set(labels)
 
 

@@ -105,6 +105,14 @@ def test_backends_agree_through_the_engine_facing_api(dtype):
     ))
     assert_close(attn_triton, attn_torch)
 
+    starts = torch.tensor([0, 30, 31, 31 + 150], dtype=torch.int32)
+    prefill_q = randn((181, 8, 128), dtype, generator(39))
+    prefill_torch, prefill_triton = _both_backends(lambda: kernels.paged_prefill_attention(
+        prefill_q, case.kv_cache, case.block_tables, starts, case.context_lens,
+        scale=case.scale, sliding_window=100,
+    ))
+    assert_close(prefill_triton, prefill_torch)
+
     slots = torch.tensor([5, 77, -1, 31, 32], dtype=torch.int64)
     src = randn((2, 5, 2, 128), dtype, generator(41))
     caches = []

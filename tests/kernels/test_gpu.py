@@ -66,6 +66,29 @@ def test_decode_attention_on_gpu(dtype, block_size, head_dim, group, window):
 
 @compiled_only
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("block_size", [16, 128, 256])
+@pytest.mark.parametrize("head_dim,group", [(64, 1), (128, 8), (128, 20)])
+@pytest.mark.parametrize("window", [None, 300])
+def test_prefill_attention_on_gpu(dtype, block_size, head_dim, group, window):
+    from kernels.prefill_attention import paged_prefill_attention_triton
+
+    lens, qlens = [1000, 513, 7, 2048], [200, 513, 1, 0]
+    case = make_paged_case(block_size + group, lens, dtype=dtype, num_kv_heads=2, group=group,
+                           head_dim=head_dim, block_size=block_size)
+    _, kv, tables, context_lens = _cuda(case)
+    gen = torch.Generator().manual_seed(group)
+    q = torch.randn((sum(qlens), 2 * group, head_dim), generator=gen).to(dtype).cuda()
+    starts = torch.tensor([0, 200, 713, 714, 714], dtype=torch.int32).cuda()
+    out = torch.full_like(q, float("nan"))
+    paged_prefill_attention_triton(q, kv, tables, starts, context_lens, scale=case.scale,
+                                   sliding_window=window, out=out)
+    expected = reference.paged_prefill_attention_reference(
+        q, kv, tables, starts, context_lens, scale=case.scale, sliding_window=window)
+    assert_close(out, expected)
+
+
+@compiled_only
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_kv_copy_on_gpu(dtype):
     from kernels.kv_copy import extract_kv_triton, inject_kv_triton
 
