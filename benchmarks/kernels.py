@@ -88,6 +88,9 @@ def _run(args: argparse.Namespace, device: torch.device, batches: list[int],
                     continue
                 rows += _bench_point(batch, context, block_size, dtype, device, timer,
                                      ref_budget)
+    for block_size in block_sizes:
+        for context in contexts:
+            rows.append(_bench_prefill(context, block_size, dtype, device, timer, ref_budget))
     for tokens in sorted(set(batches) | set(contexts)):
         rows += _bench_pointwise(tokens, dtype, device, timer)
     _print_table(rows, copy_gbps)
@@ -175,6 +178,25 @@ def _bench_point(batch: int, context: int, block_size: int, dtype: torch.dtype,
                         _timed(timer, "triton", fn) if on_gpu else None,
                         _timed(timer, "torch", fn) if run_ref else None))
     return rows
+
+
+def _bench_prefill(context: int, block_size: int, dtype: torch.dtype, device: torch.device,
+                   timer: Callable, ref_budget: int) -> Row:
+    """One whole prompt of `context` tokens; bytes = one pass over q, K, V and out."""
+    q, kv_cache, tables, lens, _ = _paged_inputs(1, context, block_size, dtype, device)
+    q = torch.randn((context, NUM_Q_HEADS, HEAD_DIM), device=device, dtype=dtype)
+    starts = torch.tensor([0, context], dtype=torch.int32, device=device)
+
+    def attention() -> object:
+        return kernels.paged_prefill_attention(q, kv_cache, tables, starts, lens,
+                                               scale=HEAD_DIM**-0.5)
+
+    moved = _kv_bytes(1, context, dtype) + 2 * q.numel() * q.element_size()
+    # The reference materialises fp32 scores and probabilities [Hq, L, L].
+    run_ref = 2 * NUM_Q_HEADS * context * context * 4 <= ref_budget
+    return Row("prefill_attention", 1, context, block_size, moved,
+               _timed(timer, "triton", attention) if device.type == "cuda" else None,
+               _timed(timer, "torch", attention) if run_ref else None)
 
 
 def _bench_pointwise(tokens: int, dtype: torch.dtype, device: torch.device,
