@@ -201,10 +201,17 @@ class ReceiveTable:
         with self._lock:
             t = self._transfers.get(request_id)
             ended = self._ended.get(request_id)
+        try:
+            self.authority.verify(ticket, request_id)
+        except TransferRefused as refused:
+            # the ticket's own verdict goes back even when the transfer already ended
+            # (then it was counted when it ended: refuse without counting again)
+            if t is not None or ended is None:
+                self._refuse(t, refused, request_id)
+            raise
         if t is None and ended is not None:
             raise _ended_refusal(ended)
         try:
-            self.authority.verify(ticket, request_id)
             if t is None:
                 raise TransferRefused(Reason.UNKNOWN_REQUEST, f"{request_id!r} is not expected")
             if layout != t.layout:

@@ -53,6 +53,7 @@ from kv_transfer.tcp.wire import (
     recv_bytes,
     recv_exact_into,
     recv_header,
+    set_io_timeout,
     skip,
 )
 from kv_transfer.tickets import TicketAuthority
@@ -220,7 +221,7 @@ class TcpKVReceiver(KVReceiver):
             except OSError:
                 return
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.settimeout(self.config.io_timeout_s)
+            set_io_timeout(sock, self.config.io_timeout_s)
             conn = _Connection(sock, self.table, self._stop)
             thread = threading.Thread(target=self._serve, args=(conn,), daemon=True,
                                       name="kv-tcp-conn")  # fmt: skip

@@ -39,6 +39,7 @@ from kv_transfer.tcp.wire import (
     new_header_buffer,
     recv_bytes,
     recv_header,
+    set_io_timeout,
 )
 
 log = logging.getLogger(__name__)
@@ -156,7 +157,7 @@ class Stream:
         except OSError as exc:
             raise _ConnectFailed(str(exc)) from None
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.settimeout(self._config.io_timeout_s)
+        set_io_timeout(sock, self._config.io_timeout_s)
         with self._lock:
             self._sock = sock
         threading.Thread(target=self._read_loop, args=(sock,), daemon=True,

@@ -1,16 +1,30 @@
 """Blocking socket helpers shared by the TCP sender and receiver threads.
 
-Sockets carry a timeout (`settimeout`) so that threads notice shutdown and stalled
-peers: a timeout between frames is idleness and is tolerated; a timeout inside
-a frame means the peer stalled mid-frame and the connection is given up.
+Sockets stay in blocking mode and get their timeout from the kernel
+(`SO_RCVTIMEO`/`SO_SNDTIMEO`, see `set_io_timeout`) rather than from
+`settimeout`: a Python-level timeout makes CPython poll() before every
+send/recv, doubling the syscalls of the data path. A timed-out call raises
+BlockingIOError (or TimeoutError); between frames that is idleness and is
+tolerated, inside a frame it means the peer stalled and the connection is
+given up.
 """
 
 from __future__ import annotations
 
 import socket
+import struct
 import threading
 
 from kv_transfer.frames import HEADER, FrameHeader, decode_header
+
+
+def set_io_timeout(sock: socket.socket, seconds: float) -> None:
+    """Blocking socket whose send/recv calls give up after `seconds` (kernel timeout)."""
+    sock.settimeout(None)
+    whole = int(seconds)
+    timeval = struct.pack("ll", whole, int((seconds - whole) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
 
 
 class PeerClosed(Exception):
@@ -29,7 +43,7 @@ def recv_exact_into(sock: socket.socket, view: memoryview, *, idle_ok: bool = Fa
     while got < size:
         try:
             n = sock.recv_into(view[got:])
-        except TimeoutError:
+        except (TimeoutError, BlockingIOError):
             if got == 0 and idle_ok and not (stop is not None and stop.is_set()):
                 continue
             raise
