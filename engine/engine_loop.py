@@ -33,10 +33,13 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from engine.metrics import PodMetrics
 from engine.outputs import EngineStats, RemoteReservation, RequestOutput
+
+if TYPE_CHECKING:  # the loop only calls the engine; importing it would load the model code
+    from engine.llm_engine import LLMEngine
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +93,7 @@ class RequestStream:
         self.closed = False  # set by the loop thread once the last item is queued
 
     def _push_threadsafe(self, item: RequestOutput | BaseException) -> None:
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        _call_soon(self._loop, self._queue.put_nowait, item)
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         while True:
@@ -107,7 +110,7 @@ class EngineLoop:
     module docstring for the threading contract. `metrics` gauges are updated
     after every step."""
 
-    def __init__(self, engine: Any, metrics: PodMetrics) -> None:
+    def __init__(self, engine: LLMEngine, metrics: PodMetrics) -> None:
         self._engine = engine
         self._metrics = metrics
         self._commands: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
@@ -350,10 +353,19 @@ class _Command:
         self.future: asyncio.Future[Any] = loop.create_future()
 
     def resolve(self, value: Any) -> None:
-        self.loop.call_soon_threadsafe(_set_result, self.future, value)
+        _call_soon(self.loop, _set_result, self.future, value)
 
     def reject(self, exc: BaseException) -> None:
-        self.loop.call_soon_threadsafe(_set_exception, self.future, exc)
+        _call_soon(self.loop, _set_exception, self.future, exc)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:
+    # A caller whose event loop already closed (its server shut down) is gone;
+    # that must not kill the engine loop thread.
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:
+        log.debug("dropped a result for a closed event loop")
 
 
 def _set_result(future: asyncio.Future[Any], value: Any) -> None:
