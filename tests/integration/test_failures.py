@@ -126,10 +126,10 @@ def test_kv_that_never_arrives_fails_at_the_deadline(decode_stubs, decode_pods, 
 
 def test_cancel_while_queued_on_the_prefill_pod(prefill_stub, decode_stubs, prefill_pod,
                                                 decode_pods):
-    # A 2000-token prompt keeps the prefill pod's 256-token budget busy for
-    # 8 steps; the request behind it waits in the queue.
+    # A 4000-token prompt keeps the prefill pod's 256-token budget busy for
+    # 16 steps; the request behind it waits in the queue.
     filler = prefill_stub.Prefill.future(pdserve_pb2.PrefillRequest(
-        request_id="filler", prompt_token_ids=_prompt(2000, 2), sampling=GREEDY), timeout=60)
+        request_id="filler", prompt_token_ids=_prompt(4000, 2), sampling=GREEDY), timeout=60)
     _wait_until(lambda: load(prefill_pod.address, "Prefill").num_running == 1)
     call, reserved = _open_reserved(decode_stubs["tcp"], "queued", _prompt(300, 3))
     queued = prefill_stub.Prefill.future(pdserve_pb2.PrefillRequest(
@@ -139,18 +139,18 @@ def test_cancel_while_queued_on_the_prefill_pod(prefill_stub, decode_stubs, pref
     aborted = _client_aborts(prefill_pod)
     queued.cancel()
     call.cancel()
-    assert filler.result().num_prompt_tokens == 2000
+    assert filler.result().num_prompt_tokens == 4000
     _wait_until(lambda: _client_aborts(prefill_pod) == aborted + 1)
     _assert_released(prefill_pod, decode_pods["tcp"])
 
 
 def test_cancel_mid_transfer(prefill_stub, decode_stubs, prefill_pod, decode_pods):
-    prompt = _prompt(2000, 4)
+    prompt = _prompt(4000, 4)
     call, reserved = _open_reserved(decode_stubs["grpc"], "mid", prompt)
     pending = prefill_stub.Prefill.future(pdserve_pb2.PrefillRequest(
         request_id="mid", prompt_token_ids=prompt, sampling=GREEDY, target=reserved.target),
         timeout=60)
-    # Some of the 8 chunks are computed and streaming when both calls are cancelled.
+    # Some of the 16 chunks are computed and streaming when both calls are cancelled.
     _wait_until(lambda: load(prefill_pod.address, "Prefill").num_running == 1)
     time.sleep(0.05)
     aborted = _client_aborts(prefill_pod)
