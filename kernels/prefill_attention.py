@@ -65,10 +65,10 @@ def prefill_config(dtype: torch.dtype, head_dim: int, block_size: int, group: in
     group_pad = 1 << (group - 1).bit_length()
     # Every program holds 64 query rows. Chosen from ptxas's allocation
     # (docs/kernels.md): 64-token tiles with 8 warps for fp16/bf16; exact fp32
-    # dots run on FMA units with larger register tiles and spill with 8
-    # warps, so 16 warps and 32 (head_dim 64) or 16 (head_dim 128) tokens.
+    # dots run on FMA units with larger register tiles: 16-token tiles, and
+    # 16 warps at head_dim 128 (8 spill there; 16 spill at head_dim 64).
     if dtype == torch.float32:
-        tile_n, num_warps = (32 if head_dim == 64 else 16), 16
+        tile_n, num_warps = 16, (16 if head_dim == 128 else 8)
     else:
         tile_n, num_warps = 64, 8
     return PrefillConfig(_DTYPE_NAMES[dtype], head_dim, block_size, group_pad, tile_n, num_warps)
