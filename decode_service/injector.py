@@ -18,6 +18,9 @@ Life of one request R (per-request state, checked transitions):
 
     expect(R)           -> WAITING   (slots reserved by the engine; future pending)
     layer l ready       -> INJECTING (layers 0..l injected, in order)
+    sender lost         -> WAITING   (on_restart: the receiver waits for another
+                                     prefill pod's attempt; layers come again from
+                                     0 and overwrite the same reserved slots)
     END accepted        -> READY     once all layers are in: future = first token
     failed / fail(R)    -> FAILED    future = TransferFailed(reason)
     forget(R)           -> (removed) after this returns, the injector thread never
@@ -45,6 +48,7 @@ from engine.metrics import PodMetrics
 from kv_transfer.base import KVReceiveListener
 
 log = logging.getLogger(__name__)
+_RESTART_WAIT_S = 30.0
 
 
 class TransferFailed(Exception):
@@ -66,8 +70,8 @@ class InjectState(enum.Enum):
 _INJECT_TRANSITIONS = {
     InjectState.WAITING: frozenset({InjectState.INJECTING, InjectState.READY,
                                     InjectState.FAILED}),
-    InjectState.INJECTING: frozenset({InjectState.INJECTING, InjectState.READY,
-                                      InjectState.FAILED}),
+    InjectState.INJECTING: frozenset({InjectState.WAITING, InjectState.INJECTING,
+                                      InjectState.READY, InjectState.FAILED}),
     InjectState.READY: frozenset(),
     InjectState.FAILED: frozenset(),
 }
@@ -145,6 +149,17 @@ class KVInjector(KVReceiveListener):
     def on_failed(self, request_id: str, reason: str) -> None:
         self._items.put(("failed", request_id, reason))
 
+    def on_restart(self, request_id: str, reason: str) -> None:
+        """Blocks until the injector thread dealt with every layer queued before
+        (and, on CUDA, their copies finished): the receiver lets the next attempt
+        write the landing buffer only after this returns. Bounded, so a wedged
+        injector cannot hold a receiver thread forever."""
+        done = threading.Event()
+        self._items.put(("restart", request_id, reason, done))
+        if not done.wait(_RESTART_WAIT_S):
+            raise RuntimeError(f"injector did not reach the restart of {request_id} in "
+                               f"{_RESTART_WAIT_S:g}s")
+
     # ---------------------------------------------------------------- injector thread
 
     def _run(self) -> None:
@@ -163,6 +178,9 @@ class KVInjector(KVReceiveListener):
                         self._pending.pop(item[1], None)
                     done = item[2]
                     done.get_loop().call_soon_threadsafe(_resolve, done, None)
+                    continue
+                if kind == "restart":
+                    self._restart(item[1], item[2], item[3])
                     continue
                 with self._lock:
                     p = self._pending.get(item[1])
@@ -195,6 +213,21 @@ class KVInjector(KVReceiveListener):
                 kernels.inject_kv(self._caches[layer], src, p.slot_mapping)
         p.layers_done += 1
         p.to(InjectState.INJECTING)
+
+    def _restart(self, request_id: str, reason: str, done: threading.Event) -> None:
+        try:
+            if self._stream is not None:
+                self._stream.synchronize()  # queued H2D copies may read the old views
+            with self._lock:
+                p = self._pending.get(request_id)
+            if p is not None and p.state in (InjectState.WAITING, InjectState.INJECTING):
+                log.info("KV of %s restarts from layer 0 (%s)", request_id, reason)
+                if p.state is InjectState.INJECTING:
+                    p.to(InjectState.WAITING)
+                p.layers_done = 0
+                p.first_layer_at = None
+        finally:
+            done.set()
 
     def _complete(self, request_id: str, p: _Pending, first_token_id: int) -> None:
         if p.layers_done != p.num_layers:

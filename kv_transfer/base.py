@@ -211,11 +211,18 @@ class TransferState(enum.Enum):
     seen/sent, waiting for the last bytes or the verdict) -> COMPLETE; any
     non-terminal state -> FAILED. COMPLETE/FAILED -> RELEASED once the landing
     buffer (receiver) or the staged host copies (sender) are freed.
+
+    Receiver only: STARTED/ENDING -> SENDER_LOST when the sending attempt went
+    away before END (its stream broke, it sent ABORT, or a newer attempt's BEGIN
+    superseded it); SENDER_LOST -> STARTED on the next attempt's BEGIN, or FAILED
+    (deadline, cancel). The landing buffer and the ticket stay; progress restarts
+    from layer 0.
     """
 
     EXPECTED = "expected"
     STARTED = "started"
     ENDING = "ending"
+    SENDER_LOST = "sender_lost"
     COMPLETE = "complete"
     FAILED = "failed"
     RELEASED = "released"
@@ -233,8 +240,13 @@ class TransferState(enum.Enum):
 
 _TRANSITIONS: dict[TransferState, frozenset[TransferState]] = {
     TransferState.EXPECTED: frozenset({TransferState.STARTED, TransferState.FAILED}),
-    TransferState.STARTED: frozenset({TransferState.ENDING, TransferState.FAILED}),
-    TransferState.ENDING: frozenset({TransferState.COMPLETE, TransferState.FAILED}),
+    TransferState.STARTED: frozenset(
+        {TransferState.ENDING, TransferState.SENDER_LOST, TransferState.FAILED}
+    ),
+    TransferState.ENDING: frozenset(
+        {TransferState.COMPLETE, TransferState.SENDER_LOST, TransferState.FAILED}
+    ),
+    TransferState.SENDER_LOST: frozenset({TransferState.STARTED, TransferState.FAILED}),
     TransferState.COMPLETE: frozenset({TransferState.RELEASED}),
     TransferState.FAILED: frozenset({TransferState.RELEASED}),
     TransferState.RELEASED: frozenset(),
@@ -306,6 +318,14 @@ class KVReceiveListener(abc.ABC):
         """The transfer failed; views handed out before must no longer be read once the
         consumer calls `release` (or the claim grace period passes)."""
 
+    def on_restart(self, request_id: str, reason: str) -> None:  # noqa: B027 - optional hook
+        """The sending attempt went away before END (`reason` starts with
+        `sender_lost`); layers will be delivered again from layer 0 by the next
+        attempt, into the same landing buffer. Called in order with the other
+        hooks for this request; once it returns, the consumer must no longer read
+        views handed out before (the next attempt overwrites them). Consumers that
+        only read views after `on_complete` keep no progress and need nothing."""
+
 
 @dataclass(frozen=True, slots=True)
 class ReceiverStats:
@@ -318,6 +338,10 @@ class ReceiverStats:
     bytes_received: int
     failures: dict[str, int]
     unclaimed_freed: int
+    # attempts that went away before END (the transfer waited for another BEGIN)
+    senders_lost: int = 0
+    # frames refused because their stream belongs to a superseded attempt
+    stale_frames: int = 0
 
 
 class KVReceiver(abc.ABC):

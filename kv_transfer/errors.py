@@ -31,6 +31,9 @@ class Reason(str, enum.Enum):
     CONNECTION_LOST = "connection_lost"
     CONNECT_FAILED = "connect_failed"
     CLOSED = "closed"
+    # not failures: why an attempt was dropped (the transfer waits for another BEGIN)
+    SENDER_LOST = "sender_lost"
+    SUPERSEDED = "superseded"
 
 
 def reason_code(reason: str) -> str:

@@ -17,7 +17,9 @@ Header, little-endian, 104 bytes (`HEADER.size`):
 
 Payloads:
     BEGIN   layers u32, tokens u32, kv heads u32, head dim u32, dtype code u8,
-            ticket length u16, ticket bytes
+            ticket length u16, ticket bytes, attempt id (the rest, 0..16 bytes:
+            the sender's random id of this sending attempt; every stream of one
+            attempt carries the same id, a retry from another pod a new one)
     DATA    raw bytes of the layer's transfer layout at [offset, offset + length)
     END     first token i32, total byte count u64
     ABORT   reason, UTF-8
@@ -132,22 +134,29 @@ def control_frame(kind: FrameKind, request_id: str, payload: bytes, flags: int =
     return header.pack() + payload
 
 
-def encode_begin(layout: KVLayout, ticket: bytes) -> bytes:
+MAX_ATTEMPT_BYTES = 16
+
+
+def encode_begin(layout: KVLayout, ticket: bytes, attempt: bytes) -> bytes:
+    if len(attempt) > MAX_ATTEMPT_BYTES:
+        raise ValueError(f"attempt id is {len(attempt)} bytes, the limit is {MAX_ATTEMPT_BYTES}")
     return (
         _BEGIN.pack(
             layout.num_layers, layout.num_tokens, layout.num_kv_heads, layout.head_dim,
             DTYPE_CODES[layout.dtype], len(ticket),
         )
         + ticket
+        + attempt
     )  # fmt: skip
 
 
-def decode_begin(payload: bytes) -> tuple[KVLayout, bytes]:
-    """BEGIN payload -> (layout, ticket); raises TransferRefused(bad_frame)."""
+def decode_begin(payload: bytes) -> tuple[KVLayout, bytes, bytes]:
+    """BEGIN payload -> (layout, ticket, attempt); raises TransferRefused(bad_frame)."""
     if len(payload) < _BEGIN.size:
         raise TransferRefused(Reason.BAD_FRAME, "BEGIN payload too short")
     layers, tokens, heads, head_dim, dtype_code, ticket_len = _BEGIN.unpack_from(payload)
-    if ticket_len > MAX_TICKET_BYTES or len(payload) != _BEGIN.size + ticket_len:
+    attempt_len = len(payload) - _BEGIN.size - ticket_len
+    if ticket_len > MAX_TICKET_BYTES or not 0 <= attempt_len <= MAX_ATTEMPT_BYTES:
         raise TransferRefused(Reason.BAD_FRAME, "BEGIN ticket length does not match payload")
     if dtype_code not in _DTYPE_NAMES:
         raise TransferRefused(Reason.BAD_FRAME, f"unknown dtype code {dtype_code}")
@@ -155,7 +164,8 @@ def decode_begin(payload: bytes) -> tuple[KVLayout, bytes]:
         layout = KVLayout(layers, tokens, heads, head_dim, _DTYPE_NAMES[dtype_code])
     except ValueError as exc:
         raise TransferRefused(Reason.BAD_FRAME, str(exc)) from None
-    return layout, bytes(payload[_BEGIN.size :])
+    end = _BEGIN.size + ticket_len
+    return layout, bytes(payload[_BEGIN.size : end]), bytes(payload[end:])
 
 
 def encode_end(first_token_id: int, total_bytes: int) -> bytes:

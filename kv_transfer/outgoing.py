@@ -8,6 +8,7 @@ follows every DATA on every stream), and the future the engine waits on.
 
 from __future__ import annotations
 
+import os
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -52,7 +53,7 @@ class Outgoing:
     `lock`; the outcome is set once, by whoever decides first."""
 
     __slots__ = ("request_id", "target", "layout", "state", "pending", "end_first_token",
-                 "end_queued", "future", "lock", "next_stream", "resolved")  # fmt: skip
+                 "end_queued", "future", "lock", "next_stream", "resolved", "attempt")  # fmt: skip
 
     def __init__(self, request_id: str, target: TransferTarget, layout: KVLayout) -> None:
         self.request_id = request_id
@@ -66,6 +67,9 @@ class Outgoing:
         self.lock = threading.Lock()
         self.next_stream = 0  # round-robin start for the next piece
         self.resolved = False
+        # this sending attempt's id, on every stream's BEGIN: the receiver tells a
+        # retry from another pod (new id) from this attempt's other streams (same id)
+        self.attempt = os.urandom(8)
 
     @property
     def done(self) -> bool:

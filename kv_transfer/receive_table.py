@@ -12,6 +12,14 @@ Per transfer (see `TransferState`):
                written by the transport straight into the buffer, then committed
                (checksum verdict); complete layers are delivered in layer order
     END     -> ENDING; COMPLETE once every row landed and the byte count matches
+    sender lost (its stream broke or it sent ABORT before END)
+            -> SENDER_LOST: the attempt's streams are dropped, progress is reset
+               (`on_restart`), buffer, ticket and deadline stay
+    BEGIN of another attempt (new attempt id, valid ticket)
+            -> STARTED again, layers from 0; from STARTED/ENDING it supersedes the
+               running attempt first (the new pod's BEGIN may beat the old
+               connection's close). Frames from a dropped attempt's streams are
+               refused as `superseded` (counted in `stale_frames`), never applied
     failure -> FAILED from any non-terminal state; every authenticated peer is told
     free    -> RELEASED, once terminal AND no writer is inside the buffer AND
                (the consumer released it, or nothing was ever handed out, or the
@@ -19,6 +27,9 @@ Per transfer (see `TransferState`):
 
 Invariant: a landing buffer is returned to the pool only when `writers == 0`,
 so no receiver thread can write into memory that was handed to another transfer.
+A dropped attempt's writer still inside the buffer keeps its rows marked busy:
+the next attempt's claim of those rows waits for it (`_cond`), so stale bytes
+never land over the new attempt's.
 
 Locking: `_lock` guards the table and every transfer's counters; a transfer's
 `deliver_lock` (re-entrant) serialises listener calls for that transfer, so
@@ -69,6 +80,7 @@ class _Incoming:
         "request_id", "layout", "deadline", "buffer", "bytes", "state", "reason", "rows",
         "layer_rows", "next_layer", "writers", "delivered_any", "released", "peers",
         "end_peer", "first_token_id", "end_total", "finished_at", "deliver_lock",
+        "attempt", "epoch", "retired", "stale_peers", "inflight",
     )  # fmt: skip
 
     def __init__(self, request_id: str, layout: KVLayout, deadline: float,
@@ -92,6 +104,23 @@ class _Incoming:
         self.end_total = 0
         self.finished_at = 0.0
         self.deliver_lock = threading.RLock()
+        self.attempt = b""  # the current attempt's id (from its BEGIN)
+        self.epoch = 0  # bumped per dropped attempt: a claim's epoch tells stale commits
+        self.retired: set[bytes] = set()  # ids of dropped attempts: their BEGINs are stale
+        self.stale_peers: list[Peer] = []  # streams of dropped attempts
+        self.inflight: dict[int, WriteClaim] = {}  # id(claim) -> claim being written
+
+    def reset_progress(self) -> None:
+        """Caller holds ReceiveTable._lock. Drop the current attempt's rows; rows a
+        dropped writer is still writing stay busy (2) until its commit."""
+        self.epoch += 1
+        self.rows = bytearray(len(self.rows))
+        for c in self.inflight.values():
+            self.rows[c.first : c.first + c.num_rows] = b"\x02" * c.num_rows
+        self.layer_rows = [0] * self.layout.num_layers
+        self.next_layer = 0
+        self.end_peer = None
+        self.end_total = 0
 
     def layer_view(self, layer: int) -> torch.Tensor:
         assert self.buffer is not None
@@ -110,6 +139,8 @@ class WriteClaim:
     num_rows: int
     view: memoryview
     _transfer: _Incoming
+    first: int = 0  # first row index (layer * rows_per_layer + row)
+    epoch: int = 0  # the attempt it was granted to
 
 
 class ReceiveTable:
@@ -124,6 +155,9 @@ class ReceiveTable:
         self.transport = transport
         self.claim_grace_s = claim_grace_s
         self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)  # a dropped writer left the buffer
+        self._senders_lost = 0
+        self._stale_frames = 0
         self._transfers: dict[str, _Incoming] = {}
         self._failures: Counter[str] = Counter()
         self._completed = 0
@@ -192,12 +226,17 @@ class ReceiveTable:
                 bytes_received=self._bytes_received,
                 failures=dict(self._failures),
                 unclaimed_freed=self._unclaimed_freed,
+                senders_lost=self._senders_lost,
+                stale_frames=self._stale_frames,
             )
 
     # ---------------------------------------------------------------- I/O threads
 
-    def begin(self, request_id: str, ticket: bytes, layout: KVLayout, peer: Peer) -> None:
-        """Authenticate `peer` for `request_id`; raises TransferRefused."""
+    def begin(self, request_id: str, ticket: bytes, layout: KVLayout, peer: Peer,
+              attempt: bytes = b"") -> None:  # fmt: skip
+        """Authenticate `peer` for `request_id` as a stream of sending attempt
+        `attempt` (all streams of one attempt carry the same id); a new id starts a
+        new attempt, superseding a running one. Raises TransferRefused."""
         with self._lock:
             t = self._transfers.get(request_id)
             ended = self._ended.get(request_id)
@@ -221,13 +260,30 @@ class ReceiveTable:
         except TransferRefused as refused:
             self._refuse(t, refused, request_id)
             raise
-        with self._lock:
-            if t.state.terminal:
-                raise _ended(t)
-            if t.state is TransferState.EXPECTED:
-                t.state = t.state.to(TransferState.STARTED)
-            if not any(p is peer for p in t.peers):
-                t.peers.append(peer)
+        # deliver_lock first: a superseded attempt's on_restart must reach the
+        # consumer before any layer of the new attempt can
+        with t.deliver_lock:
+            with self._lock:
+                if t.state.terminal:
+                    raise _ended(t)
+                if attempt in t.retired:
+                    self._stale_frames += 1
+                    raise TransferRefused(Reason.SUPERSEDED,
+                                          f"attempt of {request_id!r} was dropped")  # fmt: skip
+                stale: list[Peer] | None = None
+                if t.state in _RECEIVING and attempt != t.attempt:
+                    stale = self._drop_attempt(t)
+                if t.state in (TransferState.EXPECTED, TransferState.SENDER_LOST):
+                    t.state = t.state.to(TransferState.STARTED)
+                    t.attempt = attempt
+                # a persistent connection may carry a later attempt after a dropped one:
+                # frames are ordered on it, so everything after this BEGIN is current
+                t.stale_peers = [p for p in t.stale_peers if p is not peer]
+                if not any(p is peer for p in t.peers):
+                    t.peers.append(peer)
+            if stale is not None:
+                self._restarted(t, make_reason(Reason.SENDER_LOST, "superseded by a new attempt"),
+                                stale)  # fmt: skip
 
     def claim(self, request_id: str, peer: Peer, layer: int, offset: int,
               length: int) -> WriteClaim:  # fmt: skip
@@ -243,13 +299,21 @@ class ReceiveTable:
             if not bad:
                 first = layer * lay.rows_per_layer + offset // row
                 num_rows = length // row
+                while t.rows.find(2, first, first + num_rows) >= 0:
+                    # a dropped attempt's writer is still in these rows: wait for its
+                    # commit (bounded: its stream's I/O timeout), then look again
+                    self._cond.wait(0.5)
+                    t = self._authenticated(request_id, peer)
                 duplicate = t.rows.count(1, first, first + num_rows) > 0
                 if not duplicate:
                     t.rows[first : first + num_rows] = b"\x01" * num_rows
                     t.writers += 1
                     start = layer * lay.bytes_per_layer + offset
-                    return WriteClaim(request_id, layer, num_rows,
-                                      t.bytes[start : start + length], t)  # fmt: skip
+                    claim = WriteClaim(request_id, layer, num_rows,
+                                       t.bytes[start : start + length], t, first,
+                                       t.epoch)  # fmt: skip
+                    t.inflight[id(claim)] = claim
+                    return claim
         if bad:
             refused = TransferRefused(
                 Reason.BAD_FRAME,
@@ -262,15 +326,25 @@ class ReceiveTable:
 
     def commit(self, claim: WriteClaim, failure: str | None = None) -> None:
         """The transport finished writing `claim.view`: `failure` None means the bytes
-        verified; otherwise it is the reason the region cannot be trusted (bad
-        checksum, connection lost mid-payload) and the transfer fails."""
+        verified; otherwise it is the reason the region cannot be trusted: a bad
+        checksum fails the transfer, a connection lost mid-payload drops the
+        attempt. A claim of a dropped attempt only leaves the buffer."""
         t = claim._transfer
         with self._lock:
             t.writers -= 1
-            if failure is None and not t.state.terminal:
+            del t.inflight[id(claim)]
+            stale = claim.epoch != t.epoch
+            if stale:  # its rows were marked busy when its attempt was dropped
+                t.rows[claim.first : claim.first + claim.num_rows] = bytes(claim.num_rows)
+                self._cond.notify_all()
+            elif failure is None and not t.state.terminal:
                 t.layer_rows[claim.layer] += claim.num_rows
                 self._bytes_received += len(claim.view)
-        if failure is not None:
+        if stale:
+            pass
+        elif failure is not None and reason_code(failure) == Reason.CONNECTION_LOST.value:
+            self._drop_current(t, make_reason(Reason.SENDER_LOST, failure), claim.epoch)
+        elif failure is not None:
             self._fail(t, failure)
         else:
             self._advance(t)
@@ -299,24 +373,34 @@ class ReceiveTable:
         self._maybe_free(t)
 
     def abort(self, request_id: str, peer: Peer, reason: str) -> None:
-        """ABORT from an authenticated peer; a transfer that already ended ignores it."""
+        """ABORT from a peer of the current attempt: the sender gave up, so the
+        attempt is dropped and the transfer waits for another BEGIN (the deadline
+        still bounds it). Ignored after the end or from a dropped attempt."""
         with self._lock:
             t = self._transfers.get(request_id)
+            if t is not None and any(p is peer for p in t.stale_peers):
+                return
             if t is not None and t.state.terminal and any(p is peer for p in t.peers):
                 return
             t = self._authenticated(request_id, peer)
-        self._fail(t, make_reason(Reason.ABORTED, reason))
-        self._maybe_free(t)
+            epoch = t.epoch
+        self._drop_current(t, make_reason(Reason.SENDER_LOST, f"aborted: {reason}"), epoch)
 
     def peer_lost(self, peer: Peer, reason: str) -> None:
-        """`peer`'s stream broke: its unfinished transfers can never complete."""
+        """`peer`'s stream broke: the attempts it carried can never finish, so each
+        of its transfers drops that attempt and waits for another BEGIN."""
         with self._lock:
             lost = [
-                t for t in self._transfers.values()
+                (t, t.epoch) for t in self._transfers.values()
                 if not t.state.terminal and any(p is peer for p in t.peers)
             ]  # fmt: skip
-        for t in lost:
-            self._fail(t, reason)
+        for t, epoch in lost:
+            self._drop_current(t, make_reason(Reason.SENDER_LOST, reason), epoch)
+
+    def stale_frame(self) -> None:
+        """A transport dropped a frame of a superseded attempt before asking the table."""
+        with self._lock:
+            self._stale_frames += 1
 
     # ---------------------------------------------------------------- collector
 
@@ -342,11 +426,46 @@ class ReceiveTable:
 
     # ---------------------------------------------------------------- internals
 
+    def _drop_current(self, t: _Incoming, reason: str, epoch: int) -> bool:
+        """Drop `t`'s attempt `epoch` (sender lost); False if it is no longer current."""
+        with t.deliver_lock:
+            with self._lock:
+                if t.epoch != epoch or t.state not in _RECEIVING:
+                    return False
+                stale = self._drop_attempt(t)
+            self._restarted(t, reason, stale)
+        return True
+
+    def _drop_attempt(self, t: _Incoming) -> list[Peer]:
+        """Caller holds t.deliver_lock and _lock. The current attempt's streams
+        become stale, its progress is reset; returns its streams."""
+        t.state = t.state.to(TransferState.SENDER_LOST)
+        t.retired.add(t.attempt)
+        stale, t.peers = t.peers, []
+        t.stale_peers.extend(stale)
+        t.reset_progress()
+        self._senders_lost += 1
+        return stale
+
+    def _restarted(self, t: _Incoming, reason: str, stale: list[Peer]) -> None:
+        """Caller holds t.deliver_lock (not _lock): tell the consumer, then the
+        dropped attempt's streams (so a sender that is still alive stops)."""
+        log.info("kv transfer %s restarts: %s", t.request_id, reason)
+        self._call(t, "on_restart", t.request_id, reason)
+        outcome = TransferOutcome.failed(make_reason(Reason.SUPERSEDED, reason))
+        for peer in stale:
+            peer.notify(t.request_id, outcome)
+
     def _authenticated(self, request_id: str, peer: Peer) -> _Incoming:
-        """Caller holds _lock. The transfer, if `peer` sent a valid BEGIN for it."""
+        """Caller holds _lock. The transfer, if `peer` sent a valid BEGIN for it
+        in the current attempt; a dropped attempt's stream is refused (counted)."""
         t = self._transfers.get(request_id)
         if t is None and request_id in self._ended:
             raise _ended_refusal(self._ended[request_id])
+        if t is not None and not t.state.terminal and any(p is peer for p in t.stale_peers):
+            self._stale_frames += 1
+            raise TransferRefused(Reason.SUPERSEDED, f"{request_id!r}: this stream's attempt "
+                                  "was dropped")  # fmt: skip
         if t is None or not any(p is peer for p in t.peers):
             raise TransferRefused(Reason.UNKNOWN_REQUEST, f"no BEGIN for {request_id!r} here")
         if t.state.terminal:
@@ -446,6 +565,9 @@ class ReceiveTable:
                 del self._transfers[t.request_id]
                 self._remember_ended(t.request_id, t.reason)
         self.pool.free(buffer)
+
+
+_RECEIVING = (TransferState.STARTED, TransferState.ENDING)
 
 
 def _ended(t: _Incoming) -> TransferRefused:

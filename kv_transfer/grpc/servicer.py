@@ -1,22 +1,25 @@
 """`KVTransfer.Push` servicer: one client stream = one sender stream of one transfer.
 
-Every frame's `checksum` is xxhash64 of its `payload` (empty for BEGIN and END,
-whose fields carry the data; the reason for ABORT).
+Every frame's `checksum` is xxhash64 of its `payload` (BEGIN: the sender's
+attempt id, up to 16 bytes; empty for END, whose fields carry the data; the
+reason for ABORT).
 
 Life of a call (a servicer thread; the servicer is synchronous, so it runs in a
 `grpc.server` thread pool, or in a `grpc.aio.server(migration_thread_pool=...)`):
 
     first frame must be BEGIN -> ReceiveTable.begin (ticket, layout, version)
     DATA  -> claim the landing region, copy the payload in, verify xxhash64, commit
-    ABORT -> fail the transfer
+    ABORT -> drop this sender's attempt (the transfer waits for another BEGIN)
     END   -> wait for the verdict (all streams' rows in) and return it
     the client closes its side without END -> PushResult(ok) for this stream
 
-The call's `PushResult` is the back channel. A transfer that fails while the
+The call's `PushResult` is the back channel. A call whose attempt was
+superseded (another sender's BEGIN) answers its next frame, unapplied, with
+PushResult(ok=False, "superseded: ..."). A transfer that fails while the
 call is open (cancelled on this side, a bad frame on another stream) answers
 at the call's next frame with PushResult(ok=False, reason); the client stops
-sending once it sees it. A call that breaks (client killed, cancelled) fails
-its unfinished transfer with `connection_lost`.
+sending once it sees it. A call that breaks (client killed, cancelled) drops
+its attempt: the transfer waits for another sender's BEGIN (`sender_lost`).
 
 Give the server enough threads: one per open stream (N per transfer in flight).
 """
@@ -29,8 +32,8 @@ import time
 import grpc
 
 from kv_transfer.base import KVLayout, TransferOutcome
-from kv_transfer.errors import Reason, TransferRefused, make_reason
-from kv_transfer.frames import MAX_DATA_BYTES, VERSION, checksum
+from kv_transfer.errors import Reason, TransferRefused, make_reason, reason_code
+from kv_transfer.frames import MAX_ATTEMPT_BYTES, MAX_DATA_BYTES, VERSION, checksum
 from kv_transfer.receive_table import ReceiveTable
 from proto import pdserve_pb2, pdserve_pb2_grpc
 
@@ -91,6 +94,8 @@ class KVTransferServicer(pdserve_pb2_grpc.KVTransferServicer):
             self._begin(begin, peer)
             for frame in frames:
                 if peer.failed():
+                    if reason_code(peer.outcome.reason) == Reason.SUPERSEDED.value:
+                        self.table.stale_frame()  # a newer attempt owns the transfer
                     break
                 result = self._handle(frame, peer)
                 if result is not None:
@@ -117,7 +122,10 @@ class KVTransferServicer(pdserve_pb2_grpc.KVTransferServicer):
                               frame.head_dim, frame.dtype)  # fmt: skip
         except ValueError as exc:
             raise TransferRefused(Reason.BAD_FRAME, str(exc)) from None
-        self.table.begin(frame.request_id, frame.ticket, layout, peer)
+        attempt = frame.payload
+        if len(attempt) > MAX_ATTEMPT_BYTES:
+            raise TransferRefused(Reason.BAD_FRAME, f"attempt id over {MAX_ATTEMPT_BYTES} bytes")
+        self.table.begin(frame.request_id, frame.ticket, layout, peer, attempt)
 
     def _handle(self, frame: pdserve_pb2.KVFrame, peer: _CallPeer) -> pdserve_pb2.PushResult | None:
         """One frame after BEGIN; a PushResult ends the call."""

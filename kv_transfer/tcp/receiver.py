@@ -144,8 +144,8 @@ class _Connection:
             if checksum(payload) != header.checksum:
                 raise TransferRefused(Reason.BAD_CHECKSUM, f"{header.kind.name} payload")
             if header.kind is FrameKind.BEGIN:
-                layout, ticket = decode_begin(payload)
-                self.table.begin(rid, ticket, layout, self)
+                layout, ticket, attempt = decode_begin(payload)
+                self.table.begin(rid, ticket, layout, self, attempt)
             elif header.kind is FrameKind.END:
                 first_token_id, total_bytes = decode_end(payload)
                 self.table.end(rid, self, first_token_id, total_bytes)

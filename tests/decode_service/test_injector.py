@@ -107,3 +107,47 @@ def test_duplicate_expect_is_refused():
 
     asyncio.run(scenario())
     injector.close()
+
+
+def test_restart_reinjects_from_layer_0_over_the_same_slots():
+    caches = _caches()
+    injector = KVInjector(caches, PodMetrics.create("decode"))
+
+    async def scenario():
+        slots = _slots([2], 10)
+        ready = injector.expect("r", slots, NUM_LAYERS, num_bytes=10)
+        old = torch.full((2, 10, HEADS, DIM), 7.0)
+        injector.on_layer_ready("r", 0, old)
+        # the receiver calls on_restart from an I/O thread and waits for it
+        await asyncio.to_thread(injector.on_restart, "r", "sender_lost: connection_lost")
+        sent = [torch.randn(2, 10, HEADS, DIM) for _ in range(NUM_LAYERS)]
+        for layer, kv in enumerate(sent):
+            injector.on_layer_ready("r", layer, kv)
+        injector.on_complete("r", 5)
+        assert await asyncio.wait_for(ready, 10) == 5
+        await injector.forget("r")
+        return sent
+
+    sent = asyncio.run(scenario())
+    injector.close()
+    for layer, kv in enumerate(sent):
+        flat = caches[layer].view(2, BLOCKS * BLOCK, HEADS, DIM)
+        assert torch.equal(flat[:, 32:42], kv)  # the old attempt's 7.0 is overwritten
+
+
+def test_restart_after_all_layers_then_end_counts_only_the_new_attempt():
+    injector = KVInjector(_caches(), PodMetrics.create("decode"))
+
+    async def scenario():
+        ready = injector.expect("r", _slots([0], 4), NUM_LAYERS, num_bytes=4)
+        for layer in range(NUM_LAYERS):
+            injector.on_layer_ready("r", layer, torch.ones(2, 4, HEADS, DIM))
+        await asyncio.to_thread(injector.on_restart, "r", "sender_lost: aborted: x")
+        injector.on_layer_ready("r", 0, torch.ones(2, 4, HEADS, DIM))
+        injector.on_complete("r", 9)  # END after 1 of 2 layers of the new attempt
+        with pytest.raises(TransferFailed, match="END after 1 of 2 layers"):
+            await asyncio.wait_for(ready, 10)
+        await injector.forget("r")
+
+    asyncio.run(scenario())
+    injector.close()

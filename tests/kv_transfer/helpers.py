@@ -36,6 +36,19 @@ class RecordingListener(KVReceiveListener):
     def on_failed(self, request_id: str, reason: str) -> None:
         self._add(request_id, ("failed", reason))
 
+    def on_restart(self, request_id: str, reason: str) -> None:
+        self._add(request_id, ("restart", reason))
+
+    def wait_event(self, request_id: str, kind: str, timeout: float = 30.0) -> tuple:
+        """The first `kind` event of `request_id` (AssertionError on timeout)."""
+        def first() -> tuple | None:
+            return next((e for e in self.events.get(request_id, []) if e[0] == kind), None)
+
+        with self.cond:
+            ok = self.cond.wait_for(lambda: first() is not None, timeout)
+            assert ok, f"{request_id} had no {kind}: {self.events.get(request_id)}"
+            return first()
+
     def wait_final(self, request_id: str, timeout: float = 30.0) -> tuple:
         """The complete/failed event of `request_id` (AssertionError on timeout)."""
         with self.cond:

@@ -50,15 +50,15 @@ def test_bad_headers(patch, message):
 
 def test_begin_and_end_payloads():
     layout = KVLayout(3, 17, 2, 64, "float16")
-    assert decode_begin(encode_begin(layout, b"ticket")) == (layout, b"ticket")
+    assert decode_begin(encode_begin(layout, b"ticket", b"")) == (layout, b"ticket", b"")
     assert decode_end(encode_end(-1, 123456789012)) == (-1, 123456789012)
-    bad = bytearray(encode_begin(layout, b"ticket"))
+    bad = bytearray(encode_begin(layout, b"ticket", b""))
     bad[16] = 9  # dtype code
     with pytest.raises(TransferRefused) as info:
         decode_begin(bytes(bad))
     assert info.value.code is Reason.BAD_FRAME
     with pytest.raises(TransferRefused):
-        decode_begin(encode_begin(layout, b"ticket")[:-1])
+        decode_begin(encode_begin(layout, b"ticket", b"")[:-1])
     with pytest.raises(TransferRefused):
         decode_end(b"\x00" * 11)
 
