@@ -8,11 +8,10 @@ larger landing buffer, and rows both under and over one copy chunk.
 
 from __future__ import annotations
 
+# Triton's CPU interpreter is written on numpy (a test extra, see docs/kernels.md).
+import numpy  # noqa: F401  the interpreter needs it: a test dependency, fails rather than skips
 import pytest
 import torch
-
-# Triton's CPU interpreter is written on numpy (a test extra, see docs/kernels.md).
-pytest.importorskip("numpy", reason="Triton's interpreter needs numpy")
 
 from kernels import reference  # noqa: E402
 from kernels.kv_copy import all_copy_configs, copy_config, extract_kv_triton, inject_kv_triton  # noqa: E402

@@ -7,11 +7,10 @@ dtype, with and without the fused residual add. Outputs are NaN-poisoned.
 
 from __future__ import annotations
 
+# Triton's CPU interpreter is written on numpy (a test extra, see docs/kernels.md).
+import numpy  # noqa: F401  the interpreter needs it: a test dependency, fails rather than skips
 import pytest
 import torch
-
-# Triton's CPU interpreter is written on numpy (a test extra, see docs/kernels.md).
-pytest.importorskip("numpy", reason="Triton's interpreter needs numpy")
 
 from kernels import reference  # noqa: E402
 from kernels.norm import all_rms_norm_configs, rms_norm_config, rms_norm_triton  # noqa: E402

@@ -8,11 +8,10 @@ output buffer is poisoned with NaN so an unwritten element fails the test.
 
 from __future__ import annotations
 
+# Triton's CPU interpreter is written on numpy (a test extra, see docs/kernels.md).
+import numpy  # noqa: F401  the interpreter needs it: a test dependency, fails rather than skips
 import pytest
 import torch
-
-# Triton's CPU interpreter is written on numpy (a test extra, see docs/kernels.md).
-pytest.importorskip("numpy", reason="Triton's interpreter needs numpy")
 
 from kernels import reference  # noqa: E402
 from kernels.paged_attention import (  # noqa: E402
