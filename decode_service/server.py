@@ -15,6 +15,7 @@ from pathlib import Path
 
 from decode_service.config import ColocatedConfig, DecodeConfig
 from decode_service.injector import KVInjector
+from decode_service.receiver_metrics import ReceiverCollector
 from decode_service.servicer import DecodeServicer, RemoteKV
 from engine.config import EngineConfig
 from engine.engine_loop import EngineLoop, LoopState
@@ -67,6 +68,7 @@ async def _serve(role: str, engine_config: EngineConfig, server_config: ServerCo
         receiver.start()
         extra_ports["kv"] = int(receiver.endpoints[0].rpartition(":")[2])
         metrics.kv_landing_bytes_in_use.set_function(lambda: receiver.stats().bytes_in_use)
+        ReceiverCollector(receiver, role).register(metrics.registry)
         remote = RemoteKV(receiver, injector, kv_shape_of(engine_config.model_dir,
                                                           engine_config.dtype),
                           decode.transfer_timeout_s)

@@ -72,8 +72,12 @@ def _prefill_pod_for(cluster, prompt: str):
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir):
     roles = ["prefill"] * 3 + ["decode"] * 3 + ["colocated"]
+    # small prefill steps: a long prompt's KV goes out over many chunks, so a kill
+    # can land between its BEGIN and its END
+    flags = {"prefill": {"max_num_batched_tokens": 32}}
     with ThreadPoolExecutor(len(roles)) as pool:
-        pods = [f.result() for f in [pool.submit(start_pod, r, tiny_model_dir) for r in roles]]
+        pods = [f.result() for f in [pool.submit(start_pod, r, tiny_model_dir, **flags.get(r, {}))
+                                     for r in roles]]  # fmt: skip
     prefill, decode = pods[:3], pods[3:6]
     routers = []
     try:
@@ -108,20 +112,59 @@ def test_decode_pod_killed_mid_stream_keeps_the_stream_exact(cluster):
     assert cluster["pd"].metric("pdserve_migrations_total") == 1
 
 
-def test_prefill_pod_killed_mid_prefill(cluster):
+def _metric_or_zero(pod, name: str, **labels: str) -> float:
+    if not pod.alive():
+        return 0.0
+    try:
+        return pod.metric_value(name, **labels)
+    except KeyError:  # not observed yet
+        return 0.0
+
+
+def _decode_snapshot(cluster) -> list[tuple[float, float, float]]:
+    """Per decode pod: (KV transfers that completed, requests it aborted, senders lost)."""
+    return [(_metric_or_zero(d, "pdserve_kv_transfer_seconds_count"),
+             _metric_or_zero(d, "pdserve_aborts_total"),
+             _metric_or_zero(d, "pdserve_kv_senders_lost_total")) for d in cluster["decode"]]
+
+
+def _received(cluster) -> float:
+    return sum(_metric_or_zero(d, "pdserve_kv_received_bytes_total") for d in cluster["decode"])
+
+
+def test_prefill_pod_killed_mid_transfer_retries_against_the_same_reservation(cluster):
+    pd = cluster["pd"]
     prefix = " ".join(f"shared{i}" for i in range(100))  # decides the prefill pod
     victim = _prefill_pod_for(cluster, prefix + " ".join(f"a{i}" for i in range(500)))
     prompt = prefix + " ".join(f"b{i}" for i in range(500))
     expected = _generate(cluster["co"], prompt, 8)
+    retries, migrations = pd.metric("pdserve_retries_total", role="prefill"), pd.metric(
+        "pdserve_migrations_total")  # fmt: skip
+    decode_before = _decode_snapshot(cluster)
     result: dict[str, object] = {}
     thread = threading.Thread(
-        target=lambda: result.update(tokens=_generate(cluster["pd"], prompt, 8, timeout=90)))
+        target=lambda: result.update(tokens=_generate(pd, prompt, 8, timeout=90)))
+    received = _received(cluster)
     thread.start()
-    time.sleep(0.3)  # the long prompt is being prefilled (and its KV sent) now
+    deadline = time.monotonic() + 30
+    while _received(cluster) == received:  # the first chunks' KV landed: mid-transfer
+        assert time.monotonic() < deadline, "no KV ever reached a decode pod"
     victim.kill()
     thread.join(120)
     assert not thread.is_alive(), "the request hung after its prefill pod died"
     assert result["tokens"] == expected
+    # one retry on another prefill pod, against the same decode pod's reservation:
+    # no migration, one decode pod took exactly one transfer, no decode pod aborted
+    assert pd.metric("pdserve_retries_total", role="prefill") == retries + 1
+    assert pd.metric("pdserve_migrations_total") == migrations
+    decode_after = _decode_snapshot(cluster)
+    grew = [a[0] - b[0] for a, b in zip(decode_after, decode_before, strict=True)]
+    assert sorted(grew) == [0.0, 0.0, 1.0]
+    assert [a[1] for a in decode_after] == [b[1] for b in decode_before]
+    # the decode pod that took it lost the killed sender mid-transfer, then the retry
+    # restarted the same transfer from layer 0
+    (taker,) = [i for i, g in enumerate(grew) if g]
+    assert decode_after[taker][2] == decode_before[taker][2] + 1
 
 
 def test_prefill_and_decode_pods_killed_during_a_run(cluster):

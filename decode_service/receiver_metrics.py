@@ -1,0 +1,47 @@
+"""Receiver counters on the decode pod's /metrics, read from `KVReceiver.stats()`.
+
+`PodMetrics` (engine/metrics.py) holds what every pod exports; these two only
+exist on a decode pod with a KV receiver, so they are a scrape-time collector
+on the same registry instead of metric objects someone has to keep in sync:
+
+* `pdserve_kv_senders_lost_total{role}`: sending attempts that went away before
+  END (stream broke, ABORT, or superseded); each transfer then waited for a
+  retry's BEGIN against the same reservation.
+* `pdserve_kv_received_bytes_total{role}`: verified KV bytes that landed, counted
+  as they land (a retried transfer counts both attempts' bytes).
+
+Called by prometheus_client on the metrics server's thread at every scrape;
+`stats()` is thread-safe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from kv_transfer.base import KVReceiver
+
+
+class ReceiverCollector(Collector):
+    def __init__(self, receiver: KVReceiver, role: str) -> None:
+        if not role:
+            raise ValueError("role must be a non-empty label value")
+        self._receiver = receiver
+        self._role = role
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        stats = self._receiver.stats()
+        for name, doc, value in (
+            ("pdserve_kv_senders_lost", "KV sending attempts that went away before END.",
+             stats.senders_lost),
+            ("pdserve_kv_received_bytes", "Verified KV bytes that landed on this pod.",
+             stats.bytes_received),
+        ):  # fmt: skip
+            family = CounterMetricFamily(name, doc, labels=["role"])
+            family.add_metric([self._role], value)
+            yield family
+
+    def register(self, registry: CollectorRegistry) -> None:
+        registry.register(self)
