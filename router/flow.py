@@ -21,8 +21,16 @@ Failure handling:
 
 * Decode.Generate answers RESOURCE_EXHAUSTED (pod full) or cannot be
   reached → the next decode pod (`pdserve_retries_total{role="decode"}`).
-* Prefill.Prefill fails → another prefill pod against the same reservation,
-  at most `max_prefill_retries` times (`pdserve_retries_total{role="prefill"}`).
+* Prefill.Prefill fails because the prefill pod is gone, broken or busy →
+  another prefill pod against the same reservation (same KVTarget: endpoints
+  + ticket), at most `max_prefill_retries` times
+  (`pdserve_retries_total{role="prefill"}`). This is the normal path when a
+  prefill pod dies mid-transfer: the decode pod's receiver keeps the
+  reservation and restarts the transfer on the new pod's BEGIN
+  (docs/kv_transfer.md), and its Generate stream stays open.
+* Only when the decode side refused (the retry's Prefill answers ABORTED /
+  DEADLINE_EXCEEDED: the transfer or the reservation is gone) does the
+  request start over on a new pair (counted as a prefill retry).
 * The decode stream breaks (an error status, EOF without a finish reason, a
   gap in the indices, or the pod aborts the request) → MIGRATING: prompt +
   tokens so far go to a new pair as `output_token_ids`, and the assembler
@@ -309,10 +317,12 @@ class RequestFlow:
 
         A prefill pod that is gone or broken (UNAVAILABLE, INTERNAL, UNKNOWN)
         or busy (RESOURCE_EXHAUSTED) is replaced by another against the same
-        reservation. Any other failure (ABORTED: the transfer failed,
-        DEADLINE_EXCEEDED from the pod, ...) means the reservation itself is
-        gone, so the attempt ends and the request starts over on a new pair;
-        only the broken pods are left out of that.
+        reservation: the decode pod's receiver treats a sender that went away
+        mid-transfer as lost, not failed, and the new pod's BEGIN restarts the
+        transfer from layer 0. Any other failure (ABORTED: the decode side
+        refused or failed the transfer, DEADLINE_EXCEEDED from the pod, ...)
+        means the reservation itself is gone, so the attempt ends and the
+        request starts over on a new pair; only the broken pods are left out.
         """
         policy, metrics = self._deps.policy, self._deps.metrics
         request = pb.PrefillRequest(
