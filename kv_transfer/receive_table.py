@@ -43,10 +43,6 @@ import logging
 import threading
 import time
 from collections import Counter, OrderedDict
-from dataclasses import dataclass
-from typing import Protocol
-
-import torch
 
 from kv_transfer.base import (
     KVLayout,
@@ -57,90 +53,13 @@ from kv_transfer.base import (
     TransferTarget,
     check_request_id,
 )
-from kv_transfer.device import byte_view
 from kv_transfer.errors import Reason, TransferRefused, make_reason, reason_code
-from kv_transfer.landing import LandingBuffer, LandingBufferPool
+from kv_transfer.incoming import Incoming, Peer, WriteClaim
+from kv_transfer.landing import LandingBufferPool
 from kv_transfer.tickets import TicketAuthority
 
 log = logging.getLogger(__name__)
 _ENDED_KEPT = 4096
-
-
-class Peer(Protocol):
-    """A sender-facing stream (TCP connection, gRPC call): the back channel."""
-
-    def notify(self, request_id: str, outcome: TransferOutcome) -> None:
-        """Tell the sender this transfer's outcome; must not block for long."""
-
-
-class _Incoming:
-    """Mutable state of one transfer; fields guarded by ReceiveTable._lock."""
-
-    __slots__ = (
-        "request_id", "layout", "deadline", "buffer", "bytes", "state", "reason", "rows",
-        "layer_rows", "next_layer", "writers", "delivered_any", "released", "peers",
-        "end_peer", "first_token_id", "end_total", "finished_at", "deliver_lock",
-        "attempt", "epoch", "retired", "stale_peers", "inflight",
-    )  # fmt: skip
-
-    def __init__(self, request_id: str, layout: KVLayout, deadline: float,
-                 buffer: LandingBuffer) -> None:  # fmt: skip
-        self.request_id = request_id
-        self.layout = layout
-        self.deadline = deadline
-        self.buffer: LandingBuffer | None = buffer
-        self.bytes = byte_view(buffer.data)
-        self.state = TransferState.EXPECTED
-        self.reason = ""
-        self.rows = bytearray(layout.num_layers * layout.rows_per_layer)  # 1 = claimed
-        self.layer_rows = [0] * layout.num_layers  # committed rows per layer
-        self.next_layer = 0  # next layer to deliver
-        self.writers = 0
-        self.delivered_any = False
-        self.released = False
-        self.peers: list[Peer] = []
-        self.end_peer: Peer | None = None
-        self.first_token_id = 0
-        self.end_total = 0
-        self.finished_at = 0.0
-        self.deliver_lock = threading.RLock()
-        self.attempt = b""  # the current attempt's id (from its BEGIN)
-        self.epoch = 0  # bumped per dropped attempt: a claim's epoch tells stale commits
-        self.retired: set[bytes] = set()  # ids of dropped attempts: their BEGINs are stale
-        self.stale_peers: list[Peer] = []  # streams of dropped attempts
-        self.inflight: dict[int, WriteClaim] = {}  # id(claim) -> claim being written
-
-    def reset_progress(self) -> None:
-        """Caller holds ReceiveTable._lock. Drop the current attempt's rows; rows a
-        dropped writer is still writing stay busy (2) until its commit."""
-        self.epoch += 1
-        self.rows = bytearray(len(self.rows))
-        for c in self.inflight.values():
-            self.rows[c.first : c.first + c.num_rows] = b"\x02" * c.num_rows
-        self.layer_rows = [0] * self.layout.num_layers
-        self.next_layer = 0
-        self.end_peer = None
-        self.end_total = 0
-
-    def layer_view(self, layer: int) -> torch.Tensor:
-        assert self.buffer is not None
-        bpl = self.layout.bytes_per_layer
-        flat = self.buffer.data[layer * bpl : (layer + 1) * bpl]
-        return flat.view(self.layout.torch_dtype).view(self.layout.layer_shape)
-
-
-@dataclass(frozen=True, slots=True)
-class WriteClaim:
-    """Permission to write `view` (the landing bytes of one DATA frame). The
-    transport writes the payload into `view`, then calls `ReceiveTable.commit`."""
-
-    request_id: str
-    layer: int
-    num_rows: int
-    view: memoryview
-    _transfer: _Incoming
-    first: int = 0  # first row index (layer * rows_per_layer + row)
-    epoch: int = 0  # the attempt it was granted to
 
 
 class ReceiveTable:
@@ -158,7 +77,7 @@ class ReceiveTable:
         self._cond = threading.Condition(self._lock)  # a dropped writer left the buffer
         self._senders_lost = 0
         self._stale_frames = 0
-        self._transfers: dict[str, _Incoming] = {}
+        self._transfers: dict[str, Incoming] = {}
         self._failures: Counter[str] = Counter()
         self._completed = 0
         self._bytes_received = 0
@@ -182,7 +101,7 @@ class ReceiveTable:
             if request_id in self._transfers:
                 self.pool.free(buffer)
                 raise ValueError(f"request {request_id!r} already has a transfer")
-            self._transfers[request_id] = _Incoming(request_id, layout, deadline, buffer)
+            self._transfers[request_id] = Incoming(request_id, layout, deadline, buffer)
         return TransferTarget(
             endpoints=endpoints,
             ticket=self.authority.issue(request_id, deadline),
@@ -426,7 +345,7 @@ class ReceiveTable:
 
     # ---------------------------------------------------------------- internals
 
-    def _drop_current(self, t: _Incoming, reason: str, epoch: int) -> bool:
+    def _drop_current(self, t: Incoming, reason: str, epoch: int) -> bool:
         """Drop `t`'s attempt `epoch` (sender lost); False if it is no longer current."""
         with t.deliver_lock:
             with self._lock:
@@ -436,7 +355,7 @@ class ReceiveTable:
             self._restarted(t, reason, stale)
         return True
 
-    def _drop_attempt(self, t: _Incoming) -> list[Peer]:
+    def _drop_attempt(self, t: Incoming) -> list[Peer]:
         """Caller holds t.deliver_lock and _lock. The current attempt's streams
         become stale, its progress is reset; returns its streams."""
         t.state = t.state.to(TransferState.SENDER_LOST)
@@ -447,7 +366,7 @@ class ReceiveTable:
         self._senders_lost += 1
         return stale
 
-    def _restarted(self, t: _Incoming, reason: str, stale: list[Peer]) -> None:
+    def _restarted(self, t: Incoming, reason: str, stale: list[Peer]) -> None:
         """Caller holds t.deliver_lock (not _lock): tell the consumer, then the
         dropped attempt's streams (so a sender that is still alive stops)."""
         log.info("kv transfer %s restarts: %s", t.request_id, reason)
@@ -456,7 +375,7 @@ class ReceiveTable:
         for peer in stale:
             peer.notify(t.request_id, outcome)
 
-    def _authenticated(self, request_id: str, peer: Peer) -> _Incoming:
+    def _authenticated(self, request_id: str, peer: Peer) -> Incoming:
         """Caller holds _lock. The transfer, if `peer` sent a valid BEGIN for it
         in the current attempt; a dropped attempt's stream is refused (counted)."""
         t = self._transfers.get(request_id)
@@ -472,7 +391,7 @@ class ReceiveTable:
             raise _ended(t)
         return t
 
-    def _refuse(self, t: _Incoming | None, refused: TransferRefused, request_id: str) -> None:
+    def _refuse(self, t: Incoming | None, refused: TransferRefused, request_id: str) -> None:
         """A refused frame fails its transfer if there is one (counted once, by the
         first failure); for an unknown transfer it is counted once per request id
         (a tombstone turns the other streams' copies into quiet refusals)."""
@@ -490,7 +409,7 @@ class ReceiveTable:
         if len(self._ended) > _ENDED_KEPT:
             self._ended.popitem(last=False)
 
-    def _advance(self, t: _Incoming) -> None:
+    def _advance(self, t: Incoming) -> None:
         """Deliver every layer that became complete, in order; decide END."""
         with t.deliver_lock:
             while True:
@@ -516,7 +435,7 @@ class ReceiveTable:
         if t.end_peer is not None:
             t.end_peer.notify(t.request_id, TransferOutcome.complete())
 
-    def _fail(self, t: _Incoming, reason: str) -> bool:
+    def _fail(self, t: Incoming, reason: str) -> bool:
         """Move `t` to FAILED (False if it already ended) and tell everybody."""
         with t.deliver_lock:
             with self._lock:
@@ -534,7 +453,7 @@ class ReceiveTable:
         self._maybe_free(t)
         return True
 
-    def _call(self, t: _Incoming, hook: str, *args: object) -> bool:
+    def _call(self, t: Incoming, hook: str, *args: object) -> bool:
         """Run a listener hook; a raising listener fails the transfer (not the thread)."""
         try:
             getattr(self.listener, hook)(*args)
@@ -545,7 +464,7 @@ class ReceiveTable:
                 self._fail(t, make_reason(Reason.CANCELLED, f"listener {hook} raised"))
             return False
 
-    def _maybe_free(self, t: _Incoming, now: float | None = None) -> None:
+    def _maybe_free(self, t: Incoming, now: float | None = None) -> None:
         now = time.time() if now is None else now
         with self._lock:
             if t.buffer is None or t.writers or not t.state.terminal:
@@ -570,7 +489,7 @@ class ReceiveTable:
 _RECEIVING = (TransferState.STARTED, TransferState.ENDING)
 
 
-def _ended(t: _Incoming) -> TransferRefused:
+def _ended(t: Incoming) -> TransferRefused:
     return _ended_refusal(t.reason)
 
 

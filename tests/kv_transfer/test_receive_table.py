@@ -1,3 +1,4 @@
+import threading
 import time
 
 import pytest
@@ -161,4 +162,50 @@ def test_size_mismatch_at_end():
     table.end("r", peer, 1, 5)
     assert listener.wait_final("r")[1].startswith("size_mismatch")
     assert peer.outcomes[0][2].startswith("size_mismatch")
+    assert pool.bytes_in_use == 0
+
+
+def test_new_attempt_waits_for_a_dropped_writer_still_in_its_rows():
+    table, pool, listener = make_table()
+    target = table.expect("w", LAYOUT, time.time() + 30, ("127.0.0.1:1",))
+    old, new = Peer(), Peer()
+    table.begin("w", target.ticket, LAYOUT, old, b"old")
+    stale = table.claim("w", old, 0, 0, 64)  # the old sender is mid-payload
+    table.begin("w", target.ticket, LAYOUT, new, b"new")  # supersedes it
+    assert old.outcomes == [("w", False, "superseded: sender_lost: superseded by a new attempt")]
+    assert listener.events["w"] == [("restart", "sender_lost: superseded by a new attempt")]
+    with pytest.raises(TransferRefused) as refused:
+        table.claim("w", old, 1, 0, 64)  # the old stream's next frame
+    assert refused.value.code is Reason.SUPERSEDED
+    got: list = []
+    claimer = threading.Thread(target=lambda: got.append(table.claim("w", new, 0, 0, 64)))
+    claimer.start()
+    claimer.join(0.3)
+    assert claimer.is_alive() and not got  # rows 0..7 are still being written by `old`
+    stale.view[:] = b"\xee" * 64
+    table.commit(stale)  # the stale bytes never count
+    claimer.join(5)
+    (claim,) = got
+    claim.view[:] = bytes(64)
+    table.commit(claim)
+    assert listener.events["w"][-1] == ("layer", 0)
+    assert listener.layers[("w", 0)].view(torch.uint8).sum() == 0
+    stats = table.stats()
+    assert (stats.senders_lost, stats.stale_frames, stats.bytes_received) == (1, 1, 64)
+    table.release("w")
+    assert pool.bytes_in_use == 0
+
+
+def test_sender_lost_then_deadline_fails_and_frees():
+    table, pool, listener = make_table(grace=0.01)
+    peer = started(table, "x", deadline=time.time() + 0.2)
+    write(table, peer, "x", 0, 0, bytes(64))
+    table.peer_lost(peer, "connection_lost")
+    assert listener.events["x"][-1] == ("restart", "sender_lost: connection_lost")
+    assert table.stats().active_transfers == 1  # waiting for another BEGIN
+    time.sleep(0.25)
+    table.sweep(time.time())
+    assert listener.events["x"][-1][0] == "failed"
+    assert listener.events["x"][-1][1].startswith("deadline")
+    table.sweep(time.time() + 1)
     assert pool.bytes_in_use == 0
