@@ -14,48 +14,25 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from kv_transfer.base import (
-    KVLayout,
     KVReceiveListener,
-    KVReceiver,
-    ReceiverStats,
-    TransferTarget,
     split_endpoint,
 )
 from kv_transfer.config import ReceiverConfig
-from kv_transfer.gc import Collector
 from kv_transfer.grpc.servicer import SERVER_OPTIONS, KVTransferServicer
-from kv_transfer.landing import LandingBufferPool
-from kv_transfer.receive_table import ReceiveTable
-from kv_transfer.tickets import TicketAuthority
+from kv_transfer.table_receiver import TableReceiver
 
 DEFAULT_SERVER_THREADS = 64  # one per open stream: N streams x transfers in flight
 
 
-class GrpcKVReceiver(KVReceiver):
+class GrpcKVReceiver(TableReceiver):
     def __init__(self, config: ReceiverConfig, listener: KVReceiveListener,
                  server_threads: int = DEFAULT_SERVER_THREADS) -> None:  # fmt: skip
         if not 1 <= server_threads <= 4096:
             raise ValueError(f"server_threads must be in [1, 4096], got {server_threads}")
-        self.config = config
-        self.pool = LandingBufferPool(config.capacity_bytes, config.pin_memory,
-                                      config.prefault_landing)  # fmt: skip
-        self.table = ReceiveTable(
-            self.pool, TicketAuthority(config.secret, config.generation), listener,
-            transport="grpc", claim_grace_s=config.claim_grace_s,
-        )  # fmt: skip
+        super().__init__(config, listener, transport="grpc")
         self.servicer = KVTransferServicer(self.table)
         self._server_threads = server_threads
         self._server: grpc.Server | None = None
-        self._endpoints: tuple[str, ...] = ()
-        self._collector = Collector(self.table.sweep, config.sweep_interval_s, "kv-grpc-gc")
-
-    @property
-    def generation(self) -> int:
-        return self.table.authority.generation
-
-    @property
-    def endpoints(self) -> tuple[str, ...]:
-        return self._endpoints
 
     def add_to_server(self, server: grpc.Server, endpoint: str) -> None:
         """Host the servicer on an existing server reachable at `endpoint` ('host:port')."""
@@ -76,20 +53,6 @@ class GrpcKVReceiver(KVReceiver):
             self._server = server
             self._endpoints = (f"{self.config.advertise_host or self.config.host}:{port}",)
         self._collector.start()
-
-    def expect(self, request_id: str, layout: KVLayout, deadline: float) -> TransferTarget:
-        if not self._endpoints:
-            raise RuntimeError("GrpcKVReceiver.expect called before start()/add_to_server()")
-        return self.table.expect(request_id, layout, deadline, self._endpoints)
-
-    def release(self, request_id: str) -> bool:
-        return self.table.release(request_id)
-
-    def cancel(self, request_id: str, reason: str) -> bool:
-        return self.table.cancel(request_id, reason)
-
-    def stats(self) -> ReceiverStats:
-        return self.table.stats()
 
     def close(self) -> None:
         self._collector.stop()

@@ -22,12 +22,8 @@ import threading
 from collections import OrderedDict
 
 from kv_transfer.base import (
-    KVLayout,
     KVReceiveListener,
-    KVReceiver,
-    ReceiverStats,
     TransferOutcome,
-    TransferTarget,
 )
 from kv_transfer.config import ReceiverConfig
 from kv_transfer.errors import Reason, TransferRefused, make_reason
@@ -43,9 +39,8 @@ from kv_transfer.frames import (
     decode_begin,
     decode_end,
 )
-from kv_transfer.gc import Collector
-from kv_transfer.landing import LandingBufferPool
 from kv_transfer.receive_table import ReceiveTable
+from kv_transfer.table_receiver import TableReceiver
 from kv_transfer.tcp.wire import (
     PeerClosed,
     close_quietly,
@@ -56,7 +51,6 @@ from kv_transfer.tcp.wire import (
     set_io_timeout,
     skip,
 )
-from kv_transfer.tickets import TicketAuthority
 
 log = logging.getLogger(__name__)
 _TOLD_LIMIT = 1024  # request ids a connection remembers having refused
@@ -173,32 +167,16 @@ class _Connection:
             Reason.BAD_CHECKSUM, f"layer {header.layer} offset {header.offset}"))  # fmt: skip
 
 
-class TcpKVReceiver(KVReceiver):
+class TcpKVReceiver(TableReceiver):
     """Decode pod's TCP endpoint. `expect`/`release`/`cancel`/`stats` from any thread."""
 
     def __init__(self, config: ReceiverConfig, listener: KVReceiveListener) -> None:
-        self.config = config
-        self.pool = LandingBufferPool(config.capacity_bytes, config.pin_memory,
-                                      config.prefault_landing)  # fmt: skip
-        self.table = ReceiveTable(
-            self.pool, TicketAuthority(config.secret, config.generation), listener,
-            transport="tcp", claim_grace_s=config.claim_grace_s,
-        )  # fmt: skip
+        super().__init__(config, listener, transport="tcp")
         self._stop = threading.Event()
         self._server: socket.socket | None = None
-        self._endpoints: tuple[str, ...] = ()
         self._connections: set[_Connection] = set()
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
-        self._collector = Collector(self.table.sweep, config.sweep_interval_s, "kv-tcp-gc")
-
-    @property
-    def generation(self) -> int:
-        return self.table.authority.generation
-
-    @property
-    def endpoints(self) -> tuple[str, ...]:
-        return self._endpoints
 
     def start(self) -> None:
         server = socket.create_server((self.config.host, self.config.port), backlog=128)
@@ -239,20 +217,6 @@ class TcpKVReceiver(KVReceiver):
         finally:
             with self._lock:
                 self._connections.discard(conn)
-
-    def expect(self, request_id: str, layout: KVLayout, deadline: float) -> TransferTarget:
-        if not self._endpoints:
-            raise RuntimeError("TcpKVReceiver.expect called before start()")
-        return self.table.expect(request_id, layout, deadline, self._endpoints)
-
-    def release(self, request_id: str) -> bool:
-        return self.table.release(request_id)
-
-    def cancel(self, request_id: str, reason: str) -> bool:
-        return self.table.cancel(request_id, reason)
-
-    def stats(self) -> ReceiverStats:
-        return self.table.stats()
 
     def close(self) -> None:
         self._stop.set()
