@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 run: setup
 	$(VENV)/bin/pdserve up
 
-test: setup proto-check
+test: setup proto-check lint
 	TRITON_INTERPRET=1 $(PY) -m pytest -q
 
 lint: setup
