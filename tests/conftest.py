@@ -12,6 +12,10 @@ from pathlib import Path
 
 import pytest
 
+# Helper modules that assert on behalf of tests: registered here, before any
+# test package imports them, so pytest explains their failures too.
+pytest.register_assert_rewrite("tests.kv_transfer.helpers", "tests.kv_transfer.tcp.raw")
+
 # Kernel tests run Triton through its CPU interpreter; set before triton is imported.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
