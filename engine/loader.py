@@ -161,7 +161,7 @@ def load_model(
         with safe_open(path, framework="pt") as f:
             for target in targets:
                 _copy_tensor(f, path, target, params[target.param_name])
-    return model.eval(), config
+    return model.train(False), config  # inference mode for every submodule
 
 
 def _copy_tensor(handle, path: Path, target: TensorTarget, param: torch.Tensor) -> None:
