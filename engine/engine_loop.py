@@ -91,13 +91,26 @@ class RequestStream:
         self._loop = loop
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.closed = False  # set by the loop thread once the last item is queued
+        # Set on the event loop when the request is aborted: outputs the engine
+        # produced before the abort and still queued are dropped, so a reader
+        # sees nothing after the abort it (or anyone) awaited.
+        self._aborted: RequestAborted | None = None
 
     def _push_threadsafe(self, item: RequestOutput | BaseException) -> None:
         _call_soon(self._loop, self._queue.put_nowait, item)
 
+    def _abort_threadsafe(self, exc: RequestAborted) -> None:
+        def abort() -> None:
+            self._aborted = exc
+            self._queue.put_nowait(exc)  # wakes a reader blocked on get()
+
+        _call_soon(self._loop, abort)
+
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         while True:
             item = await self._queue.get()
+            if self._aborted is not None:
+                raise self._aborted
             if isinstance(item, BaseException):
                 raise item
             yield item
@@ -244,7 +257,7 @@ class EngineLoop:
             engine.abort_request(request_id)
             if stream is not None and not stream.closed:
                 stream.closed = True
-                stream._push_threadsafe(RequestAborted(request_id, reason))
+                stream._abort_threadsafe(RequestAborted(request_id, reason))
             return stream is not None
 
         found = await self.run(abort)
