@@ -193,12 +193,17 @@ class RequestFlow:
             )
         return left
 
-    def _pod_error(self, error: grpc.aio.AioRpcError, address: str) -> ApiError | None:
+    def _pod_failed(self, error: grpc.aio.AioRpcError, address: str) -> None:
+        """A pod call failed. Raise the client's error when it is one (bad input,
+        the client's own deadline); otherwise mark an unreachable pod so routing
+        skips it, and return: the caller retries or moves the request."""
         api_error = client_error(error, address, self._deps.settings.request_timeout)
-        if (api_error is not None and api_error.status == 504
-                and self._deadline - time.monotonic() > 1.0):
-            return None  # the pod's own deadline, not the client's: another pod may do it
-        return api_error
+        # A 504 with time left is the pod's own deadline: another pod may do it.
+        if api_error is not None and not (api_error.status == 504
+                                          and self._deadline - time.monotonic() > 1.0):
+            raise api_error from None
+        if error.code() == grpc.StatusCode.UNAVAILABLE:
+            self._deps.pool.mark_unhealthy(address, describe(error))
 
     def _next_request_id(self) -> str:
         # One id per attempt: the decode pod's ticket binds it, and a pod that
@@ -265,11 +270,7 @@ class RequestFlow:
                 try:
                     first = await call.read()
                 except grpc.aio.AioRpcError as error:
-                    api_error = self._pod_error(error, address)
-                    if api_error is not None:
-                        raise api_error from None
-                    if error.code() == grpc.StatusCode.UNAVAILABLE:
-                        self._deps.pool.mark_unhealthy(address, describe(error))
+                    self._pod_failed(error, address)
                     refusals.append(f"{address} {describe(error)}")
                     self._deps.metrics.retries.labels(role=role).inc()
                     tried.add(address)
@@ -355,15 +356,11 @@ class RequestFlow:
                 try:
                     return await call
                 except grpc.aio.AioRpcError as error:
-                    api_error = self._pod_error(error, address)
-                    if api_error is not None:
-                        raise api_error from None
+                    self._pod_failed(error, address)
                     failures.append(f"{address} {describe(error)}")
                     tried.add(address)
                     if error.code() in _BROKEN_POD:
                         broken.add(address)
-                        if error.code() == grpc.StatusCode.UNAVAILABLE:
-                            self._deps.pool.mark_unhealthy(address, describe(error))
                     elif error.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
                         break
                 finally:
@@ -383,11 +380,7 @@ class RequestFlow:
                 try:
                     message = await call.read()
                 except grpc.aio.AioRpcError as error:
-                    api_error = self._pod_error(error, address)
-                    if api_error is not None:
-                        raise api_error from None
-                    if error.code() == grpc.StatusCode.UNAVAILABLE:
-                        self._deps.pool.mark_unhealthy(address, describe(error))
+                    self._pod_failed(error, address)
                     raise AttemptFailed(f"decode stream from {address} broke: {describe(error)}",
                                         addresses=frozenset({address}), migrate=True) from None
             if message is grpc.aio.EOF or message.WhichOneof("kind") != "tokens":
