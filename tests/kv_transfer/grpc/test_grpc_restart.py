@@ -30,6 +30,8 @@ from tests.kv_transfer.helpers import (
 
 pytestmark = pytest.mark.timeout(90)
 LAYOUT = KVLayout(3, 16, 2, 8, "float32")  # 2 KiB per layer
+# The deadline leaves room for a loaded CI machine: the restart must be seen before it.
+DEADLINE_S = 6.0
 SUPERSEDED = "superseded: sender_lost: superseded by a new attempt"
 
 
@@ -116,7 +118,7 @@ def test_superseding_begin_refuses_the_first_calls_late_frames(receiver, listene
 
 
 def test_cancelled_call_then_nobody_retries_fails_at_the_deadline(receiver, listener):
-    target = receiver.expect("d", LAYOUT, time.time() + 2.0)
+    target = receiver.expect("d", LAYOUT, time.time() + DEADLINE_S)
     hold = threading.Event()
     call = _held_call(
         receiver,
