@@ -34,17 +34,26 @@ def plan_pieces(layout: KVLayout, layer: int, token_start: int, num_tokens: int,
 
     The staged chunk is [2, n, H, D]: its K rows are bytes [0, n*row), its V rows
     [n*row, 2n*row). K goes to `token_start*row`, V to `(T + token_start)*row`.
-    Each half is cut into pieces of whole rows, about one per stream (so one
-    layer spreads over all streams) and never above max_chunk_bytes.
+    A whole layer (n = T) is laid out exactly as it lands, so its 2n rows are one
+    run; a partial chunk is two runs (K, V). Runs are cut into pieces of whole
+    rows, about one per stream (so one layer spreads over all streams) and never
+    above max_chunk_bytes: the fewer and larger the frames, the less per-frame
+    work on both sides.
     """
     row = layout.row_bytes
-    rows_per_piece = max(1, min(-(-num_tokens // num_streams), max_chunk_bytes // row))
+    if token_start == 0 and num_tokens == layout.num_tokens:
+        runs = [(0, 0, 2 * num_tokens)]  # (first source row, first dest row, rows)
+    else:
+        runs = [(0, token_start, num_tokens),
+                (num_tokens, layout.num_tokens + token_start, num_tokens)]  # fmt: skip
+    total_rows = sum(rows for _, _, rows in runs)
+    rows_per_piece = max(1, min(-(-total_rows // num_streams), max_chunk_bytes // row))
     pieces = []
-    for half, dest_row in ((0, token_start), (1, layout.num_tokens + token_start)):
-        for first in range(0, num_tokens, rows_per_piece):
-            rows = min(rows_per_piece, num_tokens - first)
-            src_start = (half * num_tokens + first) * row
-            pieces.append(Piece(layer, (dest_row + first) * row, src_start, rows * row))
+    for src_row, dest_row, run_rows in runs:
+        for first in range(0, run_rows, rows_per_piece):
+            rows = min(rows_per_piece, run_rows - first)
+            pieces.append(Piece(layer, (dest_row + first) * row, (src_row + first) * row,
+                                rows * row))  # fmt: skip
     return pieces
 
 

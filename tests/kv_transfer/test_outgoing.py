@@ -5,6 +5,8 @@ from kv_transfer.outgoing import Piece, plan_pieces
 def test_pieces_cover_k_and_v_ranges():
     layout = KVLayout(2, 10, 1, 4, "float32")  # row = 16 bytes
     pieces = plan_pieces(layout, 1, 3, 5, num_streams=2, max_chunk_bytes=4096)
+    assert pieces == [Piece(1, 3 * 16, 0, 5 * 16), Piece(1, 13 * 16, 5 * 16, 5 * 16)]
+    pieces = plan_pieces(layout, 1, 3, 5, num_streams=4, max_chunk_bytes=4096)
     assert pieces == [
         Piece(1, 3 * 16, 0, 3 * 16),
         Piece(1, 6 * 16, 3 * 16, 2 * 16),
@@ -18,4 +20,11 @@ def test_pieces_respect_max_chunk():
     pieces = plan_pieces(layout, 0, 0, 1000, num_streams=1, max_chunk_bytes=65536)
     assert all(p.length <= 65536 and p.length % 2048 == 0 for p in pieces)
     assert sum(p.length for p in pieces) == layout.bytes_per_layer
-    assert len(pieces) == 2 * 32  # 1000 rows / 32 rows per piece, per half
+    assert len(pieces) == 63  # 2000 rows (K and V, one run) / 32 rows per piece
+
+
+def test_a_whole_layer_is_one_run_cut_about_once_per_stream():
+    layout = KVLayout(2, 10, 1, 4, "float32")  # row = 16 bytes, 20 rows per layer
+    pieces = plan_pieces(layout, 1, 0, 10, num_streams=3, max_chunk_bytes=4096)
+    assert pieces == [Piece(1, 0, 0, 7 * 16), Piece(1, 7 * 16, 7 * 16, 7 * 16),
+                      Piece(1, 14 * 16, 14 * 16, 6 * 16)]  # fmt: skip
