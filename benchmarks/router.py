@@ -61,6 +61,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(router overhead without CPU contention with the pods)")
     parser.add_argument("--pod-arg", action="append", default=[],
                         help="extra flag for the pods started here")
+    g = parser.add_argument_group("open loop (--open-loop; see benchmarks/router_open_loop.py)")
+    g.add_argument("--open-loop", action="store_true",
+                   help="instead of the closed loop: --background streams held open, probes "
+                        "arriving at --rate per second (Poisson, seeded)")
+    g.add_argument("--background", type=int, default=200, help="streams held open (default 200)")
+    g.add_argument("--background-tokens", type=int, default=1024,
+                   help="output tokens per background stream (default 1024)")
+    g.add_argument("--rate", type=float, default=10.0, help="probe arrivals per second")
+    g.add_argument("--duration", type=float, default=30.0, help="probe window per round, s")
+    g.add_argument("--probe-tokens", type=int, default=8, help="output tokens per probe")
 
 
 @dataclass(frozen=True, slots=True)
@@ -344,6 +354,18 @@ async def measure_decisions(args, prefill: str, decode: str, redis_url: str | No
 
 def report(runs: dict[int, dict[str, tuple[list[Sample], float]]],
            decisions: dict[str, list[float]], args) -> None:
+    if runs:
+        report_closed_loop(runs, args)
+    print("\nrouting decision: choose_prefill (session) + choose_decode over the polled pods, "
+          "in this process; 200 concurrent = 200 tasks calling at once\n")
+    print("| decision | p50 µs | p99 µs | mean µs |")
+    print("|---|---|---|---|")
+    for name, values in decisions.items():
+        print(f"| {name} | {percentile(values, 50):.1f} | {percentile(values, 99):.1f} | "
+              f"{statistics.fmean(values):.1f} |")
+
+
+def report_closed_loop(runs: dict[int, dict[str, tuple[list[Sample], float]]], args) -> None:
     print(f"\nrouter-added latency: {args.rounds} x {args.requests} requests per client and "
           f"concurrency, prompt {args.prompt_tokens} tokens, {args.max_tokens} output tokens\n")
     print("| streams | client | req/s | TTFT p50 ms | TTFT p99 ms | e2e p50 ms | e2e p99 ms |")
@@ -360,13 +382,15 @@ def report(runs: dict[int, dict[str, tuple[list[Sample], float]]],
         added = [r - d for r, d in zip(stats["router"], stats["direct"], strict=True)]
         print(f"| {concurrency} | **added by router** | | "
               + " | ".join(f"{v:+.2f}" for v in added) + " |")
-    print("\nrouting decision: choose_prefill (session) + choose_decode over the polled pods, "
-          "in this process; 200 concurrent = 200 tasks calling at once\n")
-    print("| decision | p50 µs | p99 µs | mean µs |")
-    print("|---|---|---|---|")
-    for name, values in decisions.items():
-        print(f"| {name} | {percentile(values, 50):.1f} | {percentile(values, 99):.1f} | "
-              f"{statistics.fmean(values):.1f} |")
+
+
+def _open_loop_settings(args: argparse.Namespace):
+    from benchmarks.router_open_loop import OpenLoopSettings
+
+    return OpenLoopSettings(
+        background=args.background, background_tokens=args.background_tokens, rate=args.rate,
+        duration=args.duration, probe_tokens=args.probe_tokens,
+        prompt_tokens=args.prompt_tokens, rounds=args.rounds)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -378,6 +402,13 @@ def main(args: argparse.Namespace) -> int:
         print("--concurrency (comma-separated), --requests and --rounds must be > 0",
               file=sys.stderr)
         return 2
+    try:
+        open_loop = _open_loop_settings(args) if args.open_loop else None
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    from benchmarks import router_open_loop
+
     procs: list[subprocess.Popen] = []
     with tempfile.TemporaryDirectory(prefix="pdserve-bench-router-") as tmp:
         try:
@@ -391,13 +422,23 @@ def main(args: argparse.Namespace) -> int:
                 if args.pin:
                     print(pin_cpus(procs), flush=True)
             print(f"pods: prefill {prefill}, decode {decode}; router gRPC {router}", flush=True)
-            runs = {c: asyncio.run(measure_latency(args, prefill, decode, router, c))
-                    for c in levels}
+            if open_loop is not None:
+                pids = dict(zip(("prefill", "decode", "router"), (p.pid for p in procs),
+                                strict=False)) | {"client": os.getpid()}
+                opened = asyncio.run(router_open_loop.measure(open_loop, prefill, decode,
+                                                              router, pids))
+            else:
+                runs = {c: asyncio.run(measure_latency(args, prefill, decode, router, c))
+                        for c in levels}
             redis_proc, redis_url = start_redis(Path(tmp))
             if redis_proc is not None:
                 procs.insert(0, redis_proc)  # stopped last
             decisions = asyncio.run(measure_decisions(args, prefill, decode, redis_url))
         finally:
             stop_stack(procs)
-    report(runs, decisions, args)
+    if open_loop is not None:
+        router_open_loop.report(opened, open_loop, percentile)
+        report({}, decisions, args)
+    else:
+        report(runs, decisions, args)
     return 0
