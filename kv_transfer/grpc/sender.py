@@ -6,9 +6,11 @@ the streams really run in parallel), each fed by its own queue that starts
 with BEGIN. `send_layer` stages the chunk and spreads its pieces round-robin
 over the queues; gRPC's own threads pull the frames (building the bytes
 message and its xxhash64 there, not on the engine thread). `end` puts END on
-call 0 and closes every call's queue: the receiver answers call 0 with the
-verdict once all streams' bytes are in. Any call answering ok=False, or
-breaking, fails the transfer; `abort` sends ABORT on call 0.
+call 0 and ends call 0's stream: the receiver answers call 0 with the verdict
+once all streams' bytes are in, and only then do calls 1..N-1 end (a call that
+ends while its transfer is open means a lost sender to the receiver). Any
+call answering ok=False, or breaking, fails the transfer; `abort` sends ABORT
+on call 0.
 """
 
 from __future__ import annotations
@@ -51,9 +53,10 @@ class _Item:
 
 
 class _Transfer:
-    """An Outgoing plus its calls' queues (guarded by Outgoing.lock for `closed`)."""
+    """An Outgoing plus its calls' queues (guarded by Outgoing.lock for `closed`
+    and `released`)."""
 
-    __slots__ = ("out", "queues", "closed")
+    __slots__ = ("out", "queues", "closed", "released")
 
     def __init__(self, out: Outgoing, num_streams: int) -> None:
         self.out = out
@@ -61,16 +64,29 @@ class _Transfer:
             queue.SimpleQueue() for _ in range(num_streams)
         ]
         self.closed = False
+        self.released = False
 
-    def close_queues(self, last: _Item | None = None) -> None:
-        """Optionally put `last` on call 0, then end every call's stream (once)."""
+    def stop_sending(self, last: _Item | None = None) -> None:
+        """No more frames: optionally `last` (END or ABORT), then end call 0's stream
+        (once). Calls 1..N-1 stay open until `release_calls`."""
         with self.out.lock:
             if self.closed:
                 return
             self.closed = True
         if last is not None:
             self.queues[0].put(last)
-        for q in self.queues:
+        self.queues[0].put(None)
+
+    def release_calls(self) -> None:
+        """End calls 1..N-1 (once), after call 0 finished. The receiver reads a call
+        that ends while its transfer is still open as a lost sender (gRPC cannot
+        tell a server a cancelled call from a half-closed one), so they end only
+        once the verdict is in or the transfer is over for this sender."""
+        with self.out.lock:
+            if self.released:
+                return
+            self.released = True
+        for q in self.queues[1:]:
             q.put(None)
 
 
@@ -132,7 +148,7 @@ class GrpcKVSender(KVSender):
     def end(self, request_id: str, first_token_id: int) -> Future[TransferOutcome]:
         t = self._get(request_id)
         t.out.request_end(first_token_id)  # raises on a second END
-        t.close_queues(_Item(_KIND.FRAME_KIND_END, first_token_id=first_token_id))
+        t.stop_sending(_Item(_KIND.FRAME_KIND_END, first_token_id=first_token_id))
         return t.out.future
 
     def abort(self, request_id: str, reason: str) -> None:
@@ -200,20 +216,22 @@ class GrpcKVSender(KVSender):
 
     def _call_done(self, t: _Transfer, index: int, call: grpc.Future) -> None:
         """A call finished (gRPC thread): the verdict (call 0 after END), a refusal, or
-        a break."""
+        a break. Call 0 finishing lets the other calls end."""
         try:
             result = call.result()
         except grpc.RpcError as exc:
             code = exc.code() if hasattr(exc, "code") else None
-            self._fail(t, make_reason(Reason.CONNECTION_LOST, f"stream {index}: {code}"))
-            return
+            result = pdserve_pb2.PushResult(
+                ok=False, reason=make_reason(Reason.CONNECTION_LOST, f"stream {index}: {code}"))
         except grpc.FutureCancelledError:
-            self._fail(t, make_reason(Reason.CONNECTION_LOST, f"stream {index} cancelled"))
-            return
+            result = pdserve_pb2.PushResult(
+                ok=False, reason=make_reason(Reason.CONNECTION_LOST, f"stream {index} cancelled"))
         if not result.ok:
             self._fail(t, result.reason or make_reason(Reason.BAD_FRAME, "no reason given"))
         elif index == 0 and t.out.end_first_token is not None and t.closed:
             self._resolve(t, TransferOutcome.complete())
+        if index == 0:
+            t.release_calls()
 
     def _fail(self, t: _Transfer, reason: str, abort_payload: str | None = None) -> None:
         if self._resolve(t, TransferOutcome.failed(reason)):
@@ -221,7 +239,7 @@ class GrpcKVSender(KVSender):
             if abort_payload is not None:
                 payload = abort_payload.encode()[:1024]
                 last = _Item(_KIND.FRAME_KIND_ABORT, payload=payload)
-            t.close_queues(last)
+            t.stop_sending(last)
 
     def _resolve(self, t: _Transfer, outcome: TransferOutcome) -> bool:
         if not t.out.resolve(outcome):

@@ -11,7 +11,8 @@ Life of a call (a servicer thread; the servicer is synchronous, so it runs in a
     DATA  -> claim the landing region, copy the payload in, verify xxhash64, commit
     ABORT -> drop this sender's attempt (the transfer waits for another BEGIN)
     END   -> wait for the verdict (all streams' rows in) and return it
-    the client closes its side without END -> PushResult(ok) for this stream
+    the client closes its side without END -> PushResult(ok) for this stream;
+        if its transfer is still open, the sender is taken as lost (see below)
 
 The call's `PushResult` is the back channel. A call whose attempt was
 superseded (another sender's BEGIN) answers its next frame, unapplied, with
@@ -102,6 +103,12 @@ class KVTransferServicer(pdserve_pb2_grpc.KVTransferServicer):
                     return result
             if peer.failed():
                 return _result(peer.outcome)
+            # the stream ended without END: fine once its transfer is over (or this
+            # attempt was dropped), otherwise the sender is gone. A cancelled call
+            # can end the request iterator cleanly (gRPC's server sees the stream's
+            # end before the cancellation), so the ending itself is the signal.
+            self.table.peer_lost(peer, make_reason(
+                Reason.CONNECTION_LOST, "the call ended before its transfer did"))  # fmt: skip
             return pdserve_pb2.PushResult(ok=True)
         except TransferRefused as refused:
             return _refused(refused)

@@ -140,6 +140,34 @@ def test_cancelled_call_then_nobody_retries_fails_at_the_deadline(receiver, list
         1, {"deadline": 1}, 1)  # fmt: skip
 
 
+def test_a_call_that_ends_before_its_transfer_did_is_a_lost_sender(receiver, listener):
+    """What a cancelled call can look like to the server (gRPC may end its request
+    iterator cleanly), so a clean end mid-transfer must count as a lost sender."""
+    target = receiver.expect("h", LAYOUT, time.time() + 30)
+    hold = threading.Event()
+    hold.set()  # no late frames: the call half-closes after its one DATA frame
+    call = _held_call(
+        receiver,
+        [_begin("h", target.ticket, b"x"),
+         frame(KIND.FRAME_KIND_DATA, "h", layer=0, offset=0,
+               payload=bytes(LAYOUT.bytes_per_layer))],
+        hold, [],
+    )  # fmt: skip
+    assert call.result(30).ok
+    assert listener.wait_event("h", "restart") == (
+        "restart", "sender_lost: connection_lost: the call ended before its transfer did")
+    kv = random_kv(LAYOUT, torch.Generator().manual_seed(8))
+    sender = _sender()
+    try:
+        sender.begin("h", target, LAYOUT)
+        assert send_all(sender, "h", kv, [7], 3).result(30).ok
+    finally:
+        sender.close()
+    assert listener.wait_final("h") == ("complete", 3)
+    _assert_delivered(listener, "h", kv)
+    assert receiver.release("h")
+
+
 def test_killed_sender_process_then_another_sender_completes(receiver, listener):
     target = receiver.expect("victim", KILLABLE_LAYOUT, time.time() + 60)
     proc = start_killable_sender(target)
