@@ -4,8 +4,8 @@ Life of a transfer: `begin` opens N client-streaming calls (call i on channel
 i of the pool for endpoint i mod E; channels are separate HTTP/2 connections so
 the streams really run in parallel), each fed by its own queue that starts
 with BEGIN. `send_layer` stages the chunk and spreads its pieces round-robin
-over the queues; gRPC's own threads pull the frames (building the bytes
-message and its xxhash64 there, not on the engine thread). `end` puts END on
+over the queues; gRPC's own threads pull the frames (encoding each message,
+codec.py, and its xxhash64 there, not on the engine thread). `end` puts END on
 call 0 and ends call 0's stream: the receiver answers call 0 with the verdict
 once all streams' bytes are in, and only then do calls 1..N-1 end (a call that
 ends while its transfer is open means a lost sender to the receiver). Any
@@ -32,10 +32,13 @@ from kv_transfer.device import HostCopy, HostStager, byte_view
 from kv_transfer.errors import Reason, make_reason
 from kv_transfer.frames import MAX_DATA_BYTES, VERSION, checksum
 from kv_transfer.gc import Collector
+from kv_transfer.grpc.codec import encode_data_frame
+from kv_transfer.grpc.servicer import SERVICE
 from kv_transfer.outgoing import Outgoing, Piece, plan_pieces
-from proto import pdserve_pb2, pdserve_pb2_grpc
+from proto import pdserve_pb2
 
 _KIND = pdserve_pb2.FrameKind
+_PUSH = f"/{SERVICE}/Push"
 _FINISHED_KEPT = 4096
 _CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_DATA_BYTES + (1 << 20)),
@@ -121,13 +124,14 @@ class GrpcKVSender(KVSender):
             ticket=target.ticket, num_layers=layout.num_layers, num_tokens=layout.num_tokens,
             num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim, dtype=layout.dtype,
             payload=t.out.attempt, checksum=checksum(t.out.attempt),
-        )  # fmt: skip
+        ).SerializeToString()  # fmt: skip
         remaining = target.deadline + self.config.verdict_grace_s - time.time()
         timeout = min(max(0.1, remaining), 86400.0)  # gRPC rejects absurd deadlines
         for i, channel in enumerate(channels):
-            call = pdserve_pb2_grpc.KVTransferStub(channel).Push.future(
-                self._frames(t, i, begin), timeout=timeout
-            )
+            # requests are bytes this module encoded (codec.py), so no serializer
+            push = channel.stream_unary(_PUSH, request_serializer=None,
+                                        response_deserializer=pdserve_pb2.PushResult.FromString)
+            call = push.future(self._frames(t, i, begin), timeout=timeout)
             call.add_done_callback(lambda f, i=i: self._call_done(t, i, f))
 
     def send_layer(self, request_id: str, layer: int, kv: torch.Tensor, token_start: int) -> None:
@@ -188,9 +192,8 @@ class GrpcKVSender(KVSender):
         return [self._channels[endpoints[i % len(endpoints)]][i // len(endpoints)]
                 for i in range(n)]  # fmt: skip
 
-    def _frames(self, t: _Transfer, index: int, begin: pdserve_pb2.KVFrame
-                ) -> Iterator[pdserve_pb2.KVFrame]:  # fmt: skip
-        """Call `index`'s request stream; runs on a gRPC thread."""
+    def _frames(self, t: _Transfer, index: int, begin: bytes) -> Iterator[bytes]:
+        """Call `index`'s request stream of encoded KVFrames; runs on a gRPC thread."""
         yield begin
         rid = t.out.request_id
         while (item := t.queues[index].get()) is not None:
@@ -201,18 +204,18 @@ class GrpcKVSender(KVSender):
                 item.host.wait()
                 p = item.piece
                 view = byte_view(item.host.tensor)[p.src_start : p.src_start + p.length]
-                yield pdserve_pb2.KVFrame(
-                    version=VERSION, kind=item.kind, request_id=rid, layer=p.layer,
-                    offset=p.offset, payload=bytes(view), checksum=checksum(view),
-                )  # fmt: skip
+                yield encode_data_frame(VERSION, item.kind, rid, p.layer, p.offset,
+                                        checksum(view), view)  # fmt: skip
             elif item.kind == _KIND.FRAME_KIND_END:
                 yield pdserve_pb2.KVFrame(
                     version=VERSION, kind=item.kind, request_id=rid, checksum=checksum(b""),
                     first_token_id=item.first_token_id, total_bytes=t.out.layout.total_bytes,
-                )  # fmt: skip
+                ).SerializeToString()  # fmt: skip
             else:
-                yield pdserve_pb2.KVFrame(version=VERSION, kind=item.kind, request_id=rid,
-                                          payload=item.payload, checksum=checksum(item.payload))
+                yield pdserve_pb2.KVFrame(
+                    version=VERSION, kind=item.kind, request_id=rid, payload=item.payload,
+                    checksum=checksum(item.payload),
+                ).SerializeToString()  # fmt: skip
 
     def _call_done(self, t: _Transfer, index: int, call: grpc.Future) -> None:
         """A call finished (gRPC thread): the verdict (call 0 after END), a refusal, or

@@ -35,6 +35,7 @@ import grpc
 from kv_transfer.base import KVLayout, TransferOutcome
 from kv_transfer.errors import Reason, TransferRefused, make_reason, reason_code
 from kv_transfer.frames import MAX_ATTEMPT_BYTES, MAX_DATA_BYTES, VERSION, checksum
+from kv_transfer.grpc.codec import Malformed, WireFrame, decode_frame
 from kv_transfer.receive_table import ReceiveTable
 from proto import pdserve_pb2, pdserve_pb2_grpc
 
@@ -44,6 +45,7 @@ SERVER_OPTIONS = [
     ("grpc.max_send_message_length", 1 << 20),
 ]
 _KIND = pdserve_pb2.FrameKind
+SERVICE = "pdserve.v1.KVTransfer"
 
 
 class _CallPeer:
@@ -81,7 +83,17 @@ class KVTransferServicer(pdserve_pb2_grpc.KVTransferServicer):
         self.table = table
 
     def add_to_server(self, server: grpc.Server) -> None:
-        pdserve_pb2_grpc.add_KVTransferServicer_to_server(self, server)
+        """Register `Push` with the connector's own request codec (codec.py)."""
+        handlers = {
+            "Push": grpc.stream_unary_rpc_method_handler(
+                self.Push,
+                request_deserializer=decode_frame,
+                response_serializer=pdserve_pb2.PushResult.SerializeToString,
+            ),
+        }
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(SERVICE, handlers),))  # fmt: skip
+        server.add_registered_method_handlers(SERVICE, handlers)
 
     def Push(self, request_iterator, context) -> pdserve_pb2.PushResult:  # noqa: N802
         peer = _CallPeer()
@@ -91,9 +103,15 @@ class KVTransferServicer(pdserve_pb2_grpc.KVTransferServicer):
             begin = next(frames, None)
             if begin is None:
                 return pdserve_pb2.PushResult(ok=False, reason="bad_frame: empty stream")
+            if isinstance(begin, Malformed):
+                raise TransferRefused(Reason.BAD_FRAME, begin.why)
             request_id = begin.request_id
             self._begin(begin, peer)
             for frame in frames:
+                if isinstance(frame, Malformed):  # this stream cannot be trusted any more
+                    reason = make_reason(Reason.BAD_FRAME, frame.why)
+                    self.table.peer_lost(peer, reason)
+                    return pdserve_pb2.PushResult(ok=False, reason=reason)
                 if peer.failed():
                     if reason_code(peer.outcome.reason) == Reason.SUPERSEDED.value:
                         self.table.stale_frame()  # a newer attempt owns the transfer
@@ -117,7 +135,7 @@ class KVTransferServicer(pdserve_pb2_grpc.KVTransferServicer):
                 self.table.peer_lost(peer, make_reason(Reason.CONNECTION_LOST, str(exc)[:200]))
             raise
 
-    def _begin(self, frame: pdserve_pb2.KVFrame, peer: _CallPeer) -> None:
+    def _begin(self, frame: WireFrame, peer: _CallPeer) -> None:
         if frame.version != VERSION:
             raise TransferRefused(Reason.BAD_FRAME, f"version {frame.version} != {VERSION}")
         if frame.kind != _KIND.FRAME_KIND_BEGIN:
@@ -129,18 +147,18 @@ class KVTransferServicer(pdserve_pb2_grpc.KVTransferServicer):
                               frame.head_dim, frame.dtype)  # fmt: skip
         except ValueError as exc:
             raise TransferRefused(Reason.BAD_FRAME, str(exc)) from None
-        attempt = frame.payload
+        attempt = bytes(frame.payload)
         if len(attempt) > MAX_ATTEMPT_BYTES:
             raise TransferRefused(Reason.BAD_FRAME, f"attempt id over {MAX_ATTEMPT_BYTES} bytes")
-        self.table.begin(frame.request_id, frame.ticket, layout, peer, attempt)
+        self.table.begin(frame.request_id, bytes(frame.ticket), layout, peer, attempt)
 
-    def _handle(self, frame: pdserve_pb2.KVFrame, peer: _CallPeer) -> pdserve_pb2.PushResult | None:
+    def _handle(self, frame: WireFrame, peer: _CallPeer) -> pdserve_pb2.PushResult | None:
         """One frame after BEGIN; a PushResult ends the call."""
         rid = frame.request_id
-        payload = frame.payload  # read once: every access of a bytes field copies it
+        payload = frame.payload  # a view of gRPC's message buffer
         if frame.kind == _KIND.FRAME_KIND_DATA:
             claim = self.table.claim(rid, peer, frame.layer, frame.offset, len(payload))
-            claim.view[:] = payload  # the one copy gRPC's bytes force on us
+            claim.view[:] = payload  # the one copy on this side
             ok = checksum(claim.view) == frame.checksum
             self.table.commit(claim, None if ok else make_reason(
                 Reason.BAD_CHECKSUM, f"layer {frame.layer} offset {frame.offset}"))  # fmt: skip
@@ -154,6 +172,6 @@ class KVTransferServicer(pdserve_pb2_grpc.KVTransferServicer):
                 outcome = TransferOutcome.failed(make_reason(Reason.DEADLINE))
             return _result(outcome)
         if frame.kind == _KIND.FRAME_KIND_ABORT:
-            self.table.abort(rid, peer, payload.decode(errors="replace"))
+            self.table.abort(rid, peer, bytes(payload).decode(errors="replace"))
             return _result(TransferOutcome.failed(make_reason(Reason.ABORTED)))
         raise TransferRefused(Reason.BAD_FRAME, f"unexpected frame kind {frame.kind}")
