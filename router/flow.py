@@ -390,8 +390,10 @@ class RequestFlow:
             if tokens.num_prompt_tokens:
                 self._out.set_cached_tokens(tokens.num_cached_tokens)
             try:
+                # most streams carry no logprobs: skip the per-message conversion then
                 delta = self._out.accept(tokens.first_index, tokens.token_ids,
-                                         logprobs_from_proto(tokens.logprobs))
+                                         logprobs_from_proto(tokens.logprobs)
+                                         if tokens.logprobs else ())
             except OutputGap as gap:
                 raise AttemptFailed(f"decode pod {address}: {gap}",
                                     addresses=frozenset({address}), migrate=True) from None

@@ -72,13 +72,14 @@ def response_message(request_id: str, delta: Delta) -> pb.GenerateResponse:
         request_id=request_id,
         text=delta.text,
         token_ids=delta.token_ids,
-        logprobs=[
+        finish_reason=delta.finish_reason or "",
+    )
+    if delta.logprobs:  # built only when asked for: this runs once per streamed message
+        message.logprobs.extend(
             pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
                             top_token_ids=lp.top_token_ids, top_logprobs=lp.top_logprobs)
             for lp in delta.logprobs
-        ],
-        finish_reason=delta.finish_reason or "",
-    )
+        )
     if delta.usage is not None:
         message.usage.CopyFrom(pb.Usage(
             prompt_tokens=delta.usage.prompt_tokens,
