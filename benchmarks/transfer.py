@@ -6,9 +6,9 @@ In one run, for each stream count N (default 1, 2, 4, 8):
   of memoryviews on one side and `recv_into` a preallocated buffer on the
   other; no framing, no checksums: what loopback TCP gives on this machine;
 - **tcp**: `TcpKVSender` -> `TcpKVReceiver`, K requests x L layers, every
-  layer sent as the engine does (`send_layer` per layer), xxhash64 on both
-  sides, frames sliced across N streams;
-- **tcp-xxh3**: the same with `SenderConfig(checksum="xxh3")`;
+  layer sent as the engine does (`send_layer` per layer), checksums on both
+  sides (XXH3-64, the default), frames sliced across N streams;
+- **tcp-xxh64**: the same with `SenderConfig(checksum="xxh64")`;
 - **grpc**: `GrpcKVSender` -> `GrpcKVReceiver` with N concurrent Push calls;
 
 and **grpc-plain**, one client-streaming `KVTransfer.Push` call sending the
@@ -42,8 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--streams", default="1,2,4,8", help="comma-separated stream counts")
-    parser.add_argument("--connectors", default="tcp,tcp-xxh3,grpc",
-                        help="comma-separated: tcp, tcp-xxh3 (XXH3 checksums), grpc")
+    parser.add_argument("--connectors", default="tcp,tcp-xxh64,grpc",
+                        help="comma-separated: tcp, tcp-xxh64 (XXH64 checksums), grpc")
     parser.add_argument("--chunk-mib", type=float, default=4.0, help="max DATA payload (MiB)")
     parser.add_argument("--repeats", type=int, default=3)
 
@@ -217,7 +217,7 @@ def _connector(name: str, kvs, layout, num_streams: int,
     # prefaulted: a pod's long-lived landing slab is resident after its first requests
     receiver = Receiver(ReceiverConfig(capacity_bytes=capacity, prefault_landing=True), Timing())
     receiver.start()
-    checksum = "xxh3" if name == "tcp-xxh3" else "xxh64"
+    checksum = "xxh64" if name == "tcp-xxh64" else "xxh3"
     sender = Sender(SenderConfig(num_streams=num_streams, max_chunk_bytes=chunk, checksum=checksum))
     try:
         ids = [f"bench-{i}" for i in range(len(kvs))]

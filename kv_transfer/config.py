@@ -17,8 +17,11 @@ def _positive(name: str, value: float, high: float) -> None:
 class SenderConfig:
     """num_streams: parallel connections (TCP) or calls (gRPC) per transfer.
     max_chunk_bytes: largest DATA payload; layers are sliced row-aligned below it.
-    checksum: "xxh64" (the wire contract's default) or "xxh3" (TCP only: about 3x
-    cheaper to compute, flagged per frame; the gRPC connector always uses xxh64)."""
+    checksum: of DATA payloads, "xxh3" (XXH3-64, default: ~3x cheaper than XXH64,
+    which at wire speed on few cores is the difference between ~60% and ~75% of
+    the raw-socket ceiling, docs/benchmarks.md) or "xxh64". TCP flags it per
+    frame and every receiver checks either; control frames and the gRPC
+    connector (whose proto fixes it) always use xxh64."""
 
     num_streams: int = 4
     max_chunk_bytes: int = 4 << 20
@@ -26,7 +29,7 @@ class SenderConfig:
     io_timeout_s: float = 30.0
     verdict_grace_s: float = 2.0  # after the target's deadline, before giving up locally
     sweep_interval_s: float = 0.2
-    checksum: str = "xxh64"
+    checksum: str = "xxh3"
 
     def __post_init__(self) -> None:
         if self.checksum not in CHECKSUMS:

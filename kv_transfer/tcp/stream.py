@@ -39,6 +39,7 @@ from kv_transfer.tcp.wire import (
     new_header_buffer,
     recv_bytes,
     recv_header,
+    send_frame,
     set_io_timeout,
 )
 
@@ -142,8 +143,7 @@ class Stream:
             flags = FLAG_XXH3 if self._config.checksum == "xxh3" else 0
             header = FrameHeader(FrameKind.DATA, t.request_id, p.layer, p.offset, p.length,
                                  data_checksum(view, flags), flags)  # fmt: skip
-            sock.sendall(header.pack())
-            sock.sendall(view)
+            send_frame(sock, header.pack(), view)
         else:
             sock.sendall(control_frame(item.kind, t.request_id, item.payload))
         return sock

@@ -33,7 +33,8 @@ class PeerClosed(Exception):
 
 def recv_exact_into(sock: socket.socket, view: memoryview, *, idle_ok: bool = False,
                     stop: threading.Event | None = None) -> None:  # fmt: skip
-    """Fill `view` from `sock` (GIL released in recv_into).
+    """Fill `view` from `sock` (GIL released in recv_into; MSG_WAITALL makes it one
+    call per payload unless a timeout splits it).
 
     Raises PeerClosed on EOF before the first byte, ConnectionError on EOF
     mid-way, TimeoutError on a timeout mid-way (or at the start unless idle_ok).
@@ -42,7 +43,7 @@ def recv_exact_into(sock: socket.socket, view: memoryview, *, idle_ok: bool = Fa
     size = len(view)
     while got < size:
         try:
-            n = sock.recv_into(view[got:])
+            n = sock.recv_into(view[got:], 0, socket.MSG_WAITALL)
         except (TimeoutError, BlockingIOError):
             if got == 0 and idle_ok and not (stop is not None and stop.is_set()):
                 continue
@@ -52,6 +53,18 @@ def recv_exact_into(sock: socket.socket, view: memoryview, *, idle_ok: bool = Fa
                 raise PeerClosed()
             raise ConnectionError(f"peer closed after {got} of {size} bytes")
         got += n
+
+
+def send_frame(sock: socket.socket, header: bytes, payload: memoryview) -> None:
+    """Header and payload in one `sendmsg` (gather): with TCP_NODELAY a separate
+    send of the small header would leave as its own segment and wake the
+    receiver once more per frame. Loops over partial sends like `sendall`."""
+    sent = sock.sendmsg([header, payload])
+    if sent < len(header):
+        sock.sendall(memoryview(header)[sent:])
+        sent = len(header)
+    if sent - len(header) < len(payload):
+        sock.sendall(payload[sent - len(header) :])
 
 
 def recv_header(sock: socket.socket, buf: bytearray, stop: threading.Event) -> FrameHeader:
