@@ -9,7 +9,8 @@ In one run, for each stream count N (default 1, 2, 4, 8):
   layer sent as the engine does (`send_layer` per layer), checksums on both
   sides (XXH3-64, the default), frames sliced across N streams;
 - **tcp-xxh64**: the same with `SenderConfig(checksum="xxh64")`;
-- **grpc**: `GrpcKVSender` -> `GrpcKVReceiver` with N concurrent Push calls;
+- **grpc**: `GrpcKVSender` -> `GrpcKVReceiver` with N concurrent Push calls
+  (XXH3-64 checksums, the default);
 
 and **grpc-plain**, one client-streaming `KVTransfer.Push` call sending the
 same bytes as bare payload messages (same chunk size) to a servicer that only

@@ -19,9 +19,9 @@ class SenderConfig:
     max_chunk_bytes: largest DATA payload; layers are sliced row-aligned below it.
     checksum: of DATA payloads, "xxh3" (XXH3-64, default: ~3x cheaper than XXH64,
     which at wire speed on few cores is the difference between ~60% and ~75% of
-    the raw-socket ceiling, docs/benchmarks.md) or "xxh64". TCP flags it per
-    frame and every receiver checks either; control frames and the gRPC
-    connector (whose proto fixes it) always use xxh64."""
+    the raw-socket ceiling, docs/benchmarks.md) or "xxh64". Both connectors flag
+    it per DATA frame and every receiver checks either; control frames always
+    use xxh64."""
 
     num_streams: int = 4
     max_chunk_bytes: int = 4 << 20

@@ -193,7 +193,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ...) -> None: ...
 
 class KVFrame(_message.Message):
-    __slots__ = ("version", "kind", "request_id", "layer", "offset", "payload", "checksum", "ticket", "num_layers", "num_tokens", "num_kv_heads", "head_dim", "dtype", "first_token_id", "total_bytes", "reason")
+    __slots__ = ("version", "kind", "request_id", "layer", "offset", "payload", "checksum", "ticket", "num_layers", "num_tokens", "num_kv_heads", "head_dim", "dtype", "first_token_id", "total_bytes", "reason", "flags")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -210,6 +210,7 @@ class KVFrame(_message.Message):
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    FLAGS_FIELD_NUMBER: _ClassVar[int]
     version: int
     kind: FrameKind
     request_id: str
@@ -226,7 +227,8 @@ class KVFrame(_message.Message):
     first_token_id: int
     total_bytes: int
     reason: str
-    def __init__(self, version: _Optional[int] = ..., kind: _Optional[_Union[FrameKind, str]] = ..., request_id: _Optional[str] = ..., layer: _Optional[int] = ..., offset: _Optional[int] = ..., payload: _Optional[bytes] = ..., checksum: _Optional[int] = ..., ticket: _Optional[bytes] = ..., num_layers: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., first_token_id: _Optional[int] = ..., total_bytes: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+    flags: int
+    def __init__(self, version: _Optional[int] = ..., kind: _Optional[_Union[FrameKind, str]] = ..., request_id: _Optional[str] = ..., layer: _Optional[int] = ..., offset: _Optional[int] = ..., payload: _Optional[bytes] = ..., checksum: _Optional[int] = ..., ticket: _Optional[bytes] = ..., num_layers: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., first_token_id: _Optional[int] = ..., total_bytes: _Optional[int] = ..., reason: _Optional[str] = ..., flags: _Optional[int] = ...) -> None: ...
 
 class PushResult(_message.Message):
     __slots__ = ("ok", "reason")

@@ -43,6 +43,7 @@ _FIELDS = {
     14: ("first_token_id", _VARINT, "i32"),
     15: ("total_bytes", _VARINT, "u64"),
     16: ("reason", _LEN, "text"),
+    17: ("flags", _VARINT, "u32"),
 }
 
 
@@ -67,6 +68,7 @@ class WireFrame:
     first_token_id: int = 0
     total_bytes: int = 0
     reason: str = ""
+    flags: int = 0
 
 
 class Malformed:
@@ -148,11 +150,12 @@ def _put_varint(out: bytearray, value: int) -> None:
 
 
 def encode_data_frame(version: int, kind: int, request_id: str, layer: int, offset: int,
-                      checksum: int, payload: memoryview) -> bytes:  # fmt: skip
+                      checksum: int, payload: memoryview, flags: int = 0) -> bytes:  # fmt: skip
     """A DATA KVFrame's encoding: the fields, then the payload joined behind them
     (its one copy). Zero-valued fields are omitted, as protobuf does."""
     head = bytearray()
-    for number, value in ((1, version), (2, kind), (4, layer), (5, offset), (7, checksum)):
+    fields = ((1, version), (2, kind), (4, layer), (5, offset), (7, checksum), (17, flags))
+    for number, value in fields:
         if value:
             _put_varint(head, number << 3)
             _put_varint(head, value)

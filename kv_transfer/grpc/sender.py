@@ -5,7 +5,7 @@ i of the pool for endpoint i mod E; channels are separate HTTP/2 connections so
 the streams really run in parallel), each fed by its own queue that starts
 with BEGIN. `send_layer` stages the chunk and spreads its pieces round-robin
 over the queues; gRPC's own threads pull the frames (encoding each message,
-codec.py, and its xxhash64 there, not on the engine thread). `end` puts END on
+codec.py, and its checksum there, not on the engine thread). `end` puts END on
 call 0 and ends call 0's stream: the receiver answers call 0 with the verdict
 once all streams' bytes are in, and only then do calls 1..N-1 end (a call that
 ends while its transfer is open means a lost sender to the receiver). Any
@@ -30,7 +30,7 @@ from kv_transfer.base import KVLayout, KVSender, TransferOutcome, TransferTarget
 from kv_transfer.config import SenderConfig
 from kv_transfer.device import HostCopy, HostStager, byte_view
 from kv_transfer.errors import Reason, make_reason
-from kv_transfer.frames import MAX_DATA_BYTES, VERSION, checksum
+from kv_transfer.frames import FLAG_XXH3, MAX_DATA_BYTES, VERSION, checksum, data_checksum
 from kv_transfer.gc import Collector
 from kv_transfer.grpc.codec import encode_data_frame
 from kv_transfer.grpc.servicer import SERVICE
@@ -196,6 +196,7 @@ class GrpcKVSender(KVSender):
         """Call `index`'s request stream of encoded KVFrames; runs on a gRPC thread."""
         yield begin
         rid = t.out.request_id
+        flags = FLAG_XXH3 if self.config.checksum == "xxh3" else 0
         while (item := t.queues[index].get()) is not None:
             if t.out.done and item.kind != _KIND.FRAME_KIND_ABORT:
                 continue  # failed: drain without sending
@@ -205,7 +206,7 @@ class GrpcKVSender(KVSender):
                 p = item.piece
                 view = byte_view(item.host.tensor)[p.src_start : p.src_start + p.length]
                 yield encode_data_frame(VERSION, item.kind, rid, p.layer, p.offset,
-                                        checksum(view), view)  # fmt: skip
+                                        data_checksum(view, flags), view, flags)  # fmt: skip
             elif item.kind == _KIND.FRAME_KIND_END:
                 yield pdserve_pb2.KVFrame(
                     version=VERSION, kind=item.kind, request_id=rid, checksum=checksum(b""),

@@ -2,7 +2,7 @@
 
 Every frame's `checksum` is xxhash64 of its `payload` (BEGIN: the sender's
 attempt id, up to 16 bytes; empty for END, whose fields carry the data; the
-reason for ABORT).
+reason for ABORT), or XXH3-64 for a DATA frame whose `flags` bit 1 is set.
 
 Life of a call (a servicer thread; the servicer is synchronous, so it runs in a
 `grpc.server` thread pool, or in a `grpc.aio.server(migration_thread_pool=...)`):
@@ -34,7 +34,13 @@ import grpc
 
 from kv_transfer.base import KVLayout, TransferOutcome
 from kv_transfer.errors import Reason, TransferRefused, make_reason, reason_code
-from kv_transfer.frames import MAX_ATTEMPT_BYTES, MAX_DATA_BYTES, VERSION, checksum
+from kv_transfer.frames import (
+    MAX_ATTEMPT_BYTES,
+    MAX_DATA_BYTES,
+    VERSION,
+    checksum,
+    data_checksum,
+)
 from kv_transfer.grpc.codec import Malformed, WireFrame, decode_frame
 from kv_transfer.receive_table import ReceiveTable
 from proto import pdserve_pb2, pdserve_pb2_grpc
@@ -159,7 +165,7 @@ class KVTransferServicer(pdserve_pb2_grpc.KVTransferServicer):
         if frame.kind == _KIND.FRAME_KIND_DATA:
             claim = self.table.claim(rid, peer, frame.layer, frame.offset, len(payload))
             claim.view[:] = payload  # the one copy on this side
-            ok = checksum(claim.view) == frame.checksum
+            ok = data_checksum(claim.view, frame.flags) == frame.checksum
             self.table.commit(claim, None if ok else make_reason(
                 Reason.BAD_CHECKSUM, f"layer {frame.layer} offset {frame.offset}"))  # fmt: skip
             return None

@@ -34,7 +34,7 @@ def _random_message(rng: random.Random) -> pdserve_pb2.KVFrame:
         checksum=num(64), ticket=rng.randbytes(rng.randrange(40)), num_layers=num(32),
         num_tokens=num(32), num_kv_heads=num(32), head_dim=num(32), dtype=text(),
         first_token_id=rng.choice([0, -1, -(1 << 31), (1 << 31) - 1, rng.randrange(1 << 20)]),
-        total_bytes=num(64), reason=text(),
+        total_bytes=num(64), reason=text(), flags=num(32),
     )  # fmt: skip
 
 
@@ -62,7 +62,7 @@ def test_encoded_data_frames_parse_with_protobuf():
         fields = dict(version=rng.choice([0, 1, 7]), kind=rng.randrange(6),
                       request_id=rng.choice(["", "req-1", "\u00e9t\u00e9"]),
                       layer=rng.randrange(1 << 32), offset=rng.randrange(1 << 64),
-                      checksum=rng.randrange(1 << 64))  # fmt: skip
+                      checksum=rng.randrange(1 << 64), flags=rng.choice([0, 2]))  # fmt: skip
         data = encode_data_frame(payload=payload, **fields)
         parsed = pdserve_pb2.KVFrame.FromString(data)
         assert _as_plain(parsed) == _as_plain(pdserve_pb2.KVFrame(payload=bytes(payload), **fields))

@@ -61,6 +61,14 @@ def test_concurrent_transfers_are_byte_exact(receiver, listener, num_streams):
         sender.close()
 
 
+def test_xxh64_checksums_are_byte_exact(receiver, listener):
+    sender = make_sender(3, checksum="xxh64")  # the default is xxh3
+    try:
+        run_concurrent(sender, receiver, listener, LAYOUTS[:3], seed=31)
+    finally:
+        sender.close()
+
+
 def test_add_to_existing_server(listener):
     server = grpc.server(ThreadPoolExecutor(32), options=SERVER_OPTIONS)
     port = server.add_insecure_port("127.0.0.1:0")

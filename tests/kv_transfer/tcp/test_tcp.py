@@ -68,8 +68,8 @@ def test_concurrent_transfers_are_byte_exact(receiver, listener, num_streams):
         sender.close()
 
 
-def test_xxh3_checksums_are_byte_exact(receiver, listener):
-    sender = make_sender(4, checksum="xxh3")
+def test_xxh64_checksums_are_byte_exact(receiver, listener):
+    sender = make_sender(4, checksum="xxh64")  # the default is xxh3
     try:
         run_concurrent(sender, receiver, listener, ODD_LAYOUTS[:3], seed=31)
     finally:
