@@ -102,3 +102,23 @@ def test_cancelled_generate_cancels_the_pod_call(tiny_model_dir):
                     await asyncio.sleep(0.05)
             assert not pod.active and len(pod.cancelled) == 1
     run(main())
+
+
+def test_response_message_carries_logprobs_only_when_the_delta_has_them():
+    from router.generation import Delta, TokenLogprobs, Usage
+    from router.grpc_server import response_message
+
+    plain = response_message("r1", Delta(text="ab", token_ids=(5, 6)))
+    assert (plain.request_id, plain.text, list(plain.token_ids)) == ("r1", "ab", [5, 6])
+    assert len(plain.logprobs) == 0 and plain.finish_reason == "" and not plain.HasField("usage")
+
+    lps = (TokenLogprobs(5, -0.25, (5, 9), (-0.25, -2.0)), TokenLogprobs(6, -1.5, (), ()))
+    final = response_message("r2", Delta(text="c", token_ids=(5, 6), logprobs=lps,
+                                         finish_reason="length",
+                                         usage=Usage(prompt_tokens=3, completion_tokens=2,
+                                                     cached_tokens=1)))
+    assert [(lp.token_id, lp.logprob, list(lp.top_token_ids), list(lp.top_logprobs))
+            for lp in final.logprobs] == [(5, -0.25, [5, 9], [-0.25, -2.0]), (6, -1.5, [], [])]
+    assert final.finish_reason == "length"
+    assert (final.usage.prompt_tokens, final.usage.completion_tokens,
+            final.usage.cached_tokens) == (3, 2, 1)
