@@ -9,12 +9,14 @@ from __future__ import annotations
 import argparse
 import importlib
 
-HELP = "Benchmarks: engine, kernels, transfer, ttft, router (each against its baseline)."
+HELP = ("Benchmarks: engine, kernels, transfer, transfer-split, ttft, router "
+        "(each against its baseline).")
 
 BENCHMARKS: dict[str, str] = {
     "engine": "benchmarks.engine",
     "kernels": "benchmarks.kernels",
     "transfer": "benchmarks.transfer",
+    "transfer-split": "benchmarks.transfer_split",
     "ttft": "benchmarks.ttft",
     "router": "benchmarks.router",
 }
