@@ -159,3 +159,34 @@ def test_redis_store_queues_bursts_larger_than_its_connection_pool(redis_url: st
     assert asyncio.run(run()) == [f"pod{i % 3}:1" for i in range(300)]
     with pytest.raises(ValueError, match="max_connections must be > 0"):
         RedisSessionStore(redis_url, max_connections=0)
+
+
+@pytest.mark.timeout(30)
+def test_redis_store_pipelines_a_mixed_burst_and_survives_a_script_flush(redis_url: str) -> None:
+    """Gets and assigns issued together share pipelines and each gets its own
+    answer; after SCRIPT FLUSH (a restarted or failed-over Redis) assign reloads
+    the script and goes on."""
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+
+    async def run() -> tuple[list, str]:
+        store = RedisSessionStore(redis_url, max_connections=2, max_batch=16, timeout_s=5.0)
+        try:
+            for i in range(0, 100, 2):
+                assert await store.assign("decode", f"mix-{i}", None, f"pod{i}:1") == f"pod{i}:1"
+            burst = await asyncio.gather(*(
+                store.get("decode", f"mix-{i}") if i % 2 == 0
+                else store.assign("decode", f"mix-{i}", None, f"new{i}:1")
+                for i in range(100)
+            ))  # fmt: skip
+            client.script_flush()
+            after = await store.assign("decode", "after-flush", None, "x:1")
+            return burst, after
+        finally:
+            await store.close()
+
+    burst, after = asyncio.run(run())
+    assert burst == [f"pod{i}:1" if i % 2 == 0 else f"new{i}:1" for i in range(100)]
+    assert after == "x:1" and client.get("pdserve:session:decode:after-flush") == "x:1"
+    client.close()
+    with pytest.raises(ValueError, match="max_batch must be > 0"):
+        RedisSessionStore(redis_url, max_batch=0)
