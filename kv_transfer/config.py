@@ -17,6 +17,10 @@ def _positive(name: str, value: float, high: float) -> None:
 class SenderConfig:
     """num_streams: parallel connections (TCP) or calls (gRPC) per transfer.
     max_chunk_bytes: largest DATA payload; layers are sliced row-aligned below it.
+    min_chunk_bytes: smallest DATA payload a layer is cut into (unless the layer,
+    or max_chunk_bytes, is smaller): below ~2 MiB per-frame work dominates
+    (docs/benchmarks.md), so with many streams a layer takes fewer of them and
+    the next layer the next ones.
     checksum: of DATA payloads, "xxh3" (XXH3-64, default: ~3x cheaper than XXH64,
     which at wire speed on few cores is the difference between ~60% and ~75% of
     the raw-socket ceiling, docs/benchmarks.md) or "xxh64". Both connectors flag
@@ -25,6 +29,7 @@ class SenderConfig:
 
     num_streams: int = 4
     max_chunk_bytes: int = 4 << 20
+    min_chunk_bytes: int = 2 << 20
     connect_timeout_s: float = 5.0
     io_timeout_s: float = 30.0
     verdict_grace_s: float = 2.0  # after the target's deadline, before giving up locally
@@ -41,6 +46,12 @@ class SenderConfig:
         ):
             raise ValueError(
                 f"max_chunk_bytes must be in [4096, {MAX_DATA_BYTES}], got {self.max_chunk_bytes}"
+            )
+        if not isinstance(self.min_chunk_bytes, int) or not (
+            0 <= self.min_chunk_bytes <= MAX_DATA_BYTES
+        ):
+            raise ValueError(
+                f"min_chunk_bytes must be in [0, {MAX_DATA_BYTES}], got {self.min_chunk_bytes}"
             )
         _positive("connect_timeout_s", self.connect_timeout_s, 600)
         _positive("io_timeout_s", self.io_timeout_s, 3600)

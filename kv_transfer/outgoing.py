@@ -29,16 +29,19 @@ class Piece:
 
 
 def plan_pieces(layout: KVLayout, layer: int, token_start: int, num_tokens: int,
-                num_streams: int, max_chunk_bytes: int) -> list[Piece]:  # fmt: skip
+                num_streams: int, max_chunk_bytes: int,
+                min_chunk_bytes: int = 0) -> list[Piece]:  # fmt: skip
     """Slice tokens [token_start, token_start + num_tokens) of one layer.
 
     The staged chunk is [2, n, H, D]: its K rows are bytes [0, n*row), its V rows
     [n*row, 2n*row). K goes to `token_start*row`, V to `(T + token_start)*row`.
     A whole layer (n = T) is laid out exactly as it lands, so its 2n rows are one
     run; a partial chunk is two runs (K, V). Runs are cut into pieces of whole
-    rows, about one per stream (so one layer spreads over all streams) and never
-    above max_chunk_bytes: the fewer and larger the frames, the less per-frame
-    work on both sides.
+    rows, about one per stream (so one layer spreads over all streams), never
+    above max_chunk_bytes and, unless the run itself is shorter, never below
+    min_chunk_bytes: the fewer and larger the frames, the less per-frame work
+    on both sides (with more streams than that allows, the pieces of
+    successive layers rotate over the streams).
     """
     row = layout.row_bytes
     if token_start == 0 and num_tokens == layout.num_tokens:
@@ -47,7 +50,8 @@ def plan_pieces(layout: KVLayout, layer: int, token_start: int, num_tokens: int,
         runs = [(0, token_start, num_tokens),
                 (num_tokens, layout.num_tokens + token_start, num_tokens)]  # fmt: skip
     total_rows = sum(rows for _, _, rows in runs)
-    rows_per_piece = max(1, min(-(-total_rows // num_streams), max_chunk_bytes // row))
+    per_stream = max(-(-total_rows // num_streams), min_chunk_bytes // row)
+    rows_per_piece = max(1, min(per_stream, max_chunk_bytes // row))
     pieces = []
     for src_row, dest_row, run_rows in runs:
         for first in range(0, run_rows, rows_per_piece):

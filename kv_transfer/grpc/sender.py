@@ -142,7 +142,7 @@ class GrpcKVSender(KVSender):
         host = self._stager.stage(kv)
         n = len(t.queues)
         pieces = plan_pieces(t.out.layout, layer, token_start, kv.shape[1], n,
-                             self.config.max_chunk_bytes)  # fmt: skip
+                             self.config.max_chunk_bytes, self.config.min_chunk_bytes)  # fmt: skip
         with t.out.lock:
             first = t.out.next_stream
             t.out.next_stream = (first + len(pieces)) % n

@@ -71,7 +71,7 @@ class TcpKVSender(KVSender):
             return
         host = self._stager.stage(kv)
         pieces = plan_pieces(t.layout, layer, token_start, kv.shape[1], len(streams),
-                             self.config.max_chunk_bytes)  # fmt: skip
+                             self.config.max_chunk_bytes, self.config.min_chunk_bytes)  # fmt: skip
         t.add_pending(len(pieces))
         with t.lock:
             first = t.next_stream
