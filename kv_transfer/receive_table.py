@@ -84,7 +84,9 @@ class ReceiveTable:
         self._unclaimed_freed = 0
         # request id -> final reason of recently freed transfers, so that frames still
         # in flight on other streams are refused as "ended", not counted again
-        self._ended: OrderedDict[str, str] = OrderedDict()
+        # ended and forgotten: request id -> (reason, "" if complete; the attempt id
+        # that completed it, b"" otherwise)
+        self._ended: OrderedDict[str, tuple[str, bytes]] = OrderedDict()
 
     # ---------------------------------------------------------------- service side
 
@@ -168,7 +170,9 @@ class ReceiveTable:
                 self._refuse(t, refused, request_id)
             raise
         if t is None and ended is not None:
-            raise _ended_refusal(ended)
+            if attempt and attempt == ended[1]:
+                return  # a late stream of the attempt that completed it (see below)
+            raise _ended_refusal(ended[0])
         try:
             if t is None:
                 raise TransferRefused(Reason.UNKNOWN_REQUEST, f"{request_id!r} is not expected")
@@ -184,6 +188,13 @@ class ReceiveTable:
         with t.deliver_lock:
             with self._lock:
                 if t.state.terminal:
+                    if attempt and attempt == t.attempt and not t.reason:
+                        # The attempt that completed the transfer opened this stream too
+                        # but sent nothing on it (a small transfer spans fewer streams);
+                        # its BEGIN lost the race with the others' frames. Nothing to
+                        # authenticate any more, and nothing to refuse: a refusal would
+                        # reach the sender as a failure, maybe before the verdict.
+                        return
                     raise _ended(t)
                 if attempt in t.retired:
                     self._stale_frames += 1
@@ -380,7 +391,7 @@ class ReceiveTable:
         in the current attempt; a dropped attempt's stream is refused (counted)."""
         t = self._transfers.get(request_id)
         if t is None and request_id in self._ended:
-            raise _ended_refusal(self._ended[request_id])
+            raise _ended_refusal(self._ended[request_id][0])
         if t is not None and not t.state.terminal and any(p is peer for p in t.stale_peers):
             self._stale_frames += 1
             raise TransferRefused(Reason.SUPERSEDED, f"{request_id!r}: this stream's attempt "
@@ -403,9 +414,9 @@ class ReceiveTable:
                 self._failures[refused.code.value] += 1
                 self._remember_ended(request_id, refused.reason)
 
-    def _remember_ended(self, request_id: str, reason: str) -> None:
-        """Caller holds _lock."""
-        self._ended[request_id] = reason
+    def _remember_ended(self, request_id: str, reason: str, completed_by: bytes = b"") -> None:
+        """Caller holds _lock. `completed_by`: the attempt id that completed it."""
+        self._ended[request_id] = (reason, completed_by)
         if len(self._ended) > _ENDED_KEPT:
             self._ended.popitem(last=False)
 
@@ -482,7 +493,7 @@ class ReceiveTable:
             t.state = t.state.to(TransferState.RELEASED)
             if self._transfers.get(t.request_id) is t:
                 del self._transfers[t.request_id]
-                self._remember_ended(t.request_id, t.reason)
+                self._remember_ended(t.request_id, t.reason, b"" if t.reason else t.attempt)
         self.pool.free(buffer)
 
 

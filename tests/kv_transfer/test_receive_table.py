@@ -209,3 +209,26 @@ def test_sender_lost_then_deadline_fails_and_frees():
     assert listener.events["x"][-1][1].startswith("deadline")
     table.sweep(time.time() + 1)
     assert pool.bytes_in_use == 0
+
+
+def test_a_late_begin_of_the_completing_attempt_is_not_a_failure():
+    """A stream the sender opened but sent nothing on (a transfer smaller than its
+    streams) may deliver its BEGIN after the others completed the transfer: that
+    BEGIN is let be, before and after release; another attempt's is refused."""
+    table, pool, listener = make_table()
+    target = table.expect("late", LAYOUT, time.time() + 30, ("127.0.0.1:1",))
+    carrier, idle, other = Peer(), Peer(), Peer()
+    table.begin("late", target.ticket, LAYOUT, carrier, b"attempt-1")
+    for layer in range(3):
+        write(table, carrier, "late", layer, 0, bytes(64))
+    table.end("late", carrier, 5, LAYOUT.total_bytes)
+    assert listener.wait_final("late") == ("complete", 5)
+    table.begin("late", target.ticket, LAYOUT, idle, b"attempt-1")  # no exception
+    with pytest.raises(TransferRefused, match="transfer already ended"):
+        table.begin("late", target.ticket, LAYOUT, other, b"attempt-2")
+    assert table.release("late")
+    table.begin("late", target.ticket, LAYOUT, idle, b"attempt-1")  # still none
+    with pytest.raises(TransferRefused, match="transfer already ended"):
+        table.begin("late", target.ticket, LAYOUT, other, b"attempt-2")
+    assert carrier.outcomes == [("late", True, "")] and idle.outcomes == []
+    assert table.stats().failures == {} and pool.bytes_in_use == 0
