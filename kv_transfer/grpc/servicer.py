@@ -8,7 +8,7 @@ Life of a call (a servicer thread; the servicer is synchronous, so it runs in a
 `grpc.server` thread pool, or in a `grpc.aio.server(migration_thread_pool=...)`):
 
     first frame must be BEGIN -> ReceiveTable.begin (ticket, layout, version)
-    DATA  -> claim the landing region, copy the payload in, verify xxhash64, commit
+    DATA  -> claim the landing region, copy the payload in, verify the checksum, commit
     ABORT -> drop this sender's attempt (the transfer waits for another BEGIN)
     END   -> wait for the verdict (all streams' rows in) and return it
     the client closes its side without END -> PushResult(ok) for this stream;
