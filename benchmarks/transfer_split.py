@@ -13,7 +13,8 @@ times, best wall time kept:
   `data_checksum` replaced by a constant in both processes, to show what the
   checksums cost apart from framing.
 
-The processes exchange only JSON over a pipe (targets, CPU seconds).
+The processes exchange only JSON over a pipe (targets, CPU seconds); the
+receiver starts from multiprocessing's fork server with primitive arguments.
 """
 
 from __future__ import annotations
@@ -57,9 +58,10 @@ def _constant(view, flags) -> int:
     return 0
 
 
-def _receive_connector(conn, layout, requests: int, rounds: int, patch: bool) -> None:
-    """Child: a TcpKVReceiver; per round, send the targets, wait for every verdict."""
-    from kv_transfer.base import KVReceiveListener
+def _receive_connector(conn, shape: list, requests: int, rounds: int, patch: bool) -> None:
+    """Child: a TcpKVReceiver; per round, send the targets, wait for every verdict.
+    `shape`: the KVLayout's fields (only primitives cross to the child)."""
+    from kv_transfer.base import KVLayout, KVReceiveListener
     from kv_transfer.config import ReceiverConfig
     from kv_transfer.tcp import TcpKVReceiver
 
@@ -78,6 +80,7 @@ def _receive_connector(conn, layout, requests: int, rounds: int, patch: bool) ->
             print(f"  transfer {request_id} failed: {reason}", flush=True)
             done.release()
 
+    layout = KVLayout(*shape)
     config = ReceiverConfig(capacity_bytes=layout.total_bytes * requests, prefault_landing=True)
     receiver = TcpKVReceiver(config, Listener())
     receiver.start()
@@ -164,7 +167,9 @@ def _measure(path: str, num_streams: int, kvs, layout, rounds: int) -> tuple[flo
     from kv_transfer.device import byte_view
     from kv_transfer.tcp import TcpKVSender
 
-    ctx = multiprocessing.get_context("fork")
+    # forkserver, not fork: this process may already run gRPC and torch threads,
+    # which a forked child inherits in whatever state they were (and can hang on)
+    ctx = multiprocessing.get_context("forkserver")
     parent, child = ctx.Pipe()
     sender = original = None
     if path == "ceiling":
@@ -175,8 +180,10 @@ def _measure(path: str, num_streams: int, kvs, layout, rounds: int) -> tuple[flo
             original = _set_checksum(_constant)
         checksum = "xxh64" if path == "tcp-xxh64" else "xxh3"
         sender = TcpKVSender(SenderConfig(num_streams=num_streams, checksum=checksum))
+        shape = [layout.num_layers, layout.num_tokens, layout.num_kv_heads, layout.head_dim,
+                 layout.dtype]  # fmt: skip
         proc = ctx.Process(target=_receive_connector, args=(
-            child, layout, len(kvs), rounds, path == "tcp-no-checksum"))  # fmt: skip
+            child, shape, len(kvs), rounds, path == "tcp-no-checksum"))  # fmt: skip
     proc.start()
     best = (float("inf"), 0.0)
     try:

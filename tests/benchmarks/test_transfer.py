@@ -1,0 +1,40 @@
+"""`pdserve bench transfer` and `transfer-split` run end to end on a tiny shape
+(their figures are for docs/benchmarks.md; here only that every path moves the
+bytes and the table is complete)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from benchmarks import transfer, transfer_split
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _args(module, argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    module.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_transfer_benchmark_prints_every_path(capsys):
+    args = _args(transfer, ["--requests", "2", "--layers", "2", "--tokens", "64",
+                            "--streams", "1,3", "--repeats", "1"])  # fmt: skip
+    assert transfer.main(args) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    paths = [(row.split("|")[1].strip(), row.split("|")[2].strip()) for row in rows[1:]]
+    expected = []
+    for streams in ("1", "3"):
+        expected += [("ceiling", streams), ("grpc-plain", "1 call"), ("tcp", streams),
+                     ("tcp-xxh64", streams), ("grpc", streams)]  # fmt: skip
+    assert paths == expected
+
+def test_transfer_split_benchmark_prints_every_path(capsys):
+    args = _args(transfer_split, ["--requests", "1", "--layers", "2", "--tokens", "64",
+                                  "--streams", "2", "--rounds", "2"])  # fmt: skip
+    assert transfer_split.main(args) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert [row.split("|")[1].strip() for row in rows[1:]] == list(transfer_split.PATHS)
+    assert all(float(row.split("|")[3]) > 0 for row in rows[1:])
