@@ -2,7 +2,7 @@
 separate processes, as prefill and decode pods are, against the same ceiling.
 
 `pdserve bench transfer` runs both ends in one process (one GIL, one CPU
-figure). This one forks a receiver process per path and sends from the
+figure). This one starts a receiver process per path and sends from the
 parent; CPU s/GB is summed over both processes. Paths, each `--rounds`
 times, best wall time kept:
 
