@@ -42,7 +42,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 
 from kv_transfer.base import (
     KVLayout,
@@ -53,6 +53,7 @@ from kv_transfer.base import (
     TransferTarget,
     check_request_id,
 )
+from kv_transfer.ended import Ended, EndedTransfers, ended_refusal
 from kv_transfer.errors import Reason, TransferRefused, make_reason, reason_code
 from kv_transfer.incoming import Incoming, Peer, WriteClaim
 from kv_transfer.landing import LandingBufferPool
@@ -82,11 +83,9 @@ class ReceiveTable:
         self._completed = 0
         self._bytes_received = 0
         self._unclaimed_freed = 0
-        # request id -> final reason of recently freed transfers, so that frames still
-        # in flight on other streams are refused as "ended", not counted again
-        # ended and forgotten: request id -> (reason, "" if complete; the attempt id
-        # that completed it, b"" otherwise)
-        self._ended: OrderedDict[str, tuple[str, bytes]] = OrderedDict()
+        # recently freed transfers: frames still in flight on other streams are
+        # refused as "ended", not counted again
+        self._ended = EndedTransfers(_ENDED_KEPT)
 
     # ---------------------------------------------------------------- service side
 
@@ -170,9 +169,9 @@ class ReceiveTable:
                 self._refuse(t, refused, request_id)
             raise
         if t is None and ended is not None:
-            if attempt and attempt == ended[1]:
+            if ended.completed_by_attempt(attempt):
                 return  # a late stream of the attempt that completed it (see below)
-            raise _ended_refusal(ended[0])
+            raise ended.refusal()
         try:
             if t is None:
                 raise TransferRefused(Reason.UNKNOWN_REQUEST, f"{request_id!r} is not expected")
@@ -188,14 +187,14 @@ class ReceiveTable:
         with t.deliver_lock:
             with self._lock:
                 if t.state.terminal:
-                    if attempt and attempt == t.attempt and not t.reason:
+                    if Ended.of(t.reason, t.attempt).completed_by_attempt(attempt):
                         # The attempt that completed the transfer opened this stream too
                         # but sent nothing on it (a small transfer spans fewer streams);
                         # its BEGIN lost the race with the others' frames. Nothing to
                         # authenticate any more, and nothing to refuse: a refusal would
                         # reach the sender as a failure, maybe before the verdict.
                         return
-                    raise _ended(t)
+                    raise ended_refusal(t.reason)
                 if attempt in t.retired:
                     self._stale_frames += 1
                     raise TransferRefused(Reason.SUPERSEDED,
@@ -391,7 +390,7 @@ class ReceiveTable:
         in the current attempt; a dropped attempt's stream is refused (counted)."""
         t = self._transfers.get(request_id)
         if t is None and request_id in self._ended:
-            raise _ended_refusal(self._ended[request_id][0])
+            raise self._ended.get(request_id).refusal()
         if t is not None and not t.state.terminal and any(p is peer for p in t.stale_peers):
             self._stale_frames += 1
             raise TransferRefused(Reason.SUPERSEDED, f"{request_id!r}: this stream's attempt "
@@ -399,7 +398,7 @@ class ReceiveTable:
         if t is None or not any(p is peer for p in t.peers):
             raise TransferRefused(Reason.UNKNOWN_REQUEST, f"no BEGIN for {request_id!r} here")
         if t.state.terminal:
-            raise _ended(t)
+            raise ended_refusal(t.reason)
         return t
 
     def _refuse(self, t: Incoming | None, refused: TransferRefused, request_id: str) -> None:
@@ -412,13 +411,7 @@ class ReceiveTable:
         with self._lock:
             if request_id not in self._ended:
                 self._failures[refused.code.value] += 1
-                self._remember_ended(request_id, refused.reason)
-
-    def _remember_ended(self, request_id: str, reason: str, completed_by: bytes = b"") -> None:
-        """Caller holds _lock. `completed_by`: the attempt id that completed it."""
-        self._ended[request_id] = (reason, completed_by)
-        if len(self._ended) > _ENDED_KEPT:
-            self._ended.popitem(last=False)
+                self._ended.remember(request_id, Ended(refused.reason))
 
     def _advance(self, t: Incoming) -> None:
         """Deliver every layer that became complete, in order; decide END."""
@@ -493,21 +486,9 @@ class ReceiveTable:
             t.state = t.state.to(TransferState.RELEASED)
             if self._transfers.get(t.request_id) is t:
                 del self._transfers[t.request_id]
-                self._remember_ended(t.request_id, t.reason, b"" if t.reason else t.attempt)
+                self._ended.remember(t.request_id, Ended.of(t.reason, t.attempt))
         self.pool.free(buffer)
 
 
 _RECEIVING = (TransferState.STARTED, TransferState.ENDING)
 
-
-def _ended(t: Incoming) -> TransferRefused:
-    return _ended_refusal(t.reason)
-
-
-def _ended_refusal(reason: str) -> TransferRefused:
-    """Refusal of a frame for a transfer that already ended (never counted again)."""
-    code = reason_code(reason)
-    return TransferRefused(
-        Reason(code) if code != "other" else Reason.UNKNOWN_REQUEST,
-        f"transfer already ended ({reason or 'complete'})",
-    )
