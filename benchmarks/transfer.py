@@ -22,7 +22,10 @@ verdict. CPU s/GB = CPU time of the process (sender and receiver threads both
 live in it) per GB moved: steadier than GB/s on a shared machine. Per-layer
 latency = time from a request's `begin` to that layer's `on_layer_ready` on
 the receiver. Repeats interleave the paths; each row is the run with the best
-wall time out of --repeats.
+wall time out of --repeats ("vs baseline": best against best); "median vs
+baseline" compares the median wall times of the same repeats, which a single
+lucky or unlucky run moves less. --min-chunk-mib sets the connector's
+`min_chunk_bytes`.
 """
 
 from __future__ import annotations
@@ -46,6 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--connectors", default="tcp,tcp-xxh64,grpc",
                         help="comma-separated: tcp, tcp-xxh64 (XXH64 checksums), grpc")
     parser.add_argument("--chunk-mib", type=float, default=4.0, help="max DATA payload (MiB)")
+    parser.add_argument("--min-chunk-mib", type=float, default=2.0,
+                        help="smallest DATA payload a layer is cut into (MiB; SenderConfig"
+                             ".min_chunk_bytes, default 2)")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=3)
 
 
@@ -58,6 +64,7 @@ def main(args: argparse.Namespace) -> int:
     streams = [int(s) for s in args.streams.split(",")]
     connectors = [c for c in args.connectors.split(",") if c]
     chunk = int(args.chunk_mib * (1 << 20))
+    min_chunk = int(args.min_chunk_mib * (1 << 20))
     gen = torch.Generator().manual_seed(0)
     kvs = [
         torch.randint(0, 256, (layout.total_bytes,), dtype=torch.uint8, generator=gen)
@@ -66,7 +73,7 @@ def main(args: argparse.Namespace) -> int:
     ]  # fmt: skip
     total = layout.total_bytes * args.requests
     print(f"# {args.requests} requests x {layout}: {total / 2**20:.1f} MiB per measurement, "
-          f"best of {args.repeats}, chunk {args.chunk_mib} MiB")  # fmt: skip
+          f"best of {args.repeats}, chunk {args.min_chunk_mib}-{args.chunk_mib} MiB")  # fmt: skip
     rows = []
     baselines = ["ceiling"] + (["grpc-plain"] if "grpc" in connectors else [])
     for n in streams:
@@ -78,12 +85,16 @@ def main(args: argparse.Namespace) -> int:
             if "grpc-plain" in runs:
                 runs["grpc-plain"].append(_plain_grpc(kvs, chunk))
             for connector in connectors:
-                runs[connector].append(_connector(connector, kvs, layout, n, chunk))
+                runs[connector].append(_connector(connector, kvs, layout, n, chunk, min_chunk))
         best = {path: _best(results) for path, results in runs.items()}
+        median = {path: _median_seconds(results) for path, results in runs.items()}
         for path in (*baselines, *connectors):
             base_path = "grpc-plain" if path == "grpc" else "ceiling"
-            base = None if path in baselines else best[base_path]
-            rows.append((path, n, total, best[path], base))
+            if path in baselines:
+                rows.append((path, n, total, best[path], None, None))
+            else:
+                rows.append((path, n, total, best[path], best[base_path],
+                             median[base_path] / median[path]))  # fmt: skip
     _print(rows)
     return 0
 
@@ -104,25 +115,34 @@ def _best(runs: list[tuple[float, float, list[float]]]) -> tuple[float, float, l
     return min(runs, key=lambda run: run[0])
 
 
+def _median_seconds(runs: list[tuple[float, float, list[float]]]) -> float:
+    ordered = sorted(run[0] for run in runs)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
 def _pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(len(ordered) * q / 100))]
 
 
 def _print(rows) -> None:
-    print("| path | streams | GB/s | vs baseline | CPU s/GB | layer p50 ms | layer p99 ms |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    for path, n, total, (seconds, cpu, latencies), base in rows:
+    print("| path | streams | GB/s | vs baseline | median vs baseline | CPU s/GB "
+          "| layer p50 ms | layer p99 ms |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for path, n, total, (seconds, cpu, latencies), base, median_ratio in rows:
         gbps = total / seconds / 1e9
-        ratio = "-"
+        ratio = median = "-"
         if base is not None:
             name = "grpc-plain" if path == "grpc" else "ceiling"
             ratio = f"{base[0] / seconds:.0%} of {name}"
+            median = f"{median_ratio:.0%}"
         lat = "- | -"
         if latencies:
             lat = f"{_pct(latencies, 50) * 1e3:.1f} | {_pct(latencies, 99) * 1e3:.1f}"
         streams = "1 call" if path == "grpc-plain" else n
-        print(f"| {path} | {streams} | {gbps:.2f} | {ratio} | {cpu / (total / 1e9):.2f} | {lat} |")
+        print(f"| {path} | {streams} | {gbps:.2f} | {ratio} | {median} "
+              f"| {cpu / (total / 1e9):.2f} | {lat} |")  # fmt: skip
 
 
 def _raw_ceiling(kvs, num_streams: int) -> tuple[float, float, list[float]]:
@@ -189,8 +209,8 @@ def _recv_exact(conn: socket.socket, n: int) -> bytes:
     return buf
 
 
-def _connector(name: str, kvs, layout, num_streams: int,
-               chunk: int) -> tuple[float, float, list[float]]:  # fmt: skip
+def _connector(name: str, kvs, layout, num_streams: int, chunk: int,
+               min_chunk: int = 2 << 20) -> tuple[float, float, list[float]]:  # fmt: skip
     """K requests through a real connector; (seconds, per-layer BEGIN->ready latencies)."""
     from kv_transfer.base import KVReceiveListener
     from kv_transfer.config import ReceiverConfig, SenderConfig
@@ -219,7 +239,8 @@ def _connector(name: str, kvs, layout, num_streams: int,
     receiver = Receiver(ReceiverConfig(capacity_bytes=capacity, prefault_landing=True), Timing())
     receiver.start()
     checksum = "xxh64" if name == "tcp-xxh64" else "xxh3"
-    sender = Sender(SenderConfig(num_streams=num_streams, max_chunk_bytes=chunk, checksum=checksum))
+    sender = Sender(SenderConfig(num_streams=num_streams, max_chunk_bytes=chunk,
+                                 min_chunk_bytes=min(min_chunk, chunk), checksum=checksum))  # fmt: skip
     try:
         ids = [f"bench-{i}" for i in range(len(kvs))]
         targets = [receiver.expect(rid, layout, time.time() + 600) for rid in ids]

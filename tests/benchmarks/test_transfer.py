@@ -21,7 +21,8 @@ def _args(module, argv: list[str]) -> argparse.Namespace:
 
 def test_transfer_benchmark_prints_every_path(capsys):
     args = _args(transfer, ["--requests", "2", "--layers", "2", "--tokens", "64",
-                            "--streams", "1,3", "--repeats", "1"])  # fmt: skip
+                            "--streams", "1,3", "--repeats", "2",
+                            "--min-chunk-mib", "0.01"])  # fmt: skip
     assert transfer.main(args) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
     paths = [(row.split("|")[1].strip(), row.split("|")[2].strip()) for row in rows[1:]]
@@ -30,6 +31,13 @@ def test_transfer_benchmark_prints_every_path(capsys):
         expected += [("ceiling", streams), ("grpc-plain", "1 call"), ("tcp", streams),
                      ("tcp-xxh64", streams), ("grpc", streams)]  # fmt: skip
     assert paths == expected
+    for row in rows[1:]:
+        path, median_ratio = row.split("|")[1].strip(), row.split("|")[5].strip()
+        if path in ("ceiling", "grpc-plain"):
+            assert median_ratio == "-"
+        else:
+            assert median_ratio.endswith("%") and int(median_ratio[:-1]) > 0
+
 
 def test_transfer_split_benchmark_prints_every_path(capsys):
     args = _args(transfer_split, ["--requests", "1", "--layers", "2", "--tokens", "64",
