@@ -239,8 +239,9 @@ def _connector(name: str, kvs, layout, num_streams: int, chunk: int,
     receiver = Receiver(ReceiverConfig(capacity_bytes=capacity, prefault_landing=True), Timing())
     receiver.start()
     checksum = "xxh64" if name == "tcp-xxh64" else "xxh3"
-    sender = Sender(SenderConfig(num_streams=num_streams, max_chunk_bytes=chunk,
-                                 min_chunk_bytes=min(min_chunk, chunk), checksum=checksum))  # fmt: skip
+    config = SenderConfig(num_streams=num_streams, max_chunk_bytes=chunk,
+                          min_chunk_bytes=min(min_chunk, chunk), checksum=checksum)  # fmt: skip
+    sender = Sender(config)
     try:
         ids = [f"bench-{i}" for i in range(len(kvs))]
         targets = [receiver.expect(rid, layout, time.time() + 600) for rid in ids]
