@@ -11,6 +11,9 @@ In one run, for each stream count N (default 1, 2, 4, 8):
 - **tcp-xxh64**: the same with `SenderConfig(checksum="xxh64")`;
 - **grpc**: `GrpcKVSender` -> `GrpcKVReceiver` with N concurrent Push calls
   (XXH3-64 checksums, the default);
+- **tcp-no-checksum** (only when named in --connectors; a diagnostic, not a
+  product mode): the TCP connector with `data_checksum` replaced by a
+  constant on both sides, to show what the checksums cost apart from framing;
 
 and **grpc-plain**, one client-streaming `KVTransfer.Push` call sending the
 same bytes as bare payload messages (same chunk size) to a servicer that only
@@ -47,7 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--streams", default="1,2,4,8", help="comma-separated stream counts")
     parser.add_argument("--connectors", default="tcp,tcp-xxh64,grpc",
-                        help="comma-separated: tcp, tcp-xxh64 (XXH64 checksums), grpc")
+                        help="comma-separated: tcp, tcp-xxh64 (XXH64 checksums), grpc, "
+                             "tcp-no-checksum (diagnostic)")
     parser.add_argument("--chunk-mib", type=float, default=4.0, help="max DATA payload (MiB)")
     parser.add_argument("--min-chunk-mib", type=float, default=2.0,
                         help="smallest DATA payload a layer is cut into (MiB; SenderConfig"
@@ -242,6 +246,10 @@ def _connector(name: str, kvs, layout, num_streams: int, chunk: int,
     config = SenderConfig(num_streams=num_streams, max_chunk_bytes=chunk,
                           min_chunk_bytes=min(min_chunk, chunk), checksum=checksum)  # fmt: skip
     sender = Sender(config)
+    if name == "tcp-no-checksum":
+        from benchmarks.transfer_split import _constant, _set_checksum
+
+        original = _set_checksum(_constant)
     try:
         ids = [f"bench-{i}" for i in range(len(kvs))]
         targets = [receiver.expect(rid, layout, time.time() + 600) for rid in ids]
@@ -265,6 +273,8 @@ def _connector(name: str, kvs, layout, num_streams: int, chunk: int,
     finally:
         sender.close()
         receiver.close()
+        if name == "tcp-no-checksum":
+            _set_checksum(original)
 
 
 def _plain_grpc(kvs, chunk: int) -> tuple[float, float, list[float]]:

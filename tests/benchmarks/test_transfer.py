@@ -39,6 +39,20 @@ def test_transfer_benchmark_prints_every_path(capsys):
             assert median_ratio.endswith("%") and int(median_ratio[:-1]) > 0
 
 
+def test_transfer_benchmark_no_checksum_diagnostic_leaves_checksums_on_after(capsys):
+    import kv_transfer.tcp.receiver as receiver
+    import kv_transfer.tcp.stream as stream
+    from kv_transfer.frames import data_checksum
+
+    args = _args(transfer, ["--requests", "1", "--layers", "2", "--tokens", "64",
+                            "--streams", "2", "--repeats", "1",
+                            "--connectors", "tcp-no-checksum,tcp"])  # fmt: skip
+    assert transfer.main(args) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert [row.split("|")[1].strip() for row in rows[1:]] == ["ceiling", "tcp-no-checksum", "tcp"]
+    assert stream.data_checksum is data_checksum and receiver.data_checksum is data_checksum
+
+
 def test_transfer_split_benchmark_prints_every_path(capsys):
     args = _args(transfer_split, ["--requests", "1", "--layers", "2", "--tokens", "64",
                                   "--streams", "2", "--rounds", "2"])  # fmt: skip
