@@ -146,9 +146,9 @@ def _paged_inputs(batch: int, context: int, block_size: int, dtype: torch.dtype,
     return q, kv_cache, block_tables, context_lens, slots
 
 
-def _timed(timer: Callable, backend: str, fn: Callable[[], object]) -> float:
-    with kernels.use_backend(backend):
-        return timer(fn)
+def _timed(timer: Callable, backend: str, fn: Callable[[str], object]) -> float:
+    """Time `fn(backend)`: every op here takes the kernel backend as an argument."""
+    return timer(lambda: fn(backend))
 
 
 def _bench_point(batch: int, context: int, block_size: int, dtype: torch.dtype,
@@ -161,8 +161,9 @@ def _bench_point(batch: int, context: int, block_size: int, dtype: torch.dtype,
     # about 3x the KV bytes at 16 bits; skip it where that cannot fit.
     run_ref = kv_read + kv_read * 4 // dtype.itemsize <= ref_budget
 
-    def attention() -> object:
-        return kernels.paged_decode_attention(q, kv_cache, tables, lens, scale=scale)
+    def attention(backend: str) -> object:
+        return kernels.paged_decode_attention(q, kv_cache, tables, lens, scale=scale,
+                                              backend=backend)
 
     rows = [Row("decode_attention", batch, context, block_size,
                 kv_read + 2 * q.numel() * q.element_size() + tables.numel() * 4,
@@ -171,8 +172,8 @@ def _bench_point(batch: int, context: int, block_size: int, dtype: torch.dtype,
     src = kernels.extract_kv(kv_cache, slots)
     moved = 2 * src.numel() * src.element_size() + slots.numel() * 8
     for name, fn in (
-        ("inject_kv", lambda: kernels.inject_kv(kv_cache, src, slots)),
-        ("extract_kv", lambda: kernels.extract_kv(kv_cache, slots, src)),
+        ("inject_kv", lambda b: kernels.inject_kv(kv_cache, src, slots, backend=b)),
+        ("extract_kv", lambda b: kernels.extract_kv(kv_cache, slots, src, backend=b)),
     ):
         rows.append(Row(name, batch, context, block_size, moved,
                         _timed(timer, "triton", fn) if on_gpu else None,
@@ -187,9 +188,9 @@ def _bench_prefill(context: int, block_size: int, dtype: torch.dtype, device: to
     q = torch.randn((context, NUM_Q_HEADS, HEAD_DIM), device=device, dtype=dtype)
     starts = torch.tensor([0, context], dtype=torch.int32, device=device)
 
-    def attention() -> object:
+    def attention(backend: str) -> object:
         return kernels.paged_prefill_attention(q, kv_cache, tables, starts, lens,
-                                               scale=HEAD_DIM**-0.5)
+                                               scale=HEAD_DIM**-0.5, backend=backend)
 
     moved = _kv_bytes(1, context, dtype) + 2 * q.numel() * q.element_size()
     # The reference materialises fp32 scores and probabilities [Hq, L, L].
@@ -213,8 +214,10 @@ def _bench_pointwise(tokens: int, dtype: torch.dtype, device: torch.device,
     rope_bytes = 2 * (q.numel() + k.numel()) * q.element_size() + tokens * HEAD_DIM * 4
     rows = []
     for name, moved, fn in (
-        ("rms_norm+residual", norm_bytes, lambda: kernels.rms_norm(x, weight, 1e-5, residual)),
-        ("rotary", rope_bytes, lambda: kernels.rotary_embedding(positions, q, k, cos_sin)),
+        ("rms_norm+residual", norm_bytes,
+         lambda b: kernels.rms_norm(x, weight, 1e-5, residual, backend=b)),
+        ("rotary", rope_bytes,
+         lambda b: kernels.rotary_embedding(positions, q, k, cos_sin, backend=b)),
     ):
         rows.append(Row(name, tokens, 0, 0, moved,
                         _timed(timer, "triton", fn) if on_gpu else None,

@@ -15,6 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.layers.linear import MatmulBackend
+from kernels.dispatch import Backend
+
 _DTYPES = ("float32", "float16", "bfloat16")
 MIN_BLOCK_SIZE = 16
 MAX_BLOCK_SIZE = 256
@@ -49,6 +52,12 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # Seeds the pod generator used by unseeded sampled requests.
     seed: int = 0
+    # Kernels (RMSNorm, RoPE, paged attention, KV copies): auto|triton|torch,
+    # see kernels/dispatch.py. The CLI's --kernel-backend (default from
+    # PDSERVE_KERNEL_BACKEND) sets it; nothing below the CLI reads the environment.
+    kernel_backend: str = "auto"
+    # Dense projections: auto|onednn|torch, see engine/layers/linear.py.
+    matmul_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if not self.model_dir:
@@ -81,3 +90,5 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.seed < 0:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
+        Backend.parse(self.kernel_backend)  # ValueError naming the allowed values
+        MatmulBackend.parse(self.matmul_backend)

@@ -34,6 +34,7 @@ from engine.config import EngineConfig
 from engine.errors import CapacityError
 from engine.kv_cache import allocate_kv_caches, kv_bytes_per_block, num_blocks_for_budget
 from engine.kv_hook import LayerKVHook
+from engine.layers.linear import prepack, resolve_backend
 from engine.loader import load_model
 from engine.model_runner import ModelRunner, slots_for
 from engine.outputs import (
@@ -47,6 +48,7 @@ from engine.request import Request, RequestStatus
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from kernels.dispatch import Backend
 
 
 class LLMEngine:
@@ -59,7 +61,12 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, *, layer_kv_hook: LayerKVHook | None = None) -> None:
         self.config = config
         self.model, self.model_config = load_model(config.model_dir, dtype=config.dtype,
-                                                   device=config.device)
+                                                   device=config.device,
+                                                   kernel_backend=config.kernel_backend)
+        self.kernel_backend = Backend.parse(config.kernel_backend)
+        self.matmul_backend = resolve_backend(config.matmul_backend, self.model.dtype,
+                                              self.model.device)
+        prepack(self.model, self.matmul_backend)
         mc = self.model_config
         limit = mc.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > limit:

@@ -22,6 +22,7 @@ from safetensors import safe_open
 from engine.errors import CheckpointError
 from engine.model import LlamaForCausalLM
 from engine.model_config import ModelConfig
+from kernels.dispatch import Backend
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -134,6 +135,7 @@ def load_model(
     *,
     dtype: str | torch.dtype = "auto",
     device: str | torch.device = "cpu",
+    kernel_backend: Backend | str = Backend.AUTO,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Build the model described by `model_dir/config.json` and fill every
     parameter from the checkpoint. Raises CheckpointError (naming file,
@@ -152,7 +154,8 @@ def load_model(
             where = model_dir / (INDEX_FILE if (model_dir / INDEX_FILE).is_file() else SINGLE_FILE)
             raise CheckpointError(f"{where}: missing tensor {name!r}")
 
-    model = LlamaForCausalLM(config, dtype=torch_dtype, device=device)
+    model = LlamaForCausalLM(config, dtype=torch_dtype, device=device,
+                             kernel_backend=kernel_backend)
     params = dict(model.named_parameters(remove_duplicate=False))
     by_file: dict[Path, list[TensorTarget]] = {}
     for name, target in expected.items():

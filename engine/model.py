@@ -10,8 +10,10 @@ Layout decisions (for speed, made at load time):
 - q/k/v projections are one matmul: `qkv_proj.weight` is the row-wise
   concatenation [q_proj; k_proj; v_proj] (and the biases likewise).
 - gate/up are one matmul: `gate_up_proj.weight` = [gate_proj; up_proj].
-- With tied embeddings `lm_head.weight` *is* `embed_tokens.weight`.
-RoPE and RMSNorm go through `kernels` (Triton on CUDA, torch elsewhere).
+- With tied embeddings `lm_head.weight` *is* `embed_tokens.weight` (until the
+  engine prepacks the linears: engine/layers/linear.py).
+RoPE and RMSNorm go through `kernels` with the model's `kernel_backend`
+(by default Triton on CUDA, torch elsewhere).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention_context import AttentionContext
+from engine.layers.linear import Linear
 from engine.layers.rotary import build_cos_sin_cache
 from engine.model_config import ModelConfig
 
@@ -28,6 +31,7 @@ from engine.model_config import ModelConfig
 # submodule kernels/rms_norm.py (the Triton launcher) rebinds `kernels.rms_norm`
 # from the function to that module.
 from kernels import dispatch as kernel_ops
+from kernels.dispatch import Backend
 
 __all__ = ["AttentionContext", "LlamaForCausalLM"]
 
@@ -38,39 +42,29 @@ def _empty(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Pa
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
-class Linear(nn.Module):
-    """y = x W^T (+ b); weight [out_features, in_features] like HF's."""
-
-    def __init__(self, in_features: int, out_features: int, *, bias: bool,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
-        super().__init__()
-        self.weight = _empty(out_features, in_features, dtype=dtype, device=device)
-        self.bias = _empty(out_features, dtype=dtype, device=device) if bias else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
-
-
 class RMSNorm(nn.Module):
     """RMSNorm with an optional fused residual add (see `kernels.dispatch.rms_norm`)."""
 
-    def __init__(self, hidden_size: int, eps: float, *,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, hidden_size: int, eps: float, *, dtype: torch.dtype,
+                 device: torch.device | str, kernel_backend: Backend) -> None:
         super().__init__()
         self.weight = _empty(hidden_size, dtype=dtype, device=device)
         self.eps = eps
+        self.kernel_backend = kernel_backend
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        return kernel_ops.rms_norm(x, self.weight, self.eps, residual=residual)
+        return kernel_ops.rms_norm(x, self.weight, self.eps, residual=residual,
+                                   backend=self.kernel_backend)
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, *,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, *, dtype: torch.dtype,
+                 device: torch.device | str, kernel_backend: Backend) -> None:
         super().__init__()
         self.layer_idx = layer_idx
+        self.kernel_backend = kernel_backend
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -88,7 +82,8 @@ class LlamaAttention(nn.Module):
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = kernel_ops.rotary_embedding(positions, q, k, cos_sin_cache)
+        q, k = kernel_ops.rotary_embedding(positions, q, k, cos_sin_cache,
+                                           backend=self.kernel_backend)
         out = ctx.attend(self.layer_idx, q, k, v)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
@@ -111,14 +106,13 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, *,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, *, dtype: torch.dtype,
+                 device: torch.device | str, kernel_backend: Backend) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps,
-                                       dtype=dtype, device=device)
-        self.self_attn = LlamaAttention(config, layer_idx, dtype=dtype, device=device)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps,
-                                                dtype=dtype, device=device)
+        kw = dict(dtype=dtype, device=device, kernel_backend=kernel_backend)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
+        self.self_attn = LlamaAttention(config, layer_idx, **kw)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
         self.mlp = LlamaMLP(config, dtype=dtype, device=device)
 
     def forward(
@@ -139,16 +133,18 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, *, dtype: torch.dtype,
-                 device: torch.device | str) -> None:
+                 device: torch.device | str, kernel_backend: Backend) -> None:
         super().__init__()
         self.embed_tokens = nn.Module()
         self.embed_tokens.weight = _empty(config.vocab_size, config.hidden_size,
                                           dtype=dtype, device=device)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, dtype=dtype, device=device)
+            LlamaDecoderLayer(config, i, dtype=dtype, device=device,
+                              kernel_backend=kernel_backend)
             for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device,
+                            kernel_backend=kernel_backend)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -156,17 +152,17 @@ class LlamaForCausalLM(nn.Module):
     `qkv_proj` / `gate_up_proj` (see module docstring)."""
 
     def __init__(self, config: ModelConfig, *, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu",
+                 kernel_backend: Backend | str = Backend.AUTO) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, dtype=dtype, device=device)
-        if config.tie_word_embeddings:
-            self.lm_head = nn.Module()
-            self.lm_head.weight = self.model.embed_tokens.weight
-        else:
-            self.lm_head = nn.Module()
-            self.lm_head.weight = _empty(config.vocab_size, config.hidden_size,
-                                         dtype=dtype, device=device)
+        self.kernel_backend = Backend.parse(kernel_backend)
+        self.model = LlamaModel(config, dtype=dtype, device=device,
+                                kernel_backend=self.kernel_backend)
+        # Tied: shared until prepacking gives lm_head its own blocked copy.
+        self.lm_head = Linear(
+            config.hidden_size, config.vocab_size, bias=False, dtype=dtype, device=device,
+            shared_weight=self.model.embed_tokens.weight if config.tie_word_embeddings else None)
         # float32 regardless of model dtype: the angles of large positions
         # need the mantissa; not a parameter, never saved or loaded.
         cache = build_cos_sin_cache(config.max_position_embeddings, config.head_dim,
@@ -205,4 +201,4 @@ class LlamaForCausalLM(nn.Module):
         """Logits [n, vocab] in float32 for hidden states [n, hidden]. The
         matmul runs in the model dtype (a float32 copy of lm_head would double
         its memory); the result is upcast for sampling."""
-        return F.linear(hidden, self.lm_head.weight).float()
+        return self.lm_head(hidden).float()

@@ -114,6 +114,7 @@ class ModelRunner:
             sliding_window=self.sliding_window,
             hook=self.layer_kv_hook,
             spans=spans,
+            kernel_backend=self.model.kernel_backend,
         )
 
     def _spans(self, scheduled: list[ScheduledRequest]) -> list[tuple[Request, LayerKVSpan]]:

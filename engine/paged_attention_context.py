@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 import kernels
 from engine.kv_hook import LayerKVHook, LayerKVSpan
+from kernels.dispatch import Backend
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +53,8 @@ class PagedAttentionContext:
                  decode_context_lens: torch.Tensor, prefill_chunks: tuple[PrefillChunk, ...],
                  prefill_context_slots: torch.Tensor, scale: float,
                  sliding_window: int | None, hook: LayerKVHook | None = None,
-                 spans: tuple[LayerKVSpan, ...] = ()) -> None:
+                 spans: tuple[LayerKVSpan, ...] = (),
+                 kernel_backend: Backend = Backend.AUTO) -> None:
         self.kv_caches = kv_caches
         self.slot_mapping = slot_mapping
         self.num_decode = num_decode
@@ -64,12 +66,14 @@ class PagedAttentionContext:
         self.sliding_window = sliding_window
         self.hook = hook
         self.spans = spans
+        self.kernel_backend = kernel_backend
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> torch.Tensor:
         """Called by the model's layer `layer_idx`; see module docstring."""
         cache = self.kv_caches[layer_idx]
-        kernels.inject_kv(cache, torch.stack((k, v)).to(cache.dtype), self.slot_mapping)
+        kernels.inject_kv(cache, torch.stack((k, v)).to(cache.dtype), self.slot_mapping,
+                          backend=self.kernel_backend)
         if self.hook is not None and self.spans:
             self.hook.on_layer_kv(layer_idx, cache, self.spans)
         nd = self.num_decode
@@ -78,13 +82,15 @@ class PagedAttentionContext:
             decode_out = kernels.paged_decode_attention(
                 q[:nd], cache, self.decode_block_tables, self.decode_context_lens,
                 scale=self.scale, sliding_window=self.sliding_window,
+                backend=self.kernel_backend,
             )
             if not self.prefill_chunks:
                 return decode_out
         out = torch.empty_like(q)
         if decode_out is not None:
             out[:nd] = decode_out
-        context = kernels.extract_kv(cache, self.prefill_context_slots)
+        context = kernels.extract_kv(cache, self.prefill_context_slots,
+                                     backend=self.kernel_backend)
         for c in self.prefill_chunks:
             rows = slice(c.row_start, c.row_start + c.num_new)
             ctx = slice(c.context_start, c.context_start + c.context_len)

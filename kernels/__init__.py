@@ -7,27 +7,21 @@ a backend is chosen). Importing this package never imports Triton.
 from kernels.dispatch import (
     Backend,
     extract_kv,
-    get_backend,
     inject_kv,
     paged_decode_attention,
     paged_prefill_attention,
     rms_norm,
     rotary_embedding,
-    set_backend,
     triton_available,
-    use_backend,
 )
 
 __all__ = [
     "Backend",
     "extract_kv",
-    "get_backend",
     "inject_kv",
     "paged_decode_attention",
     "paged_prefill_attention",
     "rms_norm",
     "rotary_embedding",
-    "set_backend",
     "triton_available",
-    "use_backend",
 ]

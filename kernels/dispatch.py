@@ -1,7 +1,6 @@
 """The engine's only entry to kernels: validate once, then pick a backend per call.
 
-Backend selection (`PDSERVE_KERNEL_BACKEND`, read once at import; the only
-place this package reads its environment):
+Every op takes a keyword `backend` (a `Backend` or its name):
 
 - ``auto`` (default): the Triton kernel when the tensors are on CUDA, the
   torch reference (`kernels.reference`) otherwise.
@@ -10,11 +9,14 @@ place this package reads its environment):
   it the call raises RuntimeError saying so.
 - ``torch``: always the reference.
 
-Tests switch backends with `use_backend(...)` (a context manager) or
-`set_backend(...)`. The backend is process-wide state, deliberately: it is a
-deployment choice, not per-request data. Callers: the engine loop thread and
-the KV injector / extractor threads; the functions hold no state of their
-own, so they are safe to call from any thread.
+The backend is configuration, not process state: the engine reads it from
+`EngineConfig.kernel_backend` and passes it down (the model, the attention
+context, the KV injector and extractor); the CLI turns the flag (or the
+`PDSERVE_KERNEL_BACKEND` environment variable) into that config. This module
+reads no environment of its own except Triton's `TRITON_INTERPRET`, to say
+why the Triton path cannot run on a CPU tensor. The functions hold no state,
+so they are safe to call from any thread (the engine loop thread and the
+KV injector / extractor threads).
 
 Triton modules are imported lazily on the first Triton call, so `import
 kernels` works on machines without Triton.
@@ -24,8 +26,6 @@ from __future__ import annotations
 
 import enum
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
 
@@ -38,37 +38,14 @@ class Backend(enum.Enum):
     TORCH = "torch"
 
     @classmethod
-    def parse(cls, value: str) -> Backend:
+    def parse(cls, value: str | Backend) -> Backend:
+        if isinstance(value, cls):
+            return value
         try:
             return cls(value.strip().lower())
         except ValueError:
             allowed = "|".join(b.value for b in cls)
             raise ValueError(f"kernel backend {value!r} unknown; expected {allowed}") from None
-
-
-_backend = Backend.parse(os.environ.get("PDSERVE_KERNEL_BACKEND", "auto"))
-
-
-def get_backend() -> Backend:
-    return _backend
-
-
-def set_backend(backend: Backend | str) -> Backend:
-    """Sets the process-wide backend; returns the previous one."""
-    global _backend
-    previous = _backend
-    _backend = backend if isinstance(backend, Backend) else Backend.parse(backend)
-    return previous
-
-
-@contextmanager
-def use_backend(backend: Backend | str) -> Iterator[Backend]:
-    """`with use_backend("triton"): ...` — restores the previous backend on exit."""
-    previous = set_backend(backend)
-    try:
-        yield _backend
-    finally:
-        set_backend(previous)
 
 
 def triton_available() -> bool:
@@ -83,13 +60,14 @@ def _interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def _use_triton(device: torch.device) -> bool:
-    if _backend is Backend.TORCH:
+def _use_triton(device: torch.device, backend: Backend | str) -> bool:
+    backend = Backend.parse(backend)
+    if backend is Backend.TORCH:
         return False
-    if _backend is Backend.AUTO:
+    if backend is Backend.AUTO:
         return device.type == "cuda" and triton_available()
     if not triton_available():
-        raise RuntimeError("PDSERVE_KERNEL_BACKEND=triton but triton is not installed")
+        raise RuntimeError("kernel backend 'triton' but triton is not installed")
     if device.type != "cuda" and not _interpreter_enabled():
         raise RuntimeError(
             f"backend 'triton' on a {device.type} tensor needs TRITON_INTERPRET=1 "
@@ -106,6 +84,7 @@ def paged_decode_attention(
     *,
     scale: float,
     sliding_window: int | None = None,
+    backend: Backend | str = Backend.AUTO,
 ) -> torch.Tensor:
     """Decode attention over one layer's paged cache; returns [B, Hq, D] in q's dtype.
 
@@ -118,7 +97,7 @@ def paged_decode_attention(
     the last W positions only.
     """
     checks.check_decode_attention(q, kv_cache, block_tables, context_lens, scale, sliding_window)
-    if _use_triton(q.device):
+    if _use_triton(q.device, backend):
         from kernels.paged_attention import paged_decode_attention_triton
 
         return paged_decode_attention_triton(
@@ -138,6 +117,7 @@ def paged_prefill_attention(
     *,
     scale: float,
     sliding_window: int | None = None,
+    backend: Backend | str = Backend.AUTO,
 ) -> torch.Tensor:
     """Causal attention of new tokens over their paged context; returns [T, Hq, D].
 
@@ -151,7 +131,7 @@ def paged_prefill_attention(
     checks.check_prefill_attention(
         q, kv_cache, block_tables, query_start_loc, context_lens, scale, sliding_window
     )
-    if _use_triton(q.device):
+    if _use_triton(q.device, backend):
         from kernels.prefill_attention import paged_prefill_attention_triton
 
         return paged_prefill_attention_triton(
@@ -164,7 +144,8 @@ def paged_prefill_attention(
     )
 
 
-def inject_kv(kv_cache: torch.Tensor, src: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def inject_kv(kv_cache: torch.Tensor, src: torch.Tensor, slot_mapping: torch.Tensor, *,
+              backend: Backend | str = Backend.AUTO) -> None:
     """Scatters src [2, T, Hkv, D] into the cache at slot_mapping [T] int64, in place.
 
     One call covers any number of requests (their slots concatenated).
@@ -178,7 +159,7 @@ def inject_kv(kv_cache: torch.Tensor, src: torch.Tensor, slot_mapping: torch.Ten
     checks.check_same_device(kv_cache=kv_cache, slot_mapping=slot_mapping)
     if num_tokens == 0:
         return
-    if _use_triton(kv_cache.device):
+    if _use_triton(kv_cache.device, backend):
         from kernels.kv_copy import inject_kv_triton
 
         inject_kv_triton(kv_cache, src, slot_mapping)
@@ -187,7 +168,8 @@ def inject_kv(kv_cache: torch.Tensor, src: torch.Tensor, slot_mapping: torch.Ten
 
 
 def extract_kv(
-    kv_cache: torch.Tensor, slot_mapping: torch.Tensor, out: torch.Tensor | None = None
+    kv_cache: torch.Tensor, slot_mapping: torch.Tensor, out: torch.Tensor | None = None, *,
+    backend: Backend | str = Backend.AUTO,
 ) -> torch.Tensor:
     """Gathers the slots' K/V into a contiguous [2, T, Hkv, D] tensor (inverse of inject_kv).
 
@@ -213,7 +195,7 @@ def extract_kv(
             raise ValueError("out must be contiguous")
     if num_tokens == 0:
         return out if out is not None else reference.extract_kv_reference(kv_cache, slot_mapping)
-    if _use_triton(kv_cache.device):
+    if _use_triton(kv_cache.device, backend):
         from kernels.kv_copy import extract_kv_triton
 
         if out is None or out.device == kv_cache.device:
@@ -228,13 +210,15 @@ def rms_norm(
     weight: torch.Tensor,
     eps: float,
     residual: torch.Tensor | None = None,
+    *,
+    backend: Backend | str = Backend.AUTO,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm of x [N, H] (fp32 math, result in x.dtype); new tensors, inputs untouched.
 
     With residual: r = x + residual (rounded to x.dtype), returns (norm(r) * weight, r).
     """
     checks.check_rms_norm(x, weight, eps, residual)
-    if _use_triton(x.device):
+    if _use_triton(x.device, backend):
         from kernels.norm import rms_norm_triton
 
         return rms_norm_triton(x, weight, eps, residual)
@@ -246,6 +230,8 @@ def rotary_embedding(
     q: torch.Tensor,
     k: torch.Tensor,
     cos_sin_cache: torch.Tensor,
+    *,
+    backend: Backend | str = Backend.AUTO,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Neox-style RoPE (rotate halves); returns new (q, k), inputs untouched.
 
@@ -254,7 +240,7 @@ def rotary_embedding(
     already baked into the cache). q [N, Hq, D], k [N, Hkv, D].
     """
     checks.check_rotary(positions, q, k, cos_sin_cache)
-    if _use_triton(q.device):
+    if _use_triton(q.device, backend):
         from kernels.rotary import rotary_embedding_triton
 
         return rotary_embedding_triton(positions, q, k, cos_sin_cache)

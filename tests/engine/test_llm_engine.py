@@ -225,10 +225,9 @@ def test_triton_kernels_in_the_engine_match_reference(make_engine, reference_mod
 
     if not kernels.triton_available():
         pytest.skip("triton is not installed")
-    engine = make_engine(block_size=16, max_num_batched_tokens=24)
+    engine = make_engine(block_size=16, max_num_batched_tokens=24, kernel_backend="triton")
     prompts = _prompts([20, 5], seed=14)
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
-    with kernels.use_backend("triton"):
-        got = _run(engine, [(f"r{i}", p, params) for i, p in enumerate(prompts)])
+    got = _run(engine, [(f"r{i}", p, params) for i, p in enumerate(prompts)])
     for i, p in enumerate(prompts):
         assert got[f"r{i}"] == (reference_greedy(reference_model, p, 3), "length")

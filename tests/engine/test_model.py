@@ -159,6 +159,6 @@ def test_triton_backend_matches_torch_backend(tiny_model_dir: Path) -> None:
     model, _ = load_model(tiny_model_dir, dtype="float32")
     torch_logits = reference_logits(model, PROMPT)
     # on CPU this runs the Triton kernels through TRITON_INTERPRET=1 (set in conftest)
-    with kernels.use_backend("triton"):
-        triton_logits = reference_logits(model, PROMPT)
+    triton_model, _ = load_model(tiny_model_dir, dtype="float32", kernel_backend="triton")
+    triton_logits = reference_logits(triton_model, PROMPT)
     torch.testing.assert_close(triton_logits, torch_logits, rtol=1e-4, atol=1e-4)

@@ -24,12 +24,11 @@ def test_parse_backend_names_and_rejects_unknown():
         Backend.parse("cuda")
 
 
-def test_use_backend_restores_previous():
-    before = kernels.get_backend()
-    with kernels.use_backend("torch") as chosen:
-        assert chosen is Backend.TORCH
-        assert kernels.get_backend() is Backend.TORCH
-    assert kernels.get_backend() is before
+def test_parse_accepts_a_backend_and_ops_accept_names():
+    assert Backend.parse(Backend.TORCH) is Backend.TORCH
+    x = randn((3, 64), torch.float32, generator(0))
+    with pytest.raises(ValueError, match="kernel backend 'gpu' unknown"):
+        kernels.rms_norm(x, torch.ones(64), 1e-6, backend="gpu")
 
 
 def test_auto_picks_reference_on_cpu(monkeypatch):
@@ -38,17 +37,17 @@ def test_auto_picks_reference_on_cpu(monkeypatch):
         dispatch.reference, "rms_norm_reference", lambda *a: called.append(a) or a[0]
     )
     x = randn((3, 64), torch.float32, generator(0))
-    with kernels.use_backend("auto"):
-        kernels.rms_norm(x, torch.ones(64), 1e-6)
-    assert len(called) == 1
+    kernels.rms_norm(x, torch.ones(64), 1e-6, backend="auto")
+    kernels.rms_norm(x, torch.ones(64), 1e-6)  # auto is the default
+    assert len(called) == 2
 
 
 @needs_interpreter
 def test_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     x = randn((3, 64), torch.float32, generator(0))
-    with kernels.use_backend("triton"), pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
-        kernels.rms_norm(x, torch.ones(64), 1e-6)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        kernels.rms_norm(x, torch.ones(64), 1e-6, backend="triton")
 
 
 @pytest.mark.parametrize(
@@ -85,11 +84,7 @@ def test_inject_rejects_mismatched_layout():
 
 
 def _both_backends(fn):
-    with kernels.use_backend("torch"):
-        via_torch = fn()
-    with kernels.use_backend("triton"):
-        via_triton = fn()
-    return via_torch, via_triton
+    return fn("torch"), fn("triton")
 
 
 @needs_interpreter
@@ -99,17 +94,17 @@ def test_backends_agree_through_the_engine_facing_api(dtype):
     case = make_paged_case(
         40, [37, 1, 150], dtype=dtype, num_kv_heads=2, group=4, head_dim=128, block_size=32
     )
-    attn_torch, attn_triton = _both_backends(lambda: kernels.paged_decode_attention(
+    attn_torch, attn_triton = _both_backends(lambda b: kernels.paged_decode_attention(
         case.q, case.kv_cache, case.block_tables, case.context_lens,
-        scale=case.scale, sliding_window=100,
+        scale=case.scale, sliding_window=100, backend=b,
     ))
     assert_close(attn_triton, attn_torch)
 
     starts = torch.tensor([0, 30, 31, 31 + 150], dtype=torch.int32)
     prefill_q = randn((181, 8, 128), dtype, generator(39))
-    prefill_torch, prefill_triton = _both_backends(lambda: kernels.paged_prefill_attention(
+    prefill_torch, prefill_triton = _both_backends(lambda b: kernels.paged_prefill_attention(
         prefill_q, case.kv_cache, case.block_tables, starts, case.context_lens,
-        scale=case.scale, sliding_window=100,
+        scale=case.scale, sliding_window=100, backend=b,
     ))
     assert_close(prefill_triton, prefill_torch)
 
@@ -118,17 +113,17 @@ def test_backends_agree_through_the_engine_facing_api(dtype):
     caches = []
     for backend in ("torch", "triton"):
         cache = case.kv_cache.clone()
-        with kernels.use_backend(backend):
-            kernels.inject_kv(cache, src, slots)
+        kernels.inject_kv(cache, src, slots, backend=backend)
         caches.append(cache)
     assert torch.equal(caches[0], caches[1])
-    got_torch, got_triton = _both_backends(lambda: kernels.extract_kv(caches[0], slots))
+    got_torch, got_triton = _both_backends(
+        lambda b: kernels.extract_kv(caches[0], slots, backend=b))
     assert torch.equal(got_torch, got_triton)
 
     x, residual = randn((3, 320), dtype, generator(42)), randn((3, 320), dtype, generator(43))
     weight = randn((320,), dtype, generator(44))
     (y_torch, r_torch), (y_triton, r_triton) = _both_backends(
-        lambda: kernels.rms_norm(x, weight, 1e-6, residual)
+        lambda b: kernels.rms_norm(x, weight, 1e-6, residual, backend=b)
     )
     assert_close(y_triton, y_torch)
     assert torch.equal(r_triton, r_torch)
@@ -136,7 +131,7 @@ def test_backends_agree_through_the_engine_facing_api(dtype):
     positions = torch.tensor([0, 9, 4], dtype=torch.int64)
     cache = rope_cache(16, 128)
     (q_torch, k_torch), (q_triton, k_triton) = _both_backends(
-        lambda: kernels.rotary_embedding(positions, case.q, case.q[:, :2], cache)
+        lambda b: kernels.rotary_embedding(positions, case.q, case.q[:, :2], cache, backend=b)
     )
     assert_close(q_triton, q_torch)
     assert_close(k_triton, k_torch)
@@ -150,9 +145,8 @@ import kernels
 assert not kernels.triton_available()
 x = torch.ones(2, 64)
 assert torch.allclose(kernels.rms_norm(x, torch.ones(64), 1e-6), x)
-kernels.set_backend("triton")
 try:
-    kernels.rms_norm(x, torch.ones(64), 1e-6)
+    kernels.rms_norm(x, torch.ones(64), 1e-6, backend="triton")
 except RuntimeError as exc:
     print(exc)
 """
@@ -171,4 +165,4 @@ def test_kernels_import_and_run_without_triton():
     blocked = subprocess.run(
         [sys.executable, "-c", _NO_TRITON], capture_output=True, text=True, check=True
     )
-    assert blocked.stdout.strip() == "PDSERVE_KERNEL_BACKEND=triton but triton is not installed"
+    assert blocked.stdout.strip() == "kernel backend 'triton' but triton is not installed"

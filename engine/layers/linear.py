@@ -1,0 +1,130 @@
+"""`Linear` and the matmul backends the engine can run it on.
+
+Decoding reads every weight once per step for a handful of rows, so a step
+is bounded by how fast the weights stream from memory. torch's default CPU
+path (`F.linear`) does not get close to that bound at decode shapes: at
+[8, 1024] x [1024, 2816] it ran at ~45 % of the read bandwidth here, because
+it re-lays the weight out for every call. oneDNN can lay the weight out once
+(`mkldnn._reorder_linear_weight`) and reuse that blocked copy in every call
+(`mkldnn._linear_pointwise`), which reaches ~90 % (docs/benchmarks.md,
+"Engine step"). vLLM's CPU build prepacks its dense projections the same way.
+
+`MatmulBackend`:
+
+- ``auto`` (default): oneDNN prepacked weights on CPU for float32 and
+  bfloat16 when torch was built with oneDNN; `F.linear` otherwise (CUDA,
+  float16 on CPUs without AVX512-FP16, a torch without oneDNN).
+- ``onednn``: prepacked, or a ValueError naming why it cannot be.
+- ``torch``: always `F.linear` (the reference path).
+
+`prepack(module, backend)` is called once by `LLMEngine` after the weights
+are loaded and before the first step. A prepacked `Linear` drops its plain
+weight (the blocked copy replaces it, so memory does not double); its
+`weight` attribute then holds the blocked tensor, which only
+`mkldnn._linear_pointwise` can read. float32 results differ from `F.linear`
+by rounding only (a different summation order): ~1e-6 relative, and they do
+not depend on the number of rows in the batch.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class MatmulBackend(enum.Enum):
+    AUTO = "auto"
+    ONEDNN = "onednn"
+    TORCH = "torch"
+
+    @classmethod
+    def parse(cls, value: str | MatmulBackend) -> MatmulBackend:
+        if isinstance(value, cls):
+            return value
+        try:
+            return cls(str(value).strip().lower())
+        except ValueError:
+            allowed = "|".join(b.value for b in cls)
+            raise ValueError(f"matmul backend {value!r} unknown; expected {allowed}") from None
+
+
+def onednn_unsupported_reason(dtype: torch.dtype, device: torch.device) -> str | None:
+    """Why prepacked oneDNN weights cannot serve this dtype/device, or None if they can."""
+    if device.type != "cpu":
+        return f"oneDNN prepacking is a CPU path; the model is on {device.type}"
+    if not torch.backends.mkldnn.is_available():
+        return "this torch build has no oneDNN (mkldnn)"
+    if dtype not in (torch.float32, torch.bfloat16):
+        # float16 needs AVX512-FP16 / AVX-NE-CONVERT, which most CPUs lack.
+        return f"oneDNN prepacking supports float32 and bfloat16, not {dtype}"
+    return None
+
+
+def _empty(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
+    # Uninitialised on purpose: the loader overwrites every parameter.
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b); weight [out_features, in_features] like HF's.
+
+    Plain until `prepack_onednn()`; after it, `weight` is oneDNN's blocked
+    copy and `forward` calls oneDNN directly.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool,
+                 dtype: torch.dtype, device: torch.device | str,
+                 shared_weight: nn.Parameter | None = None) -> None:
+        """`shared_weight`: use this parameter (tied embeddings) instead of a new one."""
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        if shared_weight is not None and tuple(shared_weight.shape) != (out_features,
+                                                                        in_features):
+            raise ValueError(f"shared weight shape {tuple(shared_weight.shape)} is not "
+                             f"({out_features}, {in_features})")
+        self.weight = (shared_weight if shared_weight is not None
+                       else _empty(out_features, in_features, dtype=dtype, device=device))
+        self.bias = _empty(out_features, dtype=dtype, device=device) if bias else None
+        self.prepacked = False
+
+    def prepack_onednn(self) -> None:
+        """Replace the weight by oneDNN's blocked layout (once; engine loop thread)."""
+        if self.prepacked:
+            return
+        packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
+        self.weight = nn.Parameter(packed, requires_grad=False)
+        self.prepacked = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.prepacked:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+def resolve_backend(backend: MatmulBackend | str, dtype: torch.dtype,
+                    device: torch.device) -> MatmulBackend:
+    """AUTO -> ONEDNN or TORCH for this dtype/device; ONEDNN where impossible -> ValueError."""
+    backend = MatmulBackend.parse(backend)
+    reason = onednn_unsupported_reason(dtype, device)
+    if backend is MatmulBackend.AUTO:
+        return MatmulBackend.TORCH if reason else MatmulBackend.ONEDNN
+    if backend is MatmulBackend.ONEDNN and reason:
+        raise ValueError(f"matmul backend 'onednn' unavailable: {reason}")
+    return backend
+
+
+def prepack(module: nn.Module, backend: MatmulBackend) -> int:
+    """Prepack every `Linear` under `module` for a resolved backend; returns how many."""
+    if backend is not MatmulBackend.ONEDNN:
+        return 0
+    count = 0
+    with torch.inference_mode():
+        for layer in module.modules():
+            if isinstance(layer, Linear):
+                layer.prepack_onednn()
+                count += 1
+    return count

@@ -1,0 +1,106 @@
+"""engine/layers/linear.py: prepacked oneDNN linears against F.linear on fresh random inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.layers.linear import (
+    Linear,
+    MatmulBackend,
+    onednn_unsupported_reason,
+    prepack,
+    resolve_backend,
+)
+
+needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
+                                  reason="torch built without oneDNN")
+CPU = torch.device("cpu")
+
+# float32: a different summation order only; bfloat16: the output is rounded
+# to 8 mantissa bits, so one ulp of a value ~32 is 0.25.
+TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-4),
+             torch.bfloat16: dict(rtol=1.6e-2, atol=0.5)}
+
+
+def _linear(in_f: int, out_f: int, bias: bool, dtype: torch.dtype, seed: int) -> Linear:
+    g = torch.Generator().manual_seed(seed)
+    layer = Linear(in_f, out_f, bias=bias, dtype=dtype, device="cpu")
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(out_f, in_f, generator=g).to(dtype))
+        if bias:
+            layer.bias.copy_(torch.randn(out_f, generator=g).to(dtype))
+    return layer
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rows", [1, 3, 8, 67])
+@pytest.mark.parametrize("shape,bias", [((64, 96), False), ((130, 33), True), ((256, 512), False)])
+def test_prepacked_matches_f_linear(dtype, rows, shape, bias):
+    in_f, out_f = shape
+    layer = _linear(in_f, out_f, bias, dtype, seed=rows + in_f)
+    weight = layer.weight.detach().clone()
+    b = layer.bias.detach().clone() if bias else None
+    x = torch.randn(rows, in_f, generator=torch.Generator().manual_seed(rows)).to(dtype)
+    expected = F.linear(x.float(), weight.float(), None if b is None else b.float())
+    assert prepack(layer, MatmulBackend.ONEDNN) == 1
+    assert layer.prepacked
+    got = layer(x)
+    assert got.dtype == dtype and got.shape == (rows, out_f)
+    torch.testing.assert_close(got.float(), expected, **TOLERANCE[dtype])
+
+
+@needs_onednn
+def test_prepacked_rows_do_not_depend_on_the_batch():
+    layer = _linear(128, 200, False, torch.float32, seed=1)
+    prepack(layer, MatmulBackend.ONEDNN)
+    x = torch.randn(8, 128, generator=torch.Generator().manual_seed(2))
+    together = layer(x)
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(8)])
+    assert torch.equal(together, alone)
+
+
+def test_torch_backend_leaves_weights_plain():
+    layer = _linear(16, 8, True, torch.float32, seed=3)
+    assert prepack(layer, MatmulBackend.TORCH) == 0
+    assert not layer.prepacked
+    x = torch.randn(2, 16)
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+
+
+def test_shared_weight_is_the_same_parameter_and_shape_checked():
+    embedding = torch.nn.Parameter(torch.randn(10, 4), requires_grad=False)
+    layer = Linear(4, 10, bias=False, dtype=torch.float32, device="cpu", shared_weight=embedding)
+    assert layer.weight is embedding
+    with pytest.raises(ValueError, match=r"shared weight shape \(10, 4\) is not \(4, 10\)"):
+        Linear(10, 4, bias=False, dtype=torch.float32, device="cpu", shared_weight=embedding)
+
+
+def test_resolve_backend():
+    assert MatmulBackend.parse(" OneDNN ") is MatmulBackend.ONEDNN
+    with pytest.raises(ValueError, match="auto\\|onednn\\|torch"):
+        MatmulBackend.parse("mkl")
+    assert resolve_backend("torch", torch.float32, CPU) is MatmulBackend.TORCH
+    assert resolve_backend("auto", torch.float32, torch.device("cuda")) is MatmulBackend.TORCH
+    with pytest.raises(ValueError, match="CPU path; the model is on cuda"):
+        resolve_backend("onednn", torch.float32, torch.device("cuda"))
+    assert "float16" in onednn_unsupported_reason(torch.float16, CPU)
+    assert resolve_backend("auto", torch.float16, CPU) is MatmulBackend.TORCH
+    if torch.backends.mkldnn.is_available():
+        assert resolve_backend("auto", torch.bfloat16, CPU) is MatmulBackend.ONEDNN
+
+
+@needs_onednn
+def test_engine_matmul_backends_agree_token_for_token(make_engine):
+    from engine.sampling_params import SamplingParams
+
+    prompts = [[5, 9, 33, 2, 17, 80, 4], [7] * 21]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outputs = []
+    for backend in ("torch", "onednn"):
+        engine = make_engine(matmul_backend=backend)
+        assert engine.matmul_backend is MatmulBackend(backend)
+        outputs.append([r.token_ids for r in engine.generate(prompts, params)])
+    assert outputs[0] == outputs[1]
