@@ -3,7 +3,8 @@
 Every op takes a keyword `backend` (a `Backend` or its name):
 
 - ``auto`` (default): the Triton kernel when the tensors are on CUDA, the
-  torch reference (`kernels.reference`) otherwise.
+  torch reference (`kernels.reference`) otherwise, except decode attention,
+  which has a faster torch path for CPU (`kernels.cpu_attention`).
 - ``triton``: always the Triton kernel. On CPU that needs Triton's
   interpreter (``TRITON_INTERPRET=1`` set before Triton is imported); without
   it the call raises RuntimeError saying so.
@@ -30,6 +31,7 @@ import os
 import torch
 
 from kernels import checks, reference
+from kernels.cpu_attention import paged_decode_attention_cpu
 
 
 class Backend(enum.Enum):
@@ -101,6 +103,10 @@ def paged_decode_attention(
         from kernels.paged_attention import paged_decode_attention_triton
 
         return paged_decode_attention_triton(
+            q, kv_cache, block_tables, context_lens, scale=scale, sliding_window=sliding_window
+        )
+    if Backend.parse(backend) is Backend.AUTO and q.device.type == "cpu":
+        return paged_decode_attention_cpu(
             q, kv_cache, block_tables, context_lens, scale=scale, sliding_window=sliding_window
         )
     return reference.paged_decode_attention_reference(
