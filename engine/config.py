@@ -19,6 +19,7 @@ from engine.layers.linear import MatmulBackend
 from kernels.dispatch import Backend
 
 _DTYPES = ("float32", "float16", "bfloat16")
+SCHEDULING_POLICIES = ("decode-first", "fcfs")
 MIN_BLOCK_SIZE = 16
 MAX_BLOCK_SIZE = 256
 # KV budget on CPU when neither kv_cache_memory nor num_blocks is given:
@@ -47,6 +48,10 @@ class EngineConfig:
     # Tokens computed per step over all sequences; a longer prompt is
     # prefilled in chunks over several steps (chunked prefill).
     max_num_batched_tokens: int = 2048
+    # Which running requests get the step's token budget first:
+    # "decode-first" (decoding requests, then prompts' chunks) or "fcfs"
+    # (oldest first, whatever they compute). See engine/scheduler.py.
+    scheduling_policy: str = "decode-first"
     # None: the model's max_position_embeddings (resolved by the engine).
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
@@ -90,5 +95,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.seed < 0:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
+                             f"got {self.scheduling_policy!r}")
         Backend.parse(self.kernel_backend)  # ValueError naming the allowed values
         MatmulBackend.parse(self.matmul_backend)

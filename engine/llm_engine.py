@@ -88,7 +88,8 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.block_size,
                                           enable_prefix_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
-                                   max_num_batched_tokens=config.max_num_batched_tokens)
+                                   max_num_batched_tokens=config.max_num_batched_tokens,
+                                   decode_first=config.scheduling_policy == "decode-first")
         self.runner = ModelRunner(self.model, self.kv_caches, config.block_size,
                                   layer_kv_hook=layer_kv_hook)
         self.sampler = Sampler(config.seed)

@@ -9,9 +9,13 @@ Each `schedule()` call builds one step:
 
 1. Every running request gets `min(tokens left to compute, budget left)`
    tokens: 1 for a decoding request, a chunk for one still prefilling, so
-   decode and prefill mix in one step. When its blocks do not fit, the
-   newest running request is preempted by recompute (blocks freed, back to
-   the head of `waiting`) until they do, or until it is itself the victim.
+   decode and prefill mix in one step. With `decode_first` (the default)
+   decoding requests are served before the ones still prefilling, so a step
+   never holds more than `max_num_batched_tokens` tokens and a decode token
+   never waits for a prompt. When a request's blocks do not fit, the newest
+   running request not yet scheduled this step is preempted by recompute
+   (blocks freed, back to the head of `waiting`) until they do, or until it
+   is itself the victim.
 2. If nothing was preempted, waiting requests are admitted in order while
    the budget, `max_num_seqs` and free blocks allow; a request's cached
    prefix is mapped in first, and a prompt longer than the remaining budget
@@ -56,8 +60,9 @@ class Scheduler:
     """Decides which requests compute which tokens in the next step."""
 
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int,
-                 max_num_batched_tokens: int) -> None:
+                 max_num_batched_tokens: int, decode_first: bool = True) -> None:
         self.block_manager = block_manager
+        self.decode_first = decode_first
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -86,25 +91,44 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
-        i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
+        for request in self._running_order():
+            if budget == 0:
+                break
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self.block_manager.can_allocate(request, num_new):
-                victim = self.running.pop()
-                self._preempt(victim)
-                preempted.append(victim.request_id)
-                if victim is request:
-                    break
-            else:
-                scheduled.append(self._take(request, num_new))
-                budget -= num_new
-                i += 1
-                continue
-            break
+            if not self._make_room(request, num_new, scheduled, preempted):
+                break
+            scheduled.append(self._take(request, num_new))
+            budget -= num_new
         if not preempted:
             budget = self._admit_waiting(budget, scheduled)
         return SchedulerOutput(tuple(scheduled), tuple(preempted))
+
+    def _running_order(self) -> list[Request]:
+        """Running requests in the order they get the budget: with
+        `decode_first`, decoding ones (one token left) before those still
+        prefilling, so a long prompt's chunks never delay a decode token;
+        oldest first within each group."""
+        if not self.decode_first:
+            return list(self.running)
+        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens != 1]
+        return decoding + prefilling
+
+    def _make_room(self, request: Request, num_new: int, scheduled: list[ScheduledRequest],
+                   preempted: list[str]) -> bool:
+        """Preempt the newest running requests not yet scheduled this step until
+        `request`'s new blocks fit; False if `request` itself had to go."""
+        taken = {id(s.request) for s in scheduled}
+        while not self.block_manager.can_allocate(request, num_new):
+            victim = next(r for r in reversed(self.running) if id(r) not in taken)
+            self.running.remove(victim)
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is request:
+                return False
+        return True
 
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
         while self.waiting and budget > 0 and self.num_seqs < self.max_num_seqs:

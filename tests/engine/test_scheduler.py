@@ -153,3 +153,65 @@ def test_reserved_requests_are_skipped_until_committed():
     sched.commit_reserved(r)
     assert r.status is S.RUNNING
     assert _plan(sched.schedule()) == [("x", 2, 1), ("r", 6, 1)]
+
+
+@pytest.mark.parametrize("decode_first", [True, False], ids=["decode-first", "fcfs"])
+def test_a_long_prompt_mixed_into_a_decode_batch_never_exceeds_the_budget(decode_first):
+    """Four requests are decoding when a 40-token prompt arrives: every step
+    stays within the budget, every decoding request gets its token in every
+    step, and the prompt is prefilled in chunks from what is left."""
+    bm = BlockManager(64, 4, enable_prefix_caching=False)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=6, decode_first=decode_first)
+    shorts = [_req(f"s{i}", 2, start=10 * i) for i in range(4)]
+    for r in shorts:
+        sched.add(r)
+    out = sched.schedule()
+    assert _plan(out) == [("s0", 0, 2), ("s1", 0, 2), ("s2", 0, 2)]
+    _finish_step(sched, out)
+    long = _req("long", 40, start=500)
+    sched.add(long)
+    chunks = []
+    for _ in range(12):
+        out = sched.schedule()
+        plan = _plan(out)
+        assert out.num_batched_tokens <= 6, plan
+        decoding = [r for r in shorts[:3] if r.status is S.RUNNING]
+        assert [p for p in plan if p[0] in {"s0", "s1", "s2"}] == [
+            (r.request_id, r.num_tokens - 1, 1) for r in decoding]
+        chunks += [n for name, _, n in plan if name == "long"]
+        _finish_step(sched, out)
+    # first step: 3 decode tokens + s3's 2-token prompt leave 1 token for the
+    # long prompt; then 4 decode tokens leave it 2 per step
+    assert chunks == [1] + [2] * 11
+
+
+def test_decode_first_orders_decoding_before_prefilling_requests():
+    bm = BlockManager(64, 4, enable_prefix_caching=False)
+    for decode_first, expected in ((True, ["d", "p"]), (False, ["p", "d"])):
+        sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64,
+                          decode_first=decode_first)
+        p, d = _req("p", 9), _req("d", 1, start=40)
+        p.transition(S.RUNNING)
+        d.transition(S.RUNNING)
+        p.num_computed_tokens = 4   # mid-prefill
+        d.num_computed_tokens = 0   # one token to compute: decoding
+        sched.running.extend([p, d])  # p is older
+        assert [s.request.request_id for s in sched.schedule().scheduled] == expected
+        for r in (p, d):
+            bm.free(r)
+
+
+def test_preemption_under_decode_first_never_takes_a_request_already_in_the_step():
+    bm = BlockManager(6, 4, enable_prefix_caching=False)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
+    a, b = _req("a", 8), _req("b", 12, start=100)
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule()
+    _finish_step(sched, out)
+    # a: 8 + 1 tokens in 3 blocks, b: 12 + 1 in 4: 7 > 6. a (older, first in
+    # the step) keeps its block; the victim is b itself, the newest request
+    # not yet in this step.
+    out = sched.schedule()
+    assert _plan(out) == [("a", 8, 1)] and out.preempted_request_ids == ("b",)
+    assert b.status is S.PREEMPTED and sched.waiting[0] is b
