@@ -32,6 +32,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads (default: torch's choice)")
+    parser.add_argument("--matmul-backend", default="auto", choices=("auto", "onednn", "torch"),
+                        help="dense projections: oneDNN prepacked weights or F.linear")
+    parser.add_argument("--breakdown", default="8:300",
+                        help="BATCH:CONTEXT[,BATCH:CONTEXT...] decode steps to break down "
+                             "(matmul / attention / other) beside the weight-read bound; "
+                             "'none' to skip")
 
 
 def _run(engine, prompts, params) -> tuple[float, float, int, int]:
@@ -78,13 +84,16 @@ def main(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     model_dir = str(ensure_model(args.model)) if args.model in ("tiny", "base") else args.model
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    biggest = max(batch_sizes)
-    tokens_per_seq = args.prompt_len + args.max_tokens
+    points = [] if args.breakdown == "none" else [
+        tuple(int(v) for v in p.split(":")) for p in args.breakdown.split(",")]
+    biggest = max(batch_sizes + [b for b, _ in points])
+    tokens_per_seq = max([args.prompt_len + args.max_tokens] + [c + 40 for _, c in points])
     num_blocks = biggest * -(-tokens_per_seq // args.block_size) + 8
     engine = LLMEngine(EngineConfig(
         model_dir=model_dir, dtype=args.dtype, device=args.device, block_size=args.block_size,
         num_blocks=num_blocks, max_num_seqs=max(biggest, 1),
-        max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False))
+        max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False,
+        matmul_backend=args.matmul_backend))
     vocab = engine.model_config.vocab_size
     gen = torch.Generator().manual_seed(0)
     # ignore_eos: every request decodes exactly max_tokens.
@@ -106,4 +115,10 @@ def main(args: argparse.Namespace) -> int:
         print(f"| {batch} | sequential | {seq_prefill:.0f} | {seq_decode:.1f} | 1.00x |")
         print(f"| {batch} | batched | {pf_tok / pf_s:.0f} | {dec_tok / dec_s:.1f} | "
               f"{dec_tok / dec_s / seq_decode:.2f}x |")
+    if points:
+        from benchmarks import engine_breakdown
+
+        print(f"\nDecode step breakdown (matmul backend {engine.matmul_backend.value}):")
+        rows = [engine_breakdown.measure(engine, b, c) for b, c in points]
+        print(engine_breakdown.format_table(rows))
     return 0

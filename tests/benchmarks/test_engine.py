@@ -1,0 +1,46 @@
+"""`pdserve bench engine` runs end to end on the tiny model: both tables, with
+the decode-step breakdown beside the weight-read bound (figures are for
+docs/benchmarks.md; here only that the parts add up and the bound is sane)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from benchmarks import engine as engine_bench
+from benchmarks import engine_breakdown
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def test_engine_benchmark_prints_throughput_and_breakdown(capsys, tiny_model_dir):
+    parser = argparse.ArgumentParser()
+    engine_bench.add_arguments(parser)
+    args = parser.parse_args(["--model", str(tiny_model_dir), "--batch-sizes", "1,2",
+                              "--prompt-len", "8", "--max-tokens", "4", "--threads", "1",
+                              "--breakdown", "2:24"])
+    assert engine_bench.main(args) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    modes = [(row.split("|")[1].strip(), row.split("|")[2].strip()) for row in rows
+             if row.split("|")[2].strip() in ("sequential", "batched")]
+    assert modes == [("1", "sequential"), ("1", "batched"), ("2", "sequential"), ("2", "batched")]
+    breakdown = rows[-1].split("|")
+    assert breakdown[1].strip() == "2" and breakdown[2].strip() == "24"
+    step = float(breakdown[3].split()[0])
+    parts = [float(breakdown[i]) for i in (4, 5, 6)]
+    assert step > 0 and all(p >= 0 for p in parts)
+    assert sum(parts) == pytest.approx(step, abs=0.15)
+    assert breakdown[10].strip().endswith("x")
+
+
+def test_dense_weight_bytes_counts_every_linear_once(tiny_model_dir):
+    from engine.loader import load_model
+
+    model, config = load_model(tiny_model_dir, dtype="float32")
+    h, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    qkv = h * (config.q_size + 2 * config.kv_size) + (
+        (config.q_size + 2 * config.kv_size) if config.attention_bias else 0)
+    per_layer = qkv + config.q_size * h + 2 * inter * h + inter * h
+    assert engine_breakdown.dense_weight_bytes(model) == 4 * (
+        layers * per_layer + config.vocab_size * h)
