@@ -1,6 +1,6 @@
 """The typed messages between the API layers and the request flow.
 
-The HTTP handlers (router.http_server) and the gRPC servicer
+The HTTP handlers (router.http.server) and the gRPC servicer
 (router.grpc_server) build one `GenerationRequest` per client request and
 consume the `Delta`s that `router.flow.RequestFlow.run()` yields; the last
 delta has `finish_reason` and `usage` set. All immutable.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from router.openai_api import SamplingSpec
+from router.http.requests import SamplingSpec
 
 FINISH_REASONS = ("stop", "length", "abort")
 

@@ -3,7 +3,7 @@ plus the standard health service.
 
 A thin servicer over the same `Frontend` the HTTP API uses, on the same
 event loop: `Generate` turns the `GenerateRequest` into the OpenAI-shaped
-fields, validates them with router.openai_api (so both front doors accept
+fields, validates them with router.http.requests (so both front doors accept
 and refuse exactly the same requests), tokenizes once and streams one
 `GenerateResponse` per delta; the last carries `finish_reason` and `usage`.
 Errors leave through `proto.status.grpc_errors`: an `ApiError` becomes its
@@ -28,7 +28,7 @@ from router.api_error import ApiError, bad_request
 from router.auth import ApiKeyCheck
 from router.frontend import Frontend
 from router.generation import Delta
-from router.openai_api import ParsedRequest, check_model, parse_chat, parse_completion
+from router.http.requests import ParsedRequest, check_model, parse_chat, parse_completion
 
 
 def request_body(request: pb.GenerateRequest, default_model: str) -> tuple[str, dict[str, Any]]:

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from router.generation import Delta, TokenLogprobs, Usage
-from router.http.shapes import DONE_EVENT, ResponseShaper, sse_event, usage_body
+from router.http.responses import DONE_EVENT, ResponseShaper, sse_event, usage_body
 
 
 def _shaper(kind, **kw):

@@ -20,8 +20,8 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
+from router.flow.stop_strings import StopMatcher
 from router.generation import Delta, TokenLogprobs, Usage
-from router.stop_strings import StopMatcher
 
 
 class Detokenizer(Protocol):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from router.api_error import ApiError
-from router.openai_api import (
+from router.http.requests import (
     ChatMessage,
     SamplingSpec,
     check_model,

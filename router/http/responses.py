@@ -1,6 +1,6 @@
 """OpenAI response bodies and SSE chunks, built from the flow's `Delta`s.
 
-Used by router.http_server on the event loop: one `ResponseShaper` per
+Used by router.http.server on the event loop: one `ResponseShaper` per
 request. Shapes follow OpenAI's API exactly (field names, `object` values,
 `usage.prompt_tokens_details.cached_tokens`, `data: [DONE]`), so the official
 client and tools written against it parse them unchanged.

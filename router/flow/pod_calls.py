@@ -1,7 +1,7 @@
 """What every request flow shares, and the small pieces of its pod calls.
 
 `FlowDeps` is built once by the router server and passed to each
-`router.flow.RequestFlow`; everything in it is used on the router's event
+`router.flow.request_flow.RequestFlow`; everything in it is used on the router's event
 loop only. The helpers here turn typed router values into proto messages and
 pod errors into the flow's decisions (retry elsewhere, tell the client).
 """
@@ -14,8 +14,8 @@ import grpc
 
 from proto import pdserve_pb2 as pb
 from router.api_error import ApiError
+from router.http.requests import SamplingSpec
 from router.metrics import RouterMetrics
-from router.openai_api import SamplingSpec
 from router.pod_clients import PodChannels
 from router.routing.base import PodLoad, PodPool
 from router.routing.policy import RoutingPolicy

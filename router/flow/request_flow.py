@@ -53,16 +53,14 @@ import grpc
 
 from proto import pdserve_pb2 as pb
 from router.api_error import ApiError
-from router.flow_state import FlowState, check_transition
-from router.generation import Delta, GenerationRequest
-from router.output import (
+from router.flow.output import (
     Detokenizer,
     OutputAssembler,
     OutputGap,
     fold_final,
     logprobs_from_proto,
 )
-from router.pod_calls import (
+from router.flow.pod_calls import (
     AttemptFailed,
     FlowDeps,
     choose_path,
@@ -70,6 +68,8 @@ from router.pod_calls import (
     describe,
     sampling_message,
 )
+from router.flow.state import FlowState, check_transition
+from router.generation import Delta, GenerationRequest
 from router.routing.base import NoPodAvailable
 
 log = logging.getLogger(__name__)

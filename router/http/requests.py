@@ -1,6 +1,6 @@
 """Parsing and validation of OpenAI requests into typed, checked dataclasses.
 
-Called by the HTTP handlers (router.http_server) on the event loop, once per
+Called by the HTTP handlers (router.http.server) on the event loop, once per
 request, before anything is sent to a pod. Every problem raises `ApiError`
 (400, or 404 for an unknown model) whose message names the field and the
 allowed range, in OpenAI's error shape; nothing here touches the network.
