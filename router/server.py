@@ -29,7 +29,7 @@ from aiohttp import web
 from engine.tokenizer import Tokenizer
 from router.auth import ApiKeyCheck
 from router.config import RouterConfig
-from router.flow.pod_calls import FlowDeps, FlowSettings
+from router.flow.deps import FlowDeps, FlowSettings
 from router.frontend import Frontend
 from router.grpc_server import NOT_SERVING, SERVING, build_grpc_server
 from router.http.server import build_app

@@ -17,6 +17,9 @@ Life cycle (`FlowState`, transitions checked):
        └─► COLOCATED: Decode.Generate(remote_prefill=false), tokens 0..n ─► FINISHED
     any state ─► FAILED (an ApiError for the client, or the client left)
 
+Each try on a pod pair (or a colocated pod) is one `Attempt`
+(router.flow.attempt); this module decides what happens after one fails.
+
 Failure handling:
 
 * Decode.Generate answers RESOURCE_EXHAUSTED (pod full) or cannot be
@@ -49,37 +52,15 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
-import grpc
-
-from proto import pdserve_pb2 as pb
 from router.api_error import ApiError
-from router.flow.output import (
-    Detokenizer,
-    OutputAssembler,
-    OutputGap,
-    fold_final,
-    logprobs_from_proto,
-)
-from router.flow.pod_calls import (
-    AttemptFailed,
-    FlowDeps,
-    choose_path,
-    client_error,
-    describe,
-    sampling_message,
-)
+from router.flow.attempt import Attempt
+from router.flow.deps import FlowDeps
+from router.flow.output import Detokenizer, OutputAssembler
+from router.flow.pod_calls import AttemptFailed, choose_path
 from router.flow.state import FlowState, check_transition
 from router.generation import Delta, GenerationRequest
-from router.routing.base import NoPodAvailable
 
 log = logging.getLogger(__name__)
-
-
-# Prefill errors that say the pod itself is gone or broken (as opposed to
-# the KV transfer or the reservation having failed).
-_BROKEN_POD = frozenset({
-    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
-})
 
 
 class RequestFlow:
@@ -183,234 +164,23 @@ class RequestFlow:
         self._to(FlowState.MIGRATING)
         self._to(FlowState.ROUTING)
 
-    def _remaining(self) -> float:
-        left = self._deadline - time.monotonic()
-        if left <= 0:
-            raise ApiError(
-                504,
-                "the request did not finish within --request-timeout "
-                f"{self._deps.settings.request_timeout:g}s",
-            )
-        return left
-
-    def _pod_failed(self, error: grpc.aio.AioRpcError, address: str) -> None:
-        """A pod call failed. Raise the client's error when it is one (bad input,
-        the client's own deadline); otherwise mark an unreachable pod so routing
-        skips it, and return: the caller retries or moves the request."""
-        api_error = client_error(error, address, self._deps.settings.request_timeout)
-        # A 504 with time left is the pod's own deadline: another pod may do it.
-        if api_error is not None and not (api_error.status == 504
-                                          and self._deadline - time.monotonic() > 1.0):
-            raise api_error from None
-        if error.code() == grpc.StatusCode.UNAVAILABLE:
-            self._deps.pool.mark_unhealthy(address, describe(error))
-
     def _next_request_id(self) -> str:
         # One id per attempt: the decode pod's ticket binds it, and a pod that
         # still holds a failed attempt's state never confuses it with the next.
         self._attempt += 1
         return f"{self.request.request_id}-{self._attempt}"
 
-    # ------------------------------------------------------------ one attempt
-
     async def _one_attempt(self) -> AsyncIterator[Delta]:
         if choose_path(self._deps.pool, self._left_out) == "colocated":
             self._to(FlowState.COLOCATED)
-            stream = self._colocated()
+            colocated = True
         else:
             self._to(FlowState.RESERVING)
-            stream = self._disaggregated()
+            colocated = False
+        attempt = Attempt(self.request, self._next_request_id(), deps=self._deps, out=self._out,
+                          left_out=frozenset(self._left_out), deadline=self._deadline,
+                          to_state=self._to)
+        stream = attempt.colocated() if colocated else attempt.disaggregated()
         async with contextlib.aclosing(stream) as deltas:
             async for delta in deltas:
                 yield delta
-
-    def _generate_request(self, request_id: str, remote_prefill: bool) -> pb.DecodeGenerateRequest:
-        return pb.DecodeGenerateRequest(
-            request_id=request_id,
-            prompt_token_ids=self.request.prompt_token_ids,
-            sampling=sampling_message(self.request.sampling),
-            output_token_ids=self._out.output_ids,
-            remote_prefill=remote_prefill,
-        )
-
-    async def _open_stream(self, role: str, request_id: str, stack: contextlib.ExitStack):
-        """Open Decode.Generate on the first pod of `role` that takes it.
-
-        Returns (address, call, first message); the pod's load tracking and
-        the call's cancellation are registered on `stack`. Pods that are full
-        or unreachable are skipped (counted as retries of `role`); when none
-        is left, ApiError 503 says why."""
-        policy = self._deps.policy
-        tried: set[str] = set(self._left_out)
-        refusals: list[str] = []
-        remote = role == "decode"
-        num_prompt = len(self.request.prompt_token_ids)
-        while True:
-            try:
-                if remote:
-                    address = policy.choose_decode(
-                        num_tokens=num_prompt + self.request.sampling.max_tokens,
-                        exclude=frozenset(tried),
-                    )
-                else:
-                    address = await policy.choose_colocated(
-                        session_id=self.request.session_id,
-                        prompt_token_ids=self.request.prompt_token_ids,
-                        exclude=frozenset(tried),
-                    )
-            except NoPodAvailable as exc:
-                reason = exc.reason + (f"; refused: {'; '.join(refusals)}" if refusals else "")
-                raise ApiError(503, reason, code="no_pod_available") from None
-            with contextlib.ExitStack() as candidate:
-                candidate.enter_context(policy.track(address, num_tokens=num_prompt))
-                call = self._deps.channels.decode(address).Generate(
-                    self._generate_request(request_id, remote), timeout=self._remaining()
-                )
-                candidate.callback(call.cancel)  # no-op once the call has ended
-                try:
-                    first = await call.read()
-                except grpc.aio.AioRpcError as error:
-                    self._pod_failed(error, address)
-                    refusals.append(f"{address} {describe(error)}")
-                    self._deps.metrics.retries.labels(role=role).inc()
-                    tried.add(address)
-                    continue
-                stack.enter_context(candidate.pop_all())
-                return address, call, first
-
-    async def _colocated(self) -> AsyncIterator[Delta]:
-        with contextlib.ExitStack() as stack:
-            request_id = self._next_request_id()
-            address, call, first = await self._open_stream("colocated", request_id, stack)
-            async with contextlib.aclosing(self._read_tokens(address, call, first)) as deltas:
-                async for delta in deltas:
-                    yield delta
-
-    async def _disaggregated(self) -> AsyncIterator[Delta]:
-        with contextlib.ExitStack() as stack:
-            request_id = self._next_request_id()
-            address, call, first = await self._open_stream("decode", request_id, stack)
-            if first is grpc.aio.EOF or first.WhichOneof("kind") != "reserved":
-                raise AttemptFailed(f"decode pod {address} did not answer Reserved first",
-                                    addresses=frozenset({address}), migrate=True)
-            self._to(FlowState.PREFILLING)
-            response = await self._prefill(request_id, first.reserved.target, address)
-            self._out.set_cached_tokens(response.num_cached_tokens)
-            first_logprobs = ()
-            if response.HasField("first_logprob"):
-                first_logprobs = logprobs_from_proto([response.first_logprob])
-            delta = self._out.accept(self._out.next_index, [response.first_token_id],
-                                     first_logprobs)
-            self._to(FlowState.DECODING)
-            if self._out.stopped:  # a stop string ended in the very first token
-                call.cancel()
-                self._deps.metrics.aborts.labels(reason="stop_string").inc()
-                yield fold_final(delta, self._finish("stop"))
-                return
-            if delta is not None:
-                yield delta  # the first token goes out before decode streams anything
-            async with contextlib.aclosing(self._read_tokens(address, call, None)) as deltas:
-                async for delta in deltas:
-                    yield delta
-
-    async def _prefill(self, request_id: str, target: pb.KVTarget, decode_address: str):
-        """Prefill.Prefill against `target`, on up to 1 + max_prefill_retries pods.
-
-        A prefill pod that is gone or broken (UNAVAILABLE, INTERNAL, UNKNOWN)
-        or busy (RESOURCE_EXHAUSTED) is replaced by another against the same
-        reservation: the decode pod's receiver treats a sender that went away
-        mid-transfer as lost, not failed, and the new pod's BEGIN restarts the
-        transfer from layer 0. Any other failure (ABORTED: the decode side
-        refused or failed the transfer, DEADLINE_EXCEEDED from the pod, ...)
-        means the reservation itself is gone, so the attempt ends and the
-        request starts over on a new pair; only the broken pods are left out.
-        """
-        policy, metrics = self._deps.policy, self._deps.metrics
-        request = pb.PrefillRequest(
-            request_id=request_id,
-            prompt_token_ids=self.request.prompt_token_ids,
-            sampling=sampling_message(self.request.sampling),
-            output_token_ids=self._out.output_ids,
-            target=target,
-        )
-        tried: set[str] = set(self._left_out)
-        broken: set[str] = set()
-        failures: list[str] = []
-        for attempt in range(self._deps.settings.max_prefill_retries + 1):
-            try:
-                address = await policy.choose_prefill(
-                    session_id=self.request.session_id,
-                    prompt_token_ids=self.request.prompt_token_ids,
-                    exclude=frozenset(tried),
-                )
-            except NoPodAvailable as exc:
-                if not failures:
-                    raise ApiError(503, exc.reason, code="no_pod_available") from None
-                break
-            if attempt:
-                metrics.retries.labels(role="prefill").inc()
-            with policy.track(address, num_tokens=len(request.prompt_token_ids)):
-                call = self._deps.channels.prefill(address).Prefill(
-                    request, timeout=self._remaining()
-                )
-                try:
-                    return await call
-                except grpc.aio.AioRpcError as error:
-                    self._pod_failed(error, address)
-                    failures.append(f"{address} {describe(error)}")
-                    tried.add(address)
-                    if error.code() in _BROKEN_POD:
-                        broken.add(address)
-                    elif error.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
-                        break
-                finally:
-                    call.cancel()  # no-op when done; frees the prefill pod when we leave early
-        raise AttemptFailed(
-            f"prefill failed on {len(failures)} pod(s) for decode pod {decode_address}: "
-            + "; ".join(failures),
-            addresses=frozenset(broken),
-            migrate=False,
-        )
-
-    async def _read_tokens(self, address: str, call, first) -> AsyncIterator[Delta]:
-        """Stream DecodeTokens from `call` into the assembler until a finish."""
-        message = first
-        while True:
-            if message is None:
-                try:
-                    message = await call.read()
-                except grpc.aio.AioRpcError as error:
-                    self._pod_failed(error, address)
-                    raise AttemptFailed(f"decode stream from {address} broke: {describe(error)}",
-                                        addresses=frozenset({address}), migrate=True) from None
-            if message is grpc.aio.EOF or message.WhichOneof("kind") != "tokens":
-                raise AttemptFailed(f"decode stream from {address} ended without a finish",
-                                    addresses=frozenset({address}), migrate=True)
-            tokens, message = message.tokens, None
-            if tokens.num_prompt_tokens:
-                self._out.set_cached_tokens(tokens.num_cached_tokens)
-            try:
-                # most streams carry no logprobs: skip the per-message conversion then
-                delta = self._out.accept(tokens.first_index, tokens.token_ids,
-                                         logprobs_from_proto(tokens.logprobs)
-                                         if tokens.logprobs else ())
-            except OutputGap as gap:
-                raise AttemptFailed(f"decode pod {address}: {gap}",
-                                    addresses=frozenset({address}), migrate=True) from None
-            if self._out.stopped:
-                call.cancel()
-                self._deps.metrics.aborts.labels(reason="stop_string").inc()
-                yield fold_final(delta, self._finish("stop"))
-                return
-            if tokens.finish_reason == "abort":
-                raise AttemptFailed(f"decode pod {address} aborted the request",
-                                    addresses=frozenset({address}), migrate=True)
-            if tokens.finish_reason:
-                yield fold_final(delta, self._finish(tokens.finish_reason))
-                return
-            if delta is not None:
-                yield delta
-
-    def _finish(self, finish_reason: str) -> Delta:
-        self._to(FlowState.FINISHED)
-        return self._out.finish(finish_reason)

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from router.sampling import check_stop_strings
+
 
 class StopMatcher:
     """One per request; used from the request's task only."""
 
     def __init__(self, stops: Sequence[str]) -> None:
-        if any(not s for s in stops):
-            raise ValueError("stop strings must not be empty")
+        check_stop_strings(stops)  # SamplingError (a ValueError), as for a client's request
         self._stops = tuple(stops)
         self._pending = ""
         self.stopped = False

@@ -96,7 +96,7 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
         created=int(time.time()),
         token_text=frontend.token_text,
         include_usage=parsed.include_usage,
-        top_logprobs=parsed.logprobs,
+        top_logprobs=parsed.sampling.logprobs,
     )
     flow = frontend.flow(generation)
     async with contextlib.aclosing(flow.run()) as deltas:

@@ -1,0 +1,284 @@
+"""`Attempt`: one try of one request on one P/D pair or one colocated pod.
+
+`router.flow.request_flow.RequestFlow` makes one `Attempt` per try, on the
+router's event loop, and iterates `colocated()` or `disaggregated()` inside
+`contextlib.aclosing`; leaving early cancels the pod calls the attempt has
+open. Tokens go into the flow's `OutputAssembler`, state changes to the
+flow's `FlowState` through `to_state`.
+
+    colocated():     Decode.Generate(remote_prefill=false) on a colocated pod
+                     -> tokens 0..n
+    disaggregated(): Decode.Generate(remote_prefill=true) -> Reserved{target}
+                     -> Prefill.Prefill(target) on up to 1 + max_prefill_retries
+                        prefill pods -> the first token (sent at once)
+                     -> tokens 1..n from the decode stream
+
+Pods that are full or unreachable when the stream opens are skipped here
+(counted as retries); a failure that another pair may not have ends the
+attempt with `AttemptFailed`, and the flow decides what happens next. An
+error the client must see (bad input, no pod, the deadline) is an
+`ApiError`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+
+from proto import pdserve_pb2 as pb
+from router.api_error import ApiError
+from router.flow.deps import FlowDeps
+from router.flow.output import OutputAssembler, OutputGap, fold_final, logprobs_from_proto
+from router.flow.pod_calls import AttemptFailed, client_error, describe
+from router.flow.state import FlowState
+from router.generation import Delta, GenerationRequest
+from router.routing.base import NoPodAvailable
+from router.sampling import sampling_to_proto
+
+# Prefill errors that say the pod itself is gone or broken (as opposed to
+# the KV transfer or the reservation having failed).
+_BROKEN_POD = frozenset({
+    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
+})
+
+
+class Attempt:
+    """One try of `request` under `request_id` (unique per attempt: the decode
+    pod's ticket binds it, and a pod that still holds a failed attempt's
+    state never confuses it with the next). `left_out` are pods that failed
+    this request already; `deadline` is the request's (time.monotonic)."""
+
+    def __init__(
+        self,
+        request: GenerationRequest,
+        request_id: str,
+        *,
+        deps: FlowDeps,
+        out: OutputAssembler,
+        left_out: frozenset[str],
+        deadline: float,
+        to_state: Callable[[FlowState], None],
+    ) -> None:
+        self._request = request
+        self._request_id = request_id
+        self._deps = deps
+        self._out = out
+        self._left_out = left_out
+        self._deadline = deadline
+        self._to_state = to_state
+
+    def _remaining(self) -> float:
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise ApiError(
+                504,
+                "the request did not finish within --request-timeout "
+                f"{self._deps.settings.request_timeout:g}s",
+            )
+        return left
+
+    def _pod_failed(self, error: grpc.aio.AioRpcError, address: str) -> None:
+        """A pod call failed. Raise the client's error when it is one (bad input,
+        the client's own deadline); otherwise mark an unreachable pod so routing
+        skips it, and return: the caller retries or moves the request."""
+        api_error = client_error(error, address, self._deps.settings.request_timeout)
+        # A 504 with time left is the pod's own deadline: another pod may do it.
+        if api_error is not None and not (api_error.status == 504
+                                          and self._deadline - time.monotonic() > 1.0):
+            raise api_error from None
+        if error.code() == grpc.StatusCode.UNAVAILABLE:
+            self._deps.pool.mark_unhealthy(address, describe(error))
+
+    def _generate_request(self, remote_prefill: bool) -> pb.DecodeGenerateRequest:
+        return pb.DecodeGenerateRequest(
+            request_id=self._request_id,
+            prompt_token_ids=self._request.prompt_token_ids,
+            sampling=sampling_to_proto(self._request.sampling),
+            output_token_ids=self._out.output_ids,
+            remote_prefill=remote_prefill,
+        )
+
+    async def _open_stream(self, role: str, stack: contextlib.ExitStack):
+        """Open Decode.Generate on the first pod of `role` that takes it.
+
+        Returns (address, call, first message); the pod's load tracking and
+        the call's cancellation are registered on `stack`. Pods that are full
+        or unreachable are skipped (counted as retries of `role`); when none
+        is left, ApiError 503 says why."""
+        policy = self._deps.policy
+        tried: set[str] = set(self._left_out)
+        refusals: list[str] = []
+        remote = role == "decode"
+        num_prompt = len(self._request.prompt_token_ids)
+        while True:
+            try:
+                if remote:
+                    address = policy.choose_decode(
+                        num_tokens=num_prompt + self._request.sampling.max_tokens,
+                        exclude=frozenset(tried),
+                    )
+                else:
+                    address = await policy.choose_colocated(
+                        session_id=self._request.session_id,
+                        prompt_token_ids=self._request.prompt_token_ids,
+                        exclude=frozenset(tried),
+                    )
+            except NoPodAvailable as exc:
+                reason = exc.reason + (f"; refused: {'; '.join(refusals)}" if refusals else "")
+                raise ApiError(503, reason, code="no_pod_available") from None
+            with contextlib.ExitStack() as candidate:
+                candidate.enter_context(policy.track(address, num_tokens=num_prompt))
+                call = self._deps.channels.decode(address).Generate(
+                    self._generate_request(remote), timeout=self._remaining()
+                )
+                candidate.callback(call.cancel)  # no-op once the call has ended
+                try:
+                    first = await call.read()
+                except grpc.aio.AioRpcError as error:
+                    self._pod_failed(error, address)
+                    refusals.append(f"{address} {describe(error)}")
+                    self._deps.metrics.retries.labels(role=role).inc()
+                    tried.add(address)
+                    continue
+                stack.enter_context(candidate.pop_all())
+                return address, call, first
+
+    async def colocated(self) -> AsyncIterator[Delta]:
+        """Decode.Generate(remote_prefill=false) on a colocated pod: tokens 0..n."""
+        with contextlib.ExitStack() as stack:
+            address, call, first = await self._open_stream("colocated", stack)
+            async with contextlib.aclosing(self._read_tokens(address, call, first)) as deltas:
+                async for delta in deltas:
+                    yield delta
+
+    async def disaggregated(self) -> AsyncIterator[Delta]:
+        """Reserve on a decode pod, prefill against the reservation, stream tokens."""
+        with contextlib.ExitStack() as stack:
+            address, call, first = await self._open_stream("decode", stack)
+            if first is grpc.aio.EOF or first.WhichOneof("kind") != "reserved":
+                raise AttemptFailed(f"decode pod {address} did not answer Reserved first",
+                                    addresses=frozenset({address}), migrate=True)
+            self._to_state(FlowState.PREFILLING)
+            response = await self._prefill(first.reserved.target, address)
+            self._out.set_cached_tokens(response.num_cached_tokens)
+            first_logprobs = ()
+            if response.HasField("first_logprob"):
+                first_logprobs = logprobs_from_proto([response.first_logprob])
+            delta = self._out.accept(self._out.next_index, [response.first_token_id],
+                                     first_logprobs)
+            self._to_state(FlowState.DECODING)
+            if self._out.stopped:  # a stop string ended in the very first token
+                call.cancel()
+                self._deps.metrics.aborts.labels(reason="stop_string").inc()
+                yield fold_final(delta, self._finish("stop"))
+                return
+            if delta is not None:
+                yield delta  # the first token goes out before decode streams anything
+            async with contextlib.aclosing(self._read_tokens(address, call, None)) as deltas:
+                async for delta in deltas:
+                    yield delta
+
+    async def _prefill(self, target: pb.KVTarget, decode_address: str):
+        """Prefill.Prefill against `target`, on up to 1 + max_prefill_retries pods.
+
+        A prefill pod that is gone or broken (UNAVAILABLE, INTERNAL, UNKNOWN)
+        or busy (RESOURCE_EXHAUSTED) is replaced by another against the same
+        reservation: the decode pod's receiver treats a sender that went away
+        mid-transfer as lost, not failed, and the new pod's BEGIN restarts the
+        transfer from layer 0. Any other failure (ABORTED: the decode side
+        refused or failed the transfer, DEADLINE_EXCEEDED from the pod, ...)
+        means the reservation itself is gone, so the attempt ends and the
+        request starts over on a new pair; only the broken pods are left out.
+        """
+        policy, metrics = self._deps.policy, self._deps.metrics
+        request = pb.PrefillRequest(
+            request_id=self._request_id,
+            prompt_token_ids=self._request.prompt_token_ids,
+            sampling=sampling_to_proto(self._request.sampling),
+            output_token_ids=self._out.output_ids,
+            target=target,
+        )
+        tried: set[str] = set(self._left_out)
+        broken: set[str] = set()
+        failures: list[str] = []
+        for attempt in range(self._deps.settings.max_prefill_retries + 1):
+            try:
+                address = await policy.choose_prefill(
+                    session_id=self._request.session_id,
+                    prompt_token_ids=self._request.prompt_token_ids,
+                    exclude=frozenset(tried),
+                )
+            except NoPodAvailable as exc:
+                if not failures:
+                    raise ApiError(503, exc.reason, code="no_pod_available") from None
+                break
+            if attempt:
+                metrics.retries.labels(role="prefill").inc()
+            with policy.track(address, num_tokens=len(request.prompt_token_ids)):
+                call = self._deps.channels.prefill(address).Prefill(
+                    request, timeout=self._remaining()
+                )
+                try:
+                    return await call
+                except grpc.aio.AioRpcError as error:
+                    self._pod_failed(error, address)
+                    failures.append(f"{address} {describe(error)}")
+                    tried.add(address)
+                    if error.code() in _BROKEN_POD:
+                        broken.add(address)
+                    elif error.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                        break
+                finally:
+                    call.cancel()  # no-op when done; frees the prefill pod when we leave early
+        raise AttemptFailed(
+            f"prefill failed on {len(failures)} pod(s) for decode pod {decode_address}: "
+            + "; ".join(failures),
+            addresses=frozenset(broken),
+            migrate=False,
+        )
+
+    async def _read_tokens(self, address: str, call, first) -> AsyncIterator[Delta]:
+        """Stream DecodeTokens from `call` into the assembler until a finish."""
+        message = first
+        while True:
+            if message is None:
+                try:
+                    message = await call.read()
+                except grpc.aio.AioRpcError as error:
+                    self._pod_failed(error, address)
+                    raise AttemptFailed(f"decode stream from {address} broke: {describe(error)}",
+                                        addresses=frozenset({address}), migrate=True) from None
+            if message is grpc.aio.EOF or message.WhichOneof("kind") != "tokens":
+                raise AttemptFailed(f"decode stream from {address} ended without a finish",
+                                    addresses=frozenset({address}), migrate=True)
+            tokens, message = message.tokens, None
+            if tokens.num_prompt_tokens:
+                self._out.set_cached_tokens(tokens.num_cached_tokens)
+            try:
+                # most streams carry no logprobs: skip the per-message conversion then
+                delta = self._out.accept(tokens.first_index, tokens.token_ids,
+                                         logprobs_from_proto(tokens.logprobs)
+                                         if tokens.logprobs else ())
+            except OutputGap as gap:
+                raise AttemptFailed(f"decode pod {address}: {gap}",
+                                    addresses=frozenset({address}), migrate=True) from None
+            if self._out.stopped:
+                call.cancel()
+                self._deps.metrics.aborts.labels(reason="stop_string").inc()
+                yield fold_final(delta, self._finish("stop"))
+                return
+            if tokens.finish_reason == "abort":
+                raise AttemptFailed(f"decode pod {address} aborted the request",
+                                    addresses=frozenset({address}), migrate=True)
+            if tokens.finish_reason:
+                yield fold_final(delta, self._finish(tokens.finish_reason))
+                return
+            if delta is not None:
+                yield delta
+
+    def _finish(self, finish_reason: str) -> Delta:
+        self._to_state(FlowState.FINISHED)
+        return self._out.finish(finish_reason)
