@@ -1,8 +1,9 @@
 """`StopMatcher`: stop strings honoured across token (and delta) boundaries.
 
 The router detokenizes in the disaggregated path, so it is the one that
-stops on a stop string (docs/architecture.md): `router.flow` feeds every
-piece of new text to `push()` and sends the client only what it returns.
+stops on a stop string (docs/architecture.md): the `OutputAssembler`
+(router.flow.output) feeds every piece of new text to `push()` and sends the
+client only what it returns.
 Text that could still become the start of a stop string is held back until
 the next piece decides it; at the end `flush()` releases it.
 
