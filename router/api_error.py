@@ -1,6 +1,6 @@
 """`ApiError`: a client-visible failure in OpenAI's error shape.
 
-Raised by request parsing (router.openai_api), auth (router.auth) and the
+Raised by request parsing (router.http.requests), auth (router.auth) and the
 request flow (router.flow); the HTTP layer turns it into
 `{"error": {"message", "type", "param", "code"}}` with its status, the gRPC
 layer into the matching status code. Only the message is shown to the

@@ -1,7 +1,7 @@
 """`Frontend`: what the HTTP and gRPC front doors share.
 
 Built once by `router.server.RouterServer`; its methods run on the router's
-event loop, called by the handlers in router.http_server and
+event loop, called by the handlers in router.http.server and
 router.grpc_server. It turns a validated `ParsedRequest` into a tokenized
 `GenerationRequest` (tokenize once — the chat template is applied here — and
 check the context limit), and starts a `RequestFlow` for it.
@@ -15,10 +15,10 @@ import uuid
 from engine.detokenizer import IncrementalDetokenizer
 from engine.tokenizer import Tokenizer
 from router.api_error import bad_request
-from router.flow import RequestFlow
-from router.generation import GenerationRequest
-from router.openai_api import ParsedRequest, resolve_sampling
-from router.pod_calls import FlowDeps
+from router.flow.deps import FlowDeps
+from router.flow.request_flow import RequestFlow
+from router.generation import GenerationRequest, ParsedRequest
+from router.sampling import fit_context
 
 
 class Frontend:
@@ -63,7 +63,9 @@ class Frontend:
     def prepare(self, parsed: ParsedRequest, session_id: str | None) -> GenerationRequest:
         """Tokenize and check limits; raise ApiError 400 on any problem."""
         token_ids = self.tokenize(parsed)
-        sampling = resolve_sampling(parsed, len(token_ids), self.max_model_len)
+        sampling = fit_context(parsed.sampling, chat=parsed.kind == "chat",
+                               num_prompt_tokens=len(token_ids),
+                               max_model_len=self.max_model_len)
         return GenerationRequest(
             request_id=uuid.uuid4().hex,
             prompt_token_ids=tuple(token_ids),

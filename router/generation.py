@@ -1,6 +1,6 @@
 """The typed messages between the API layers and the request flow.
 
-The HTTP handlers (router.http_server) and the gRPC servicer
+The HTTP handlers (router.http.server) and the gRPC servicer
 (router.grpc_server) build one `GenerationRequest` per client request and
 consume the `Delta`s that `router.flow.RequestFlow.run()` yields; the last
 delta has `finish_reason` and `usage` set. All immutable.
@@ -10,9 +10,43 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from router.openai_api import SamplingSpec
+from router.sampling import SamplingSpec
 
 FINISH_REASONS = ("stop", "length", "abort")
+
+
+@dataclass(frozen=True, slots=True)
+class ChatMessage:
+    role: str
+    content: str
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedRequest:
+    """A validated completion or chat request, prompt not yet tokenized.
+
+    Exactly one of `prompt` (text), `prompt_token_ids` (completions with a
+    token list) and `messages` (chat) carries the input. `sampling.max_tokens`
+    None means "the default for this endpoint" (see `router.sampling.fit_context`).
+    """
+
+    kind: str  # "completion" | "chat"
+    model: str
+    prompt: str | None = None
+    prompt_token_ids: tuple[int, ...] | None = None
+    messages: tuple[ChatMessage, ...] = ()
+    sampling: SamplingSpec = SamplingSpec()
+    stream: bool = False
+    include_usage: bool = False
+    user: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("completion", "chat"):
+            raise ValueError(f"kind must be 'completion' or 'chat', got {self.kind!r}")
+        inputs = (self.prompt is not None) + (self.prompt_token_ids is not None)
+        inputs += bool(self.messages)
+        if inputs != 1:
+            raise ValueError("exactly one of prompt, prompt_token_ids, messages must be set")
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,11 +65,14 @@ class GenerationRequest:
             raise ValueError("prompt_token_ids must not be empty")
         if any(t < 0 for t in self.prompt_token_ids):
             raise ValueError("prompt_token_ids must be >= 0")
+        if self.sampling.max_tokens is None:
+            raise ValueError("sampling.max_tokens must be set (router.sampling.fit_context)")
 
 
 @dataclass(frozen=True, slots=True)
-class TokenLogprobs:
-    """The sampled token's logprob and the top alternatives (most likely first)."""
+class OutputLogprobs:
+    """One output token's logprob and the top alternatives (most likely first),
+    as the front doors show them (engine.outputs.TokenLogprobs is the pods' own)."""
 
     token_id: int
     logprob: float
@@ -80,7 +117,7 @@ class Delta:
 
     text: str
     token_ids: tuple[int, ...] = ()
-    logprobs: tuple[TokenLogprobs, ...] = ()
+    logprobs: tuple[OutputLogprobs, ...] = ()
     finish_reason: str | None = None
     usage: Usage | None = None
 

@@ -2,9 +2,10 @@
 plus the standard health service.
 
 A thin servicer over the same `Frontend` the HTTP API uses, on the same
-event loop: `Generate` turns the `GenerateRequest` into the OpenAI-shaped
-fields, validates them with router.openai_api (so both front doors accept
-and refuse exactly the same requests), tokenizes once and streams one
+event loop: `Generate` turns the `GenerateRequest` into a `ParsedRequest`
+(sampling through router.sampling, prompt or messages through
+router.http.requests, so both front doors accept and refuse exactly the
+same requests), tokenizes once and streams one
 `GenerateResponse` per delta; the last carries `finish_reason` and `usage`.
 Errors leave through `proto.status.grpc_errors`: an `ApiError` becomes its
 matching code (400 → INVALID_ARGUMENT, 404 → NOT_FOUND, 503 → UNAVAILABLE,
@@ -27,44 +28,35 @@ from proto.status import ServiceError, grpc_errors
 from router.api_error import ApiError, bad_request
 from router.auth import ApiKeyCheck
 from router.frontend import Frontend
-from router.generation import Delta
-from router.openai_api import ParsedRequest, check_model, parse_chat, parse_completion
+from router.generation import Delta, ParsedRequest
+from router.http.requests import check_model, parse_chat, parse_completion
+from router.sampling import SamplingError, sampling_from_proto
 
 
-def request_body(request: pb.GenerateRequest, default_model: str) -> tuple[str, dict[str, Any]]:
-    """(kind, OpenAI-style body) for a GenerateRequest. Proto zeros mean "unset",
-    except temperature, where 0 is greedy as in SamplingParams."""
+def parsed_request(request: pb.GenerateRequest, default_model: str) -> ParsedRequest:
+    """A GenerateRequest as the front doors' ParsedRequest (or ApiError 400).
+
+    The sampling converts with `sampling_from_proto` (the limits checked
+    there, as for HTTP); the prompt or messages go through the OpenAI parser,
+    so both front doors accept and refuse exactly the same inputs."""
     inputs = [bool(request.prompt), bool(request.messages), bool(request.prompt_token_ids)]
     if sum(inputs) != 1:
         raise bad_request("set exactly one of prompt, messages, prompt_token_ids", "prompt")
-    s = request.sampling
-    if s.stop_token_ids:
+    if request.sampling.stop_token_ids:
         raise bad_request("sampling.stop_token_ids is not supported by the router; use stop",
                           "stop_token_ids")
-    body: dict[str, Any] = {
-        "model": request.model or default_model,
-        "temperature": s.temperature,
-        "top_p": s.top_p or 1.0,
-        "top_k": s.top_k,
-        "ignore_eos": s.ignore_eos,
-    }
-    if s.max_tokens:
-        body["max_tokens"] = s.max_tokens
-    if s.HasField("seed"):
-        body["seed"] = s.seed
-    if s.stop:
-        body["stop"] = list(s.stop)
+    try:
+        sampling = sampling_from_proto(request.sampling)
+    except SamplingError as exc:
+        raise exc.to_api_error() from None
+    body: dict[str, Any] = {"model": request.model or default_model}
     if request.session_id:
         body["user"] = request.session_id
     if request.messages:
         body["messages"] = [{"role": m.role, "content": m.content} for m in request.messages]
-        if s.logprobs:
-            body.update(logprobs=True, top_logprobs=s.logprobs)
-        return "chat", body
+        return parse_chat(body, sampling)
     body["prompt"] = request.prompt or list(request.prompt_token_ids)
-    if s.logprobs:
-        body["logprobs"] = s.logprobs
-    return "completion", body
+    return parse_completion(body, sampling)
 
 
 def response_message(request_id: str, delta: Delta) -> pb.GenerateResponse:
@@ -101,8 +93,7 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
         self._auth.check(metadata.get("authorization"))
 
     def _parse(self, request: pb.GenerateRequest) -> ParsedRequest:
-        kind, body = request_body(request, self._frontend.model_name)
-        parsed = parse_chat(body) if kind == "chat" else parse_completion(body)
+        parsed = parsed_request(request, self._frontend.model_name)
         check_model(parsed.model, self._frontend.model_name)
         return parsed
 

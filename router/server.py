@@ -29,11 +29,11 @@ from aiohttp import web
 from engine.tokenizer import Tokenizer
 from router.auth import ApiKeyCheck
 from router.config import RouterConfig
+from router.flow.deps import FlowDeps, FlowSettings
 from router.frontend import Frontend
 from router.grpc_server import NOT_SERVING, SERVING, build_grpc_server
-from router.http_server import build_app
+from router.http.server import build_app
 from router.metrics import RouterMetrics
-from router.pod_calls import FlowDeps, FlowSettings
 from router.pod_clients import PodChannels
 from router.registry.base import PodEntry, PodSource
 from router.registry.poller import PolledPodPool

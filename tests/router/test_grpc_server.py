@@ -105,14 +105,14 @@ def test_cancelled_generate_cancels_the_pod_call(tiny_model_dir):
 
 
 def test_response_message_carries_logprobs_only_when_the_delta_has_them():
-    from router.generation import Delta, TokenLogprobs, Usage
+    from router.generation import Delta, OutputLogprobs, Usage
     from router.grpc_server import response_message
 
     plain = response_message("r1", Delta(text="ab", token_ids=(5, 6)))
     assert (plain.request_id, plain.text, list(plain.token_ids)) == ("r1", "ab", [5, 6])
     assert len(plain.logprobs) == 0 and plain.finish_reason == "" and not plain.HasField("usage")
 
-    lps = (TokenLogprobs(5, -0.25, (5, 9), (-0.25, -2.0)), TokenLogprobs(6, -1.5, (), ()))
+    lps = (OutputLogprobs(5, -0.25, (5, 9), (-0.25, -2.0)), OutputLogprobs(6, -1.5, (), ()))
     final = response_message("r2", Delta(text="c", token_ids=(5, 6), logprobs=lps,
                                          finish_reason="length",
                                          usage=Usage(prompt_tokens=3, completion_tokens=2,

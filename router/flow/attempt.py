@@ -1,79 +1,42 @@
-"""One request's life through the pods.
+"""`Attempt`: one try of one request on one P/D pair or one colocated pod.
 
-The HTTP handlers and the gRPC servicer build a `RequestFlow` per client
-request and iterate `run()` (an async generator of `Delta`s) on the router's
-event loop inside `contextlib.aclosing`, so leaving early (client gone, task
-cancelled) closes the generator at once, which cancels every pod call it has
-open — the pods then free the request's blocks and buffers.
+`router.flow.request_flow.RequestFlow` makes one `Attempt` per try, on the
+router's event loop, and iterates `colocated()` or `disaggregated()` inside
+`contextlib.aclosing`; leaving early cancels the pod calls the attempt has
+open. Tokens go into the flow's `OutputAssembler`, state changes to the
+flow's `FlowState` through `to_state`.
 
-Life cycle (`FlowState`, transitions checked):
+    colocated():     Decode.Generate(remote_prefill=false) on a colocated pod
+                     -> tokens 0..n
+    disaggregated(): Decode.Generate(remote_prefill=true) -> Reserved{target}
+                     -> Prefill.Prefill(target) on up to 1 + max_prefill_retries
+                        prefill pods -> the first token (sent at once)
+                     -> tokens 1..n from the decode stream
 
-    ROUTING ─► RESERVING ─► PREFILLING ─► DECODING ─► FINISHED
-       │  ▲    Decode.Generate  Prefill.Prefill to   tokens 1..n
-       │  │    (remote_prefill) the Reserved target;
-       │  │    answers Reserved the first token goes
-       │  │                     to the client at once
-       │  └─── MIGRATING ◄── decode pod failed / every prefill try failed
-       └─► COLOCATED: Decode.Generate(remote_prefill=false), tokens 0..n ─► FINISHED
-    any state ─► FAILED (an ApiError for the client, or the client left)
-
-Failure handling:
-
-* Decode.Generate answers RESOURCE_EXHAUSTED (pod full) or cannot be
-  reached → the next decode pod (`pdserve_retries_total{role="decode"}`).
-* Prefill.Prefill fails because the prefill pod is gone, broken or busy →
-  another prefill pod against the same reservation (same KVTarget: endpoints
-  + ticket), at most `max_prefill_retries` times
-  (`pdserve_retries_total{role="prefill"}`). This is the normal path when a
-  prefill pod dies mid-transfer: the decode pod's receiver keeps the
-  reservation and restarts the transfer on the new pod's BEGIN
-  (docs/kv_transfer.md), and its Generate stream stays open.
-* Only when the decode side refused (the retry's Prefill answers ABORTED /
-  DEADLINE_EXCEEDED: the transfer or the reservation is gone) does the
-  request start over on a new pair (counted as a prefill retry).
-* The decode stream breaks (an error status, EOF without a finish reason, a
-  gap in the indices, or the pod aborts the request) → MIGRATING: prompt +
-  tokens so far go to a new pair as `output_token_ids`, and the assembler
-  drops whatever the new pod repeats (`pdserve_migrations_total`). Bounded
-  by `max_migrations`; a failed pod is left out for the rest of the request.
-* Nothing to route to → `ApiError(503)` with the policy's reason.
-* A stop string matched → the decode call is cancelled
-  (`pdserve_aborts_total{reason="stop_string"}`).
+Pods that are full or unreachable when the stream opens are skipped here
+(counted as retries); a failure that another pair may not have ends the
+attempt with `AttemptFailed`, and the flow decides what happens next. An
+error the client must see (bad input, no pod, the deadline) is an
+`ApiError`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 
 from proto import pdserve_pb2 as pb
 from router.api_error import ApiError
-from router.flow_state import FlowState, check_transition
+from router.flow.deps import FlowDeps
+from router.flow.output import OutputAssembler, OutputGap, fold_final, logprobs_from_proto
+from router.flow.pod_calls import AttemptFailed, client_error, describe
+from router.flow.state import FlowState
 from router.generation import Delta, GenerationRequest
-from router.output import (
-    Detokenizer,
-    OutputAssembler,
-    OutputGap,
-    fold_final,
-    logprobs_from_proto,
-)
-from router.pod_calls import (
-    AttemptFailed,
-    FlowDeps,
-    choose_path,
-    client_error,
-    describe,
-    sampling_message,
-)
 from router.routing.base import NoPodAvailable
-
-log = logging.getLogger(__name__)
-
+from router.sampling import sampling_to_proto
 
 # Prefill errors that say the pod itself is gone or broken (as opposed to
 # the KV transfer or the reservation having failed).
@@ -82,106 +45,30 @@ _BROKEN_POD = frozenset({
 })
 
 
-class RequestFlow:
-    """Drives one `GenerationRequest` through the pods; see the module docstring."""
+class Attempt:
+    """One try of `request` under `request_id` (unique per attempt: the decode
+    pod's ticket binds it, and a pod that still holds a failed attempt's
+    state never confuses it with the next). `left_out` are pods that failed
+    this request already; `deadline` is the request's (time.monotonic)."""
 
-    def __init__(self, request: GenerationRequest, *, deps: FlowDeps, detokenizer: Detokenizer):
-        self.request = request
-        self.state = FlowState.ROUTING
+    def __init__(
+        self,
+        request: GenerationRequest,
+        request_id: str,
+        *,
+        deps: FlowDeps,
+        out: OutputAssembler,
+        left_out: frozenset[str],
+        deadline: float,
+        to_state: Callable[[FlowState], None],
+    ) -> None:
+        self._request = request
+        self._request_id = request_id
         self._deps = deps
-        self._out = OutputAssembler(
-            detokenizer=detokenizer,
-            stop=request.sampling.stop,
-            num_prompt_tokens=len(request.prompt_token_ids),
-        )
-        self._start = time.monotonic()
-        self._deadline = self._start + deps.settings.request_timeout
-        self._left_out: set[str] = set()  # pods that failed this request
-        self._attempt = 0
-        self._migrations = 0
-        self._last_token_time: float | None = None
-
-    def _to(self, state: FlowState) -> None:
-        check_transition(self.request.request_id, self.state, state)
-        self.state = state
-
-    @property
-    def output_token_ids(self) -> tuple[int, ...]:
-        return tuple(self._out.output_ids)
-
-    # ------------------------------------------------------------ driver
-
-    async def run(self) -> AsyncIterator[Delta]:
-        """Yield the client's deltas; the last has finish_reason and usage.
-        Raises ApiError for anything the client must be told."""
-        metrics = self._deps.metrics
-        metrics.in_flight.inc()
-        outcome = "error"
-        try:
-            while True:
-                try:
-                    async with contextlib.aclosing(self._one_attempt()) as attempt:
-                        async for delta in attempt:
-                            self._observe(delta)
-                            yield delta
-                    outcome = "ok"
-                    metrics.e2e.observe(time.monotonic() - self._start)
-                    return
-                except AttemptFailed as failure:
-                    self._after_failure(failure)
-        except ApiError as exc:
-            outcome = f"http_{exc.status}"
-            # pods had the request and are told to drop it (their calls are cancelled)
-            if exc.status == 504:
-                metrics.aborts.labels(reason="timeout").inc()
-            elif exc.code == "pod_failure":
-                metrics.aborts.labels(reason="pod_failure").inc()
-            self._to(FlowState.FAILED)
-            raise
-        except (GeneratorExit, asyncio.CancelledError):
-            # The consumer left: after the final delta that is just the end of
-            # iteration; before it, the client went away mid-request.
-            if self.state is not FlowState.FINISHED:
-                outcome = "client_disconnect"
-                metrics.aborts.labels(reason="client_disconnect").inc()
-                self._to(FlowState.FAILED)
-            raise
-        finally:
-            metrics.in_flight.dec()
-            metrics.requests.labels(outcome=outcome).inc()
-
-    def _observe(self, delta: Delta) -> None:
-        out, metrics = self._out, self._deps.metrics
-        if not delta.token_ids:
-            return
-        now = time.monotonic()
-        if out.next_index == len(delta.token_ids):
-            metrics.ttft.observe(now - self._start)
-        elif self._last_token_time is not None:
-            gap = (now - self._last_token_time) / len(delta.token_ids)
-            for _ in delta.token_ids:
-                metrics.itl.observe(gap)
-        self._last_token_time = now
-
-    def _after_failure(self, failure: AttemptFailed) -> None:
-        """Decide whether the request moves on after a failed attempt."""
-        self._left_out.update(failure.addresses)
-        if failure.migrate:
-            self._deps.metrics.migrations.inc()
-        else:
-            self._deps.metrics.retries.labels(role="prefill").inc()
-        self._migrations += 1
-        if self._migrations > self._deps.settings.max_migrations:
-            raise ApiError(
-                503,
-                f"request failed on {self._migrations} pod pairs (limit --max-migrations "
-                f"{self._deps.settings.max_migrations}); last failure: {failure.reason}",
-                code="pod_failure",
-            )
-        log.warning("request %s moves to a new pod pair after %d tokens: %s",
-                    self.request.request_id, self._out.next_index, failure.reason)
-        self._to(FlowState.MIGRATING)
-        self._to(FlowState.ROUTING)
+        self._out = out
+        self._left_out = left_out
+        self._deadline = deadline
+        self._to_state = to_state
 
     def _remaining(self) -> float:
         left = self._deadline - time.monotonic()
@@ -205,35 +92,16 @@ class RequestFlow:
         if error.code() == grpc.StatusCode.UNAVAILABLE:
             self._deps.pool.mark_unhealthy(address, describe(error))
 
-    def _next_request_id(self) -> str:
-        # One id per attempt: the decode pod's ticket binds it, and a pod that
-        # still holds a failed attempt's state never confuses it with the next.
-        self._attempt += 1
-        return f"{self.request.request_id}-{self._attempt}"
-
-    # ------------------------------------------------------------ one attempt
-
-    async def _one_attempt(self) -> AsyncIterator[Delta]:
-        if choose_path(self._deps.pool, self._left_out) == "colocated":
-            self._to(FlowState.COLOCATED)
-            stream = self._colocated()
-        else:
-            self._to(FlowState.RESERVING)
-            stream = self._disaggregated()
-        async with contextlib.aclosing(stream) as deltas:
-            async for delta in deltas:
-                yield delta
-
-    def _generate_request(self, request_id: str, remote_prefill: bool) -> pb.DecodeGenerateRequest:
+    def _generate_request(self, remote_prefill: bool) -> pb.DecodeGenerateRequest:
         return pb.DecodeGenerateRequest(
-            request_id=request_id,
-            prompt_token_ids=self.request.prompt_token_ids,
-            sampling=sampling_message(self.request.sampling),
+            request_id=self._request_id,
+            prompt_token_ids=self._request.prompt_token_ids,
+            sampling=sampling_to_proto(self._request.sampling),
             output_token_ids=self._out.output_ids,
             remote_prefill=remote_prefill,
         )
 
-    async def _open_stream(self, role: str, request_id: str, stack: contextlib.ExitStack):
+    async def _open_stream(self, role: str, stack: contextlib.ExitStack):
         """Open Decode.Generate on the first pod of `role` that takes it.
 
         Returns (address, call, first message); the pod's load tracking and
@@ -244,18 +112,18 @@ class RequestFlow:
         tried: set[str] = set(self._left_out)
         refusals: list[str] = []
         remote = role == "decode"
-        num_prompt = len(self.request.prompt_token_ids)
+        num_prompt = len(self._request.prompt_token_ids)
         while True:
             try:
                 if remote:
                     address = policy.choose_decode(
-                        num_tokens=num_prompt + self.request.sampling.max_tokens,
+                        num_tokens=num_prompt + self._request.sampling.max_tokens,
                         exclude=frozenset(tried),
                     )
                 else:
                     address = await policy.choose_colocated(
-                        session_id=self.request.session_id,
-                        prompt_token_ids=self.request.prompt_token_ids,
+                        session_id=self._request.session_id,
+                        prompt_token_ids=self._request.prompt_token_ids,
                         exclude=frozenset(tried),
                     )
             except NoPodAvailable as exc:
@@ -264,7 +132,7 @@ class RequestFlow:
             with contextlib.ExitStack() as candidate:
                 candidate.enter_context(policy.track(address, num_tokens=num_prompt))
                 call = self._deps.channels.decode(address).Generate(
-                    self._generate_request(request_id, remote), timeout=self._remaining()
+                    self._generate_request(remote), timeout=self._remaining()
                 )
                 candidate.callback(call.cancel)  # no-op once the call has ended
                 try:
@@ -278,30 +146,30 @@ class RequestFlow:
                 stack.enter_context(candidate.pop_all())
                 return address, call, first
 
-    async def _colocated(self) -> AsyncIterator[Delta]:
+    async def colocated(self) -> AsyncIterator[Delta]:
+        """Decode.Generate(remote_prefill=false) on a colocated pod: tokens 0..n."""
         with contextlib.ExitStack() as stack:
-            request_id = self._next_request_id()
-            address, call, first = await self._open_stream("colocated", request_id, stack)
+            address, call, first = await self._open_stream("colocated", stack)
             async with contextlib.aclosing(self._read_tokens(address, call, first)) as deltas:
                 async for delta in deltas:
                     yield delta
 
-    async def _disaggregated(self) -> AsyncIterator[Delta]:
+    async def disaggregated(self) -> AsyncIterator[Delta]:
+        """Reserve on a decode pod, prefill against the reservation, stream tokens."""
         with contextlib.ExitStack() as stack:
-            request_id = self._next_request_id()
-            address, call, first = await self._open_stream("decode", request_id, stack)
+            address, call, first = await self._open_stream("decode", stack)
             if first is grpc.aio.EOF or first.WhichOneof("kind") != "reserved":
                 raise AttemptFailed(f"decode pod {address} did not answer Reserved first",
                                     addresses=frozenset({address}), migrate=True)
-            self._to(FlowState.PREFILLING)
-            response = await self._prefill(request_id, first.reserved.target, address)
+            self._to_state(FlowState.PREFILLING)
+            response = await self._prefill(first.reserved.target, address)
             self._out.set_cached_tokens(response.num_cached_tokens)
             first_logprobs = ()
             if response.HasField("first_logprob"):
                 first_logprobs = logprobs_from_proto([response.first_logprob])
             delta = self._out.accept(self._out.next_index, [response.first_token_id],
                                      first_logprobs)
-            self._to(FlowState.DECODING)
+            self._to_state(FlowState.DECODING)
             if self._out.stopped:  # a stop string ended in the very first token
                 call.cancel()
                 self._deps.metrics.aborts.labels(reason="stop_string").inc()
@@ -313,7 +181,7 @@ class RequestFlow:
                 async for delta in deltas:
                     yield delta
 
-    async def _prefill(self, request_id: str, target: pb.KVTarget, decode_address: str):
+    async def _prefill(self, target: pb.KVTarget, decode_address: str):
         """Prefill.Prefill against `target`, on up to 1 + max_prefill_retries pods.
 
         A prefill pod that is gone or broken (UNAVAILABLE, INTERNAL, UNKNOWN)
@@ -327,9 +195,9 @@ class RequestFlow:
         """
         policy, metrics = self._deps.policy, self._deps.metrics
         request = pb.PrefillRequest(
-            request_id=request_id,
-            prompt_token_ids=self.request.prompt_token_ids,
-            sampling=sampling_message(self.request.sampling),
+            request_id=self._request_id,
+            prompt_token_ids=self._request.prompt_token_ids,
+            sampling=sampling_to_proto(self._request.sampling),
             output_token_ids=self._out.output_ids,
             target=target,
         )
@@ -339,8 +207,8 @@ class RequestFlow:
         for attempt in range(self._deps.settings.max_prefill_retries + 1):
             try:
                 address = await policy.choose_prefill(
-                    session_id=self.request.session_id,
-                    prompt_token_ids=self.request.prompt_token_ids,
+                    session_id=self._request.session_id,
+                    prompt_token_ids=self._request.prompt_token_ids,
                     exclude=frozenset(tried),
                 )
             except NoPodAvailable as exc:
@@ -412,5 +280,5 @@ class RequestFlow:
                 yield delta
 
     def _finish(self, finish_reason: str) -> Delta:
-        self._to(FlowState.FINISHED)
+        self._to_state(FlowState.FINISHED)
         return self._out.finish(finish_reason)

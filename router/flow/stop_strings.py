@@ -1,8 +1,9 @@
 """`StopMatcher`: stop strings honoured across token (and delta) boundaries.
 
 The router detokenizes in the disaggregated path, so it is the one that
-stops on a stop string (docs/architecture.md): `router.flow` feeds every
-piece of new text to `push()` and sends the client only what it returns.
+stops on a stop string (docs/architecture.md): the `OutputAssembler`
+(router.flow.output) feeds every piece of new text to `push()` and sends the
+client only what it returns.
 Text that could still become the start of a stop string is held back until
 the next piece decides it; at the end `flush()` releases it.
 
@@ -16,13 +17,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from router.sampling import check_stop_strings
+
 
 class StopMatcher:
     """One per request; used from the request's task only."""
 
     def __init__(self, stops: Sequence[str]) -> None:
-        if any(not s for s in stops):
-            raise ValueError("stop strings must not be empty")
+        check_stop_strings(stops)  # SamplingError (a ValueError), as for a client's request
         self._stops = tuple(stops)
         self._pending = ""
         self.stopped = False

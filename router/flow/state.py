@@ -1,5 +1,5 @@
 """`FlowState`: the states of one request in the router, with the allowed
-transitions written down and checked (see router.flow for the life cycle).
+transitions written down and checked (see router.flow.request_flow for the life cycle).
 
     ROUTING -> RESERVING -> PREFILLING -> DECODING -> FINISHED
     ROUTING -> COLOCATED -> FINISHED

@@ -1,6 +1,6 @@
 """OpenAI response bodies and SSE chunks, built from the flow's `Delta`s.
 
-Used by router.http_server on the event loop: one `ResponseShaper` per
+Used by router.http.server on the event loop: one `ResponseShaper` per
 request. Shapes follow OpenAI's API exactly (field names, `object` values,
 `usage.prompt_tokens_details.cached_tokens`, `data: [DONE]`), so the official
 client and tools written against it parse them unchanged.
@@ -9,11 +9,11 @@ client and tools written against it parse them unchanged.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from router.generation import Delta, TokenLogprobs, Usage
+from router.generation import Delta, OutputLogprobs, Usage
 
 DONE_EVENT = b"data: [DONE]\n\n"
 
@@ -37,7 +37,7 @@ class _Collected:
     """What a non-streaming response accumulates over the deltas."""
 
     text: list[str] = field(default_factory=list)
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    logprobs: list[OutputLogprobs] = field(default_factory=list)
 
 
 class ResponseShaper:
@@ -73,7 +73,7 @@ class ResponseShaper:
 
     # ------------------------------------------------------------ logprobs
 
-    def _completion_logprobs(self, entries: tuple[TokenLogprobs, ...] | list[TokenLogprobs]) -> Any:
+    def _completion_logprobs(self, entries: Sequence[OutputLogprobs]) -> Any:
         if self._top_logprobs is None:
             return None
         tokens, token_logprobs, tops, offsets = [], [], [], []
@@ -92,7 +92,7 @@ class ResponseShaper:
             "text_offset": offsets,
         }
 
-    def _chat_logprobs(self, entries: tuple[TokenLogprobs, ...] | list[TokenLogprobs]) -> Any:
+    def _chat_logprobs(self, entries: Sequence[OutputLogprobs]) -> Any:
         if self._top_logprobs is None:
             return None
 
@@ -107,7 +107,7 @@ class ResponseShaper:
             content.append({**item(entry.token_id, entry.logprob), "top_logprobs": alternatives})
         return {"content": content}
 
-    def _logprobs(self, entries: tuple[TokenLogprobs, ...] | list[TokenLogprobs]) -> Any:
+    def _logprobs(self, entries: Sequence[OutputLogprobs]) -> Any:
         if self._kind == "chat":
             return self._chat_logprobs(entries)
         return self._completion_logprobs(entries)

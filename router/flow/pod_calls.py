@@ -1,52 +1,16 @@
-"""What every request flow shares, and the small pieces of its pod calls.
+"""The small pieces of a flow's pod calls, on the router's event loop.
 
-`FlowDeps` is built once by the router server and passed to each
-`router.flow.RequestFlow`; everything in it is used on the router's event
-loop only. The helpers here turn typed router values into proto messages and
-pod errors into the flow's decisions (retry elsewhere, tell the client).
+`AttemptFailed` ends one try on one pod pair; `client_error` and `describe`
+turn pod errors into the flow's decisions (retry elsewhere, tell the
+client); `choose_path` picks colocated or P/D for the next attempt.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import grpc
 
-from proto import pdserve_pb2 as pb
 from router.api_error import ApiError
-from router.metrics import RouterMetrics
-from router.openai_api import SamplingSpec
-from router.pod_clients import PodChannels
 from router.routing.base import PodLoad, PodPool
-from router.routing.policy import RoutingPolicy
-
-
-@dataclass(frozen=True, slots=True)
-class FlowSettings:
-    """The flow's limits, taken from RouterConfig."""
-
-    max_prefill_retries: int = 2
-    max_migrations: int = 3
-    request_timeout: float = 600.0
-
-    def __post_init__(self) -> None:
-        if self.max_prefill_retries < 0:
-            raise ValueError(f"max_prefill_retries must be >= 0, got {self.max_prefill_retries}")
-        if self.max_migrations < 0:
-            raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
-        if self.request_timeout <= 0:
-            raise ValueError(f"request_timeout must be > 0 seconds, got {self.request_timeout}")
-
-
-@dataclass(frozen=True, slots=True)
-class FlowDeps:
-    """The router-wide objects a flow uses; owned by the router server."""
-
-    pool: PodPool
-    policy: RoutingPolicy
-    channels: PodChannels
-    metrics: RouterMetrics
-    settings: FlowSettings
 
 
 class AttemptFailed(Exception):
@@ -61,24 +25,6 @@ class AttemptFailed(Exception):
         self.reason = reason
         self.addresses = addresses
         self.migrate = migrate
-
-
-def sampling_message(spec: SamplingSpec) -> pb.SamplingParams:
-    """The wire form of a request's sampling. Pods send logprobs only for
-    n > 0, so "just the sampled token's logprob" (n = 0) asks for one
-    alternative and the response shaper shows none."""
-    message = pb.SamplingParams(
-        temperature=spec.temperature,
-        top_p=spec.top_p,
-        top_k=spec.top_k,
-        max_tokens=spec.max_tokens,
-        ignore_eos=spec.ignore_eos,
-        logprobs=0 if spec.logprobs is None else max(1, spec.logprobs),
-        stop=list(spec.stop),
-    )
-    if spec.seed is not None:
-        message.seed = spec.seed
-    return message
 
 
 def describe(error: grpc.aio.AioRpcError) -> str:

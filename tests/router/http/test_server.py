@@ -201,7 +201,7 @@ def test_client_disconnect_cancels_the_pod_stream(tiny_model_dir):
 
 
 def test_router_never_imports_torch():
-    code = ("import sys, router.server, router.http_server, router.grpc_server, "
+    code = ("import sys, router.server, router.http.server, router.grpc_server, "
             "pdserve.commands.router; assert 'torch' not in sys.modules, 'torch imported'")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=60)

@@ -1,6 +1,6 @@
 """`OutputAssembler`: one request's output as the client sees it.
 
-`router.flow` feeds it every batch of tokens a pod reports, tagged with the
+`router.flow.attempt.Attempt` feeds it every batch of tokens a pod reports, tagged with the
 output index of its first token (`first_index`). The assembler keeps the
 client stream exact across retries and migrations:
 
@@ -20,8 +20,8 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
-from router.generation import Delta, TokenLogprobs, Usage
-from router.stop_strings import StopMatcher
+from router.flow.stop_strings import StopMatcher
+from router.generation import Delta, OutputLogprobs, Usage
 
 
 class Detokenizer(Protocol):
@@ -73,7 +73,7 @@ class OutputAssembler:
         self,
         first_index: int,
         token_ids: Sequence[int],
-        logprobs: Sequence[TokenLogprobs] = (),
+        logprobs: Sequence[OutputLogprobs] = (),
     ) -> Delta | None:
         """Take a batch from a pod; return the delta to send, or None when
         the batch held nothing new. Raises OutputGap on a gap."""
@@ -112,10 +112,10 @@ class OutputAssembler:
         return Delta(text=text, finish_reason=finish_reason, usage=usage)
 
 
-def logprobs_from_proto(messages: Iterable) -> tuple[TokenLogprobs, ...]:
-    """pdserve.v1.TokenLogprob messages -> TokenLogprobs."""
+def logprobs_from_proto(messages: Iterable) -> tuple[OutputLogprobs, ...]:
+    """pdserve.v1.TokenLogprob messages -> OutputLogprobs."""
     return tuple(
-        TokenLogprobs(m.token_id, m.logprob, tuple(m.top_token_ids), tuple(m.top_logprobs))
+        OutputLogprobs(m.token_id, m.logprob, tuple(m.top_token_ids), tuple(m.top_logprobs))
         for m in messages
     )
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from router.api_error import ApiError
-from router.pod_calls import choose_path
+from router.flow.pod_calls import choose_path
 from router.routing.base import PodLoad, PodPool
 
 

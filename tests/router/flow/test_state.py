@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.flow_state import FlowState, check_transition
+from router.flow.state import FlowState, check_transition
 
 S = FlowState
 

@@ -5,14 +5,8 @@ from __future__ import annotations
 import pytest
 
 from router.api_error import ApiError
-from router.openai_api import (
-    ChatMessage,
-    SamplingSpec,
-    check_model,
-    parse_chat,
-    parse_completion,
-    resolve_sampling,
-)
+from router.generation import ChatMessage
+from router.http.requests import check_model, parse_chat, parse_completion
 
 
 def _completion(**fields):
@@ -31,8 +25,11 @@ def test_completion_defaults_and_fields():
     )
     assert parsed.kind == "completion"
     assert parsed.prompt == "hello" and parsed.prompt_token_ids is None
-    assert (parsed.max_tokens, parsed.temperature, parsed.top_p, parsed.top_k) == (5, 0.0, 0.5, 3)
-    assert (parsed.seed, parsed.stop, parsed.ignore_eos, parsed.logprobs) == (7, ("\n",), True, 2)
+    sampling = parsed.sampling
+    assert (sampling.max_tokens, sampling.temperature, sampling.top_p, sampling.top_k) == (
+        5, 0.0, 0.5, 3)
+    assert (sampling.seed, sampling.stop, sampling.ignore_eos, sampling.logprobs) == (
+        7, ("\n",), True, 2)
     assert (parsed.user, parsed.stream, parsed.include_usage) == ("alice", True, True)
 
 
@@ -40,7 +37,7 @@ def test_completion_token_prompt_and_batch_of_one():
     assert parse_completion(_completion(prompt=[1, 2, 3])).prompt_token_ids == (1, 2, 3)
     assert parse_completion(_completion(prompt=["only"])).prompt == "only"
     assert parse_completion(_completion(prompt=[[4, 5]])).prompt_token_ids == (4, 5)
-    assert parse_completion(_completion(top_k=-1)).top_k == 0
+    assert parse_completion(_completion(top_k=-1)).sampling.top_k == 0
 
 
 @pytest.mark.parametrize(
@@ -97,10 +94,10 @@ def test_chat_fields():
               max_completion_tokens=9, max_tokens=3, logprobs=True, top_logprobs=4)
     )
     assert parsed.messages == (ChatMessage("system", "be brief"), ChatMessage("user", "ab"))
-    assert parsed.max_tokens == 9  # max_completion_tokens wins over the legacy field
-    assert parsed.logprobs == 4
-    assert parse_chat(_chat(logprobs=True)).logprobs == 0
-    assert parse_chat(_chat()).logprobs is None
+    assert parsed.sampling.max_tokens == 9  # max_completion_tokens wins over the legacy field
+    assert parsed.sampling.logprobs == 4
+    assert parse_chat(_chat(logprobs=True)).sampling.logprobs == 0
+    assert parse_chat(_chat()).sampling.logprobs is None
 
 
 @pytest.mark.parametrize(
@@ -124,24 +121,6 @@ def test_chat_rejects(fields, param, fragment):
     assert fragment in info.value.message
 
 
-def test_resolve_sampling_defaults_and_limit():
-    completion = parse_completion(_completion())
-    assert resolve_sampling(completion, 10, 128).max_tokens == 16
-    assert resolve_sampling(completion, 120, 128).max_tokens == 8
-    chat = parse_chat(_chat(temperature=0))
-    spec = resolve_sampling(chat, 28, 128)
-    assert spec == SamplingSpec(max_tokens=100, temperature=0.0)
-    with pytest.raises(ApiError) as info:
-        resolve_sampling(parse_completion(_completion(max_tokens=100)), 30, 128)
-    assert info.value.param == "max_tokens"
-    assert info.value.message == (
-        "this model's maximum context length is 128 tokens; the prompt is 30 tokens and "
-        "max_tokens is 100 (130 in total): lower max_tokens to at most 98"
-    )
-    with pytest.raises(ApiError, match="leaves no room in the model's context of 128 tokens"):
-        resolve_sampling(completion, 128, 128)
-
-
 def test_check_model():
     check_model("tiny", "tiny")
     with pytest.raises(ApiError) as info:
@@ -155,10 +134,3 @@ def test_check_model():
             "code": "model_not_found",
         }
     }
-
-
-def test_sampling_spec_validates():
-    with pytest.raises(ValueError, match="top_p must be in"):
-        SamplingSpec(max_tokens=1, top_p=0)
-    with pytest.raises(ValueError, match="max_tokens must be >= 1"):
-        SamplingSpec(max_tokens=0)

@@ -8,7 +8,7 @@ Life of one generation request, all on the router's event loop:
 
 1. the middleware checks the API key (/v1/* only) and turns any `ApiError`
    into OpenAI's error JSON with its status;
-2. the handler parses and validates the body (router.openai_api), checks
+2. the handler parses and validates the body (router.http.requests), checks
    the model name, tokenizes through the `Frontend` and starts a flow;
 3. the first delta is awaited *before* the response starts, so routing
    failures (503) and pod refusals (400) get a real status code; after
@@ -31,9 +31,9 @@ from aiohttp import web
 from router.api_error import ApiError, bad_request
 from router.auth import OPEN_PATHS, ApiKeyCheck
 from router.frontend import Frontend
-from router.http.shapes import DONE_EVENT, ResponseShaper, sse_event
+from router.http.requests import check_model, parse_chat, parse_completion
+from router.http.responses import DONE_EVENT, ResponseShaper, sse_event
 from router.metrics import CONTENT_TYPE
-from router.openai_api import check_model, parse_chat, parse_completion
 from router.routing.base import PodPool
 
 log = logging.getLogger(__name__)
@@ -96,7 +96,7 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
         created=int(time.time()),
         token_text=frontend.token_text,
         include_usage=parsed.include_usage,
-        top_logprobs=parsed.logprobs,
+        top_logprobs=parsed.sampling.logprobs,
     )
     flow = frontend.flow(generation)
     async with contextlib.aclosing(flow.run()) as deltas:

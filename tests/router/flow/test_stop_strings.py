@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.stop_strings import StopMatcher
+from router.flow.stop_strings import StopMatcher
 
 
 def _run(stops, pieces):

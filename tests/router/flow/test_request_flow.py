@@ -9,15 +9,16 @@ import contextlib
 import pytest
 
 from router.api_error import ApiError
-from router.flow import FlowState, RequestFlow
+from router.flow.deps import FlowDeps, FlowSettings
+from router.flow.request_flow import RequestFlow
+from router.flow.state import FlowState
 from router.generation import GenerationRequest
 from router.metrics import RouterMetrics
-from router.openai_api import SamplingSpec
-from router.pod_calls import FlowDeps, FlowSettings
 from router.pod_clients import PodChannels
 from router.registry.poller import PolledPodPool
 from router.registry.static import StaticPodSource
 from router.routing.policy import RoutingPolicy
+from router.sampling import SamplingSpec
 from router.sessions import InMemorySessionStore
 from tests.router.inprocess_pods import (
     Behaviour,

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from router.generation import Delta, TokenLogprobs, Usage
-from router.http.shapes import DONE_EVENT, ResponseShaper, sse_event, usage_body
+from router.generation import Delta, OutputLogprobs, Usage
+from router.http.responses import DONE_EVENT, ResponseShaper, sse_event, usage_body
 
 
 def _shaper(kind, **kw):
@@ -61,8 +61,8 @@ def test_chat_chunks_with_usage():
 
 
 def test_non_streaming_bodies_and_logprobs():
-    lp = (TokenLogprobs(7, -0.5, (7, 9, 11), (-0.5, -1.0, -3.0)),
-          TokenLogprobs(8, -0.25, (8, 2, 4), (-0.25, -2.0, -4.0)))
+    lp = (OutputLogprobs(7, -0.5, (7, 9, 11), (-0.5, -1.0, -3.0)),
+          OutputLogprobs(8, -0.25, (8, 2, 4), (-0.25, -2.0, -4.0)))
     s = _shaper("completion", top_logprobs=2)
     s.collect(Delta(text="<7>", token_ids=(7,), logprobs=lp[:1]))
     s.collect(Delta(text="<8>", token_ids=(8,), logprobs=lp[1:], finish_reason="stop",

@@ -1,0 +1,186 @@
+"""One request's life through the pods.
+
+The HTTP handlers and the gRPC servicer build a `RequestFlow` per client
+request and iterate `run()` (an async generator of `Delta`s) on the router's
+event loop inside `contextlib.aclosing`, so leaving early (client gone, task
+cancelled) closes the generator at once, which cancels every pod call it has
+open — the pods then free the request's blocks and buffers.
+
+Life cycle (`FlowState`, transitions checked):
+
+    ROUTING ─► RESERVING ─► PREFILLING ─► DECODING ─► FINISHED
+       │  ▲    Decode.Generate  Prefill.Prefill to   tokens 1..n
+       │  │    (remote_prefill) the Reserved target;
+       │  │    answers Reserved the first token goes
+       │  │                     to the client at once
+       │  └─── MIGRATING ◄── decode pod failed / every prefill try failed
+       └─► COLOCATED: Decode.Generate(remote_prefill=false), tokens 0..n ─► FINISHED
+    any state ─► FAILED (an ApiError for the client, or the client left)
+
+Each try on a pod pair (or a colocated pod) is one `Attempt`
+(router.flow.attempt); this module decides what happens after one fails.
+
+Failure handling:
+
+* Decode.Generate answers RESOURCE_EXHAUSTED (pod full) or cannot be
+  reached → the next decode pod (`pdserve_retries_total{role="decode"}`).
+* Prefill.Prefill fails because the prefill pod is gone, broken or busy →
+  another prefill pod against the same reservation (same KVTarget: endpoints
+  + ticket), at most `max_prefill_retries` times
+  (`pdserve_retries_total{role="prefill"}`). This is the normal path when a
+  prefill pod dies mid-transfer: the decode pod's receiver keeps the
+  reservation and restarts the transfer on the new pod's BEGIN
+  (docs/kv_transfer.md), and its Generate stream stays open.
+* Only when the decode side refused (the retry's Prefill answers ABORTED /
+  DEADLINE_EXCEEDED: the transfer or the reservation is gone) does the
+  request start over on a new pair (counted as a prefill retry).
+* The decode stream breaks (an error status, EOF without a finish reason, a
+  gap in the indices, or the pod aborts the request) → MIGRATING: prompt +
+  tokens so far go to a new pair as `output_token_ids`, and the assembler
+  drops whatever the new pod repeats (`pdserve_migrations_total`). Bounded
+  by `max_migrations`; a failed pod is left out for the rest of the request.
+* Nothing to route to → `ApiError(503)` with the policy's reason.
+* A stop string matched → the decode call is cancelled
+  (`pdserve_aborts_total{reason="stop_string"}`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from router.api_error import ApiError
+from router.flow.attempt import Attempt
+from router.flow.deps import FlowDeps
+from router.flow.output import Detokenizer, OutputAssembler
+from router.flow.pod_calls import AttemptFailed, choose_path
+from router.flow.state import FlowState, check_transition
+from router.generation import Delta, GenerationRequest
+
+log = logging.getLogger(__name__)
+
+
+class RequestFlow:
+    """Drives one `GenerationRequest` through the pods; see the module docstring."""
+
+    def __init__(self, request: GenerationRequest, *, deps: FlowDeps, detokenizer: Detokenizer):
+        self.request = request
+        self.state = FlowState.ROUTING
+        self._deps = deps
+        self._out = OutputAssembler(
+            detokenizer=detokenizer,
+            stop=request.sampling.stop,
+            num_prompt_tokens=len(request.prompt_token_ids),
+        )
+        self._start = time.monotonic()
+        self._deadline = self._start + deps.settings.request_timeout
+        self._left_out: set[str] = set()  # pods that failed this request
+        self._attempt = 0
+        self._migrations = 0
+        self._last_token_time: float | None = None
+
+    def _to(self, state: FlowState) -> None:
+        check_transition(self.request.request_id, self.state, state)
+        self.state = state
+
+    @property
+    def output_token_ids(self) -> tuple[int, ...]:
+        return tuple(self._out.output_ids)
+
+    # ------------------------------------------------------------ driver
+
+    async def run(self) -> AsyncIterator[Delta]:
+        """Yield the client's deltas; the last has finish_reason and usage.
+        Raises ApiError for anything the client must be told."""
+        metrics = self._deps.metrics
+        metrics.in_flight.inc()
+        outcome = "error"
+        try:
+            while True:
+                try:
+                    async with contextlib.aclosing(self._one_attempt()) as attempt:
+                        async for delta in attempt:
+                            self._observe(delta)
+                            yield delta
+                    outcome = "ok"
+                    metrics.e2e.observe(time.monotonic() - self._start)
+                    return
+                except AttemptFailed as failure:
+                    self._after_failure(failure)
+        except ApiError as exc:
+            outcome = f"http_{exc.status}"
+            # pods had the request and are told to drop it (their calls are cancelled)
+            if exc.status == 504:
+                metrics.aborts.labels(reason="timeout").inc()
+            elif exc.code == "pod_failure":
+                metrics.aborts.labels(reason="pod_failure").inc()
+            self._to(FlowState.FAILED)
+            raise
+        except (GeneratorExit, asyncio.CancelledError):
+            # The consumer left: after the final delta that is just the end of
+            # iteration; before it, the client went away mid-request.
+            if self.state is not FlowState.FINISHED:
+                outcome = "client_disconnect"
+                metrics.aborts.labels(reason="client_disconnect").inc()
+                self._to(FlowState.FAILED)
+            raise
+        finally:
+            metrics.in_flight.dec()
+            metrics.requests.labels(outcome=outcome).inc()
+
+    def _observe(self, delta: Delta) -> None:
+        out, metrics = self._out, self._deps.metrics
+        if not delta.token_ids:
+            return
+        now = time.monotonic()
+        if out.next_index == len(delta.token_ids):
+            metrics.ttft.observe(now - self._start)
+        elif self._last_token_time is not None:
+            gap = (now - self._last_token_time) / len(delta.token_ids)
+            for _ in delta.token_ids:
+                metrics.itl.observe(gap)
+        self._last_token_time = now
+
+    def _after_failure(self, failure: AttemptFailed) -> None:
+        """Decide whether the request moves on after a failed attempt."""
+        self._left_out.update(failure.addresses)
+        if failure.migrate:
+            self._deps.metrics.migrations.inc()
+        else:
+            self._deps.metrics.retries.labels(role="prefill").inc()
+        self._migrations += 1
+        if self._migrations > self._deps.settings.max_migrations:
+            raise ApiError(
+                503,
+                f"request failed on {self._migrations} pod pairs (limit --max-migrations "
+                f"{self._deps.settings.max_migrations}); last failure: {failure.reason}",
+                code="pod_failure",
+            )
+        log.warning("request %s moves to a new pod pair after %d tokens: %s",
+                    self.request.request_id, self._out.next_index, failure.reason)
+        self._to(FlowState.MIGRATING)
+        self._to(FlowState.ROUTING)
+
+    def _next_request_id(self) -> str:
+        # One id per attempt: the decode pod's ticket binds it, and a pod that
+        # still holds a failed attempt's state never confuses it with the next.
+        self._attempt += 1
+        return f"{self.request.request_id}-{self._attempt}"
+
+    async def _one_attempt(self) -> AsyncIterator[Delta]:
+        if choose_path(self._deps.pool, self._left_out) == "colocated":
+            self._to(FlowState.COLOCATED)
+            colocated = True
+        else:
+            self._to(FlowState.RESERVING)
+            colocated = False
+        attempt = Attempt(self.request, self._next_request_id(), deps=self._deps, out=self._out,
+                          left_out=frozenset(self._left_out), deadline=self._deadline,
+                          to_state=self._to)
+        stream = attempt.colocated() if colocated else attempt.disaggregated()
+        async with contextlib.aclosing(stream) as deltas:
+            async for delta in deltas:
+                yield delta

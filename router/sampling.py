@@ -1,0 +1,167 @@
+"""`SamplingSpec`: one request's sampling, the router's one check of its
+limits, and its wire form.
+
+The router is the boundary in front of the pods, and this module is where it
+checks sampling: both front doors build a `SamplingSpec` — the HTTP API from
+the OpenAI body (router.http.requests), the gRPC API from
+`pdserve.v1.SamplingParams` (`sampling_from_proto`) — and
+`SamplingSpec.__post_init__` refuses any value out of its limit with a
+`SamplingError`, so both doors refuse exactly the same values in the same
+words. `fit_context` adds the one limit that needs the tokenized prompt
+(prompt + max_tokens within the model's context). The flow sends the result
+to the pods with `sampling_to_proto`.
+
+Everything here is pure and runs on the router's event loop.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from proto import pdserve_pb2 as pb
+from router.api_error import ApiError, bad_request
+
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+MAX_SEED = 2**64 - 1
+MAX_TOP_K = 2**31 - 1
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+
+
+class SamplingError(ValueError):
+    """A sampling value outside its limit.
+
+    `field` is the `SamplingSpec` field; the message reads
+    "'<field>' <problem>". A front door whose clients call the field
+    something else (OpenAI chat: `max_completion_tokens`, `top_logprobs`)
+    words it with `worded_for(name)`."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        self.field = field
+        self.problem = problem
+        super().__init__(self.worded_for(field))
+
+    def worded_for(self, name: str) -> str:
+        return f"'{name}' {self.problem}"
+
+    def to_api_error(self, name: str | None = None) -> ApiError:
+        """The client's 400, naming the field as the client called it."""
+        name = name or self.field
+        return bad_request(self.worded_for(name), name)
+
+
+def check_stop_strings(stop: Sequence[str]) -> None:
+    """Raise SamplingError unless `stop` holds 0..MAX_STOP_STRINGS non-empty strings."""
+    if len(stop) > MAX_STOP_STRINGS:
+        raise SamplingError("stop", f"may hold at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
+    if any(not s for s in stop):
+        raise SamplingError("stop", "strings must not be empty")
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingSpec:
+    """Sampling for one request, limits checked; maps onto
+    `pdserve.v1.SamplingParams`.
+
+    `max_tokens` None = not given by the client: `fit_context` sets it once
+    the prompt's length is known, and a `GenerationRequest` requires it set.
+    `top_k` 0 = off (-1, vLLM's "off", is stored as 0). `logprobs` None =
+    off, else the number of top alternatives per token (0 = only the
+    sampled token's logprob)."""
+
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise SamplingError("max_tokens", f"must be at least 1, got {self.max_tokens}")
+        if not (math.isfinite(self.temperature) and 0.0 <= self.temperature <= 2.0):
+            raise SamplingError("temperature", f"must be in [0, 2], got {self.temperature}")
+        if not (math.isfinite(self.top_p) and 0.0 < self.top_p <= 1.0):
+            raise SamplingError("top_p", f"must be in (0, 1], got {self.top_p}")
+        if not -1 <= self.top_k <= MAX_TOP_K:
+            raise SamplingError("top_k", f"must be in [-1, {MAX_TOP_K}], got {self.top_k}")
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)  # frozen: the one normalisation
+        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
+            raise SamplingError("seed", f"must be in [0, {MAX_SEED}], got {self.seed}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise SamplingError("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        check_stop_strings(self.stop)
+
+
+def fit_context(
+    spec: SamplingSpec, *, chat: bool, num_prompt_tokens: int, max_model_len: int
+) -> SamplingSpec:
+    """`spec` with max_tokens set and checked against the context; raise
+    ApiError 400 naming the limit.
+
+    Without max_tokens, completions get 16 new tokens (OpenAI's default),
+    chat whatever room the context has left after the prompt."""
+    if num_prompt_tokens < 1:
+        raise bad_request("the prompt is empty after tokenization", "prompt")
+    room = max_model_len - num_prompt_tokens
+    if room < 1:
+        raise bad_request(
+            f"the prompt is {num_prompt_tokens} tokens, which leaves no room in the model's "
+            f"context of {max_model_len} tokens",
+            "messages" if chat else "prompt",
+        )
+    max_tokens = spec.max_tokens
+    if max_tokens is None:
+        max_tokens = room if chat else min(DEFAULT_COMPLETION_MAX_TOKENS, room)
+    elif max_tokens > room:
+        raise bad_request(
+            f"this model's maximum context length is {max_model_len} tokens; the prompt is "
+            f"{num_prompt_tokens} tokens and max_tokens is {max_tokens} "
+            f"({num_prompt_tokens + max_tokens} in total): lower max_tokens to at most {room}",
+            "max_tokens",
+        )
+    return replace(spec, max_tokens=max_tokens)
+
+
+# ---------------------------------------------------------------- wire form
+
+
+def sampling_from_proto(message: pb.SamplingParams) -> SamplingSpec:
+    """A gRPC client's SamplingParams as a checked SamplingSpec (SamplingError
+    when a value is out of its limit). Proto zeros mean "unset", except
+    temperature, where 0 is greedy; `stop_token_ids` is the caller's to refuse."""
+    return SamplingSpec(
+        max_tokens=message.max_tokens or None,
+        temperature=message.temperature,
+        top_p=message.top_p or 1.0,
+        top_k=message.top_k,
+        seed=message.seed if message.HasField("seed") else None,
+        stop=tuple(message.stop),
+        ignore_eos=message.ignore_eos,
+        logprobs=message.logprobs or None,
+    )
+
+
+def sampling_to_proto(spec: SamplingSpec) -> pb.SamplingParams:
+    """The wire form the pods get; `spec.max_tokens` must be set. Pods send
+    logprobs only for n > 0, so "just the sampled token's logprob" (n = 0)
+    asks for one alternative and the response shaper shows none — the one
+    way in which this is not `sampling_from_proto`'s inverse."""
+    assert spec.max_tokens is not None, "fit_context sets max_tokens before the flow starts"
+    message = pb.SamplingParams(
+        temperature=spec.temperature,
+        top_p=spec.top_p,
+        top_k=spec.top_k,
+        max_tokens=spec.max_tokens,
+        ignore_eos=spec.ignore_eos,
+        logprobs=0 if spec.logprobs is None else max(1, spec.logprobs),
+        stop=list(spec.stop),
+    )
+    if spec.seed is not None:
+        message.seed = spec.seed
+    return message
