@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-MAX_PORT = 65535
+from proto.address import MAX_PORT, split_host_port
 
 
 def _check_port(name: str, port: int, *, allow_zero: bool = True) -> None:
@@ -23,9 +23,7 @@ def _check_port(name: str, port: int, *, allow_zero: bool = True) -> None:
 
 def _check_addresses(name: str, addresses: tuple[str, ...]) -> None:
     for address in addresses:
-        host, sep, port = address.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 1 <= int(port) <= MAX_PORT:
-            raise ValueError(f"{name} entries must be HOST:PORT, got {address!r}")
+        split_host_port(address, f"{name} entries")
     if len(set(addresses)) != len(addresses):
         raise ValueError(f"{name} lists an address twice: {', '.join(addresses)}")
 
