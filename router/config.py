@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from proto.address import MAX_PORT, split_host_port
+from proto.roles import PodRole
 
 
 def _check_port(name: str, port: int, *, allow_zero: bool = True) -> None:
@@ -64,8 +65,8 @@ class RouterConfig:
             raise ValueError("model_dir must name the model directory (for the tokenizer)")
         _check_port("port", self.port)
         _check_port("grpc_port", self.grpc_port)
-        for name in ("prefill", "decode", "colocated"):
-            _check_addresses(name, getattr(self, name))
+        for role in PodRole:  # the fields named after the roles
+            _check_addresses(role.value, getattr(self, role.value))
         if self.redis_url is not None and not self.redis_url.startswith(
             ("redis://", "rediss://", "unix://")
         ):
