@@ -2,8 +2,7 @@
 
 Who uses it: each servicer decorates its RPC methods with a `StatusMap`
 (`@grpc_errors` here, `@pod_errors` from pod/errors.py, or a service's own
-extension of it); the integration helpers use `StatusMap.status_for` to
-predict codes. A map is an explicit, immutable table built by whoever owns the
+extension of it). A map is an explicit, immutable table built by whoever owns the
 exception types, never a registry filled at import time, so what a server
 answers depends only on the map its methods name. The base mapping is the one
 docs/architecture.md ("Errors") fixes:
