@@ -8,6 +8,7 @@ COPY pdserve ./pdserve
 COPY engine ./engine
 COPY kernels ./kernels
 COPY kv_transfer ./kv_transfer
+COPY pod ./pod
 COPY prefill_service ./prefill_service
 COPY decode_service ./decode_service
 COPY router ./router

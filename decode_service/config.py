@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
-from prefill_service.pod import ServerConfig
+from pod.config import ServerConfig
 
 KV_TRANSPORTS = ("tcp", "grpc")
 MAX_TRANSFER_TIMEOUT_S = 3600.0

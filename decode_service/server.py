@@ -24,17 +24,16 @@ from engine.metrics import PodMetrics, serve_metrics
 from engine.model_config import ModelConfig
 from kv_transfer.base import KVReceiver
 from kv_transfer.config import ReceiverConfig
-from kv_transfer.errors import BufferPoolExhausted
-from prefill_service.messages import ModelLimits
-from prefill_service.pod import DrainGate, PodServer, ServerConfig
-from prefill_service.server import kv_shape_of
+from pod.config import ServerConfig
+from pod.drain import DrainGate
+from pod.kv_shape import kv_shape_of
+from pod.messages import ModelLimits
+from pod.server import PodServer
 from proto import pdserve_pb2_grpc
-from proto.status import register_capacity_error
+from proto.address import split_host_port
+from proto.roles import PodRole
 
 log = logging.getLogger(__name__)
-
-# A full landing pool is "no room now", like a full block pool.
-register_capacity_error(BufferPoolExhausted)
 
 
 def make_receiver(config: DecodeConfig, injector: KVInjector) -> KVReceiver:
@@ -52,7 +51,7 @@ def make_receiver(config: DecodeConfig, injector: KVInjector) -> KVReceiver:
     return GrpcKVReceiver(rc, injector)
 
 
-async def _serve(role: str, engine_config: EngineConfig, server_config: ServerConfig,
+async def _serve(role: PodRole, engine_config: EngineConfig, server_config: ServerConfig,
                  stop: asyncio.Event | None, decode: DecodeConfig | None) -> int:
     metrics = PodMetrics.create(role)
     engine = LLMEngine(engine_config)
@@ -66,7 +65,7 @@ async def _serve(role: str, engine_config: EngineConfig, server_config: ServerCo
         injector = KVInjector(loop.kv_caches(), metrics)
         receiver = make_receiver(decode, injector)
         receiver.start()
-        extra_ports["kv"] = int(receiver.endpoints[0].rpartition(":")[2])
+        extra_ports["kv"] = split_host_port(receiver.endpoints[0], "KV endpoint")[1]
         metrics.kv_landing_bytes_in_use.set_function(lambda: receiver.stats().bytes_in_use)
         ReceiverCollector(receiver, role).register(metrics.registry)
         remote = RemoteKV(receiver, injector, kv_shape_of(engine_config.model_dir,
@@ -93,9 +92,9 @@ async def _serve(role: str, engine_config: EngineConfig, server_config: ServerCo
 
 async def run_decode_pod(config: DecodeConfig, stop: asyncio.Event | None = None) -> int:
     """Serve a decode pod until SIGTERM/SIGINT or `stop`; returns the exit status."""
-    return await _serve("decode", config.engine, config.server, stop, config)
+    return await _serve(PodRole.DECODE, config.engine, config.server, stop, config)
 
 
 async def run_colocated_pod(config: ColocatedConfig, stop: asyncio.Event | None = None) -> int:
     """Serve a colocated pod until SIGTERM/SIGINT or `stop`; returns the exit status."""
-    return await _serve("colocated", config.engine, config.server, stop, None)
+    return await _serve(PodRole.COLOCATED, config.engine, config.server, stop, None)

@@ -44,24 +44,24 @@ from dataclasses import dataclass
 import grpc
 
 from decode_service.injector import KVInjector, TransferFailed
+from decode_service.messages import tokens_message
 from engine.engine_loop import EngineDead, EngineLoop, RequestAborted, RequestStream
 from engine.metrics import PodMetrics
 from engine.sampling_params import SamplingParams
 from kv_transfer.base import KVReceiver
-from kv_transfer.errors import reason_code
-from prefill_service.messages import (
-    ModelLimits,
-    check_context,
-    check_request_id,
-    sampling_from_proto,
-    tokens_message,
-)
-from prefill_service.pod import DrainGate, load_report
-from prefill_service.servicer import KVShape
+from kv_transfer.errors import BufferPoolExhausted, reason_code
+from pod.drain import DrainGate
+from pod.errors import pod_errors
+from pod.kv_shape import KVShape
+from pod.load import load_report
+from pod.messages import ModelLimits, check_request
 from proto import pdserve_pb2, pdserve_pb2_grpc
-from proto.status import ServiceError, grpc_errors
+from proto.status import ServiceError
 
 log = logging.getLogger(__name__)
+
+# A full landing pool is "no room now", like a full block pool.
+decode_errors = pod_errors.extended(((BufferPoolExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),))
 
 # Past the transfer deadline the receiver's collector fails the transfer
 # itself; this slack only covers its sweep interval before we give up locally.
@@ -95,16 +95,15 @@ class DecodeServicer(pdserve_pb2_grpc.DecodeServicer):
         # R -> the future its Generate awaits while WAITING_FOR_KV (Abort fails it)
         self._waiting_kv: dict[str, asyncio.Future[int]] = {}
 
-    @grpc_errors
+    @decode_errors
     async def Generate(self, request: pdserve_pb2.DecodeGenerateRequest,
                        context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[pdserve_pb2.DecodeGenerateResponse]:
         with self._gate.admit():
             arrived = time.monotonic()
-            check_request_id(request.request_id)
-            params = sampling_from_proto(request.sampling)
-            prompt, outputs = list(request.prompt_token_ids), list(request.output_token_ids)
-            check_context(prompt, outputs, params, self._limits)
+            checked = check_request(request, self._limits)
+            params = checked.params
+            prompt, outputs = checked.prompt_token_ids, checked.output_token_ids
             if request.remote_prefill:
                 if self._remote is None:
                     raise ValueError("remote_prefill=true needs a decode pod; this "
@@ -240,7 +239,7 @@ class DecodeServicer(pdserve_pb2_grpc.DecodeServicer):
         remote.receiver.release(rid)
         await self._loop.abort(rid, reason)
 
-    @grpc_errors
+    @decode_errors
     async def Abort(self, request: pdserve_pb2.AbortRequest,
                     context: grpc.aio.ServicerContext) -> pdserve_pb2.AbortResponse:
         rid = request.request_id
@@ -255,10 +254,7 @@ class DecodeServicer(pdserve_pb2_grpc.DecodeServicer):
         found = await self._loop.abort(rid, "abort_rpc")
         return pdserve_pb2.AbortResponse(found=found)
 
-    @grpc_errors
+    @decode_errors
     async def GetLoad(self, request: pdserve_pb2.LoadRequest,
                       context: grpc.aio.ServicerContext) -> pdserve_pb2.LoadReport:
-        return load_report(role=self._role, generation=self._generation, model=self._model,
-                           max_model_len=self._limits.max_model_len,
-                           block_size=self._loop.block_size, stats=self._loop.stats,
-                           draining=self._gate.draining)
+        return load_report(self._role, self._model, self._generation, self._loop, self._gate)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-ROLES = ("prefill", "decode", "colocated")
+from proto.roles import PodRole
 
 # Latency buckets from 1 ms to ~80 s: TTFT on a CPU pod with a long prompt is
 # seconds, inter-token latency on a GPU is milliseconds.
@@ -56,14 +56,12 @@ class PodMetrics:
     _aborts: Counter
 
     def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        PodRole.parse(self.role)
 
     @classmethod
     def create(cls, role: str, registry: CollectorRegistry | None = None) -> PodMetrics:
         """Register every pod metric in `registry` (a fresh one when None)."""
-        if role not in ROLES:
-            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        PodRole.parse(role)
         reg = CollectorRegistry(auto_describe=True) if registry is None else registry
         lbl = ("role",)
 

@@ -63,7 +63,7 @@ class CompileReport:
     spill_load_bytes: int
 
 
-def decode_specs(config: paged_attention.DecodeConfig) -> list[KernelSpec]:
+def decode_specs(config: paged_attention.DecodeAttentionConfig) -> list[KernelSpec]:
     """The partial kernel of `config` (the reduce kernel is listed by `reduce_specs`)."""
     ptr = _PTR[config.dtype]
     ints = ("sliding_window", "partition_size", "group", "stride_qb", "stride_qh", "stride_kb",
@@ -87,7 +87,7 @@ def decode_specs(config: paged_attention.DecodeConfig) -> list[KernelSpec]:
                        config.num_warps)]
 
 
-def prefill_specs(config: prefill_attention.PrefillConfig) -> list[KernelSpec]:
+def prefill_specs(config: prefill_attention.PrefillAttentionConfig) -> list[KernelSpec]:
     ptr = _PTR[config.dtype]
     ints = ("sliding_window", "group", "stride_qt", "stride_qh", "stride_ot", "stride_oh",
             "stride_kb", "stride_kt", "stride_kh", "stride_bt")

@@ -38,7 +38,7 @@ _DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "b
 
 
 @dataclass(frozen=True, slots=True)
-class DecodeConfig:
+class DecodeAttentionConfig:
     """Compile-time choices of the partial kernel (one compiled variant each)."""
 
     dtype: str  # "fp32" | "fp16" | "bf16"
@@ -57,7 +57,8 @@ class DecodeConfig:
             raise ValueError(f"group_pad {self.group_pad} not one of {GROUP_PADS}")
 
 
-def decode_config(dtype: torch.dtype, head_dim: int, block_size: int, group: int) -> DecodeConfig:
+def decode_config(dtype: torch.dtype, head_dim: int, block_size: int,
+                  group: int) -> DecodeAttentionConfig:
     """The one place a decode variant is chosen (launcher and AOT test share it)."""
     if not 1 <= group <= MAX_GQA_GROUP:
         raise ValueError(f"GQA group {group} outside 1..{MAX_GQA_GROUP}")
@@ -72,10 +73,11 @@ def decode_config(dtype: torch.dtype, head_dim: int, block_size: int, group: int
     if dtype == torch.float32 and (head_dim == 128 or group_pad == 64):
         tile_n = 32
         num_warps = 16 if head_dim == 128 and group_pad == 64 else 8
-    return DecodeConfig(_DTYPE_NAMES[dtype], head_dim, block_size, group_pad, tile_n, num_warps)
+    return DecodeAttentionConfig(_DTYPE_NAMES[dtype], head_dim, block_size, group_pad, tile_n,
+                                 num_warps)
 
 
-def all_decode_configs() -> list[DecodeConfig]:
+def all_decode_configs() -> list[DecodeAttentionConfig]:
     """Every configuration `decode_config` can return."""
     groups = (1, 17, 33)  # one group per group_pad
     return [

@@ -36,7 +36,7 @@ _DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "b
 
 
 @dataclass(frozen=True, slots=True)
-class PrefillConfig:
+class PrefillAttentionConfig:
     """Compile-time choices of the prefill kernel (one compiled variant each)."""
 
     dtype: str
@@ -58,7 +58,7 @@ class PrefillConfig:
 
 
 def prefill_config(dtype: torch.dtype, head_dim: int, block_size: int, group: int
-                   ) -> PrefillConfig:
+                   ) -> PrefillAttentionConfig:
     """The one place a prefill variant is chosen (launcher and AOT test share it)."""
     if not 1 <= group <= MAX_GQA_GROUP:
         raise ValueError(f"GQA group {group} outside 1..{MAX_GQA_GROUP}")
@@ -71,10 +71,11 @@ def prefill_config(dtype: torch.dtype, head_dim: int, block_size: int, group: in
         tile_n, num_warps = 16, (16 if head_dim == 128 else 8)
     else:
         tile_n, num_warps = 64, 8
-    return PrefillConfig(_DTYPE_NAMES[dtype], head_dim, block_size, group_pad, tile_n, num_warps)
+    return PrefillAttentionConfig(_DTYPE_NAMES[dtype], head_dim, block_size, group_pad, tile_n,
+                                  num_warps)
 
 
-def all_prefill_configs() -> list[PrefillConfig]:
+def all_prefill_configs() -> list[PrefillAttentionConfig]:
     return [
         prefill_config(dtype, head_dim, block_size, group)
         for dtype in _DTYPE_NAMES

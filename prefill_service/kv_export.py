@@ -84,10 +84,6 @@ class KVExport:
         self._lock = threading.Lock()
         self._exports: dict[str, _Export] = {}
 
-    @property
-    def transports(self) -> tuple[str, ...]:
-        return tuple(self._senders)
-
     def register(self, request_id: str, target: TransferTarget, layout: KVLayout) -> None:
         """Called by the servicer before `add_request`; ValueError for a
         transport this pod has no sender for or a duplicate id."""

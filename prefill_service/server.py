@@ -20,12 +20,15 @@ from engine.model_config import ModelConfig
 from kv_transfer.base import KVSender
 from kv_transfer.config import SenderConfig
 from kv_transfer.tcp import TcpKVSender
+from pod.drain import DrainGate
+from pod.kv_shape import kv_shape_of
+from pod.messages import ModelLimits
+from pod.server import PodServer
 from prefill_service.config import PrefillConfig
 from prefill_service.kv_export import KVExport
-from prefill_service.messages import ModelLimits
-from prefill_service.pod import DrainGate, PodServer
-from prefill_service.servicer import KVShape, PrefillServicer
+from prefill_service.servicer import PrefillServicer
 from proto import pdserve_pb2_grpc
+from proto.roles import PodRole
 
 log = logging.getLogger(__name__)
 
@@ -43,14 +46,9 @@ def make_senders(kv_streams: int) -> dict[str, KVSender]:
     return senders
 
 
-def kv_shape_of(model_dir: str, dtype: str) -> KVShape:
-    model = ModelConfig.from_pretrained(model_dir)
-    return KVShape(model.num_hidden_layers, model.num_key_value_heads, model.head_dim, dtype)
-
-
 async def run_prefill_pod(config: PrefillConfig, stop: asyncio.Event | None = None) -> int:
     """Serve until SIGTERM/SIGINT or `stop`; returns the exit status."""
-    metrics = PodMetrics.create("prefill")
+    metrics = PodMetrics.create(PodRole.PREFILL)
     export = KVExport(make_senders(config.kv_streams))
     engine = LLMEngine(config.engine, layer_kv_hook=export)
     loop = EngineLoop(engine, metrics)
@@ -66,7 +64,7 @@ async def run_prefill_pod(config: PrefillConfig, stop: asyncio.Event | None = No
     server = PodServer.new_grpc_server()
     pdserve_pb2_grpc.add_PrefillServicer_to_server(servicer, server)
     pod = PodServer(
-        role="prefill", model=model_name, config=config.server, gate=gate, server=server,
+        role=PodRole.PREFILL, model=model_name, config=config.server, gate=gate, server=server,
         services=("pdserve.v1.Prefill",),
         on_stopped=[loop.stop, export.close],
         metrics_start=lambda host, port: serve_metrics(metrics, host, port),

@@ -33,45 +33,25 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
 
 import grpc
 
-from engine.engine_loop import EngineDead, EngineLoop, RequestAborted, RequestStream
+from engine.engine_loop import EngineLoop, RequestAborted, RequestStream
 from engine.metrics import PodMetrics
 from engine.outputs import RequestOutput
 from kv_transfer.base import KVLayout, TransferTarget
 from kv_transfer.errors import reason_code
+from pod.drain import DrainGate
+from pod.errors import pod_errors
+from pod.kv_shape import KVShape
+from pod.load import load_report
+from pod.messages import ModelLimits, check_request, logprob_to_proto
 from prefill_service.kv_export import KVExport
-from prefill_service.messages import (
-    ModelLimits,
-    check_context,
-    check_request_id,
-    logprob_to_proto,
-    sampling_from_proto,
-)
-from prefill_service.pod import DrainGate, load_report
 from proto import pdserve_pb2, pdserve_pb2_grpc
-from proto.status import ServiceError, grpc_errors, register_status
+from proto.roles import PodRole
+from proto.status import ServiceError
 
 log = logging.getLogger(__name__)
-
-# A pod whose engine loop stopped cannot serve: the caller should go elsewhere.
-register_status(EngineDead, grpc.StatusCode.UNAVAILABLE)
-
-
-@dataclass(frozen=True, slots=True)
-class KVShape:
-    """Per-token KV shape of the served model: what a `KVLayout` needs besides the length."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: str
-
-    def layout(self, num_tokens: int) -> KVLayout:
-        return KVLayout(self.num_layers, num_tokens, self.num_kv_heads, self.head_dim, self.dtype)
-
 
 def target_from_proto(msg: pdserve_pb2.KVTarget) -> TransferTarget:
     """ValueError (from TransferTarget) names whatever field is malformed."""
@@ -96,7 +76,7 @@ class PrefillServicer(pdserve_pb2_grpc.PrefillServicer):
         self._model = model
         self._generation = generation
 
-    @grpc_errors
+    @pod_errors
     async def Prefill(self, request: pdserve_pb2.PrefillRequest,
                       context: grpc.aio.ServicerContext) -> pdserve_pb2.PrefillResponse:
         with self._gate.admit():
@@ -104,11 +84,9 @@ class PrefillServicer(pdserve_pb2_grpc.PrefillServicer):
 
     async def _prefill(self, request: pdserve_pb2.PrefillRequest) -> pdserve_pb2.PrefillResponse:
         arrived = time.monotonic()
-        rid = request.request_id
-        check_request_id(rid)
-        params = sampling_from_proto(request.sampling)
-        prompt, outputs = list(request.prompt_token_ids), list(request.output_token_ids)
-        check_context(prompt, outputs, params, self._limits)
+        checked = check_request(request, self._limits)
+        rid, params = checked.request_id, checked.params
+        prompt, outputs = checked.prompt_token_ids, checked.output_token_ids
         target = target_from_proto(request.target) if request.target.endpoints else None
         layout = self._kv_shape.layout(len(prompt) + len(outputs))
         if target is not None:
@@ -162,7 +140,7 @@ class PrefillServicer(pdserve_pb2_grpc.PrefillServicer):
         self._metrics.kv_transfer_bytes.inc(layout.total_bytes)
         return layout.total_bytes
 
-    @grpc_errors
+    @pod_errors
     async def Abort(self, request: pdserve_pb2.AbortRequest,
                     context: grpc.aio.ServicerContext) -> pdserve_pb2.AbortResponse:
         reason = request.reason or "aborted by caller"
@@ -170,13 +148,10 @@ class PrefillServicer(pdserve_pb2_grpc.PrefillServicer):
         found = await self._loop.abort(request.request_id, "abort_rpc")
         return pdserve_pb2.AbortResponse(found=found)
 
-    @grpc_errors
+    @pod_errors
     async def GetLoad(self, request: pdserve_pb2.LoadRequest,
                       context: grpc.aio.ServicerContext) -> pdserve_pb2.LoadReport:
-        return load_report(role="prefill", generation=self._generation, model=self._model,
-                           max_model_len=self._limits.max_model_len,
-                           block_size=self._loop.block_size, stats=self._loop.stats,
-                           draining=self._gate.draining)
+        return load_report(PodRole.PREFILL, self._model, self._generation, self._loop, self._gate)
 
 
 async def _first_output(stream: RequestStream) -> RequestOutput:

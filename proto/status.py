@@ -1,20 +1,19 @@
-"""One place that maps exceptions to gRPC status codes, for every server.
+"""Exception -> gRPC status code mapping for every server, as explicit tables.
 
-Who uses it: the prefill and decode servicers and the router's gRPC front
-door decorate each RPC method with `@grpc_errors`; the integration helpers use
-`status_for` to predict codes. The mapping is the one docs/architecture.md
-("Errors") fixes:
+Who uses it: each servicer decorates its RPC methods with a `StatusMap`
+(`@grpc_errors` here, `@pod_errors` from pod/errors.py, or a service's own
+extension of it). A map is an explicit, immutable table built by whoever owns the
+exception types, never a registry filled at import time, so what a server
+answers depends only on the map its methods name. The base mapping is the one
+docs/architecture.md ("Errors") fixes:
 
     ServiceError(code, ...)          -> that code (the service chose it)
+    the table's types (in order)     -> their code (e.g. capacity -> RESOURCE_EXHAUSTED)
     ValueError and subclasses        -> INVALID_ARGUMENT   (the caller's fault)
-    capacity errors                  -> RESOURCE_EXHAUSTED (no room now; try another pod)
     anything else                    -> INTERNAL
 
-Capacity errors are `engine.errors.CapacityError` and any class registered
-with `register_capacity_error` (the decode service registers kv_transfer's
-landing-buffer error); other classes get a code with `register_status` (the
-services map a stopped engine loop to UNAVAILABLE). So this module never
-imports torch-heavy packages: `engine.errors` is plain Python.
+This module imports nothing of the project (only grpc), so the router and
+kv_transfer may use it without pulling in the engine.
 
 `asyncio.CancelledError` is never mapped: a cancelled RPC must unwind so the
 servicer's `finally` blocks release what the request held.
@@ -26,21 +25,15 @@ import asyncio
 import functools
 import inspect
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any, TypeVar
 
 import grpc
 
-from engine.errors import CapacityError
-
 log = logging.getLogger(__name__)
 
-# (exception type, code) checked in order before the ValueError/INTERNAL fallback
-_registered: list[tuple[type[BaseException], grpc.StatusCode]] = [
-    (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
-]
-
 F = TypeVar("F", bound=Callable[..., Any])
+StatusTable = Iterable[tuple[type[BaseException], grpc.StatusCode]]
 
 
 class ServiceError(Exception):
@@ -55,32 +48,39 @@ class ServiceError(Exception):
         self.message = message
 
 
-def register_status(exc_type: type[BaseException], code: grpc.StatusCode) -> None:
-    """Map `exc_type` (and subclasses) to `code`. Idempotent; called at import
-    time by the service modules that meet such errors (this module cannot
-    import them: it stays free of torch-heavy packages)."""
-    if (exc_type, code) not in _registered:
-        _registered.append((exc_type, code))
+class StatusMap:
+    """An explicit exception -> status code table; an instance is the decorator
+    of a servicer's methods (see module docstring). Immutable: `extended`
+    returns a new map."""
+
+    def __init__(self, table: StatusTable = ()) -> None:
+        # (exception type, code), checked in order before the ValueError/INTERNAL fallback
+        self.table: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = tuple(table)
+
+    def extended(self, table: StatusTable) -> StatusMap:
+        """This map with `table`'s entries checked after this map's own."""
+        return StatusMap((*self.table, *table))
+
+    def status_for(self, exc: BaseException) -> tuple[grpc.StatusCode, str]:
+        """The status code and details message for `exc` (see module docstring)."""
+        if isinstance(exc, ServiceError):
+            return exc.code, exc.message
+        for exc_type, code in self.table:
+            if isinstance(exc, exc_type):
+                return code, str(exc) or type(exc).__name__
+        if isinstance(exc, ValueError):
+            return grpc.StatusCode.INVALID_ARGUMENT, str(exc) or type(exc).__name__
+        return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+
+    def __call__(self, method: F) -> F:
+        """Decorate an asyncio servicer method (coroutine or async generator) so
+        an exception it raises ends the RPC with the mapped status code instead
+        of an opaque UNKNOWN. The signature is `(self, request, context)`."""
+        return _decorate(method, self.status_for)
 
 
-def register_capacity_error(exc_type: type[BaseException]) -> None:
-    """Map `exc_type` (and subclasses) to RESOURCE_EXHAUSTED."""
-    register_status(exc_type, grpc.StatusCode.RESOURCE_EXHAUSTED)
-
-
-def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The status code and details message for `exc` (see module docstring)."""
-    if isinstance(exc, ServiceError):
-        return exc.code, exc.message
-    for exc_type, code in _registered:
-        if isinstance(exc, exc_type):
-            return code, str(exc) or type(exc).__name__
-    if isinstance(exc, ValueError):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(exc) or type(exc).__name__
-    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
-
-
-async def _abort(context: grpc.aio.ServicerContext, exc: Exception, method: str) -> None:
+async def _abort(context: grpc.aio.ServicerContext, exc: Exception, method: str,
+                 status_for: Callable[[BaseException], tuple[grpc.StatusCode, str]]) -> None:
     code, message = status_for(exc)
     if code == grpc.StatusCode.INTERNAL:
         log.exception("%s failed", method, exc_info=exc)
@@ -89,10 +89,8 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception, method: str)
     await context.abort(code, message)
 
 
-def grpc_errors(method: F) -> F:
-    """Decorate an asyncio servicer method (coroutine or async generator) so
-    an exception it raises ends the RPC with the mapped status code instead of
-    an opaque UNKNOWN. The signature is `(self, request, context)`."""
+def _decorate(method: F,
+              status_for: Callable[[BaseException], tuple[grpc.StatusCode, str]]) -> F:
     name = method.__qualname__
     if inspect.isasyncgenfunction(method):
 
@@ -104,7 +102,7 @@ def grpc_errors(method: F) -> F:
             except (asyncio.CancelledError, grpc.aio.AbortError):
                 raise
             except Exception as exc:  # noqa: BLE001 - mapped to a status code
-                await _abort(context, exc, name)
+                await _abort(context, exc, name, status_for)
 
         return stream_wrapper  # type: ignore[return-value]
 
@@ -118,6 +116,11 @@ def grpc_errors(method: F) -> F:
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
         except Exception as exc:  # noqa: BLE001 - mapped to a status code
-            await _abort(context, exc, name)
+            await _abort(context, exc, name, status_for)
 
     return unary_wrapper  # type: ignore[return-value]
+
+
+# The base mapping (ServiceError, ValueError, else INTERNAL) for servers whose
+# methods raise no other typed errors, such as the router's gRPC front door.
+grpc_errors = StatusMap()

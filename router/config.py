@@ -12,7 +12,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-MAX_PORT = 65535
+from proto.address import MAX_PORT, split_host_port
+from proto.roles import PodRole
 
 
 def _check_port(name: str, port: int, *, allow_zero: bool = True) -> None:
@@ -23,9 +24,7 @@ def _check_port(name: str, port: int, *, allow_zero: bool = True) -> None:
 
 def _check_addresses(name: str, addresses: tuple[str, ...]) -> None:
     for address in addresses:
-        host, sep, port = address.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 1 <= int(port) <= MAX_PORT:
-            raise ValueError(f"{name} entries must be HOST:PORT, got {address!r}")
+        split_host_port(address, f"{name} entries")
     if len(set(addresses)) != len(addresses):
         raise ValueError(f"{name} lists an address twice: {', '.join(addresses)}")
 
@@ -66,8 +65,8 @@ class RouterConfig:
             raise ValueError("model_dir must name the model directory (for the tokenizer)")
         _check_port("port", self.port)
         _check_port("grpc_port", self.grpc_port)
-        for name in ("prefill", "decode", "colocated"):
-            _check_addresses(name, getattr(self, name))
+        for role in PodRole:  # the fields named after the roles
+            _check_addresses(role.value, getattr(self, role.value))
         if self.redis_url is not None and not self.redis_url.startswith(
             ("redis://", "rediss://", "unix://")
         ):

@@ -24,6 +24,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc
+from proto.limits import GRPC_MESSAGE_OPTIONS
 from proto.status import ServiceError, grpc_errors
 from router.api_error import ApiError, bad_request
 from router.auth import ApiKeyCheck
@@ -131,10 +132,7 @@ def build_grpc_server(
     """A started-later server with Router + health bound to `address`;
     returns (server, bound port, health servicer — the router server sets
     it SERVING / NOT_SERVING as the pool's readiness changes)."""
-    server = grpc.aio.server(options=[
-        ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-        ("grpc.max_send_message_length", 64 * 1024 * 1024),
-    ])
+    server = grpc.aio.server(options=list(GRPC_MESSAGE_OPTIONS))
     pdserve_pb2_grpc.add_RouterServicer_to_server(RouterServicer(frontend, auth), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

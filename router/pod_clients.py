@@ -3,8 +3,8 @@
 Owned by the router server, used by every request's flow on the router's
 event loop. Channels are opened lazily on first use and live until
 `close()`; gRPC reconnects a channel by itself after its pod restarts, so an
-address never needs a second one. Message size limits are raised because a
-long prompt's token list can exceed gRPC's 4 MiB default.
+address never needs a second one. Message size limits are the project's
+(proto/limits.py): a long prompt's token list can exceed gRPC's 4 MiB default.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from __future__ import annotations
 import grpc
 
 from proto import pdserve_pb2_grpc
+from proto.limits import GRPC_MESSAGE_OPTIONS
 
 _OPTIONS = [
-    ("grpc.max_send_message_length", 64 * 1024 * 1024),
-    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    *GRPC_MESSAGE_OPTIONS,
     # Notice a dead pod within seconds even while a stream is idle.
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),

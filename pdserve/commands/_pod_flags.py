@@ -11,8 +11,7 @@ import argparse
 import logging
 
 from engine.config import EngineConfig
-from prefill_service.config import parse_size
-from prefill_service.pod import ServerConfig
+from pod.config import ServerConfig, parse_size
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser, *, block_size: int,

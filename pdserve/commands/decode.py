@@ -10,7 +10,7 @@ HELP = "Run a decode pod: receives KV from prefill pods, injects it, and decodes
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from pdserve.commands._pod_flags import add_engine_arguments, add_server_arguments
-    from prefill_service.config import parse_size
+    from pod.config import parse_size
 
     add_engine_arguments(parser, block_size=128, prefix_cache_default=False)
     add_server_arguments(parser, port=50061, metrics_port=9102)

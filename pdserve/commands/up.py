@@ -38,9 +38,12 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from proto.roles import PodRole
+
 HELP = "Run router + prefill + decode pods locally on a built-in model (OpenAI API on :8000)."
 
-POD_COMMANDS = {"prefill": "prefill", "decode": "decode", "colocated": "serve"}
+# The pdserve subcommand that runs each pod role.
+POD_COMMANDS = {PodRole.PREFILL: "prefill", PodRole.DECODE: "decode", PodRole.COLOCATED: "serve"}
 
 
 class StartupError(RuntimeError):
@@ -196,8 +199,8 @@ def pod_argv(role: str, model: Path, config: UpConfig, ready_file: Path) -> list
 
 def start_pods(model: Path, config: UpConfig, tmp: Path, children: list[Child]) -> None:
     """Start every pod at once and wait for each ready file, reporting progress."""
-    roles = (["prefill"] * config.num_prefill + ["decode"] * config.num_decode
-             + ["colocated"] * config.num_colocated)
+    roles = ([PodRole.PREFILL] * config.num_prefill + [PodRole.DECODE] * config.num_decode
+             + [PodRole.COLOCATED] * config.num_colocated)
     total = len(roles) + 1  # + the router
     pending: list[tuple[Child, str, Path]] = []
     counts: dict[str, int] = {}

@@ -1,6 +1,6 @@
 """Redis pod registry: pods found through the keys their `PodHeartbeat` refreshes.
 
-Schema (written by pdserve/registry.py, documented in docs/routing.md):
+Schema (proto/registry.py, written by pod/heartbeat.py, documented in docs/routing.md):
 `pdserve:pods:{role}:{address}` -> JSON record, with a TTL. A pod that stops
 refreshing (crash, network cut) disappears when its key expires; a clean
 shutdown deletes the key at once. Either way the poller drops the pod at its
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 
-from pdserve.registry import POD_KEY_PREFIX, parse_pod_record
+from proto.registry import POD_KEY_PREFIX, parse_pod_record
 from router.registry.base import PodEntry, PodSource
 
 log = logging.getLogger(__name__)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from proto.roles import PodRole
 from router.registry.base import PodEntry, PodSource
 
 
@@ -27,8 +28,8 @@ class StaticPodSource(PodSource):
         colocated: Sequence[str] = (),
     ) -> None:
         entries: dict[str, PodEntry] = {}
-        for role, addresses in (("prefill", prefill), ("decode", decode),
-                                ("colocated", colocated)):
+        for role, addresses in ((PodRole.PREFILL, prefill), (PodRole.DECODE, decode),
+                                (PodRole.COLOCATED, colocated)):
             for address in addresses:
                 entry = PodEntry(address=address, role=role)
                 previous = entries.get(address)

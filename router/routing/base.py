@@ -24,7 +24,10 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-ROLES: tuple[str, ...] = ("prefill", "decode", "colocated")
+from proto.address import split_host_port
+from proto.roles import PodRole
+
+ROLES: tuple[str, ...] = tuple(role.value for role in PodRole)
 
 
 class NoPodAvailable(Exception):
@@ -42,16 +45,13 @@ class NoPodAvailable(Exception):
 
 def check_role(role: str) -> str:
     """Return `role` if it is one of ROLES, else raise ValueError naming the allowed ones."""
-    if role not in ROLES:
-        raise ValueError(f"role must be one of {', '.join(ROLES)}; got {role!r}")
+    PodRole.parse(role)
     return role
 
 
 def check_address(address: str) -> str:
     """Return `address` if it looks like host:port with a port in 1..65535, else ValueError."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"pod address must be host:port with port 1..65535; got {address!r}")
+    split_host_port(address, "pod address")
     return address
 
 

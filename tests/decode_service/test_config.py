@@ -6,7 +6,7 @@ import pytest
 
 from decode_service.config import DecodeConfig
 from engine.config import EngineConfig
-from prefill_service.pod import ServerConfig
+from pod.config import ServerConfig
 
 ENGINE = EngineConfig(model_dir="/m", block_size=128)
 

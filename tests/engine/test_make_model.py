@@ -66,12 +66,6 @@ def test_bad_options(tmp_path: Path, kwargs: dict, message: str) -> None:
         make_model(tmp_path / "m", **kwargs)
 
 
-def test_cli_reports_errors(tmp_path: Path) -> None:
-    from pdserve.cli import main
-
-    assert main(["make-model", str(tmp_path / "m"), "--sliding-window", "8"]) == 2
-
-
 def test_ensure_model_creates_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PDSERVE_HOME", str(tmp_path / "home"))
     target = default_model_dir("tiny")

@@ -1,26 +1,12 @@
-"""`prefill_service.config`: sizes and the prefill pod's config."""
+"""`prefill_service.config`: the prefill pod's config."""
 
 from __future__ import annotations
 
 import pytest
 
 from engine.config import EngineConfig
-from prefill_service.config import PrefillConfig, parse_size
-from prefill_service.pod import ServerConfig
-
-
-@pytest.mark.parametrize(("text", "value"), [
-    ("2GiB", 2 * 1024**3), ("512MiB", 512 * 1024**2), ("1.5KiB", 1536), ("10", 10),
-    ("3GB", 3 * 10**9), ("64 mib", 64 * 1024**2),
-])
-def test_parse_size(text, value):
-    assert parse_size(text) == value
-
-
-@pytest.mark.parametrize("text", ["", "GiB", "2XB", "-1GiB", "0"])
-def test_parse_size_refuses(text):
-    with pytest.raises(ValueError, match="size must be"):
-        parse_size(text)
+from pod.config import ServerConfig
+from prefill_service.config import PrefillConfig
 
 
 def test_prefill_config_limits_streams():
@@ -28,18 +14,3 @@ def test_prefill_config_limits_streams():
     assert PrefillConfig(engine, ServerConfig(), kv_streams=64).kv_streams == 64
     with pytest.raises(ValueError, match=r"kv_streams must be in \[1, 64\], got 0"):
         PrefillConfig(engine, ServerConfig(), kv_streams=0)
-
-
-def test_server_config_checks_ports_and_grace():
-    with pytest.raises(ValueError, match=r"port must be in \[0, 65535\]"):
-        ServerConfig(port=70000)
-    with pytest.raises(ValueError, match="grace period must be >= 0 seconds, got -1"):
-        ServerConfig(grace_period_s=-1)
-    with pytest.raises(ValueError, match="redis url must start with"):
-        ServerConfig(redis_url="localhost:6379")
-
-
-def test_public_host_prefers_advertised_then_bound_host():
-    assert ServerConfig(host="0.0.0.0", advertise_host="pod-1.svc").public_host() == "pod-1.svc"
-    assert ServerConfig(host="127.0.0.1").public_host() == "127.0.0.1"
-    assert ServerConfig(host="0.0.0.0").public_host() not in ("0.0.0.0", "")

@@ -1,4 +1,4 @@
-"""`proto.status`: exception -> gRPC status mapping, through a real aio server."""
+"""`proto.status`: exception -> gRPC status mapping tables, through a real aio server."""
 
 from __future__ import annotations
 
@@ -7,16 +7,20 @@ import asyncio
 import grpc
 import pytest
 
-from engine.errors import CapacityError
 from proto import pdserve_pb2, pdserve_pb2_grpc
-from proto.status import ServiceError, grpc_errors, register_capacity_error, status_for
+from proto.status import ServiceError, StatusMap, grpc_errors
 
 
 class _PoolFull(Exception):
     pass
 
 
-register_capacity_error(_PoolFull)
+class _NoBlocks(_PoolFull):
+    pass
+
+
+# What a service that meets capacity errors passes its methods explicitly.
+_CAPACITY = StatusMap(((_PoolFull, grpc.StatusCode.RESOURCE_EXHAUSTED),))
 
 
 @pytest.mark.parametrize(
@@ -24,7 +28,7 @@ register_capacity_error(_PoolFull)
     [
         (ValueError("prompt has 9 tokens, max_model_len is 8"), grpc.StatusCode.INVALID_ARGUMENT,
          "prompt has 9 tokens, max_model_len is 8"),
-        (CapacityError("no free blocks"), grpc.StatusCode.RESOURCE_EXHAUSTED, "no free blocks"),
+        (_NoBlocks("no free blocks"), grpc.StatusCode.RESOURCE_EXHAUSTED, "no free blocks"),
         (_PoolFull("landing pool full"), grpc.StatusCode.RESOURCE_EXHAUSTED, "landing pool full"),
         (ServiceError(grpc.StatusCode.ABORTED, "kv transfer failed: deadline"),
          grpc.StatusCode.ABORTED, "kv transfer failed: deadline"),
@@ -32,7 +36,12 @@ register_capacity_error(_PoolFull)
     ],
 )
 def test_status_for_maps_each_error_class(exc, code, message):
-    assert status_for(exc) == (code, message)
+    assert _CAPACITY.status_for(exc) == (code, message)
+
+
+def test_base_map_knows_no_capacity_errors():
+    assert grpc_errors.status_for(_PoolFull("landing pool full")) == (
+        grpc.StatusCode.INTERNAL, "internal error: _PoolFull: landing pool full")
 
 
 def test_grpc_errors_refuses_sync_methods():
@@ -48,14 +57,14 @@ class _Failing(pdserve_pb2_grpc.DecodeServicer):
         if request_id == "bad":
             raise ValueError("max_tokens must be >= 1, got 0")
         if request_id == "full":
-            raise CapacityError("decode pod has 0 free blocks, 3 needed")
+            raise _NoBlocks("decode pod has 0 free blocks, 3 needed")
 
-    @grpc_errors
+    @_CAPACITY
     async def Abort(self, request, context):
         self._raise(request.request_id)
         return pdserve_pb2.AbortResponse(found=True)
 
-    @grpc_errors
+    @_CAPACITY
     async def Generate(self, request, context):
         yield pdserve_pb2.DecodeGenerateResponse(tokens=pdserve_pb2.DecodeTokens(first_index=0))
         self._raise(request.request_id)
@@ -96,10 +105,9 @@ class _Stopped(RuntimeError):
     pass
 
 
-def test_registered_types_get_their_code():
-    from proto.status import register_status
-
-    register_status(_Stopped, grpc.StatusCode.UNAVAILABLE)
-    register_status(_Stopped, grpc.StatusCode.UNAVAILABLE)  # idempotent
-    assert status_for(_Stopped("engine loop is stopped")) == (
+def test_extended_map_adds_entries_and_leaves_the_original_alone():
+    stopped = _CAPACITY.extended(((_Stopped, grpc.StatusCode.UNAVAILABLE),))
+    assert stopped.status_for(_Stopped("engine loop is stopped")) == (
         grpc.StatusCode.UNAVAILABLE, "engine loop is stopped")
+    assert stopped.status_for(_PoolFull("full"))[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert _CAPACITY.status_for(_Stopped("x"))[0] == grpc.StatusCode.INTERNAL

@@ -1,5 +1,5 @@
-"""Router test fixtures: a real redis-server (flushed per test, free port) and one
-shared event loop for tests that use grpc.aio."""
+"""Router test fixtures: one shared event loop for tests that use grpc.aio
+(the real redis-server fixtures are in tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -10,27 +10,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-from tests.redis_server import RedisServer
-
 T = TypeVar("T")
-
-
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path_factory.mktemp("redis"))
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-@pytest.fixture
-def redis_url(redis_server: RedisServer) -> Iterator[str]:
-    """URL of the module's redis-server, emptied before each test."""
-    client = redis_server.client()
-    client.flushall()
-    client.close()
-    yield redis_server.url
 
 
 @pytest.fixture(scope="session")

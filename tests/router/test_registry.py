@@ -1,4 +1,4 @@
-"""Pod registry and polling (router/registry/*, pdserve/registry.py).
+"""Pod registry and polling (router/registry/*), with pods' `pod.heartbeat` as the writer.
 
 The poller is exercised against real gRPC servers on loopback that serve the
 standard health service and GetLoad with a report the test controls (the
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import grpc
 import pytest
@@ -18,8 +17,9 @@ import redis
 from grpc_health.v1 import _async as health_async
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pdserve.registry import PodHeartbeat, parse_pod_record, pod_key
+from pod.heartbeat import PodHeartbeat
 from proto import pdserve_pb2, pdserve_pb2_grpc
+from proto.registry import pod_key
 from router.registry.base import PodEntry
 from router.registry.poller import PodState, PolledPodPool
 from router.registry.redis_registry import RedisPodSource
@@ -148,52 +148,6 @@ def test_poller_refuses_a_pod_reporting_another_role(run_async) -> None:
             await server.stop()
 
     run_async(run())
-
-
-def test_pod_record_round_trip_and_validation() -> None:
-    heartbeat_value = json.dumps(
-        {"address": "10.1.2.3:50051", "role": "decode", "model": "tiny", "started_at": 5.0}
-    )
-    record = parse_pod_record(heartbeat_value)
-    assert record.key == "pdserve:pods:decode:10.1.2.3:50051"
-    assert parse_pod_record(record.to_json()) == record
-    with pytest.raises(ValueError, match="malformed pod record"):
-        parse_pod_record('{"role": "decode"}')
-    with pytest.raises(ValueError, match="pod role must be one of"):
-        parse_pod_record('{"address": "h:1", "role": "router"}')
-    with pytest.raises(ValueError, match=r"heartbeat ttl_s must be in \[0.5, 3600\]"):
-        PodHeartbeat("redis://127.0.0.1:1", role="decode", address="h:1", model="m", ttl_s=0.1)
-
-
-@pytest.mark.timeout(30)
-def test_heartbeat_writes_refreshes_and_deletes_its_key(redis_url: str) -> None:
-    client = redis.Redis.from_url(redis_url, decode_responses=True)
-    beat = PodHeartbeat(redis_url, role="prefill", address="127.0.0.1:5999", model="tiny",
-                        ttl_s=0.6)
-    beat.start()
-    try:
-        key = pod_key("prefill", "127.0.0.1:5999")
-        assert json.loads(client.get(key)) == {
-            "address": "127.0.0.1:5999", "role": "prefill", "model": "tiny",
-            "started_at": beat.record.started_at,
-        }
-        time.sleep(1.0)  # longer than the TTL: only the refresh keeps it alive
-        assert client.exists(key) == 1
-        assert 0 < client.pttl(key) <= 600
-    finally:
-        beat.stop()
-    assert client.exists(key) == 0
-    client.close()
-
-
-@pytest.mark.timeout(30)
-def test_heartbeat_start_fails_loudly_without_redis() -> None:
-    from tests.redis_server import free_port
-
-    beat = PodHeartbeat(f"redis://127.0.0.1:{free_port()}", role="decode", address="h:1",
-                        model="m")
-    with pytest.raises(redis.ConnectionError):
-        beat.start()
 
 
 @pytest.mark.timeout(30)

@@ -1,4 +1,4 @@
-"""`prefill_service.pod`: the drain gate and the ready file."""
+"""`pod.server`: the ready file and the serve/drain loop."""
 
 from __future__ import annotations
 
@@ -8,50 +8,8 @@ import json
 import grpc
 import pytest
 
-from prefill_service.pod import DrainGate, PodState, write_ready_file
-from proto.status import ServiceError
-
-
-def test_gate_counts_in_flight_and_refuses_while_draining():
-    async def scenario():
-        gate = DrainGate()
-        with gate.admit():
-            assert gate.in_flight == 1
-            gate.transition(PodState.DRAINING)
-            with pytest.raises(ServiceError) as err:
-                with gate.admit():
-                    pass
-            assert err.value.code == grpc.StatusCode.UNAVAILABLE
-            assert await gate.wait_idle(0.01) is False
-        assert gate.in_flight == 0
-        assert await gate.wait_idle(0.01) is True
-
-    asyncio.run(scenario())
-
-
-def test_wait_idle_wakes_when_the_last_request_leaves():
-    async def scenario():
-        gate = DrainGate()
-
-        async def request():
-            with gate.admit():
-                await asyncio.sleep(0.05)
-
-        task = asyncio.create_task(request())
-        await asyncio.sleep(0)
-        assert gate.in_flight == 1
-        assert await gate.wait_idle(5.0) is True
-        await task
-
-    asyncio.run(scenario())
-
-
-def test_pod_state_transitions_are_checked():
-    gate = DrainGate()
-    gate.transition(PodState.DRAINING)
-    gate.transition(PodState.STOPPED)
-    with pytest.raises(RuntimeError, match="pod state stopped -> serving is not allowed"):
-        gate.transition(PodState.SERVING)
+from pod.drain import DrainGate, DrainState
+from pod.server import write_ready_file
 
 
 def test_ready_file_is_written_whole(tmp_path):
@@ -65,7 +23,8 @@ def test_ready_file_is_written_whole(tmp_path):
 def test_pod_server_reports_not_serving_and_exits_1_when_it_can_no_longer_serve(tmp_path):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from prefill_service.pod import PodServer, ServerConfig
+    from pod.config import ServerConfig
+    from pod.server import PodServer
 
     ready = tmp_path / "ready.json"
     state = {"alive": True}
@@ -87,6 +46,6 @@ def test_pod_server_reports_not_serving_and_exits_1_when_it_can_no_longer_serve(
             return await asyncio.wait_for(task, 30), pod.gate.state
 
     status, gate_state = asyncio.run(scenario())
-    assert (status, gate_state) == (1, PodState.STOPPED)
+    assert (status, gate_state) == (1, DrainState.STOPPED)
     ports = json.loads(ready.read_text())
     assert sorted(ports) == ["grpc", "kv"] and ports["kv"] == 0 and ports["grpc"] > 0

@@ -1,9 +1,11 @@
 """Conversions between `pdserve.v1` messages and engine types, with the
 boundary checks every pod applies before a request reaches its engine.
 
-Called by the prefill and decode servicers on the pod's event loop. Every
-check raises `ValueError` with a message naming the field and the limit, which
-`proto.status.grpc_errors` turns into INVALID_ARGUMENT.
+Called by the prefill and decode servicers on the pod's event loop:
+`check_request` is the validation preamble of `Prefill.Prefill` and
+`Decode.Generate`. Every check raises `ValueError` with a message naming the
+field and the limit, which the servicers' status map (pod/errors.py) turns
+into INVALID_ARGUMENT.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.outputs import RequestOutput, TokenLogprobs
+from engine.outputs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from proto import pdserve_pb2
 
@@ -82,21 +84,29 @@ def check_context(prompt_token_ids: Sequence[int], output_token_ids: Sequence[in
         )
 
 
+@dataclass(frozen=True, slots=True)
+class CheckedRequest:
+    """A `PrefillRequest` or `DecodeGenerateRequest` that passed `check_request`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    params: SamplingParams
+
+
+def check_request(request: pdserve_pb2.PrefillRequest | pdserve_pb2.DecodeGenerateRequest,
+                  limits: ModelLimits) -> CheckedRequest:
+    """The checks both pod services run first: request id, sampling, token ids
+    and lengths. ValueError (-> INVALID_ARGUMENT) names the first bad field."""
+    check_request_id(request.request_id)
+    params = sampling_from_proto(request.sampling)
+    prompt, outputs = list(request.prompt_token_ids), list(request.output_token_ids)
+    check_context(prompt, outputs, params, limits)
+    return CheckedRequest(request.request_id, prompt, outputs, params)
+
+
 def logprob_to_proto(lp: TokenLogprobs) -> pdserve_pb2.TokenLogprob:
     return pdserve_pb2.TokenLogprob(
         token_id=lp.token_id, logprob=lp.logprob,
         top_token_ids=list(lp.top_token_ids), top_logprobs=list(lp.top_logprobs),
     )
-
-
-def tokens_message(output: RequestOutput, first_index: int) -> pdserve_pb2.DecodeGenerateResponse:
-    """One engine output as a `DecodeTokens` stream message; `first_index` is
-    the output index of `output.new_token_ids[0]` (0 = first generated token)."""
-    return pdserve_pb2.DecodeGenerateResponse(tokens=pdserve_pb2.DecodeTokens(
-        first_index=first_index,
-        token_ids=list(output.new_token_ids),
-        logprobs=[logprob_to_proto(lp) for lp in output.new_logprobs],
-        finish_reason=output.finish_reason or "",
-        num_prompt_tokens=output.num_prompt_tokens,
-        num_cached_tokens=output.num_cached_tokens,
-    ))

@@ -1,4 +1,4 @@
-"""`prefill_service.messages`: proto <-> engine conversions and boundary checks."""
+"""`pod.messages`: proto <-> engine conversions and boundary checks."""
 
 from __future__ import annotations
 
@@ -6,14 +6,14 @@ import dataclasses
 
 import pytest
 
-from engine.outputs import RequestOutput, TokenLogprobs
 from engine.sampling_params import SamplingParams
-from prefill_service.messages import (
+from pod.messages import (
+    CheckedRequest,
     ModelLimits,
     check_context,
+    check_request,
     check_request_id,
     sampling_from_proto,
-    tokens_message,
 )
 from proto import pdserve_pb2
 
@@ -63,14 +63,20 @@ def test_request_id_limits():
         check_request_id("")
 
 
-def test_tokens_message_carries_index_logprobs_and_reason():
-    output = RequestOutput("r", (7, 8), (TokenLogprobs(7, -0.5, (7, 2), (-0.5, -1.5)),
-                                         TokenLogprobs(8, -0.25, (8,), (-0.25,))),
-                           "length", num_prompt_tokens=12, num_cached_tokens=4,
-                           num_output_tokens=5)
-    tokens = tokens_message(output, first_index=3).tokens
-    assert (tokens.first_index, list(tokens.token_ids), tokens.finish_reason) == (3, [7, 8],
-                                                                                  "length")
-    assert (tokens.num_prompt_tokens, tokens.num_cached_tokens) == (12, 4)
-    assert [(lp.token_id, lp.logprob, list(lp.top_token_ids)) for lp in tokens.logprobs] == [
-        (7, -0.5, [7, 2]), (8, -0.25, [8])]
+def test_check_request_returns_the_checked_fields():
+    request = pdserve_pb2.DecodeGenerateRequest(
+        request_id="r1", prompt_token_ids=[1, 2], output_token_ids=[3],
+        sampling=pdserve_pb2.SamplingParams(max_tokens=4))
+    assert check_request(request, LIMITS) == CheckedRequest(
+        "r1", [1, 2], [3], SamplingParams(temperature=0.0, max_tokens=4))
+
+
+@pytest.mark.parametrize(("request_id", "prompt", "message"), [
+    ("", [1], "request_id must be non-empty"),
+    ("r1", [], "prompt_token_ids must be non-empty"),
+])
+def test_check_request_refuses_what_the_checks_refuse(request_id, prompt, message):
+    request = pdserve_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt,
+                                         sampling=pdserve_pb2.SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match=message):
+        check_request(request, LIMITS)

@@ -1,9 +1,6 @@
-"""Pod registration in Redis: the pod side of the router's Redis registry.
-
-Key schema (also in docs/routing.md):
-
-    pdserve:pods:{role}:{address}  ->  JSON {"address", "role", "model", "started_at"}
-                                       with EX ttl_s (default 6 s)
+"""`PodHeartbeat`: pod registration in Redis, the pod side of the router's
+Redis registry. The key schema and record format are in proto/registry.py
+(keys expire after `ttl_s`, default 6 s).
 
 A pod started with `--redis-url` creates a `PodHeartbeat` once it serves and
 calls `.start()`: a daemon thread rewrites the key every `ttl_s / 3` seconds,
@@ -11,7 +8,7 @@ so the key outlives one or two missed beats but disappears within `ttl_s` of a
 crash. `.stop()` (on drain / shutdown, from the pod's main thread) stops the
 thread and deletes the key, so routers drop the pod at their next poll instead
 of after the TTL. The router side (router/registry/redis_registry.py) SCANs
-`pdserve:pods:*` and parses values with `parse_pod_record`.
+`pdserve:pods:*` and parses values with `proto.registry.parse_pod_record`.
 
 Plain Python + the sync redis client: no torch, no asyncio, so any pod
 command can use it whatever its threading.
@@ -19,67 +16,15 @@ command can use it whatever its threading.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
-from dataclasses import dataclass
 
 import redis
 
-POD_KEY_PREFIX = "pdserve:pods:"
-ROLES = ("prefill", "decode", "colocated")
+from proto.registry import PodRecord
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class PodRecord:
-    """What a pod publishes about itself. `address` is host:port of its gRPC server."""
-
-    address: str
-    role: str
-    model: str
-    started_at: float  # unix seconds
-
-    def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ValueError(f"pod role must be one of {', '.join(ROLES)}; got {self.role!r}")
-        host, sep, port = self.address.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(
-                f"pod address must be host:port with port 1..65535; got {self.address!r}"
-            )
-
-    @property
-    def key(self) -> str:
-        return pod_key(self.role, self.address)
-
-    def to_json(self) -> str:
-        return json.dumps(
-            {"address": self.address, "role": self.role, "model": self.model,
-             "started_at": self.started_at},
-            sort_keys=True,
-        )
-
-
-def pod_key(role: str, address: str) -> str:
-    """The Redis key a pod of `role` at `address` refreshes."""
-    return f"{POD_KEY_PREFIX}{role}:{address}"
-
-
-def parse_pod_record(value: str | bytes) -> PodRecord:
-    """Parse a key's JSON value; ValueError naming the problem if it is malformed."""
-    try:
-        data = json.loads(value)
-        return PodRecord(
-            address=str(data["address"]),
-            role=str(data["role"]),
-            model=str(data.get("model", "")),
-            started_at=float(data.get("started_at", 0.0)),
-        )
-    except (json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise ValueError(f"malformed pod record {value!r}: {exc}") from exc
 
 
 class PodHeartbeat:
