@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import grpc
 
+from proto.roles import PodRole
 from router.api_error import ApiError
 from router.routing.base import PodLoad, PodPool
 
@@ -63,7 +64,7 @@ def choose_path(pool: PodPool, left_out: set[str] | frozenset[str]) -> str:
         return "disaggregated"
     missing = "prefill" if not prefill else "decode"
     parts = [f"{len(pool.pods(r))}/{len(pool.known(r))} {r} healthy"
-             for r in ("prefill", "decode", "colocated")]
+             for r in PodRole]
     if left_out:
         parts.append(f"{len(left_out)} failed this request")
     raise ApiError(

@@ -28,6 +28,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
+from proto.roles import PodRole
 from router.api_error import ApiError, bad_request
 from router.auth import OPEN_PATHS, ApiKeyCheck
 from router.frontend import Frontend
@@ -166,7 +167,7 @@ async def health(request: web.Request) -> web.Response:
 
 async def ready(request: web.Request) -> web.Response:
     pool = request.app[POOL]
-    counts = {role: len(pool.pods(role)) for role in ("prefill", "decode", "colocated")}
+    counts = {str(role): len(pool.pods(role)) for role in PodRole}
     if pool.is_ready():
         return web.json_response({"status": "ready", "healthy_pods": counts})
     return web.json_response(

@@ -161,7 +161,7 @@ class PolledPodPool(PodPool):
     async def _poll_bounded(self, pod: _Pod) -> None:
         try:
             await asyncio.wait_for(self._poll(pod), 2 * self.poll_timeout + 1.0)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pod.failures += 1
             pod.move(PodState.UNHEALTHY, "poll did not finish in time")
 
