@@ -2,6 +2,8 @@
 translation into the validated `EngineConfig` / `ServerConfig`.
 
 Only command modules import this; services receive the config dataclasses.
+This is the one place the pods' environment is read (`PDSERVE_KERNEL_BACKEND`,
+the default of --kernel-backend).
 Flag names are a contract with the router engineers and the Helm chart.
 """
 
@@ -9,9 +11,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 
-from engine.config import EngineConfig
+from engine.config import SCHEDULING_POLICIES, EngineConfig
 from pod.config import ServerConfig, parse_size
+
+CPU_STEP_TOKENS = 512
+CUDA_STEP_TOKENS = 2048
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser, *, block_size: int,
@@ -26,8 +32,19 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, block_size: int,
                       help="KV cache budget, e.g. 2GiB (default: a fraction of free memory).")
     size.add_argument("--num-blocks", type=int, default=None, help="Exact number of KV blocks.")
     g.add_argument("--max-num-seqs", type=int, default=64, help="Sequences per batch.")
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                   help="Tokens computed per step (longer prompts are chunked).")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="Token budget of one engine step; longer prompts are prefilled in "
+                        f"chunks, so it bounds a step's time (default {CUDA_STEP_TOKENS} on "
+                        f"CUDA, {CPU_STEP_TOKENS} on CPU; docs/engine.md, Scheduling).")
+    g.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="decode-first",
+                   help="Who gets the step budget first: decoding requests (decode-first) "
+                        "or the oldest request (fcfs).")
+    g.add_argument("--kernel-backend", choices=("auto", "triton", "torch"),
+                   default=os.environ.get("PDSERVE_KERNEL_BACKEND", "auto"),
+                   help="Kernels: Triton on CUDA and torch on CPU (auto), or one of them "
+                        "everywhere (default: $PDSERVE_KERNEL_BACKEND, else auto).")
+    g.add_argument("--matmul-backend", choices=("auto", "onednn", "torch"), default="auto",
+                   help="Dense projections on CPU: oneDNN prepacked weights (auto) or F.linear.")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="Context limit (default: the model's max_position_embeddings).")
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
@@ -78,6 +95,13 @@ def resolve_dtype(dtype: str, device: str, model_dir: str) -> str:
     return ModelConfig.from_pretrained(model_dir).torch_dtype
 
 
+def default_step_tokens(device: str) -> int:
+    """Step token budget when the flag is not given: a GPU step of 2,048 tokens
+    takes tens of ms; on CPU it took ~9 s for the built-in base model, so a
+    512-token chunk (~2 s) bounds how long a prompt can hold decode tokens back."""
+    return CPU_STEP_TOKENS if device == "cpu" else CUDA_STEP_TOKENS
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     device = resolve_device(args.device)
     return EngineConfig(
@@ -88,10 +112,13 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_cache_memory=args.kv_cache_memory,
         num_blocks=args.num_blocks,
         max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_batched_tokens=args.max_num_batched_tokens or default_step_tokens(device),
+        scheduling_policy=args.scheduling_policy,
         max_model_len=args.max_model_len,
         enable_prefix_caching=args.prefix_cache,
         seed=args.seed,
+        kernel_backend=args.kernel_backend,
+        matmul_backend=args.matmul_backend,
     )
 
 

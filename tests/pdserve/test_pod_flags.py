@@ -1,0 +1,42 @@
+"""pdserve/commands/_pod_flags.py: the pods' engine flags become EngineConfig,
+and the CLI is the one place that reads PDSERVE_KERNEL_BACKEND."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from pdserve.commands import _pod_flags
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    _pod_flags.add_engine_arguments(parser, block_size=16, prefix_cache_default=True)
+    return parser.parse_args(["--model", "/m", "--device", "cpu", "--dtype", "float32", *argv])
+
+
+def test_defaults_on_cpu(monkeypatch):
+    monkeypatch.delenv("PDSERVE_KERNEL_BACKEND", raising=False)
+    config = _pod_flags.engine_config_from_args(_parse([]))
+    assert config.max_num_batched_tokens == _pod_flags.CPU_STEP_TOKENS == 512
+    assert config.scheduling_policy == "decode-first"
+    assert config.kernel_backend == "auto" and config.matmul_backend == "auto"
+    assert _pod_flags.default_step_tokens("cuda") == 2048
+
+
+def test_flags_override_and_the_environment_sets_the_kernel_default(monkeypatch):
+    monkeypatch.setenv("PDSERVE_KERNEL_BACKEND", "torch")
+    config = _pod_flags.engine_config_from_args(_parse([]))
+    assert config.kernel_backend == "torch"
+    config = _pod_flags.engine_config_from_args(_parse([
+        "--kernel-backend", "triton", "--matmul-backend", "torch",
+        "--scheduling-policy", "fcfs", "--max-num-batched-tokens", "64"]))
+    assert (config.kernel_backend, config.matmul_backend, config.scheduling_policy,
+            config.max_num_batched_tokens) == ("triton", "torch", "fcfs", 64)
+
+
+def test_a_bad_value_is_refused_by_argparse(capsys):
+    with pytest.raises(SystemExit):
+        _parse(["--matmul-backend", "mkl"])
+    assert "invalid choice: 'mkl'" in capsys.readouterr().err
