@@ -36,6 +36,7 @@ import torch
 
 import kernels
 from engine.kv_hook import LayerKVSpan
+from kernels.dispatch import Backend
 from kv_transfer.base import KVLayout, KVSender, TransferOutcome, TransferTarget
 
 log = logging.getLogger(__name__)
@@ -77,10 +78,13 @@ class KVExport:
     """The hook plus the per-request table. `senders` maps a transport name
     ("tcp", "grpc") to the pod's sender for it."""
 
-    def __init__(self, senders: dict[str, KVSender]) -> None:
+    def __init__(self, senders: dict[str, KVSender], *,
+                 kernel_backend: Backend | str = Backend.AUTO) -> None:
+        """`kernel_backend`: the engine's (`EngineConfig.kernel_backend`), for the extraction."""
         if not senders:
             raise ValueError("KVExport needs at least one sender")
         self._senders = dict(senders)
+        self._kernel_backend = Backend.parse(kernel_backend)
         self._lock = threading.Lock()
         self._exports: dict[str, _Export] = {}
 
@@ -115,7 +119,8 @@ class KVExport:
                 # The cache slots may be overwritten by a later step: the
                 # gather copies them out now (on CUDA, on the current stream;
                 # the sender orders its D2H copy after it with an event).
-                kv = kernels.extract_kv(kv_cache_layer, span.slot_mapping)
+                kv = kernels.extract_kv(kv_cache_layer, span.slot_mapping,
+                                        backend=self._kernel_backend)
                 export.sender.send_layer(span.request_id, layer_idx, kv, span.start)
             except Exception as exc:  # noqa: BLE001 - never kill the engine loop
                 self._fail(span.request_id, export, f"{type(exc).__name__}: {exc}")

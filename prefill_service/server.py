@@ -49,7 +49,8 @@ def make_senders(kv_streams: int) -> dict[str, KVSender]:
 async def run_prefill_pod(config: PrefillConfig, stop: asyncio.Event | None = None) -> int:
     """Serve until SIGTERM/SIGINT or `stop`; returns the exit status."""
     metrics = PodMetrics.create(PodRole.PREFILL)
-    export = KVExport(make_senders(config.kv_streams))
+    export = KVExport(make_senders(config.kv_streams),
+                      kernel_backend=config.engine.kernel_backend)
     engine = LLMEngine(config.engine, layer_kv_hook=export)
     loop = EngineLoop(engine, metrics)
     model_config = ModelConfig.from_pretrained(config.engine.model_dir)
