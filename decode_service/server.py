@@ -15,8 +15,9 @@ from pathlib import Path
 
 from decode_service.config import ColocatedConfig, DecodeConfig
 from decode_service.injector import KVInjector
+from decode_service.kv_import import RemoteKV
 from decode_service.receiver_metrics import ReceiverCollector
-from decode_service.servicer import DecodeServicer, RemoteKV
+from decode_service.servicer import DecodeServicer
 from engine.config import EngineConfig
 from engine.engine_loop import EngineLoop, LoopState
 from engine.llm_engine import LLMEngine
