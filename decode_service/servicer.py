@@ -64,7 +64,8 @@ log = logging.getLogger(__name__)
 
 
 class DecodeServicer(pdserve_pb2_grpc.DecodeServicer):
-    """Thin servicer over the engine loop (and, on a decode pod, the KV receiver)."""
+    """Thin servicer over the engine loop (and, on a decode pod, one `KVImport`
+    per remote-prefilled request)."""
 
     def __init__(self, *, role: str, loop: EngineLoop, metrics: PodMetrics, gate: DrainGate,
                  limits: ModelLimits, model: str, generation: int,
