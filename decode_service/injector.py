@@ -12,7 +12,11 @@ Threads:
   so the engine's default stream is never blocked and never reads a slot
   before its KV is in. On CPU the scatter runs on this thread (torch releases
   the GIL), beside the engine loop thread;
-* the decode servicer (event loop) calls `expect`, `fail` and `forget`.
+* the decode pod's `KVImport` (event loop) calls `expect` and `forget`.
+
+Receiver hooks and `forget` reach the injector thread as typed items on one
+FIFO queue (`_LayerReady`, `_Complete`, `_Failed`, `_Restart`, `_Forget`,
+`_Stop`), so a request's items are handled in the order they were queued.
 
 Life of one request R (per-request state, checked transitions):
 
@@ -22,7 +26,7 @@ Life of one request R (per-request state, checked transitions):
                                      prefill pod's attempt; layers come again from
                                      0 and overwrite the same reserved slots)
     END accepted        -> READY     once all layers are in: future = first token
-    failed / fail(R)    -> FAILED    future = TransferFailed(reason)
+    failed              -> FAILED    future = TransferFailed(reason)
     forget(R)           -> (removed) after this returns, the injector thread never
                                      touches R's slots or landing views again,
                                      so the engine may free the blocks and the
@@ -45,6 +49,7 @@ import torch
 
 import kernels
 from engine.metrics import PodMetrics
+from kernels.dispatch import Backend
 from kv_transfer.base import KVReceiveListener
 
 log = logging.getLogger(__name__)
@@ -94,22 +99,82 @@ class _Pending:
             raise RuntimeError(f"inject state {self.state.value} -> {new.value} is not allowed")
         self.state = new
 
+    def ready(self, first_token_id: int) -> None:
+        """Injector thread: every layer is in -> READY, the future gets the token."""
+        self.to(InjectState.READY)
+        self.loop.call_soon_threadsafe(_resolve, self.future, first_token_id)
+
+    def fail(self, exc: TransferFailed) -> None:
+        """Injector thread: -> FAILED, the future raises `exc`."""
+        self.to(InjectState.FAILED)
+        self.reason = exc.reason
+        self.loop.call_soon_threadsafe(_reject, self.future, exc)
+
+    @property
+    def settled(self) -> bool:
+        return self.state in (InjectState.READY, InjectState.FAILED)
+
+
+# Items for the injector thread, in queue order.
+
+@dataclass(frozen=True, slots=True)
+class _LayerReady:
+    request_id: str
+    layer: int
+    kv_view: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class _Complete:
+    request_id: str
+    first_token_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Failed:
+    request_id: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Restart:
+    request_id: str
+    reason: str
+    done: threading.Event  # set by the injector thread; the receiver thread waits on it
+
+
+@dataclass(frozen=True, slots=True)
+class _Forget:
+    request_id: str
+    done: asyncio.Future[None]  # forget()'s own future, resolved on its event loop
+
+
+@dataclass(frozen=True, slots=True)
+class _Stop:
+    pass
+
+
+_Item = _LayerReady | _Complete | _Failed | _Restart | _Forget | _Stop
+
 
 class KVInjector(KVReceiveListener):
     """One per decode pod; `kv_caches` are the engine's per-layer cache tensors."""
 
-    def __init__(self, kv_caches: list[torch.Tensor], metrics: PodMetrics) -> None:
+    def __init__(self, kv_caches: list[torch.Tensor], metrics: PodMetrics, *,
+                 kernel_backend: Backend | str = Backend.AUTO) -> None:
+        """`kernel_backend`: the engine's (`EngineConfig.kernel_backend`), for the scatter."""
         self._caches = kv_caches
+        self._kernel_backend = Backend.parse(kernel_backend)
         self._metrics = metrics
         self._device = kv_caches[0].device
         self._stream = torch.cuda.Stream(self._device) if self._device.type == "cuda" else None
-        self._items: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self._items: queue.SimpleQueue[_Item] = queue.SimpleQueue()
         self._pending: dict[str, _Pending] = {}  # injector thread only (after expect)
         self._lock = threading.Lock()  # guards _pending between expect and the thread
         self._thread = threading.Thread(target=self._run, name="kv-injector", daemon=True)
         self._thread.start()
 
-    # ---------------------------------------------------------------- servicer (event loop)
+    # ---------------------------------------------------------------- KVImport (event loop)
 
     def expect(self, request_id: str, slot_mapping: torch.Tensor, num_layers: int,
                num_bytes: int) -> asyncio.Future[int]:
@@ -124,30 +189,26 @@ class KVInjector(KVReceiveListener):
             self._pending[request_id] = _Pending(slot_mapping, num_layers, num_bytes, future, loop)
         return future
 
-    def fail(self, request_id: str, reason: str) -> None:
-        """Fail R from the service side (Abort RPC); ordered after queued layers."""
-        self._items.put(("failed", request_id, reason))
-
     async def forget(self, request_id: str) -> None:
         """Drop R; returns once the injector thread will never touch it again."""
         done = asyncio.get_running_loop().create_future()
-        self._items.put(("forget", request_id, done))
+        self._items.put(_Forget(request_id, done))
         await done
 
     def close(self) -> None:
-        self._items.put(("stop",))
+        self._items.put(_Stop())
         self._thread.join(timeout=5)
 
     # ---------------------------------------------------------------- receiver threads
 
     def on_layer_ready(self, request_id: str, layer: int, kv_view: torch.Tensor) -> None:
-        self._items.put(("layer", request_id, layer, kv_view))
+        self._items.put(_LayerReady(request_id, layer, kv_view))
 
     def on_complete(self, request_id: str, first_token_id: int) -> None:
-        self._items.put(("complete", request_id, first_token_id))
+        self._items.put(_Complete(request_id, first_token_id))
 
     def on_failed(self, request_id: str, reason: str) -> None:
-        self._items.put(("failed", request_id, reason))
+        self._items.put(_Failed(request_id, reason))
 
     def on_restart(self, request_id: str, reason: str) -> None:
         """Blocks until the injector thread dealt with every layer queued before
@@ -155,7 +216,7 @@ class KVInjector(KVReceiveListener):
         write the landing buffer only after this returns. Bounded, so a wedged
         injector cannot hold a receiver thread forever."""
         done = threading.Event()
-        self._items.put(("restart", request_id, reason, done))
+        self._items.put(_Restart(request_id, reason, done))
         if not done.wait(_RESTART_WAIT_S):
             raise RuntimeError(f"injector did not reach the restart of {request_id} in "
                                f"{_RESTART_WAIT_S:g}s")
@@ -165,52 +226,55 @@ class KVInjector(KVReceiveListener):
     def _run(self) -> None:
         while True:
             item = self._items.get()
-            kind = item[0]
             p: _Pending | None = None
-            if kind == "stop":
+            if isinstance(item, _Stop):
                 return
             try:
-                if kind == "forget":
-                    if self._stream is not None:
-                        # queued H2D copies may still read the landing buffer
-                        self._stream.synchronize()
-                    with self._lock:
-                        self._pending.pop(item[1], None)
-                    done = item[2]
-                    done.get_loop().call_soon_threadsafe(_resolve, done, None)
+                if isinstance(item, _Forget):
+                    self._forget(item)
                     continue
-                if kind == "restart":
-                    self._restart(item[1], item[2], item[3])
+                if isinstance(item, _Restart):
+                    self._restart(item.request_id, item.reason, item.done)
                     continue
                 with self._lock:
-                    p = self._pending.get(item[1])
-                if p is None or p.state in (InjectState.READY, InjectState.FAILED):
+                    p = self._pending.get(item.request_id)
+                if p is None or p.settled:
                     continue
-                if kind == "layer":
-                    self._inject(item[1], p, item[2], item[3])
-                elif kind == "complete":
-                    self._complete(item[1], p, item[2])
-                elif kind == "failed":
-                    self._fail(p, TransferFailed(item[1], item[2]))
+                if isinstance(item, _LayerReady):
+                    self._inject(p, item.layer, item.kv_view)
+                elif isinstance(item, _Complete):
+                    self._complete(p, item.first_token_id)
+                else:
+                    p.fail(TransferFailed(item.request_id, item.reason))
             except Exception as exc:  # noqa: BLE001 - one bad request must not stop injection
-                log.exception("KV injection of %s failed", item[1])
-                if p is not None and p.state not in (InjectState.READY, InjectState.FAILED):
-                    self._fail(p, TransferFailed(item[1], f"injection: {exc}"))
+                log.exception("KV injection of %s failed", item.request_id)
+                if p is not None and not p.settled:
+                    p.fail(TransferFailed(item.request_id, f"injection: {exc}"))
 
-    def _inject(self, request_id: str, p: _Pending, layer: int, view: torch.Tensor) -> None:
+    def _forget(self, item: _Forget) -> None:
+        if self._stream is not None:
+            # queued H2D copies may still read the landing buffer
+            self._stream.synchronize()
+        with self._lock:
+            self._pending.pop(item.request_id, None)
+        item.done.get_loop().call_soon_threadsafe(_resolve, item.done, None)
+
+    def _inject(self, p: _Pending, layer: int, view: torch.Tensor) -> None:
         if layer != p.layers_done:
             raise RuntimeError(f"layer {layer} arrived, expected layer {p.layers_done}")
         if p.first_layer_at is None:
             p.first_layer_at = time.monotonic()
         if self._stream is None:
-            kernels.inject_kv(self._caches[layer], view, p.slot_mapping)
+            kernels.inject_kv(self._caches[layer], view, p.slot_mapping,
+                              backend=self._kernel_backend)
         else:
             if layer == 0:
                 # the slot mapping was written on the engine's stream at reserve time
                 self._stream.wait_stream(torch.cuda.default_stream(self._device))
             with torch.cuda.stream(self._stream):
                 src = view.to(self._device, non_blocking=True)
-                kernels.inject_kv(self._caches[layer], src, p.slot_mapping)
+                kernels.inject_kv(self._caches[layer], src, p.slot_mapping,
+                                  backend=self._kernel_backend)
         p.layers_done += 1
         p.to(InjectState.INJECTING)
 
@@ -229,7 +293,7 @@ class KVInjector(KVReceiveListener):
         finally:
             done.set()
 
-    def _complete(self, request_id: str, p: _Pending, first_token_id: int) -> None:
+    def _complete(self, p: _Pending, first_token_id: int) -> None:
         if p.layers_done != p.num_layers:
             raise RuntimeError(f"END after {p.layers_done} of {p.num_layers} layers")
         if self._stream is not None:
@@ -239,13 +303,7 @@ class KVInjector(KVReceiveListener):
         if p.first_layer_at is not None:
             self._metrics.kv_injection_seconds.observe(time.monotonic() - p.first_layer_at)
         self._metrics.kv_transfer_bytes.inc(p.num_bytes)
-        p.to(InjectState.READY)
-        p.loop.call_soon_threadsafe(_resolve, p.future, first_token_id)
-
-    def _fail(self, p: _Pending, exc: TransferFailed) -> None:
-        p.to(InjectState.FAILED)
-        p.reason = exc.reason
-        p.loop.call_soon_threadsafe(_reject, p.future, exc)
+        p.ready(first_token_id)
 
 
 def _resolve(future: asyncio.Future, value: object) -> None:

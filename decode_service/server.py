@@ -15,8 +15,9 @@ from pathlib import Path
 
 from decode_service.config import ColocatedConfig, DecodeConfig
 from decode_service.injector import KVInjector
+from decode_service.kv_import import RemoteKV
 from decode_service.receiver_metrics import ReceiverCollector
-from decode_service.servicer import DecodeServicer, RemoteKV
+from decode_service.servicer import DecodeServicer
 from engine.config import EngineConfig
 from engine.engine_loop import EngineLoop, LoopState
 from engine.llm_engine import LLMEngine
@@ -62,7 +63,8 @@ async def _serve(role: PodRole, engine_config: EngineConfig, server_config: Serv
     extra_ports: dict[str, int] = {}
     remote = None
     if decode is not None:
-        injector = KVInjector(loop.kv_caches(), metrics)
+        injector = KVInjector(loop.kv_caches(), metrics,
+                              kernel_backend=engine_config.kernel_backend)
         receiver = make_receiver(decode, injector)
         receiver.start()
         extra_ports["kv"] = split_host_port(receiver.endpoints[0], "KV endpoint")[1]

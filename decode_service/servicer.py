@@ -1,36 +1,36 @@
 """`DecodeServicer`: the `pdserve.v1.Decode` service of decode and colocated pods.
 
 Life cycle of one `Generate` stream (request R) with `remote_prefill=true`
-(decode pod), on the pod's event loop unless a thread is named:
+(decode pod), on the pod's event loop; the import itself (engine loop,
+receiver, injector) is a `KVImport` (decode_service/kv_import.py):
 
     RPC ── draining? ──> UNAVAILABLE;  bad ids/lengths/sampling ──> INVALID_ARGUMENT
       v
-    engine_loop.reserve_remote(R)     WAITING_FOR_REMOTE_KV: blocks for context +
-      │  no room ──> RESOURCE_EXHAUSTED  max_tokens held (the router tries another pod)
+    kv.reserve()        WAITING_FOR_REMOTE_KV: blocks for context + max_tokens held
+      │  no room ──> RESOURCE_EXHAUSTED  (the router tries another pod)
       v
-    injector.expect(R); receiver.expect(R) -> landing buffer + ticket
+    kv.open()           injector expects R; landing buffer + ticket
       │  landing pool full ──> RESOURCE_EXHAUSTED (blocks released first)
       v
     yield Reserved{target, block_size, num_reserved_blocks}
       v
-    WAITING_FOR_KV: receiver threads land each layer; the injector thread writes
-      │  it into R's slots while the engine loop keeps stepping the batch
+    kv.wait()           WAITING_FOR_KV: receiver threads land each layer; the
+      │  injector thread writes it into R's slots while the engine keeps stepping
       │  transfer failed ──> ABORTED "<reason>";  deadline ──> DEADLINE_EXCEEDED
       v
-    all layers in + END(first token)  -> injector.forget, receiver.release (landing freed)
-      v
-    engine_loop.commit_remote(R, first)   RUNNING in the batch
+    kv.commit(first)    landing freed, RUNNING in the batch
       v
     yield DecodeTokens(first_index=1..), the last one with finish_reason
 
 With `remote_prefill=false` (colocated pod, or a decode pod asked to compute
 locally): add_request -> WAITING -> RUNNING -> tokens from index 0.
 
-Cancel (client goes away, or `Abort`) in any state: before commit the
-transfer is cancelled at the receiver and the injector forgets R *before*
-the engine frees R's blocks, so no writer can touch blocks that another
-request may get next; after commit the engine aborts R. Landing buffers are
-released in every path.
+Cancel (client goes away, or `Abort`) in any state: before commit
+`kv.free()` cancels the transfer at the receiver and lets the injector forget
+R *before* the engine frees R's blocks, so no writer can touch blocks that
+another request may get next; after commit the engine aborts R. Landing
+buffers are released in every path. `Abort` of an R still importing only
+fails its `kv.wait()` (`KVImport.abort`); R's own coroutine frees it.
 """
 
 from __future__ import annotations
@@ -39,20 +39,19 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import grpc
 
-from decode_service.injector import KVInjector, TransferFailed
+from decode_service.injector import TransferFailed
+from decode_service.kv_import import KVImport, RemoteKV
 from decode_service.messages import tokens_message
-from engine.engine_loop import EngineDead, EngineLoop, RequestAborted, RequestStream
+from engine.engine_loop import EngineLoop
 from engine.metrics import PodMetrics
+from engine.request_stream import EngineDead, RequestAborted, RequestStream
 from engine.sampling_params import SamplingParams
-from kv_transfer.base import KVReceiver
 from kv_transfer.errors import BufferPoolExhausted, reason_code
 from pod.drain import DrainGate
 from pod.errors import pod_errors
-from pod.kv_shape import KVShape
 from pod.load import load_report
 from pod.messages import ModelLimits, check_request
 from proto import pdserve_pb2, pdserve_pb2_grpc
@@ -63,23 +62,10 @@ log = logging.getLogger(__name__)
 # A full landing pool is "no room now", like a full block pool.
 decode_errors = pod_errors.extended(((BufferPoolExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),))
 
-# Past the transfer deadline the receiver's collector fails the transfer
-# itself; this slack only covers its sweep interval before we give up locally.
-_DEADLINE_SLACK_S = 1.0
-
-
-@dataclass(frozen=True, slots=True)
-class RemoteKV:
-    """The decode pod's receive side; None on a colocated pod."""
-
-    receiver: KVReceiver
-    injector: KVInjector
-    kv_shape: KVShape
-    transfer_timeout_s: float
-
 
 class DecodeServicer(pdserve_pb2_grpc.DecodeServicer):
-    """Thin servicer over the engine loop (and, on a decode pod, the KV receiver)."""
+    """Thin servicer over the engine loop (and, on a decode pod, one `KVImport`
+    per remote-prefilled request)."""
 
     def __init__(self, *, role: str, loop: EngineLoop, metrics: PodMetrics, gate: DrainGate,
                  limits: ModelLimits, model: str, generation: int,
@@ -92,8 +78,8 @@ class DecodeServicer(pdserve_pb2_grpc.DecodeServicer):
         self._model = model
         self._generation = generation
         self._remote = remote
-        # R -> the future its Generate awaits while WAITING_FOR_KV (Abort fails it)
-        self._waiting_kv: dict[str, asyncio.Future[int]] = {}
+        # R -> its import, from open until commit or free (Abort fails its wait)
+        self._importing: dict[str, KVImport] = {}
 
     @decode_errors
     async def Generate(self, request: pdserve_pb2.DecodeGenerateRequest,
@@ -163,16 +149,12 @@ class DecodeServicer(pdserve_pb2_grpc.DecodeServicer):
                                ) -> AsyncIterator[pdserve_pb2.DecodeGenerateResponse]:
         remote = self._remote
         assert remote is not None
-        reservation, stream = await self._loop.reserve_remote(rid, prompt, params,
-                                                              output_token_ids=outputs)
-        layout = remote.kv_shape.layout(reservation.num_context_tokens)
-        committed = False
+        kv = KVImport(rid, self._loop, remote)
         outcome = "client"  # how R ends if it never reaches commit
         try:
-            ready = remote.injector.expect(rid, reservation.slot_mapping, layout.num_layers,
-                                           layout.total_bytes)
-            self._waiting_kv[rid] = ready
-            target = remote.receiver.expect(rid, layout, time.time() + remote.transfer_timeout_s)
+            reservation = await kv.reserve(prompt, params, outputs)
+            target = kv.open()
+            self._importing[rid] = kv
             yield pdserve_pb2.DecodeGenerateResponse(reserved=pdserve_pb2.Reserved(
                 target=pdserve_pb2.KVTarget(
                     endpoints=list(target.endpoints), ticket=target.ticket,
@@ -181,32 +163,23 @@ class DecodeServicer(pdserve_pb2_grpc.DecodeServicer):
                 block_size=reservation.block_size,
                 num_reserved_blocks=len(reservation.block_ids)))
             reserved_at = time.monotonic()
-            first_token = await self._await_kv(rid, ready, remote)
+            first_token = await kv.wait()
             # Reserved -> every layer injected and END accepted, as this pod saw it
             self._metrics.kv_transfer_seconds.observe(time.monotonic() - reserved_at)
-            await self._release_transfer(rid, remote)
-            await self._loop.commit_remote(rid, first_token)
-            committed = True
+            stream = await kv.commit(first_token)
             first_token_at = time.monotonic()
             self._metrics.time_to_first_token.observe(first_token_at - arrived)
         except (TransferFailed, RequestAborted, ServiceError) as exc:
             outcome = "abort_rpc" if isinstance(exc, RequestAborted) else "transfer"
             raise self._transfer_error(rid, exc, remote) from None
         finally:
-            self._waiting_kv.pop(rid, None)
-            if not committed:
-                await asyncio.shield(self._free_uncommitted(rid, remote, outcome))
+            if self._importing.get(rid) is kv:
+                del self._importing[rid]
+            if kv.holds_resources:
+                await asyncio.shield(kv.free(outcome))
         async for message in self._stream_tokens(rid, stream, 1 + len(outputs), arrived,
                                                  first_token_at):
             yield message
-
-    async def _await_kv(self, rid: str, ready: asyncio.Future[int], remote: RemoteKV) -> int:
-        try:
-            return await asyncio.wait_for(asyncio.shield(ready),
-                                          remote.transfer_timeout_s + _DEADLINE_SLACK_S)
-        except asyncio.TimeoutError:
-            reason = f"deadline: no KV within the {remote.transfer_timeout_s:g}s transfer timeout"
-            raise TransferFailed(rid, reason) from None
 
     def _transfer_error(self, rid: str, exc: Exception, remote: RemoteKV) -> ServiceError:
         if isinstance(exc, ServiceError):
@@ -226,30 +199,16 @@ class DecodeServicer(pdserve_pb2_grpc.DecodeServicer):
         return ServiceError(grpc.StatusCode.ABORTED,
                             f"KV transfer for request {rid} failed: {exc.reason}")
 
-    async def _release_transfer(self, rid: str, remote: RemoteKV) -> None:
-        """R's KV is in the cache: the injector and the landing buffer are done."""
-        await remote.injector.forget(rid)
-        remote.receiver.release(rid)
-
-    async def _free_uncommitted(self, rid: str, remote: RemoteKV, reason: str) -> None:
-        """Order matters: stop the receiver writing, let the injector finish
-        with R, release the landing buffer, and only then free R's blocks."""
-        remote.receiver.cancel(rid, f"decode request ended before commit ({reason})")
-        await remote.injector.forget(rid)
-        remote.receiver.release(rid)
-        await self._loop.abort(rid, reason)
-
     @decode_errors
     async def Abort(self, request: pdserve_pb2.AbortRequest,
                     context: grpc.aio.ServicerContext) -> pdserve_pb2.AbortResponse:
         rid = request.request_id
         reason = request.reason or "aborted by caller"
-        ready = self._waiting_kv.get(rid)
-        if ready is not None:
+        kv = self._importing.get(rid)
+        if kv is not None:
             # R's blocks may still be written by the injector: let its
-            # Generate coroutine free them in order (see _free_uncommitted).
-            if not ready.done():
-                ready.set_exception(RequestAborted(rid, reason))
+            # Generate coroutine free them in order (see KVImport.free).
+            kv.abort(reason)
             return pdserve_pb2.AbortResponse(found=True)
         found = await self._loop.abort(rid, "abort_rpc")
         return pdserve_pb2.AbortResponse(found=found)

@@ -15,14 +15,17 @@ Threads and who calls what:
 * any thread may read `stats` (an immutable snapshot replaced after every
   step) and call `kv_caches()` (the cache tensors never move after start).
 
-Outputs travel back per request: `add_request` / `reserve_remote` register a
-`RequestStream` (an asyncio queue on the servicer's loop) *before* the
-engine sees the request, so no output can be lost; after each step the loop
-thread pushes each request's outputs with one `call_soon_threadsafe` per
-step. A stream ends with the request's finished output, with
-`RequestAborted` when it is aborted, or with `EngineDead` if `step()` raised
-(the pod then reports NOT_SERVING; there is no recovering a half-stepped
-engine).
+Outputs travel back per request (`engine/request_stream.py`): `add_request`
+/ `reserve_remote` register a `RequestStream` (an asyncio queue on the
+servicer's loop) in the loop thread's `StreamTable` *before* the engine sees
+the request, so no output can be lost; after each step the loop thread
+pushes each request's outputs with one `call_soon_threadsafe` per step. A
+stream ends with the request's finished output, with `RequestAborted` when
+it is aborted, or with `EngineDead` if `step()` raised (the pod then reports
+NOT_SERVING; there is no recovering a half-stepped engine).
+
+Commands (`_Command`, one `fn(engine)` call each) wait in a FIFO
+`_CommandQueue`; the loop thread runs everything queued before each step.
 """
 
 from __future__ import annotations
@@ -32,11 +35,13 @@ import enum
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from engine.metrics import PodMetrics
-from engine.outputs import EngineStats, RemoteReservation, RequestOutput
+from engine.outputs import EngineStats, RemoteReservation
+from engine.request_stream import EngineDead, RequestAborted, RequestStream, StreamTable, post
 
 if TYPE_CHECKING:  # the loop only calls the engine; importing it would load the model code
     from engine.llm_engine import LLMEngine
@@ -67,57 +72,6 @@ _TRANSITIONS: dict[LoopState, frozenset[LoopState]] = {
 }
 
 
-class RequestAborted(Exception):
-    """Raised by a `RequestStream` whose request was aborted; `reason` is the
-    short word the abort was counted under ("client", "deadline", ...)."""
-
-    def __init__(self, request_id: str, reason: str) -> None:
-        super().__init__(f"request {request_id} aborted ({reason})")
-        self.request_id = request_id
-        self.reason = reason
-
-
-class EngineDead(RuntimeError):
-    """The engine loop stopped (its `step()` raised, or the pod shut down)."""
-
-
-class RequestStream:
-    """The outputs of one request, read by one servicer coroutine with
-    `async for`. Created on the servicer's event loop; fed by the loop thread
-    through `call_soon_threadsafe` only."""
-
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
-        self.request_id = request_id
-        self._loop = loop
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self.closed = False  # set by the loop thread once the last item is queued
-        # Set on the event loop when the request is aborted: outputs the engine
-        # produced before the abort and still queued are dropped, so a reader
-        # sees nothing after the abort it (or anyone) awaited.
-        self._aborted: RequestAborted | None = None
-
-    def _push_threadsafe(self, item: RequestOutput | BaseException) -> None:
-        _call_soon(self._loop, self._queue.put_nowait, item)
-
-    def _abort_threadsafe(self, exc: RequestAborted) -> None:
-        def abort() -> None:
-            self._aborted = exc
-            self._queue.put_nowait(exc)  # wakes a reader blocked on get()
-
-        _call_soon(self._loop, abort)
-
-    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        while True:
-            item = await self._queue.get()
-            if self._aborted is not None:
-                raise self._aborted
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-            if item.finished:
-                return
-
-
 class EngineLoop:
     """Owns `engine` (an `engine.llm_engine.LLMEngine`) on one thread; see the
     module docstring for the threading contract. `metrics` gauges are updated
@@ -126,8 +80,8 @@ class EngineLoop:
     def __init__(self, engine: LLMEngine, metrics: PodMetrics) -> None:
         self._engine = engine
         self._metrics = metrics
-        self._commands: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
-        self._streams: dict[str, RequestStream] = {}  # touched by the loop thread only
+        self._commands = _CommandQueue()
+        self._streams = StreamTable()  # touched by the loop thread only
         self._state = LoopState.NEW
         self._state_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -163,7 +117,7 @@ class EngineLoop:
         Called by the pod's main after the gRPC server stopped."""
         if not self._transition(LoopState.STOPPED):
             return
-        self._commands.put(None)  # wake an idle loop
+        self._commands.put(_Wake())  # wake an idle loop
         if self._thread.is_alive():
             self._thread.join(timeout)
 
@@ -174,7 +128,7 @@ class EngineLoop:
         raise its exception) on the caller's event loop. Raises EngineDead
         when the loop is not running (also for a command still queued when
         the loop stops)."""
-        command = _Command(fn, asyncio.get_running_loop())
+        command = _Command.new(fn)
         with self._state_lock:  # see _fail_all: nothing is queued after the drain
             if self._state is not LoopState.RUNNING:
                 raise EngineDead(f"engine loop is {self._state.value}")
@@ -196,9 +150,7 @@ class EngineLoop:
         stream = RequestStream(request_id, asyncio.get_running_loop())
 
         def add(engine: Any) -> None:
-            if request_id in self._streams:
-                raise ValueError(f"request_id {request_id!r} is already in use on this pod")
-            self._streams[request_id] = stream
+            self._streams.add(stream)
             try:
                 engine.add_request(
                     request_id,
@@ -208,7 +160,7 @@ class EngineLoop:
                     prefill_only=prefill_only,
                 )
             except BaseException:
-                del self._streams[request_id]
+                self._streams.discard(stream)
                 raise
 
         await self.run(add)
@@ -228,17 +180,18 @@ class EngineLoop:
         propagate."""
         stream = RequestStream(request_id, asyncio.get_running_loop())
 
-        def reserve(engine: Any) -> Any:
-            if request_id in self._streams:
-                raise ValueError(f"request_id {request_id!r} is already in use on this pod")
-            reservation = engine.reserve_remote(
-                request_id,
-                list(prompt_token_ids),
-                sampling_params,
-                output_token_ids=list(output_token_ids),
-            )
-            self._streams[request_id] = stream
-            return reservation
+        def reserve(engine: Any) -> RemoteReservation:
+            self._streams.add(stream)
+            try:
+                return engine.reserve_remote(
+                    request_id,
+                    list(prompt_token_ids),
+                    sampling_params,
+                    output_token_ids=list(output_token_ids),
+                )
+            except BaseException:
+                self._streams.discard(stream)
+                raise
 
         reservation = await self.run(reserve)
         return reservation, stream
@@ -253,11 +206,10 @@ class EngineLoop:
         whether the request was known to this loop."""
 
         def abort(engine: Any) -> bool:
-            stream = self._streams.pop(request_id, None)
+            stream = self._streams.pop(request_id)
             engine.abort_request(request_id)
-            if stream is not None and not stream.closed:
-                stream.closed = True
-                stream._abort_threadsafe(RequestAborted(request_id, reason))
+            if stream is not None:
+                stream.abort(RequestAborted(request_id, reason))
             return stream is not None
 
         found = await self.run(abort)
@@ -275,7 +227,9 @@ class EngineLoop:
     def _run(self) -> None:
         try:
             while self._state is LoopState.RUNNING:
-                self._drain_commands(block=not self._engine.has_unfinished_requests())
+                idle = not self._engine.has_unfinished_requests()
+                for command in self._commands.drain(block=idle):
+                    self._execute(command)
                 if self._state is not LoopState.RUNNING:
                     break
                 if self._engine.has_unfinished_requests():
@@ -283,28 +237,13 @@ class EngineLoop:
                     # Stats first: a caller woken by its last output must see
                     # the blocks that output's request released.
                     self._publish_stats()
-                    self._dispatch(outputs)
+                    self._streams.dispatch(outputs)
         except BaseException as exc:  # noqa: BLE001 - the pod must learn its engine died
             log.exception("engine loop died")
             self._transition(LoopState.DEAD)
             self._fail_all(EngineDead(f"engine step failed: {type(exc).__name__}: {exc}"))
             return
         self._fail_all(EngineDead("engine loop stopped"))
-
-    def _drain_commands(self, block: bool) -> None:
-        try:
-            command = self._commands.get(timeout=_IDLE_POLL_S) if block else (
-                self._commands.get_nowait()
-            )
-        except queue.Empty:
-            return
-        while True:
-            if command is not None:
-                self._execute(command)
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return
 
     def _execute(self, command: _Command) -> None:
         try:
@@ -315,30 +254,12 @@ class EngineLoop:
             self._publish_stats()  # the caller may read `stats` right after
             command.resolve(result)
 
-    def _dispatch(self, outputs: Sequence[RequestOutput]) -> None:
-        for output in outputs:
-            stream = self._streams.get(output.request_id)
-            if stream is None:  # aborted between the step's start and now
-                continue
-            if output.finished:
-                del self._streams[output.request_id]
-                stream.closed = True
-            stream._push_threadsafe(output)
-
     def _fail_all(self, exc: BaseException) -> None:
-        for stream in self._streams.values():
-            stream.closed = True
-            stream._push_threadsafe(exc)
-        self._streams.clear()
+        self._streams.end_all(exc)
         # Commands queued before the state changed still owe their callers
         # an answer; `run` queues nothing once the state is not RUNNING.
-        while True:
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            if command is not None:
-                command.reject(EngineDead(f"engine loop is {self._state.value}"))
+        for command in self._commands.drain(block=False):
+            command.reject(EngineDead(f"engine loop is {self._state.value}"))
 
     def _publish_stats(self) -> None:
         stats = self._engine.stats()
@@ -355,30 +276,58 @@ class EngineLoop:
         self._counted_hits = stats.prefix_cache_hits
 
 
+@dataclass(frozen=True, slots=True)
 class _Command:
-    """One queued `fn(engine)` call and the caller's future (on its event loop)."""
+    """One queued `fn(engine)` call and the caller's future (on its event
+    loop); only the command settles its future, from the loop thread."""
 
-    __slots__ = ("fn", "loop", "future")
+    fn: Callable[[Any], Any]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[Any] = field(compare=False)
 
-    def __init__(self, fn: Callable[[Any], Any], loop: asyncio.AbstractEventLoop) -> None:
-        self.fn = fn
-        self.loop = loop
-        self.future: asyncio.Future[Any] = loop.create_future()
+    @classmethod
+    def new(cls, fn: Callable[[Any], Any]) -> _Command:
+        """On the caller's event loop."""
+        loop = asyncio.get_running_loop()
+        return cls(fn, loop, loop.create_future())
 
     def resolve(self, value: Any) -> None:
-        _call_soon(self.loop, _set_result, self.future, value)
+        post(self.loop, _set_result, self.future, value)
 
     def reject(self, exc: BaseException) -> None:
-        _call_soon(self.loop, _set_exception, self.future, exc)
+        post(self.loop, _set_exception, self.future, exc)
 
 
-def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:
-    # A caller whose event loop already closed (its server shut down) is gone;
-    # that must not kill the engine loop thread.
-    try:
-        loop.call_soon_threadsafe(fn, *args)
-    except RuntimeError:
-        log.debug("dropped a result for a closed event loop")
+@dataclass(frozen=True, slots=True)
+class _Wake:
+    """Queued by `stop` so an idle loop sees the new state at once."""
+
+
+class _CommandQueue:
+    """Commands for the loop thread, run in the order they were queued.
+    Any thread puts; only the loop thread drains."""
+
+    def __init__(self) -> None:
+        self._items: queue.SimpleQueue[_Command | _Wake] = queue.SimpleQueue()
+
+    def put(self, item: _Command | _Wake) -> None:
+        self._items.put(item)
+
+    def drain(self, block: bool) -> Iterator[_Command]:
+        """Yield commands until the queue is empty; one queued while an earlier
+        one runs is yielded in the same drain. `block`: wait up to
+        `_IDLE_POLL_S` for the first item (the loop is idle)."""
+        try:
+            item = self._items.get(timeout=_IDLE_POLL_S) if block else self._items.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if isinstance(item, _Command):
+                yield item
+            try:
+                item = self._items.get_nowait()
+            except queue.Empty:
+                return
 
 
 def _set_result(future: asyncio.Future[Any], value: Any) -> None:
@@ -389,5 +338,3 @@ def _set_result(future: asyncio.Future[Any], value: Any) -> None:
 def _set_exception(future: asyncio.Future[Any], exc: BaseException) -> None:
     if not future.cancelled():
         future.set_exception(exc)
-
-

@@ -1,0 +1,210 @@
+"""`KVImport`: one remote-prefilled request's KV import on a decode pod, the
+counterpart of the prefill pod's `KVExport` (prefill_service/kv_export.py).
+
+Three parties hold a piece of request R until its KV is in the cache: the
+engine loop (R's reserved blocks), the receiver (R's landing buffer and
+ticket) and the injector (R's slot mapping, written from the injector
+thread). A `KVImport` takes them in order and gives them back in the one
+order that is safe, so no writer can touch a block after the engine freed it.
+
+Life of one import (R), every method called by R's `Generate` coroutine on
+the pod's event loop unless another caller is named:
+
+    NEW
+     │ reserve()      engine loop: reserve_remote(R); blocks for context +
+     v                max_tokens held, R in WAITING_FOR_REMOTE_KV
+    RESERVING ─ CapacityError / ValueError ─> (nothing held; the error propagates)
+     v
+    RESERVED
+     │ open()         injector.expect(R) (before any ticket exists, so no layer
+     v                arrives unannounced), then receiver.expect(R) -> landing
+    OPEN              buffer + ticket: the target sent to the prefill pod
+     │ wait()         receiver I/O threads land each layer; the injector thread
+     │                writes it into R's slots while the engine keeps stepping;
+     │                a lost sender restarts the layers (injector.on_restart)
+     │   transfer failed -> TransferFailed(reason); no KV by the deadline ->
+     │   TransferFailed("deadline: ..."); abort() (the Abort RPC, same event
+     │   loop) -> RequestAborted -- R stays OPEN until free()
+     v
+    INJECTED          every layer in the cache and END accepted: first token known
+     │ commit()       injector.forget(R), receiver.release(R) (landing freed),
+     v                then engine loop: commit_remote(R, first token)
+    COMMITTED         R runs in the batch; the engine alone owns it from here
+
+    RESERVED / OPEN / INJECTED ── free(reason) ──> FREED
+        (cancel, Abort, failure, deadline, a commit that raised): the receiver
+        stops writing (cancel), the injector lets go of R (forget returns once
+        its thread never touches R again), the landing buffer is released, and
+        only then the engine aborts R and frees its blocks.
+
+Who sets what: the injector owns the future that says R's KV is in (set on
+its thread via `call_soon_threadsafe`); this class owns the future `abort`
+sets; the caller never sets either.
+
+Known issue (kept as it was): a `Generate` cancelled while its reserve
+command is still queued leaves R in RESERVING; the command may still reserve
+blocks on the loop thread afterwards and nothing frees them. `free` is the
+place to fix it (abort R once the queued command ran, and only if it reserved:
+a command that failed on a duplicate id must not abort the other request).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from decode_service.injector import KVInjector, TransferFailed
+from engine.engine_loop import EngineLoop
+from engine.outputs import RemoteReservation
+from engine.request_stream import RequestAborted, RequestStream
+from engine.sampling_params import SamplingParams
+from kv_transfer.base import KVReceiver, TransferTarget
+from pod.kv_shape import KVShape
+
+# Past the transfer deadline the receiver's collector fails the transfer
+# itself; this slack only covers its sweep interval before we give up locally.
+_DEADLINE_SLACK_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteKV:
+    """The decode pod's receive side; None on a colocated pod."""
+
+    receiver: KVReceiver
+    injector: KVInjector
+    kv_shape: KVShape
+    transfer_timeout_s: float
+
+
+class ImportState(enum.Enum):
+    NEW = "new"
+    RESERVING = "reserving"
+    RESERVED = "reserved"
+    OPEN = "open"
+    INJECTED = "injected"
+    COMMITTED = "committed"
+    FREED = "freed"
+
+
+_IMPORT_TRANSITIONS = {
+    ImportState.NEW: frozenset({ImportState.RESERVING}),
+    ImportState.RESERVING: frozenset({ImportState.RESERVED}),
+    ImportState.RESERVED: frozenset({ImportState.OPEN, ImportState.FREED}),
+    ImportState.OPEN: frozenset({ImportState.INJECTED, ImportState.FREED}),
+    ImportState.INJECTED: frozenset({ImportState.COMMITTED, ImportState.FREED}),
+    ImportState.COMMITTED: frozenset(),
+    ImportState.FREED: frozenset(),
+}
+
+# What `free` must give back: blocks, and maybe an injector entry and a landing buffer.
+_HOLDING = (ImportState.RESERVED, ImportState.OPEN, ImportState.INJECTED)
+
+
+class KVImport:
+    """One request's import; see the module docstring for the life cycle."""
+
+    def __init__(self, request_id: str, loop: EngineLoop, remote: RemoteKV) -> None:
+        self.request_id = request_id
+        self._loop = loop
+        self._remote = remote
+        self._state = ImportState.NEW
+        self._reservation: RemoteReservation | None = None
+        self._stream: RequestStream | None = None
+        self._ready: asyncio.Future[int] | None = None  # the injector's
+        self._aborted: asyncio.Future[RequestAborted] | None = None  # ours: abort()
+
+    @property
+    def state(self) -> ImportState:
+        return self._state
+
+    @property
+    def holds_resources(self) -> bool:
+        """True while R holds what only `free` gives back (see the known issue)."""
+        return self._state in _HOLDING
+
+    def _to(self, new: ImportState) -> None:
+        if new not in _IMPORT_TRANSITIONS[self._state]:
+            raise RuntimeError(f"import state {self._state.value} -> {new.value} is not allowed")
+        self._state = new
+
+    async def reserve(self, prompt: Sequence[int], params: SamplingParams,
+                      outputs: Sequence[int]) -> RemoteReservation:
+        """Hold R's blocks; CapacityError / ValueError propagate (nothing held)."""
+        self._to(ImportState.RESERVING)
+        self._reservation, self._stream = await self._loop.reserve_remote(
+            self.request_id, prompt, params, output_token_ids=outputs)
+        self._to(ImportState.RESERVED)
+        return self._reservation
+
+    def open(self) -> TransferTarget:
+        """Announce R to the injector, then open its landing buffer; returns the
+        target for the prefill pod. BufferPoolExhausted when the landing pool
+        is full (R is still RESERVED then: `free` it)."""
+        assert self._reservation is not None
+        remote = self._remote
+        layout = remote.kv_shape.layout(self._reservation.num_context_tokens)
+        self._ready = remote.injector.expect(self.request_id, self._reservation.slot_mapping,
+                                             layout.num_layers, layout.total_bytes)
+        self._aborted = asyncio.get_running_loop().create_future()
+        target = remote.receiver.expect(self.request_id, layout,
+                                        time.time() + remote.transfer_timeout_s)
+        self._to(ImportState.OPEN)
+        return target
+
+    async def wait(self) -> int:
+        """R's first token once every layer is in its slots and END was
+        accepted. Raises TransferFailed (the receiver's or the injector's
+        reason, or the deadline) or RequestAborted (`abort` came first)."""
+        if self._state is not ImportState.OPEN:
+            raise RuntimeError(f"wait() in import state {self._state.value}")
+        assert self._ready is not None and self._aborted is not None
+        timeout_s = self._remote.transfer_timeout_s
+        # neither future is cancelled by a timeout or by our caller's cancel
+        await asyncio.wait((self._ready, self._aborted), timeout=timeout_s + _DEADLINE_SLACK_S,
+                           return_when=asyncio.FIRST_COMPLETED)
+        if self._aborted.done():
+            raise self._aborted.result()
+        if not self._ready.done():
+            raise TransferFailed(self.request_id, f"deadline: no KV within the "
+                                                  f"{timeout_s:g}s transfer timeout")
+        first_token_id = self._ready.result()  # raises the injector's TransferFailed
+        self._to(ImportState.INJECTED)
+        return first_token_id
+
+    def abort(self, reason: str) -> None:
+        """The Abort RPC (event loop): fail R's `wait` with RequestAborted,
+        unless its KV is already in. R's own coroutine then `free`s it."""
+        if (self._state is ImportState.OPEN and self._ready is not None
+                and not self._ready.done() and self._aborted is not None
+                and not self._aborted.done()):
+            self._aborted.set_result(RequestAborted(self.request_id, reason))
+
+    async def commit(self, first_token_id: int) -> RequestStream:
+        """R's KV is in the cache: the injector and the landing buffer are done;
+        R joins the batch. Returns the stream its tokens arrive on."""
+        if self._state is not ImportState.INJECTED:
+            raise RuntimeError(f"commit() in import state {self._state.value}")
+        assert self._stream is not None
+        await self._remote.injector.forget(self.request_id)
+        self._remote.receiver.release(self.request_id)
+        await self._loop.commit_remote(self.request_id, first_token_id)
+        self._to(ImportState.COMMITTED)
+        return self._stream
+
+    async def free(self, reason: str) -> None:
+        """R ended before commit (`reason`: "client", "abort_rpc", "transfer"):
+        give everything back in the safe order. Each step is a no-op for what
+        R no longer holds. Callers shield it from cancellation."""
+        if not self.holds_resources:
+            return
+        self._to(ImportState.FREED)
+        remote = self._remote
+        remote.receiver.cancel(self.request_id, f"decode request ended before commit ({reason})")
+        await remote.injector.forget(self.request_id)
+        if self._ready is not None and self._ready.done() and not self._ready.cancelled():
+            self._ready.exception()  # a late verdict nobody waits for any more: seen
+        remote.receiver.release(self.request_id)
+        await self._loop.abort(self.request_id, reason)
