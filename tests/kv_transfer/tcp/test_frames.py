@@ -2,17 +2,15 @@ import pytest
 import xxhash
 
 from kv_transfer.base import KVLayout
+from kv_transfer.checksum import FLAG_XXH3, checksum, data_checksum
 from kv_transfer.errors import Reason, TransferRefused
-from kv_transfer.frames import (
-    FLAG_XXH3,
+from kv_transfer.tcp.frames import (
     HEADER,
     MAX_CONTROL_BYTES,
     FrameHeader,
     FrameKind,
     HeaderError,
-    checksum,
     control_frame,
-    data_checksum,
     decode_begin,
     decode_end,
     decode_header,
