@@ -1,8 +1,7 @@
 import pytest
-import xxhash
 
 from kv_transfer.base import KVLayout
-from kv_transfer.checksum import FLAG_XXH3, checksum, data_checksum
+from kv_transfer.checksum import checksum
 from kv_transfer.errors import Reason, TransferRefused
 from kv_transfer.tcp.frames import (
     HEADER,
@@ -67,9 +66,3 @@ def test_control_frame_checksum():
     assert header.length == 4 and header.checksum == checksum(b"gone")
     assert frame[HEADER.size :] == b"gone"
 
-
-def test_data_checksum_follows_the_flag():
-    payload = bytes(range(256)) * 3
-    assert data_checksum(payload, 0) == checksum(payload) == xxhash.xxh64_intdigest(payload)
-    assert data_checksum(payload, FLAG_XXH3) == xxhash.xxh3_64_intdigest(payload)
-    assert data_checksum(payload, FLAG_XXH3) != data_checksum(payload, 0)
