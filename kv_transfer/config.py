@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kv_transfer.frames import CHECKSUMS, MAX_DATA_BYTES
+from kv_transfer.checksum import CHECKSUMS
+from kv_transfer.wire import MAX_DATA_BYTES
 
 
 def _positive(name: str, value: float, high: float) -> None:

@@ -1,38 +1,38 @@
-"""Per-transfer receiver state: the `Peer` protocol, `Incoming` (one transfer's
-mutable bookkeeping) and `WriteClaim` (one DATA frame's permission to write).
+"""`Incoming`: one transfer on the receiving side, and the steps of its state machine.
 
-Only `ReceiveTable` (receive_table.py) creates and mutates these, under its
-lock; see its docstring for the state machine and the locking rules.
+It owns the transfer's landing buffer, its writes (`LandingWrites`,
+writes.py), its sending attempts (`Attempts`, attempts.py) and its
+`TransferState` (base.py, where the allowed transitions are checked). Only
+`ReceiveTable` (receive_table.py) and `Transfers` (transfers.py) create and
+drive it; every method here is called with the table's lock held, and none
+calls out (listener or peers): the table does that after releasing the lock.
+See receive_table.py for the state machine and the locking rules.
 """
 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
-from typing import Protocol
+import time
 
 import torch
 
-from kv_transfer.base import KVLayout, TransferOutcome, TransferState
+from kv_transfer.attempts import Attempts, Peer
+from kv_transfer.base import KVLayout, TransferState
 from kv_transfer.device import byte_view
 from kv_transfer.landing import LandingBuffer
+from kv_transfer.tombstones import Tombstone
+from kv_transfer.writes import LandingWrites
 
-
-class Peer(Protocol):
-    """A sender-facing stream (TCP connection, gRPC call): the back channel."""
-
-    def notify(self, request_id: str, outcome: TransferOutcome) -> None:
-        """Tell the sender this transfer's outcome; must not block for long."""
+_RECEIVING = (TransferState.STARTED, TransferState.ENDING)
 
 
 class Incoming:
-    """Mutable state of one transfer; fields guarded by ReceiveTable._lock."""
+    """One transfer's state; guarded by the table's lock (`deliver_lock` aside)."""
 
     __slots__ = (
-        "request_id", "layout", "deadline", "buffer", "bytes", "state", "reason", "rows",
-        "layer_rows", "next_layer", "writers", "delivered_any", "released", "peers",
-        "end_peer", "first_token_id", "end_total", "finished_at", "deliver_lock",
-        "attempt", "epoch", "retired", "stale_peers", "inflight",
+        "request_id", "layout", "deadline", "buffer", "writes", "attempts", "state",
+        "reason", "next_layer", "delivered_any", "released", "end_peer",
+        "first_token_id", "end_total", "finished_at", "deliver_lock",
     )  # fmt: skip
 
     def __init__(self, request_id: str, layout: KVLayout, deadline: float,
@@ -40,39 +40,20 @@ class Incoming:
         self.request_id = request_id
         self.layout = layout
         self.deadline = deadline
-        self.buffer: LandingBuffer | None = buffer
-        self.bytes = byte_view(buffer.data)
+        self.buffer: LandingBuffer | None = buffer  # None once back in the pool
+        self.writes = LandingWrites(layout, byte_view(buffer.data))
+        self.attempts = Attempts()
         self.state = TransferState.EXPECTED
-        self.reason = ""
-        self.rows = bytearray(layout.num_layers * layout.rows_per_layer)  # 1 = claimed
-        self.layer_rows = [0] * layout.num_layers  # committed rows per layer
+        self.reason = ""  # why it failed ("" unless FAILED)
         self.next_layer = 0  # next layer to deliver
-        self.writers = 0
         self.delivered_any = False
-        self.released = False
-        self.peers: list[Peer] = []
-        self.end_peer: Peer | None = None
+        self.released = False  # the consumer said it is done with the views
+        self.end_peer: Peer | None = None  # the stream that carried END: gets the verdict
         self.first_token_id = 0
         self.end_total = 0
         self.finished_at = 0.0
+        # serialises listener calls for this transfer (see receive_table.py)
         self.deliver_lock = threading.RLock()
-        self.attempt = b""  # the current attempt's id (from its BEGIN)
-        self.epoch = 0  # bumped per dropped attempt: a claim's epoch tells stale commits
-        self.retired: set[bytes] = set()  # ids of dropped attempts: their BEGINs are stale
-        self.stale_peers: list[Peer] = []  # streams of dropped attempts
-        self.inflight: dict[int, WriteClaim] = {}  # id(claim) -> claim being written
-
-    def reset_progress(self) -> None:
-        """Caller holds ReceiveTable._lock. Drop the current attempt's rows; rows a
-        dropped writer is still writing stay busy (2) until its commit."""
-        self.epoch += 1
-        self.rows = bytearray(len(self.rows))
-        for c in self.inflight.values():
-            self.rows[c.first : c.first + c.num_rows] = b"\x02" * c.num_rows
-        self.layer_rows = [0] * self.layout.num_layers
-        self.next_layer = 0
-        self.end_peer = None
-        self.end_total = 0
 
     def layer_view(self, layer: int) -> torch.Tensor:
         assert self.buffer is not None
@@ -80,16 +61,107 @@ class Incoming:
         flat = self.buffer.data[layer * bpl : (layer + 1) * bpl]
         return flat.view(self.layout.torch_dtype).view(self.layout.layer_shape)
 
+    def tombstone(self) -> Tombstone:
+        """How it ended (for frames still in flight once it is gone)."""
+        return Tombstone.of(self.reason, self.attempts.current)
 
-@dataclass(frozen=True, slots=True)
-class WriteClaim:
-    """Permission to write `view` (the landing bytes of one DATA frame). The
-    transport writes the payload into `view`, then calls `ReceiveTable.commit`."""
+    # ---------------------------------------------------------------- attempts
 
-    request_id: str
-    layer: int
-    num_rows: int
-    view: memoryview
-    _transfer: Incoming
-    first: int = 0  # first row index (layer * rows_per_layer + row)
-    epoch: int = 0  # the attempt it was granted to
+    def superseded_by(self, attempt: bytes) -> bool:
+        """A BEGIN of `attempt` must first drop the attempt that is running."""
+        return self.state in _RECEIVING and attempt != self.attempts.current
+
+    def start_attempt(self, attempt: bytes, peer: Peer) -> None:
+        """BEGIN of `attempt` on `peer`: EXPECTED/SENDER_LOST -> STARTED with it as
+        the current attempt; on a running attempt, `peer` joins it."""
+        if self.state in (TransferState.EXPECTED, TransferState.SENDER_LOST):
+            self.state = self.state.to(TransferState.STARTED)
+            self.attempts.start(attempt)
+        self.attempts.join(peer)
+
+    def runs_attempt(self, epoch: int) -> bool:
+        """Attempt `epoch` is the current one and still receiving."""
+        return self.attempts.epoch == epoch and self.state in _RECEIVING
+
+    def drop_attempt(self) -> list[Peer]:
+        """The current attempt's sender is lost: -> SENDER_LOST, its progress is
+        reset (buffer, ticket and deadline stay); returns its streams."""
+        self.state = self.state.to(TransferState.SENDER_LOST)
+        stale = self.attempts.drop()
+        self.writes.reset()
+        self.next_layer = 0
+        self.end_peer = None
+        self.end_total = 0
+        return stale
+
+    # ---------------------------------------------------------------- progress
+
+    def end(self, peer: Peer, first_token_id: int, total_bytes: int) -> bool:
+        """END on `peer`: STARTED -> ENDING; False if it is not STARTED (a second END)."""
+        if self.state is not TransferState.STARTED:
+            return False
+        self.state = self.state.to(TransferState.ENDING)
+        self.end_peer = peer
+        self.first_token_id = first_token_id
+        self.end_total = total_bytes
+        return True
+
+    def take_ready_layer(self) -> int | None:
+        """The next layer to deliver, if all its rows landed (layers go in order)."""
+        layer = self.next_layer
+        if (
+            layer >= self.layout.num_layers
+            or self.writes.layer_rows[layer] != self.layout.rows_per_layer
+        ):
+            return None
+        self.next_layer += 1
+        self.delivered_any = True
+        return layer
+
+    def complete(self) -> bool:
+        """ENDING with every layer delivered -> COMPLETE; False otherwise."""
+        if self.state is not TransferState.ENDING or self.next_layer < self.layout.num_layers:
+            return False
+        self.state = self.state.to(TransferState.COMPLETE)
+        self.finished_at = time.time()
+        return True
+
+    def fail(self, reason: str) -> bool:
+        """-> FAILED with `reason`; False if it already ended."""
+        if self.state.terminal:
+            return False
+        self.state = self.state.to(TransferState.FAILED)
+        self.reason = reason
+        self.finished_at = time.time()
+        return True
+
+    def expired(self, now: float) -> bool:
+        return not self.state.terminal and now > self.deadline
+
+    # ---------------------------------------------------------------- the buffer
+
+    def release(self) -> bool:
+        """The consumer is done with the views; True if the transfer was still running."""
+        self.released = True
+        return not self.state.terminal
+
+    def take_buffer(self, now: float, claim_grace_s: float) -> tuple[LandingBuffer, bool] | None:
+        """-> RELEASED, handing back the buffer, once it ended, no writer is inside,
+        and the consumer released it (or nothing was ever handed out, or
+        `claim_grace_s` passed since the end). None while it must stay. The bool
+        says it was freed unclaimed (the consumer never said it was done)."""
+        if self.buffer is None or self.writes.writers or not self.state.terminal:
+            return None
+        grace_over = now > self.finished_at + claim_grace_s
+        if self.state is TransferState.COMPLETE:
+            free = self.released or grace_over
+        else:
+            free = self.released or not self.delivered_any or grace_over
+        if not free:
+            return None
+        unclaimed = not self.released and (
+            self.state is TransferState.COMPLETE or self.delivered_any
+        )
+        buffer, self.buffer = self.buffer, None
+        self.state = self.state.to(TransferState.RELEASED)
+        return buffer, unclaimed

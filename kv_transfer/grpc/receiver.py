@@ -1,10 +1,10 @@
-"""gRPC receiver: the table + collector behind a `KVTransfer` servicer.
+"""gRPC receiver: the table + sweeper behind a `KVTransfer` servicer.
 
 Two ways to host it: `start()` runs its own `grpc.server` on `config.port`
 (the kv port; `serve(config, listener)` does that in one call), or
 `add_to_server(server, endpoint)` puts the servicer on a server the decode pod
 already runs (create it with `SERVER_OPTIONS` and enough threads) and
-`start()` then only starts the collector.
+`start()` then only starts the sweeper.
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ from kv_transfer.base import (
     split_endpoint,
 )
 from kv_transfer.config import ReceiverConfig
+from kv_transfer.connector_receiver import ConnectorReceiver
 from kv_transfer.grpc.servicer import SERVER_OPTIONS, KVTransferServicer
-from kv_transfer.table_receiver import TableReceiver
 
 DEFAULT_SERVER_THREADS = 64  # one per open stream: N streams x transfers in flight
 
 
-class GrpcKVReceiver(TableReceiver):
+class GrpcKVReceiver(ConnectorReceiver):
     def __init__(self, config: ReceiverConfig, listener: KVReceiveListener,
                  server_threads: int = DEFAULT_SERVER_THREADS) -> None:  # fmt: skip
         if not 1 <= server_threads <= 4096:
@@ -52,10 +52,10 @@ class GrpcKVReceiver(TableReceiver):
             server.start()
             self._server = server
             self._endpoints = (f"{self.config.advertise_host or self.config.host}:{port}",)
-        self._collector.start()
+        self.sweeper.start()
 
     def close(self) -> None:
-        self._collector.stop()
+        self.sweeper.stop()
         if self._server is not None:
             self._server.stop(grace=0).wait(10)
         self.table.close()

@@ -27,14 +27,15 @@ import grpc
 import torch
 
 from kv_transfer.base import KVLayout, KVSender, TransferOutcome, TransferTarget, check_request_id
+from kv_transfer.checksum import FLAG_XXH3, checksum, data_checksum
 from kv_transfer.config import SenderConfig
 from kv_transfer.device import HostCopy, HostStager, byte_view
 from kv_transfer.errors import Reason, make_reason
-from kv_transfer.frames import FLAG_XXH3, MAX_DATA_BYTES, VERSION, checksum, data_checksum
-from kv_transfer.gc import Collector
 from kv_transfer.grpc.codec import encode_data_frame
 from kv_transfer.grpc.servicer import SERVICE
 from kv_transfer.outgoing import Outgoing, Piece, plan_pieces
+from kv_transfer.sweeper import Sweeper
+from kv_transfer.wire import MAX_DATA_BYTES, VERSION
 from proto import pdserve_pb2
 
 _KIND = pdserve_pb2.FrameKind
@@ -102,8 +103,8 @@ class GrpcKVSender(KVSender):
         self._transfers: dict[str, _Transfer] = {}
         self._finished: OrderedDict[str, _Transfer] = OrderedDict()
         self._closed = False
-        self._collector = Collector(self._sweep, self.config.sweep_interval_s, "kv-grpc-send-gc")
-        self._collector.start()
+        self._sweeper = Sweeper(self._sweep, self.config.sweep_interval_s, "kv-grpc-send-gc")
+        self._sweeper.start()
 
     def begin(self, request_id: str, target: TransferTarget, layout: KVLayout) -> None:
         check_request_id(request_id)
@@ -168,7 +169,7 @@ class GrpcKVSender(KVSender):
             channels = [c for pool in self._channels.values() for c in pool]
         for t in transfers:
             self._fail(t, make_reason(Reason.CLOSED), abort_payload="sender closed")
-        self._collector.stop()
+        self._sweeper.stop()
         for channel in channels:
             channel.close()
 

@@ -33,16 +33,11 @@ import time
 import grpc
 
 from kv_transfer.base import KVLayout, TransferOutcome
+from kv_transfer.checksum import checksum, data_checksum
 from kv_transfer.errors import Reason, TransferRefused, make_reason, reason_code
-from kv_transfer.frames import (
-    MAX_ATTEMPT_BYTES,
-    MAX_DATA_BYTES,
-    VERSION,
-    checksum,
-    data_checksum,
-)
 from kv_transfer.grpc.codec import Malformed, WireFrame, decode_frame
 from kv_transfer.receive_table import ReceiveTable
+from kv_transfer.wire import MAX_ATTEMPT_BYTES, MAX_DATA_BYTES, VERSION
 from proto import pdserve_pb2, pdserve_pb2_grpc
 
 # options a server hosting the servicer needs (DATA frames exceed gRPC's 4 MiB default)

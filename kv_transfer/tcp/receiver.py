@@ -9,8 +9,8 @@ per connection) and its payload skipped, so the connection stays in sync and
 other transfers on it continue; an untrustworthy header closes the connection
 and fails the transfers it carried.
 
-Threads: the accept thread, one per connection, and the collector. The
-listener is called from connection threads and the collector.
+Threads: the accept thread, one per connection, and the sweeper. The
+listener is called from connection threads and the sweeper.
 """
 
 from __future__ import annotations
@@ -25,23 +25,22 @@ from kv_transfer.base import (
     KVReceiveListener,
     TransferOutcome,
 )
+from kv_transfer.checksum import checksum, data_checksum
 from kv_transfer.config import ReceiverConfig
+from kv_transfer.connector_receiver import ConnectorReceiver
 from kv_transfer.errors import Reason, TransferRefused, make_reason
-from kv_transfer.frames import (
+from kv_transfer.receive_table import ReceiveTable
+from kv_transfer.tcp.frames import (
     FLAG_OK,
     MAX_CONTROL_BYTES,
     FrameHeader,
     FrameKind,
     HeaderError,
-    checksum,
     control_frame,
-    data_checksum,
     decode_begin,
     decode_end,
 )
-from kv_transfer.receive_table import ReceiveTable
-from kv_transfer.table_receiver import TableReceiver
-from kv_transfer.tcp.wire import (
+from kv_transfer.tcp.socket_io import (
     PeerClosed,
     close_quietly,
     new_header_buffer,
@@ -80,7 +79,7 @@ class _Connection:
             if self.closed:
                 return
             try:
-                # never block a receiver thread (or the collector) on a sender that does
+                # never block a receiver thread (or the sweeper) on a sender that does
                 # not read its back channel: no room for a small frame means it is broken
                 if not self._writable():
                     raise BlockingIOError("sender is not reading STATUS frames")
@@ -167,7 +166,7 @@ class _Connection:
             Reason.BAD_CHECKSUM, f"layer {header.layer} offset {header.offset}"))  # fmt: skip
 
 
-class TcpKVReceiver(TableReceiver):
+class TcpKVReceiver(ConnectorReceiver):
     """Decode pod's TCP endpoint. `expect`/`release`/`cancel`/`stats` from any thread."""
 
     def __init__(self, config: ReceiverConfig, listener: KVReceiveListener) -> None:
@@ -187,7 +186,7 @@ class TcpKVReceiver(TableReceiver):
         accept = threading.Thread(target=self._accept_loop, name="kv-tcp-accept", daemon=True)
         accept.start()
         self._threads.append(accept)
-        self._collector.start()
+        self.sweeper.start()
 
     def _accept_loop(self) -> None:
         assert self._server is not None
@@ -220,7 +219,7 @@ class TcpKVReceiver(TableReceiver):
 
     def close(self) -> None:
         self._stop.set()
-        self._collector.stop()
+        self.sweeper.stop()
         if self._server is not None:
             self._server.close()
         with self._lock:

@@ -24,9 +24,9 @@ from kv_transfer.base import KVLayout, KVSender, TransferOutcome, TransferTarget
 from kv_transfer.config import SenderConfig
 from kv_transfer.device import HostStager
 from kv_transfer.errors import Reason, make_reason
-from kv_transfer.frames import FrameKind, encode_begin, encode_end
-from kv_transfer.gc import Collector
 from kv_transfer.outgoing import Outgoing, plan_pieces
+from kv_transfer.sweeper import Sweeper
+from kv_transfer.tcp.frames import FrameKind, encode_begin, encode_end
 from kv_transfer.tcp.stream import Stream, WorkItem
 
 _FINISHED_KEPT = 4096
@@ -43,8 +43,8 @@ class TcpKVSender(KVSender):
         # see the outcome instead of an unknown id (bounded, oldest dropped)
         self._finished: OrderedDict[str, tuple[Outgoing, list[Stream]]] = OrderedDict()
         self._closed = False
-        self._collector = Collector(self._sweep, self.config.sweep_interval_s, "kv-tcp-send-gc")
-        self._collector.start()
+        self._sweeper = Sweeper(self._sweep, self.config.sweep_interval_s, "kv-tcp-send-gc")
+        self._sweeper.start()
 
     def begin(self, request_id: str, target: TransferTarget, layout: KVLayout) -> None:
         check_request_id(request_id)
@@ -102,7 +102,7 @@ class TcpKVSender(KVSender):
             pools = [s for pool in self._pools.values() for s in pool]
         for t in transfers:
             self._resolve(t, TransferOutcome.failed(make_reason(Reason.CLOSED)))
-        self._collector.stop()
+        self._sweeper.stop()
         for stream in pools:
             stream.close()
 

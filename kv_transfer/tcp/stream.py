@@ -19,21 +19,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kv_transfer.base import split_endpoint
+from kv_transfer.checksum import FLAG_XXH3, checksum, data_checksum
 from kv_transfer.config import SenderConfig
 from kv_transfer.device import HostCopy, byte_view
 from kv_transfer.errors import Reason, make_reason
-from kv_transfer.frames import (
-    FLAG_OK,
-    FLAG_XXH3,
-    FrameHeader,
-    FrameKind,
-    HeaderError,
-    checksum,
-    control_frame,
-    data_checksum,
-)
 from kv_transfer.outgoing import Outgoing, Piece
-from kv_transfer.tcp.wire import (
+from kv_transfer.tcp.frames import FLAG_OK, FrameHeader, FrameKind, HeaderError, control_frame
+from kv_transfer.tcp.socket_io import (
     PeerClosed,
     close_quietly,
     new_header_buffer,

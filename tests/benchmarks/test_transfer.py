@@ -42,7 +42,7 @@ def test_transfer_benchmark_prints_every_path(capsys):
 def test_transfer_benchmark_no_checksum_diagnostic_leaves_checksums_on_after(capsys):
     import kv_transfer.tcp.receiver as receiver
     import kv_transfer.tcp.stream as stream
-    from kv_transfer.frames import data_checksum
+    from kv_transfer.checksum import data_checksum
 
     args = _args(transfer, ["--requests", "1", "--layers", "2", "--tokens", "64",
                             "--streams", "2", "--repeats", "1",

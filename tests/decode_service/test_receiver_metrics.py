@@ -10,8 +10,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from decode_service.receiver_metrics import ReceiverCollector
 from kv_transfer.base import KVLayout
 from kv_transfer.config import ReceiverConfig
-from kv_transfer.frames import FrameKind, control_frame, encode_begin
 from kv_transfer.tcp import TcpKVReceiver
+from kv_transfer.tcp.frames import FrameKind, control_frame, encode_begin
 from tests.kv_transfer.helpers import RecordingListener, wait_until
 from tests.kv_transfer.tcp.raw import RawClient, data_frame
 

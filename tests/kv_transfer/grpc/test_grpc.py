@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from kv_transfer.base import KVLayout
+from kv_transfer.checksum import checksum
 from kv_transfer.config import ReceiverConfig, SenderConfig
 from kv_transfer.errors import reason_code
-from kv_transfer.frames import VERSION, checksum
 from kv_transfer.grpc import SERVER_OPTIONS, GrpcKVReceiver, GrpcKVSender
+from kv_transfer.wire import VERSION
 from proto import pdserve_pb2, pdserve_pb2_grpc
 from tests.kv_transfer.helpers import (
     RecordingListener,

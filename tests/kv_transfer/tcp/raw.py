@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import socket
 
-from kv_transfer.frames import FLAG_OK, HEADER, FrameHeader, FrameKind, checksum, decode_header
+from kv_transfer.checksum import checksum
+from kv_transfer.tcp.frames import FLAG_OK, HEADER, FrameHeader, FrameKind, decode_header
 
 
 class RawClient:

@@ -8,18 +8,11 @@ import pytest
 import torch
 
 from kv_transfer.base import KVLayout
+from kv_transfer.checksum import FLAG_XXH3, checksum
 from kv_transfer.config import ReceiverConfig, SenderConfig
 from kv_transfer.errors import reason_code
-from kv_transfer.frames import (
-    FLAG_XXH3,
-    FrameHeader,
-    FrameKind,
-    checksum,
-    control_frame,
-    encode_begin,
-    encode_end,
-)
 from kv_transfer.tcp import TcpKVReceiver, TcpKVSender
+from kv_transfer.tcp.frames import FrameHeader, FrameKind, control_frame, encode_begin, encode_end
 from tests.kv_transfer.helpers import (
     RecordingListener,
     random_kv,

@@ -12,7 +12,8 @@ import torch
 
 from kv_transfer.base import KVLayout
 from kv_transfer.config import ReceiverConfig, SenderConfig
-from kv_transfer.frames import (
+from kv_transfer.tcp import TcpKVReceiver, TcpKVSender
+from kv_transfer.tcp.frames import (
     HEADER,
     FrameHeader,
     FrameKind,
@@ -20,7 +21,6 @@ from kv_transfer.frames import (
     encode_begin,
     encode_end,
 )
-from kv_transfer.tcp import TcpKVReceiver, TcpKVSender
 from tests.kv_transfer.helpers import (
     RecordingListener,
     random_kv,

@@ -16,8 +16,8 @@ import torch
 
 from kv_transfer.base import KVLayout
 from kv_transfer.config import ReceiverConfig, SenderConfig
-from kv_transfer.frames import HEADER, FrameKind, control_frame, encode_begin, encode_end
 from kv_transfer.tcp import TcpKVReceiver, TcpKVSender
+from kv_transfer.tcp.frames import HEADER, FrameKind, control_frame, encode_begin, encode_end
 from tests.kv_transfer.helpers import (
     KILLABLE_LAYOUT,
     RecordingListener,

@@ -1,8 +1,10 @@
-"""The collector: a daemon thread that sweeps transfer tables on a fixed period.
+"""The sweeper: a daemon thread that sweeps transfer tables on a fixed period (the
+"garbage collector" of DESIGN.md; named apart from the stdlib `gc` and from
+Prometheus's `Collector`).
 
 Receivers use it to fail transfers past their deadline and to free landing
 buffers nobody released within the claim grace period; senders use it to fail
-outcomes whose verdict never came. The sweep function runs on the collector's
+outcomes whose verdict never came. The sweep function runs on the sweeper's
 own thread; it must not block on the network.
 """
 
@@ -16,7 +18,7 @@ from collections.abc import Callable
 log = logging.getLogger(__name__)
 
 
-class Collector:
+class Sweeper:
     def __init__(self, sweep: Callable[[float], None], interval_s: float, name: str) -> None:
         if not 0 < interval_s <= 60:
             raise ValueError(f"collector interval must be in (0, 60] seconds, got {interval_s}")

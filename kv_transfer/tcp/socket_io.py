@@ -15,7 +15,7 @@ import socket
 import struct
 import threading
 
-from kv_transfer.frames import HEADER, FrameHeader, decode_header
+from kv_transfer.tcp.frames import HEADER, FrameHeader, decode_header
 
 
 def set_io_timeout(sock: socket.socket, seconds: float) -> None:

@@ -1,11 +1,12 @@
-"""`TableReceiver`: what every connector's receiver shares.
+"""`ConnectorReceiver`: what every connector's receiver shares.
 
 A connector's receiver is a landing-buffer pool, a `ReceiveTable` (the
-per-transfer state machine both connectors drive) and a collector thread
+per-transfer state machine both connectors drive) and a sweeper thread
 sweeping that table; the connectors differ only in how frames reach the
 table (TCP sockets, gRPC `Push` streams). This base builds the shared parts
 and implements the `KVReceiver` methods that merely delegate to the table;
-subclasses implement `start()` (binding `_endpoints`) and `close()`.
+subclasses implement `start()` (binding `_endpoints`, then starting
+`sweeper`) and `close()` (stopping `sweeper`, then closing the table).
 """
 
 from __future__ import annotations
@@ -18,13 +19,13 @@ from kv_transfer.base import (
     TransferTarget,
 )
 from kv_transfer.config import ReceiverConfig
-from kv_transfer.gc import Collector
 from kv_transfer.landing import LandingBufferPool
 from kv_transfer.receive_table import ReceiveTable
+from kv_transfer.sweeper import Sweeper
 from kv_transfer.tickets import TicketAuthority
 
 
-class TableReceiver(KVReceiver):
+class ConnectorReceiver(KVReceiver):
     """`expect`/`release`/`cancel`/`stats` may be called from any thread."""
 
     def __init__(self, config: ReceiverConfig, listener: KVReceiveListener,
@@ -38,8 +39,8 @@ class TableReceiver(KVReceiver):
         )  # fmt: skip
         # Set by the subclass once it is reachable; `expect` refuses before.
         self._endpoints: tuple[str, ...] = ()
-        self._collector = Collector(self.table.sweep, config.sweep_interval_s,
-                                    f"kv-{transport}-gc")  # fmt: skip
+        self.sweeper = Sweeper(self.table.sweep, config.sweep_interval_s,
+                               f"kv-{transport}-gc")  # fmt: skip
 
     @property
     def generation(self) -> int:

@@ -1,4 +1,4 @@
-"""The TCP connector's wire format (version 1): a fixed header, then the payload.
+"""The TCP connector's frame format (version 1): a fixed header, then the payload.
 
 Header, little-endian, 104 bytes (`HEADER.size`):
 
@@ -39,21 +39,15 @@ import enum
 import struct
 from dataclasses import dataclass
 
-import xxhash
-
 from kv_transfer.base import DTYPE_CODES, MAX_REQUEST_ID_BYTES, MAX_TICKET_BYTES, KVLayout
+from kv_transfer.checksum import checksum
 from kv_transfer.errors import Reason, TransferRefused
+from kv_transfer.wire import MAX_ATTEMPT_BYTES, MAX_DATA_BYTES, VERSION
 
 MAGIC = b"PDKV"
-VERSION = 1
 HEADER = struct.Struct(f"<4sHBBHHIQQQ{MAX_REQUEST_ID_BYTES}s")
-MAX_DATA_BYTES = 64 << 20  # one DATA frame; senders slice below this
 MAX_CONTROL_BYTES = 4096  # BEGIN, END, ABORT, STATUS payloads
-FLAG_OK = 1
-# DATA only: the checksum is XXH3-64 (about 3x cheaper than XXH64; a sender
-# option, SenderConfig.checksum="xxh3"; receivers verify whichever the flag says)
-FLAG_XXH3 = 2
-CHECKSUMS = ("xxh64", "xxh3")
+FLAG_OK = 1  # STATUS only; DATA's checksum flag is checksum.FLAG_XXH3
 
 _BEGIN = struct.Struct("<IIIIBH")
 _END = struct.Struct("<iQ")
@@ -115,26 +109,11 @@ def decode_header(raw: bytes | memoryview) -> FrameHeader:
     return FrameHeader(kind, request_id, layer, offset, length, checksum, flags)
 
 
-def checksum(payload: bytes | memoryview) -> int:
-    """xxhash64, seed 0 (releases the GIL on large buffers)."""
-    return xxhash.xxh64_intdigest(payload)
-
-
-def data_checksum(payload: bytes | memoryview, flags: int) -> int:
-    """The checksum a DATA frame with `flags` carries."""
-    if flags & FLAG_XXH3:
-        return xxhash.xxh3_64_intdigest(payload)
-    return xxhash.xxh64_intdigest(payload)
-
-
 def control_frame(kind: FrameKind, request_id: str, payload: bytes, flags: int = 0) -> bytes:
     """Header + payload of a small frame, checksummed."""
     header = FrameHeader(kind, request_id, length=len(payload), checksum=checksum(payload),
                          flags=flags)  # fmt: skip
     return header.pack() + payload
-
-
-MAX_ATTEMPT_BYTES = 16
 
 
 def encode_begin(layout: KVLayout, ticket: bytes, attempt: bytes) -> bytes:

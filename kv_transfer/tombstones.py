@@ -1,4 +1,4 @@
-"""What the receive table remembers of transfers it has forgotten.
+"""Tombstones: what the receive table remembers of transfers it has forgotten.
 
 Once a transfer's buffer is freed its entry leaves the table, but frames of it
 may still be in flight on other streams. A bounded memory of recently ended
@@ -18,7 +18,7 @@ from kv_transfer.errors import Reason, TransferRefused, reason_code
 
 
 @dataclass(frozen=True, slots=True)
-class Ended:
+class Tombstone:
     """How a transfer ended: `reason` ("" = complete) and, if complete, the
     attempt id that completed it."""
 
@@ -26,7 +26,7 @@ class Ended:
     completed_by: bytes = b""
 
     @classmethod
-    def of(cls, reason: str, attempt: bytes) -> Ended:
+    def of(cls, reason: str, attempt: bytes) -> Tombstone:
         """How a transfer whose last attempt was `attempt` ended with `reason`."""
         return cls(reason, b"" if reason else attempt)
 
@@ -46,22 +46,22 @@ def ended_refusal(reason: str) -> TransferRefused:
     )
 
 
-class EndedTransfers:
+class Tombstones:
     """The last `kept` ended request ids, oldest forgotten first."""
 
     def __init__(self, kept: int) -> None:
         if kept <= 0:
             raise ValueError(f"kept must be > 0, got {kept}")
         self._kept = kept
-        self._ended: OrderedDict[str, Ended] = OrderedDict()
+        self._ended: OrderedDict[str, Tombstone] = OrderedDict()
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._ended
 
-    def get(self, request_id: str) -> Ended | None:
+    def get(self, request_id: str) -> Tombstone | None:
         return self._ended.get(request_id)
 
-    def remember(self, request_id: str, ended: Ended) -> None:
-        self._ended[request_id] = ended
+    def remember(self, request_id: str, tombstone: Tombstone) -> None:
+        self._ended[request_id] = tombstone
         if len(self._ended) > self._kept:
             self._ended.popitem(last=False)

@@ -1,18 +1,15 @@
 import pytest
-import xxhash
 
 from kv_transfer.base import KVLayout
+from kv_transfer.checksum import checksum
 from kv_transfer.errors import Reason, TransferRefused
-from kv_transfer.frames import (
-    FLAG_XXH3,
+from kv_transfer.tcp.frames import (
     HEADER,
     MAX_CONTROL_BYTES,
     FrameHeader,
     FrameKind,
     HeaderError,
-    checksum,
     control_frame,
-    data_checksum,
     decode_begin,
     decode_end,
     decode_header,
@@ -69,9 +66,3 @@ def test_control_frame_checksum():
     assert header.length == 4 and header.checksum == checksum(b"gone")
     assert frame[HEADER.size :] == b"gone"
 
-
-def test_data_checksum_follows_the_flag():
-    payload = bytes(range(256)) * 3
-    assert data_checksum(payload, 0) == checksum(payload) == xxhash.xxh64_intdigest(payload)
-    assert data_checksum(payload, FLAG_XXH3) == xxhash.xxh3_64_intdigest(payload)
-    assert data_checksum(payload, FLAG_XXH3) != data_checksum(payload, 0)

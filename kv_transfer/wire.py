@@ -1,0 +1,14 @@
+"""What both connectors' wire formats share: the protocol version and limits.
+
+The TCP frame format itself is `kv_transfer/tcp/frames.py`; gRPC carries the
+same frames as `KVFrame` messages (`kv_transfer/grpc/codec.py`). Checksums are
+`kv_transfer/checksum.py`.
+"""
+
+from __future__ import annotations
+
+VERSION = 1  # TCP header version, KVFrame.version; a receiver refuses any other
+MAX_DATA_BYTES = 64 << 20  # one DATA frame's payload; senders slice below this
+# BEGIN's attempt id: the sender's random id of one sending attempt (every stream
+# of the attempt carries the same id, a retry from another pod a new one)
+MAX_ATTEMPT_BYTES = 16
