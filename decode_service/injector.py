@@ -3,7 +3,7 @@ paged cache, layer by layer, while the engine keeps stepping its batch.
 
 Threads:
 
-* receiver I/O threads (and its collector) call the `KVReceiveListener`
+* receiver I/O threads (and its sweeper) call the `KVReceiveListener`
   hooks; each only queues an item, so the receiver never waits on injection;
 * one **injector thread** takes items in order and runs
   `kernels.inject_kv(cache[layer], landing_view, reservation.slot_mapping)`.

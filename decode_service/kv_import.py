@@ -64,7 +64,7 @@ from engine.sampling_params import SamplingParams
 from kv_transfer.base import KVReceiver, TransferTarget
 from pod.kv_shape import KVShape
 
-# Past the transfer deadline the receiver's collector fails the transfer
+# Past the transfer deadline the receiver's sweeper fails the transfer
 # itself; this slack only covers its sweep interval before we give up locally.
 _DEADLINE_SLACK_S = 1.0
 

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from kv_transfer.errors import InvalidTransition
+from proto.address import split_host_port
 
 # dtype name -> (torch dtype, bytes per element); the names are the wire names
 DTYPES: dict[str, tuple[torch.dtype, int]] = {
@@ -168,11 +169,10 @@ class TransferTarget:
 
 
 def split_endpoint(endpoint: str) -> tuple[str, int]:
-    """'host:port' -> (host, port); raises ValueError naming the bad endpoint."""
-    host, sep, port = endpoint.rpartition(":") if isinstance(endpoint, str) else ("", "", "")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"endpoint must be 'host:port' with port 1..65535, got {endpoint!r}")
-    return host.strip("[]"), int(port)
+    """'host:port' -> (host, port) for a socket (an IPv6 literal loses its
+    brackets); raises ValueError naming the bad endpoint."""
+    host, port = split_host_port(endpoint, "endpoint")
+    return host.strip("[]"), port
 
 
 class Verdict(enum.Enum):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 
 
-class Reason(str, enum.Enum):
+class Reason(enum.StrEnum):
     """Why a transfer failed. The value is what travels on the wire and what
     `pdserve_kv_transfer_failures_total{reason}` is labelled with."""
 
