@@ -176,3 +176,10 @@ class RouterServer:
                      self.config.shutdown_grace)
         finally:
             await self.stop()
+            # Drained and closed: from here the process only exits. Closing the
+            # loop would restore the default SIGTERM action, and a second
+            # SIGTERM (an impatient supervisor) during interpreter exit would
+            # then turn a clean shutdown into exit status -15.
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+                signal.signal(sig, signal.SIG_IGN)
