@@ -61,7 +61,8 @@ def paged_decode_attention_cpu(
     if sliding_window is not None:
         visible &= positions[None, :] >= lens[:, None] - sliding_window
     empty = lens == 0
-    if bool(empty.any()):
+    has_empty = bool(empty.any())
+    if has_empty:
         visible[empty, 0] = True  # softmax over nothing is NaN; the row is zeroed below
     query = q.view(batch, num_kv_heads, group, head_dim)
     if keys.dtype != query.dtype:
@@ -69,6 +70,6 @@ def paged_decode_attention_cpu(
     out = F.scaled_dot_product_attention(query, keys, values,
                                          attn_mask=visible[:, None, None, :], scale=scale)
     out = out.reshape(batch, num_q_heads, head_dim)
-    if bool(empty.any()):
+    if has_empty:
         out[empty] = 0
     return out
