@@ -97,8 +97,9 @@ def resolve_dtype(dtype: str, device: str, model_dir: str) -> str:
 
 def default_step_tokens(device: str) -> int:
     """Step token budget when the flag is not given: a GPU step of 2,048 tokens
-    takes tens of ms; on CPU it took ~9 s for the built-in base model, so a
-    512-token chunk (~2 s) bounds how long a prompt can hold decode tokens back."""
+    takes tens of ms; on one CPU core a 1,024-token prompt of the built-in base
+    model took ~2.1 s, so a 512-token chunk (~1 s) bounds how long a prompt can
+    hold decode tokens back (docs/engine.md, Configuration)."""
     return CPU_STEP_TOKENS if device == "cpu" else CUDA_STEP_TOKENS
 
 
