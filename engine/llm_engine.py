@@ -48,7 +48,6 @@ from engine.request import Request, RequestStatus
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from kernels.dispatch import Backend
 
 
 class LLMEngine:
@@ -63,7 +62,6 @@ class LLMEngine:
         self.model, self.model_config = load_model(config.model_dir, dtype=config.dtype,
                                                    device=config.device,
                                                    kernel_backend=config.kernel_backend)
-        self.kernel_backend = Backend.parse(config.kernel_backend)
         self.matmul_backend = resolve_backend(config.matmul_backend, self.model.dtype,
                                               self.model.device)
         prepack(self.model, self.matmul_backend)
