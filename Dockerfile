@@ -14,6 +14,10 @@ COPY decode_service ./decode_service
 COPY router ./router
 COPY proto ./proto
 COPY benchmarks ./benchmarks
+# gcc: pods build their native CPU kernels for the node's own CPU at start
+# (kernels/native); without it they fall back to slower torch paths.
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
 RUN pip install --no-cache-dir ${TORCH_SPEC} && pip install --no-cache-dir . \
     && useradd --uid 1000 --create-home pdserve
 USER 1000

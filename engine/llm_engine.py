@@ -48,6 +48,8 @@ from engine.request import Request, RequestStatus
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from kernels import native
+from kernels.dispatch import Backend
 
 
 class LLMEngine:
@@ -65,6 +67,8 @@ class LLMEngine:
         self.matmul_backend = resolve_backend(config.matmul_backend, self.model.dtype,
                                               self.model.device)
         prepack(self.model, self.matmul_backend)
+        if self.model.device.type == "cpu" and Backend.parse(config.kernel_backend) is Backend.AUTO:
+            native.library()  # build or load the CPU attention now, not in the first step
         mc = self.model_config
         limit = mc.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > limit:

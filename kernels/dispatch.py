@@ -30,7 +30,7 @@ import os
 
 import torch
 
-from kernels import checks, reference
+from kernels import checks, native, reference
 from kernels.cpu_attention import paged_decode_attention_cpu
 
 
@@ -106,6 +106,10 @@ def paged_decode_attention(
             q, kv_cache, block_tables, context_lens, scale=scale, sliding_window=sliding_window
         )
     if Backend.parse(backend) is Backend.AUTO and q.device.type == "cpu":
+        if native.supports(q, kv_cache):
+            return native.paged_decode_attention(
+                q, kv_cache, block_tables, context_lens, scale=scale,
+                sliding_window=sliding_window)
         return paged_decode_attention_cpu(
             q, kv_cache, block_tables, context_lens, scale=scale, sliding_window=sliding_window
         )

@@ -50,10 +50,11 @@ def test_garbage_table_entries_past_the_context_are_never_read():
     assert_close(got, expected)
 
 
-def test_dispatch_auto_on_cpu_takes_this_path_and_torch_the_reference(monkeypatch):
+def test_dispatch_auto_on_cpu_without_native_kernels_takes_this_path(monkeypatch):
     case = make_paged_case(9, [5], dtype=torch.float32, num_kv_heads=1, group=1,
                            head_dim=64, block_size=16)
     called = []
+    monkeypatch.setattr(kernels.dispatch.native, "supports", lambda q, cache: False)
     monkeypatch.setattr(kernels.dispatch, "paged_decode_attention_cpu",
                         lambda *a, **k: called.append("cpu") or case.q)
     monkeypatch.setattr(kernels.dispatch.reference, "paged_decode_attention_reference",

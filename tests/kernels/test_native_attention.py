@@ -1,0 +1,106 @@
+"""kernels/native (the C decode attention of CPU pods) against the torch reference,
+its bounds checks, its build cache, and the dispatch that picks it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels
+from kernels import native, reference
+from tests.kernels.cases import DTYPE_IDS, DTYPES, assert_close, make_paged_case
+
+pytestmark = pytest.mark.skipif(native.library() is None,
+                                reason="no C compiler: native kernels unavailable")
+
+CASES = {
+    # name: (block_size, head_dim, kv_heads, group, context_lens, window)
+    "one_token": (16, 64, 1, 1, [1], None),
+    "many_short": (16, 128, 2, 4, [3, 1, 17, 16, 33, 9, 2, 5], None),
+    "one_long_split_heads": (256, 64, 4, 8, [700], None),
+    "window": (32, 128, 2, 2, [100, 5, 64], 40),
+    "padding_row": (64, 64, 1, 16, [130, 0], None),
+    "wide_group_window": (128, 128, 1, 20, [129, 1], 128),
+    "head_dim_80": (16, 80, 2, 3, [47, 16, 1], None),
+}
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("name", list(CASES))
+def test_matches_reference(name, dtype, threads):
+    block_size, head_dim, kv_heads, group, lens, window = CASES[name]
+    case = make_paged_case(11 * len(lens) + len(name) + threads, lens, dtype=dtype,
+                           num_kv_heads=kv_heads, group=group, head_dim=head_dim,
+                           block_size=block_size)
+    assert native.supports(case.q, case.kv_cache)
+    expected = reference.paged_decode_attention_reference(
+        case.q, case.kv_cache, case.block_tables, case.context_lens,
+        scale=case.scale, sliding_window=window)
+    got = native.paged_decode_attention(case.q, case.kv_cache, case.block_tables,
+                                        case.context_lens, scale=case.scale,
+                                        sliding_window=window, num_threads=threads)
+    assert got.dtype == dtype and got.shape == case.q.shape
+    assert_close(got, expected)
+
+
+def test_rows_of_length_zero_are_zeros_even_with_a_garbage_table_row():
+    case = make_paged_case(3, [0, 20], dtype=torch.float32, num_kv_heads=2, group=2,
+                           head_dim=64, block_size=16)
+    tables = case.block_tables.clone()
+    tables[0, :] = -5  # a zero-length row reads nothing, so its table is never checked
+    got = native.paged_decode_attention(case.q, case.kv_cache, tables, case.context_lens,
+                                        scale=case.scale)
+    assert torch.equal(got[0], torch.zeros_like(got[0]))
+
+
+@pytest.mark.parametrize("bad", ["block_id", "negative_block_id", "context_len"])
+def test_out_of_range_arguments_raise_instead_of_reading_out_of_bounds(bad):
+    case = make_paged_case(4, [20, 40], dtype=torch.float32, num_kv_heads=1, group=2,
+                           head_dim=64, block_size=16)
+    tables, lens = case.block_tables.clone(), case.context_lens.clone()
+    if bad == "block_id":
+        tables[1, 1] = case.kv_cache.shape[1]  # one past the last block, and used
+    elif bad == "negative_block_id":
+        tables[0, 0] = -1
+    else:
+        lens[0] = tables.shape[1] * 16 + 1  # longer than its table can map
+    with pytest.raises(native.NativeKernelError, match="out of range"):
+        native.paged_decode_attention(case.q, case.kv_cache, tables, lens, scale=case.scale)
+
+
+def test_unsupported_inputs_are_declined():
+    case = make_paged_case(6, [5], dtype=torch.float32, num_kv_heads=1, group=1,
+                           head_dim=64, block_size=16)
+    assert not native.supports(case.q.to(torch.bfloat16), case.kv_cache)  # mixed dtypes
+    odd = make_paged_case(6, [5], dtype=torch.float32, num_kv_heads=1, group=1,
+                          head_dim=24, block_size=16)
+    assert not native.supports(odd.q, odd.kv_cache)  # head_dim not a multiple of 16
+
+
+def test_build_is_cached_by_content_and_atomic(tmp_path):
+    first = native.build(tmp_path)
+    assert first.is_file() and first.parent == tmp_path
+    mtime = first.stat().st_mtime_ns
+    assert native.build(tmp_path) == first and first.stat().st_mtime_ns == mtime
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no scratch files left
+
+
+def test_build_without_a_compiler_says_so(tmp_path, monkeypatch):
+    monkeypatch.setattr(native.shutil, "which", lambda name: None)
+    with pytest.raises(RuntimeError, match="no C compiler"):
+        native.build(tmp_path)
+
+
+def test_dispatch_auto_on_cpu_takes_the_native_kernel(monkeypatch):
+    case = make_paged_case(9, [5], dtype=torch.float32, num_kv_heads=1, group=1,
+                           head_dim=64, block_size=16)
+    called = []
+    monkeypatch.setattr(kernels.dispatch.native, "paged_decode_attention",
+                        lambda *a, **k: called.append("native") or case.q)
+    monkeypatch.setattr(kernels.dispatch.reference, "paged_decode_attention_reference",
+                        lambda *a, **k: called.append("reference") or case.q)
+    args = (case.q, case.kv_cache, case.block_tables, case.context_lens)
+    kernels.paged_decode_attention(*args, scale=case.scale)
+    kernels.paged_decode_attention(*args, scale=case.scale, backend="torch")
+    assert called == ["native", "reference"]
