@@ -2,9 +2,10 @@
 
 Every op takes a keyword `backend` (a `Backend` or its name):
 
-- ``auto`` (default): the Triton kernel when the tensors are on CUDA, the
-  torch reference (`kernels.reference`) otherwise, except decode attention,
-  which has a faster torch path for CPU (`kernels.cpu_attention`).
+- ``auto`` (default): the Triton kernel when the tensors are on CUDA; on CPU
+  the native C kernels (`kernels.native`: decode attention, RMSNorm, RoPE)
+  when they built, else the torch reference (`kernels.reference`) or, for
+  decode attention, the faster torch path `kernels.cpu_attention`.
 - ``triton``: always the Triton kernel. On CPU that needs Triton's
   interpreter (``TRITON_INTERPRET=1`` set before Triton is imported); without
   it the call raises RuntimeError saying so.
@@ -232,6 +233,9 @@ def rms_norm(
         from kernels.norm import rms_norm_triton
 
         return rms_norm_triton(x, weight, eps, residual)
+    if (Backend.parse(backend) is Backend.AUTO and x.device.type == "cpu"
+            and native.supports_rms_norm(x, weight, residual)):
+        return native.rms_norm(x, weight, eps, residual)
     return reference.rms_norm_reference(x, weight, eps, residual)
 
 
@@ -254,4 +258,7 @@ def rotary_embedding(
         from kernels.rotary import rotary_embedding_triton
 
         return rotary_embedding_triton(positions, q, k, cos_sin_cache)
+    if (Backend.parse(backend) is Backend.AUTO and q.device.type == "cpu"
+            and native.supports_rotary(positions, q, k, cos_sin_cache)):
+        return native.rotary_embedding(positions, q, k, cos_sin_cache)
     return reference.rotary_embedding_reference(positions, q, k, cos_sin_cache)

@@ -1,130 +1,58 @@
-"""Native CPU kernels: C sources built with the host's C compiler when first used.
+"""Native CPU kernels: C sources built with the host's C compiler at first use.
 
-Why C and not torch ops: a decode step's attention on CPU needs every
-sequence's K/V, which the paged cache keeps in scattered blocks. Through
-torch ops the blocks are first gathered into a contiguous copy, then read
-again by SDPA (`kernels.cpu_attention`); `paged_decode.c` reads each K/V
-row once, in place, and works in the cache's own dtype (bfloat16 and
-float16 included, which torch's CPU SDPA runs slowly or upcasts).
+Why C: at decode batch sizes a CPU step pays for work torch ops cannot
+avoid. Decode attention through torch must first gather each sequence's
+scattered blocks into a contiguous copy, then read it again in SDPA
+(`kernels.cpu_attention`); `paged_decode.c` reads every K/V row once, in
+place, in the cache's own dtype. RMSNorm and RoPE are 8-10 small torch ops
+each, whose dispatch costs more than their arithmetic; `elementwise.c` does
+each in one call. Same contracts as the `kernels.dispatch` ops; `dispatch`
+picks these for CPU tensors under backend ``auto`` when `supports_*` says so.
 
-Build: the first call of `library()` in a process compiles
-`paged_decode.c` with `cc -O3 -march=native` (the pod's own CPU: an image
-built elsewhere still gets code for the node it runs on) into
-`<tmp>/pdserve-native-<uid>/`, named by a hash of the source, the flags, the
-compiler and the CPU, so a rebuilt or moved pod never loads a stale or
-foreign library; later processes load it from there (~0.3 s to build). The
-file appears atomically (written aside, then renamed), so pods starting
-together do not see a half-written library.
+Building (kernels/native/loader.py): ~0.3 s with `cc -O3 -march=native` (the
+CPU the pod runs on), cached by content; no compiler or a failed build means
+`library()` is None, one WARNING, and the torch paths. Nothing here reads the
+environment.
 
-No compiler, a failed build or a library that does not load: `library()`
-returns None once, logs why at WARNING, and callers use the torch path.
-Nothing here reads the environment; the cache directory is a parameter of
-`build()` for tests.
-
-The C function is called through ctypes, which releases the GIL for the
-call, so other Python threads (the pod's gRPC and injector threads) run
-while it computes.
+The C functions are called through ctypes, which releases the GIL for the
+call, so other Python threads (gRPC, the KV injector) run meanwhile.
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
-
 import torch
 
-log = logging.getLogger(__name__)
+from kernels.native.loader import build, default_cache_dir, library
 
-SOURCE = Path(__file__).with_name("paged_decode.c")
-# Reassociation lets gcc vectorise the dot products and sums; no
-# -ffinite-math-only, so the -inf of an empty max and NaNs keep their meaning.
-CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math",
-          "-fno-signed-zeros", "-fassociative-math", "-fPIC", "-shared", "-pthread")
-BUILD_TIMEOUT_S = 120
+__all__ = ["NativeKernelError", "build", "default_cache_dir", "library",
+           "paged_decode_attention", "rms_norm", "rotary_embedding", "supports",
+           "supports_rms_norm", "supports_rotary"]
+
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-# Return codes of pdserve_paged_decode_attention (see paged_decode.c).
+# Nonzero return codes of the C functions.
 _ERRORS = {1: "out of memory", 2: "unsupported shape or dtype",
-           3: "a context length or block id is out of range"}
+           3: "a context length, block id or position is out of range"}
 
 
 class NativeKernelError(RuntimeError):
-    """The native kernel refused its arguments or failed; the message says why."""
+    """A native kernel refused its arguments or failed; the message says why."""
 
 
-def default_cache_dir() -> Path:
-    return Path(tempfile.gettempdir()) / f"pdserve-native-{os.getuid()}"
+def _check(code: int, what: str) -> None:
+    if code:
+        raise NativeKernelError(f"{what} failed: {_ERRORS.get(code, f'error {code}')}")
 
 
-def _compiler() -> str | None:
-    return shutil.which("cc") or shutil.which("gcc")
-
-
-def _cpu_signature() -> str:
-    """What -march=native compiles for: the CPU's model and feature flags."""
-    try:
-        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return platform.processor() or platform.machine()
-    lines = [line for line in text.splitlines()
-             if line.startswith(("model name", "flags", "Features"))]
-    return "\n".join(sorted(set(lines)))
-
-
-def build(cache_dir: Path | None = None) -> Path:
-    """Compile the library if this source/compiler/CPU has none yet; its path.
-
-    Raises RuntimeError naming the compiler's complaint when the build fails."""
-    compiler = _compiler()
-    if compiler is None:
-        raise RuntimeError("no C compiler (cc or gcc) on PATH")
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
-                             timeout=30).stdout
-    key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(CFLAGS).encode(), version.encode(),
-                 _cpu_signature().encode(), platform.machine().encode()):
-        key.update(part)
-        key.update(b"\0")
-    cache_dir = cache_dir or default_cache_dir()
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    target = cache_dir / f"paged_decode-{key.hexdigest()[:16]}.so"
-    if target.is_file():
-        return target
-    fd, scratch = tempfile.mkstemp(suffix=".so", dir=cache_dir)
-    os.close(fd)
-    try:
-        result = subprocess.run([compiler, *CFLAGS, str(SOURCE), "-o", scratch, "-lm"],
-                                capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
-        if result.returncode != 0:
-            raise RuntimeError(f"{compiler} failed on {SOURCE.name}: "
-                               f"{result.stderr.strip()[-2000:]}")
-        os.replace(scratch, target)
-    finally:
-        if os.path.exists(scratch):
-            os.unlink(scratch)
-    return target
-
-
-@functools.cache
-def library() -> ctypes.CDLL | None:
-    """The loaded kernels, built on first use; None (logged once) if unavailable."""
-    try:
-        lib = ctypes.CDLL(str(build()))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        log.warning("native CPU kernels unavailable, using the torch path: %s", exc)
-        return None
-    fn = lib.pdserve_paged_decode_attention
-    fn.restype = ctypes.c_int
-    fn.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int] * 9
-                   + [ctypes.c_float, ctypes.c_int])
-    return lib
+def _rows_ok(t: torch.Tensor) -> bool:
+    """CPU, a native dtype, and each row's trailing dims contiguous (rows may be strided)."""
+    if t.device.type != "cpu" or t.dtype not in DTYPE_CODES:
+        return False
+    inner = 1
+    for size, stride in zip(reversed(t.shape[1:]), reversed(t.stride()[1:]), strict=True):
+        if size != 1 and stride != inner:
+            return False
+        inner *= size
+    return True
 
 
 def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
@@ -156,12 +84,58 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor,
     _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
     if batch == 0:
         return out
-    code = lib.pdserve_paged_decode_attention(
+    _check(lib.pdserve_paged_decode_attention(
         q.data_ptr(), kv_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(), out.data_ptr(),
         DTYPE_CODES[q.dtype], batch, num_q_heads, num_kv_heads, head_dim, num_blocks,
         block_size, tables.shape[1], sliding_window or 0, scale,
-        num_threads or torch.get_num_threads())
-    if code:
-        raise NativeKernelError(f"paged decode attention failed: "
-                                f"{_ERRORS.get(code, f'error {code}')}")
+        num_threads or torch.get_num_threads()), "paged decode attention")
     return out
+
+
+def supports_rms_norm(x: torch.Tensor, weight: torch.Tensor,
+                      residual: torch.Tensor | None) -> bool:
+    return (_rows_ok(x) and weight.dtype == x.dtype and weight.is_contiguous()
+            and (residual is None or (_rows_ok(residual) and residual.dtype == x.dtype))
+            and library() is not None)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None
+             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as `kernels.dispatch.rms_norm` (arguments already checked)."""
+    lib = library()
+    rows, hidden = x.shape
+    out = torch.empty((rows, hidden), dtype=x.dtype)
+    res_out = None if residual is None else torch.empty((rows, hidden), dtype=x.dtype)
+    if rows:
+        _check(lib.pdserve_rms_norm(
+            x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
+            0 if residual is None else residual.stride(0), weight.data_ptr(), out.data_ptr(),
+            None if res_out is None else res_out.data_ptr(), rows, hidden, eps,
+            DTYPE_CODES[x.dtype]), "rms_norm")
+    return out if residual is None else (out, res_out)
+
+
+def supports_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                    cos_sin_cache: torch.Tensor) -> bool:
+    return (_rows_ok(q) and _rows_ok(k) and k.dtype == q.dtype
+            and positions.dtype == torch.int64 and positions.device.type == "cpu"
+            and cos_sin_cache.dtype == torch.float32 and cos_sin_cache.is_contiguous()
+            and library() is not None)
+
+
+def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                     cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as `kernels.dispatch.rotary_embedding` (arguments already
+    checked); a position outside the cache raises NativeKernelError."""
+    lib = library()
+    positions = positions.contiguous()
+    q_out, k_out = torch.empty(q.shape, dtype=q.dtype), torch.empty(k.shape, dtype=k.dtype)
+    rows, q_heads, head_dim = q.shape
+    if rows:
+        _check(lib.pdserve_rotary_embedding(
+            positions.data_ptr(), q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0),
+            q_out.data_ptr(), k_out.data_ptr(), rows, q_heads, k.shape[1], head_dim,
+            cos_sin_cache.data_ptr(), cos_sin_cache.shape[0], DTYPE_CODES[q.dtype]),
+            "rotary_embedding")
+    return q_out, k_out

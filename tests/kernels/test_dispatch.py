@@ -31,8 +31,9 @@ def test_parse_accepts_a_backend_and_ops_accept_names():
         kernels.rms_norm(x, torch.ones(64), 1e-6, backend="gpu")
 
 
-def test_auto_picks_reference_on_cpu(monkeypatch):
+def test_auto_picks_reference_on_cpu_without_native_kernels(monkeypatch):
     called = []
+    monkeypatch.setattr(dispatch.native, "supports_rms_norm", lambda *a: False)
     monkeypatch.setattr(
         dispatch.reference, "rms_norm_reference", lambda *a: called.append(a) or a[0]
     )

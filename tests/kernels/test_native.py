@@ -1,4 +1,4 @@
-"""kernels/native (the C decode attention of CPU pods) against the torch reference,
+"""kernels/native (C decode attention, RMSNorm and RoPE for CPU pods) against the torch references,
 its bounds checks, its build cache, and the dispatch that picks it."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ import torch
 
 import kernels
 from kernels import native, reference
-from tests.kernels.cases import DTYPE_IDS, DTYPES, assert_close, make_paged_case
+from kernels.native import loader
+from tests.kernels.cases import DTYPE_IDS, DTYPES, assert_close, generator, make_paged_case, randn
 
 pytestmark = pytest.mark.skipif(native.library() is None,
                                 reason="no C compiler: native kernels unavailable")
@@ -87,7 +88,7 @@ def test_build_is_cached_by_content_and_atomic(tmp_path):
 
 
 def test_build_without_a_compiler_says_so(tmp_path, monkeypatch):
-    monkeypatch.setattr(native.shutil, "which", lambda name: None)
+    monkeypatch.setattr(loader.shutil, "which", lambda name: None)
     with pytest.raises(RuntimeError, match="no C compiler"):
         native.build(tmp_path)
 
@@ -104,3 +105,64 @@ def test_dispatch_auto_on_cpu_takes_the_native_kernel(monkeypatch):
     kernels.paged_decode_attention(*args, scale=case.scale)
     kernels.paged_decode_attention(*args, scale=case.scale, backend="torch")
     assert called == ["native", "reference"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("rows,hidden", [(1, 64), (8, 1024), (37, 96)])
+def test_rms_norm_matches_reference(rows, hidden, with_residual, dtype):
+    gen = generator(rows * hidden + with_residual)
+    wide = randn((rows, hidden + 32), dtype, gen)
+    x = wide[:, 16 : 16 + hidden]  # strided rows, as a split of a wider output is
+    weight = randn((hidden,), dtype, gen)
+    residual = randn((rows, hidden), dtype, gen) if with_residual else None
+    assert native.supports_rms_norm(x, weight, residual)
+    before = x.clone(), None if residual is None else residual.clone()
+    expected = reference.rms_norm_reference(x, weight, 1e-5, residual)
+    got = native.rms_norm(x, weight, 1e-5, residual)
+    if with_residual:
+        assert_close(got[0], expected[0])
+        assert torch.equal(got[1], expected[1])  # the rounded sum is exact in every dtype
+        assert torch.equal(residual, before[1])
+    else:
+        assert_close(got, expected)
+    assert torch.equal(x, before[0])  # inputs untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("q_heads,k_heads,head_dim", [(4, 1, 64), (16, 4, 128), (6, 2, 80)])
+def test_rotary_matches_reference_on_split_views(q_heads, k_heads, head_dim, dtype):
+    gen = generator(q_heads * head_dim)
+    rows, max_pos = 13, 512
+    qkv = randn((rows, (q_heads + 2 * k_heads) * head_dim), dtype, gen)
+    q, k, _ = qkv.split([q_heads * head_dim, k_heads * head_dim, k_heads * head_dim], dim=-1)
+    q, k = q.reshape(rows, q_heads, head_dim), k.reshape(rows, k_heads, head_dim)
+    cache = torch.randn((max_pos, head_dim), generator=gen)
+    positions = torch.randint(0, max_pos, (rows,), generator=gen)
+    assert native.supports_rotary(positions, q, k, cache)
+    expected = reference.rotary_embedding_reference(positions, q, k, cache)
+    got = native.rotary_embedding(positions, q, k, cache)
+    assert_close(got[0], expected[0])
+    assert_close(got[1], expected[1])
+
+
+def test_rotary_position_outside_the_cache_raises():
+    q, k = torch.randn(2, 2, 64), torch.randn(2, 1, 64)
+    cache = torch.randn(16, 64)
+    with pytest.raises(native.NativeKernelError, match="out of range"):
+        native.rotary_embedding(torch.tensor([3, 16]), q, k, cache)
+
+
+def test_dispatch_auto_on_cpu_takes_native_norm_and_rotary(monkeypatch):
+    called = []
+    monkeypatch.setattr(kernels.dispatch.native, "rms_norm",
+                        lambda *a, **k: called.append("norm"))
+    monkeypatch.setattr(kernels.dispatch.native, "rotary_embedding",
+                        lambda *a, **k: called.append("rotary"))
+    x, w = torch.randn(2, 64), torch.randn(64)
+    kernels.rms_norm(x, w, 1e-6)
+    kernels.rms_norm(x, w, 1e-6, backend="torch")
+    q, k, cache = torch.randn(2, 2, 64), torch.randn(2, 1, 64), torch.randn(16, 64)
+    kernels.rotary_embedding(torch.tensor([0, 1]), q, k, cache)
+    kernels.rotary_embedding(torch.tensor([0, 1]), q, k, cache, backend="torch")
+    assert called == ["norm", "rotary"]

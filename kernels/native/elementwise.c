@@ -1,0 +1,138 @@
+/* RMSNorm (with the fused residual add) and neox rotary embedding for CPU pods.
+ *
+ * Built with paged_decode.c into one library (kernels/native/__init__.py).
+ * Through torch ops each of these is 8-10 small ops per call; at decode
+ * batch sizes their dispatch cost, not their arithmetic, is what a step
+ * pays. Same contracts as kernels.dispatch.rms_norm / rotary_embedding:
+ * float32 math, results rounded to the tensor dtype (float32, bfloat16,
+ * float16), new output tensors, inputs untouched. Rows may be strided
+ * (a row stride in elements); within a row, elements are contiguous.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf16_load(uint16_t x) {
+  uint32_t bits = (uint32_t)x << 16;
+  float f;
+  memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+static inline uint16_t bf16_store(float f) { /* round to nearest even, as torch does */
+  uint32_t bits;
+  memcpy(&bits, &f, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return (uint16_t)(bits >> 16);
+}
+
+#define F32_LOAD(x) (x)
+#define F32_STORE(x) (x)
+#define F16_LOAD(x) ((float)(x))
+#define F16_STORE(x) ((_Float16)(x))
+
+/* y = r / sqrt(mean(r^2) + eps) * w with r = x (+ residual, rounded to ELEM). */
+#define DEFINE_RMS_NORM(NAME, ELEM, LOAD, STORE)                                           \
+  static void NAME(const ELEM *x, long x_stride, const ELEM *residual, long res_stride,     \
+                   const ELEM *weight, ELEM *out, ELEM *res_out, long rows, long hidden,   \
+                   float eps) {                                                            \
+    for (long i = 0; i < rows; i++) {                                                      \
+      const ELEM *xr = x + i * x_stride;                                                   \
+      ELEM *o = out + i * hidden;                                                          \
+      float sum = 0.0f;                                                                    \
+      if (residual != NULL) {                                                              \
+        const ELEM *rr = residual + i * res_stride;                                        \
+        ELEM *ro = res_out + i * hidden;                                                   \
+        for (long j = 0; j < hidden; j++) {                                                \
+          const ELEM r = STORE(LOAD(xr[j]) + LOAD(rr[j]));                                 \
+          ro[j] = r;                                                                       \
+          const float rf = LOAD(r);                                                        \
+          sum += rf * rf;                                                                  \
+        }                                                                                  \
+        xr = ro;                                                                           \
+      } else {                                                                             \
+        for (long j = 0; j < hidden; j++) {                                                \
+          const float rf = LOAD(xr[j]);                                                    \
+          sum += rf * rf;                                                                  \
+        }                                                                                  \
+      }                                                                                    \
+      const float inv_rms = 1.0f / sqrtf(sum / (float)hidden + eps);                       \
+      for (long j = 0; j < hidden; j++)                                                    \
+        o[j] = STORE(LOAD(xr[j]) * inv_rms * LOAD(weight[j]));                             \
+    }                                                                                      \
+  }
+
+DEFINE_RMS_NORM(rms_norm_f32, float, F32_LOAD, F32_STORE)
+DEFINE_RMS_NORM(rms_norm_bf16, uint16_t, bf16_load, bf16_store)
+DEFINE_RMS_NORM(rms_norm_f16, _Float16, F16_LOAD, F16_STORE)
+
+/* dtype: 0 float32, 1 bfloat16, 2 float16; residual/res_out NULL for none. */
+int pdserve_rms_norm(const void *x, long x_stride, const void *residual, long res_stride,
+                     const void *weight, void *out, void *res_out, long rows, long hidden,
+                     float eps, int dtype) {
+  switch (dtype) {
+    case 0:
+      rms_norm_f32(x, x_stride, residual, res_stride, weight, out, res_out, rows, hidden, eps);
+      return 0;
+    case 1:
+      rms_norm_bf16(x, x_stride, residual, res_stride, weight, out, res_out, rows, hidden, eps);
+      return 0;
+    case 2:
+      rms_norm_f16(x, x_stride, residual, res_stride, weight, out, res_out, rows, hidden, eps);
+      return 0;
+    default:
+      return 2;
+  }
+}
+
+/* Neox rotary: for each head, x1 = x[:D/2], x2 = x[D/2:],
+ * out = [x1*cos - x2*sin, x2*cos + x1*sin]; cos/sin from cache[pos] (float32,
+ * cos in the first D/2 columns). */
+#define DEFINE_ROTARY(NAME, ELEM, LOAD, STORE)                                             \
+  static void NAME(const ELEM *x, long x_stride, ELEM *out, long rows, long heads,         \
+                   long head_dim, const int64_t *positions, const float *cache) {          \
+    const long half = head_dim / 2;                                                        \
+    for (long i = 0; i < rows; i++) {                                                      \
+      const float *cos = cache + positions[i] * head_dim, *sin = cos + half;               \
+      for (long h = 0; h < heads; h++) {                                                   \
+        const ELEM *in = x + i * x_stride + h * head_dim;                                  \
+        ELEM *o = out + (i * heads + h) * head_dim;                                        \
+        for (long j = 0; j < half; j++) {                                                  \
+          const float x1 = LOAD(in[j]), x2 = LOAD(in[j + half]);                           \
+          o[j] = STORE(x1 * cos[j] - x2 * sin[j]);                                         \
+          o[j + half] = STORE(x2 * cos[j] + x1 * sin[j]);                                  \
+        }                                                                                  \
+      }                                                                                    \
+    }                                                                                      \
+  }
+
+DEFINE_ROTARY(rotary_f32, float, F32_LOAD, F32_STORE)
+DEFINE_ROTARY(rotary_bf16, uint16_t, bf16_load, bf16_store)
+DEFINE_ROTARY(rotary_f16, _Float16, F16_LOAD, F16_STORE)
+
+/* Rotates q [rows, q_heads, D] and k [rows, k_heads, D] into q_out / k_out
+ * (contiguous). Returns 3 if a position is outside [0, max_positions). */
+int pdserve_rotary_embedding(const int64_t *positions, const void *q, long q_stride,
+                             const void *k, long k_stride, void *q_out, void *k_out, long rows,
+                             long q_heads, long k_heads, long head_dim, const float *cache,
+                             long max_positions, int dtype) {
+  for (long i = 0; i < rows; i++)
+    if (positions[i] < 0 || positions[i] >= max_positions) return 3;
+  switch (dtype) {
+    case 0:
+      rotary_f32(q, q_stride, q_out, rows, q_heads, head_dim, positions, cache);
+      rotary_f32(k, k_stride, k_out, rows, k_heads, head_dim, positions, cache);
+      return 0;
+    case 1:
+      rotary_bf16(q, q_stride, q_out, rows, q_heads, head_dim, positions, cache);
+      rotary_bf16(k, k_stride, k_out, rows, k_heads, head_dim, positions, cache);
+      return 0;
+    case 2:
+      rotary_f16(q, q_stride, q_out, rows, q_heads, head_dim, positions, cache);
+      rotary_f16(k, k_stride, k_out, rows, k_heads, head_dim, positions, cache);
+      return 0;
+    default:
+      return 2;
+  }
+}
