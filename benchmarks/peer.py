@@ -128,6 +128,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vllm-env", action="append", default=[], metavar="KEY=VALUE",
                         help="extra environment variable for vLLM")
     parser.add_argument("--out", default=None, metavar="PATH", help="write all results as JSON")
+    parser.add_argument("--log-dir", default=None, metavar="DIR",
+                        help="where the servers' logs go (default: a new temporary directory)")
 
 
 def config_from_args(args: argparse.Namespace) -> tuple[PeerWorkload, peer_servers.ServerSettings]:
@@ -212,7 +214,11 @@ def main(args: argparse.Namespace) -> int:
         print(f"pdserve bench peer: error: {exc}", file=sys.stderr)
         return 2
     vocab = prompt_vocabulary(model_dir)
-    log_dir = Path(tempfile.mkdtemp(prefix="pdserve-bench-peer-"))
+    if args.log_dir:
+        log_dir = Path(args.log_dir)
+        log_dir.mkdir(parents=True, exist_ok=True)
+    else:
+        log_dir = Path(tempfile.mkdtemp(prefix="pdserve-bench-peer-"))
     results: dict[str, dict[str, dict]] = {}
     started = time.time()
     for dtype in workload.dtypes:

@@ -123,7 +123,7 @@ def test_peer_runs_pdserve_alone_on_the_tiny_model(tiny_model_dir, tmp_path, cap
                   "--num-requests", "4", "--concurrency", "2", "--input-len", "16",
                   "--output-len", "4", "--prefill-len", "64", "--prefill-repeats", "2",
                   "--warmup", "1", "--max-model-len", "256", "--kv-cache-gib", "1",
-                  "--out", str(out)])
+                  "--out", str(out), "--log-dir", str(tmp_path / "logs")])
     assert peer.main(args) == 0
     report = json.loads(out.read_text())
     result = report["results"]["float32"]["pdserve"]
@@ -132,6 +132,8 @@ def test_peer_runs_pdserve_alone_on_the_tiny_model(tiny_model_dir, tmp_path, cap
     assert all(r["prompt_len"] == 64 for r in result["prefill"]["requests"])
     assert result["prefill"]["ttft_median_ms"] > 0 and result["startup_s"] > 0
     assert report["ratios"] == {} and report["settings"]["max_model_len"] == 256
+    assert result["command"][2:5] == ["pdserve", "up", "--prefill"] and result["env"] == {}
+    assert (tmp_path / "logs" / "pdserve-float32.log").is_file()
     table = capsys.readouterr().out
     assert "| metric | pdserve |" in table and "| output tok/s |" in table
 
