@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
-HELP = ("Benchmarks: engine, kernels, transfer, transfer-split, ttft, router "
+HELP = ("Benchmarks: engine, kernels, transfer, transfer-split, ttft, router, peer "
         "(each against its baseline).")
 
 BENCHMARKS: dict[str, str] = {
@@ -19,6 +19,7 @@ BENCHMARKS: dict[str, str] = {
     "transfer-split": "benchmarks.transfer_split",
     "ttft": "benchmarks.ttft",
     "router": "benchmarks.router",
+    "peer": "benchmarks.peer",
 }
 
 

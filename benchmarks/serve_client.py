@@ -1,0 +1,247 @@
+"""A load client for any OpenAI-compatible server: streamed `/v1/completions`.
+
+Used by `pdserve bench peer` (benchmarks/peer.py) to drive pdserve's router
+and vLLM's server with the same requests, and meant as the core of
+`pdserve bench serve`. One request's life:
+
+    arrival   at once (closed loop), or at seeded Poisson times (`request_rate`);
+              at most `concurrency` in flight either way
+    send      POST /v1/completions {prompt: [token ids], max_tokens,
+              ignore_eos: true, temperature: 0, stream: true,
+              stream_options: {include_usage: true}} (+ logprobs: 0, below)
+    stream    each `data:` chunk is timestamped on arrival; the first one
+              carrying tokens gives TTFT, later ones the inter-token latencies
+    end       `data: [DONE]`; the usage chunk's completion_tokens must equal
+              the tokens counted, else the request counts as an error
+
+Counting tokens. Servers do not send one chunk per token: pdserve's router
+sends no chunk for a token whose text is empty (a special token, or bytes of
+an unfinished UTF-8 character), vLLM sends those as empty chunks, and either
+may put several tokens in one chunk when the client falls behind. With
+`token_count="logprobs"` (the default) every request asks for `logprobs: 0`,
+and each chunk's `logprobs.tokens` says exactly how many tokens it carries
+(cost on both servers: one log-softmax over the vocabulary and one token
+rendered per output token). `token_count="chunks"` (for servers without logprobs)
+asks for none, takes the output tokens from the usage chunk, and records one
+inter-chunk latency per chunk after the first, as `vllm bench serve` does:
+where chunks are not one token each those are not per-token figures (the
+record's `chunks` beside `output_tokens` shows it).
+
+Inter-token latency with logprobs is per token: a chunk carrying k tokens
+that arrives g seconds after the previous chunk contributes k latencies of
+g/k; tokens that came with the first chunk contribute 0. So every request has
+exactly `output_tokens - 1` ITL samples. TPOT is per request, (e2e - TTFT) /
+(output_tokens - 1), in both modes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+TOKEN_COUNTS = ("logprobs", "chunks")
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSpec:
+    """How requests are sent: how many may be in flight, when they arrive."""
+
+    max_tokens: int
+    concurrency: int = 1
+    request_rate: float | None = None  # requests/s, Poisson; None = all at once
+    seed: int = 0
+    token_count: str = "logprobs"
+    timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.concurrency < 1:
+            raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
+        if self.request_rate is not None and not self.request_rate > 0:
+            raise ValueError(f"request_rate must be > 0 requests/s (or None), "
+                             f"got {self.request_rate}")
+        if self.token_count not in TOKEN_COUNTS:
+            raise ValueError(f"token_count must be one of {TOKEN_COUNTS}, "
+                             f"got {self.token_count!r}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """One request as the client saw it; times in seconds."""
+
+    prompt_len: int
+    start_s: float = 0.0  # since the run started
+    ttft_s: float = 0.0
+    e2e_s: float = 0.0
+    output_tokens: int = 0
+    chunks: int = 0
+    itl_s: list[float] = field(default_factory=list)
+    error: str | None = None
+
+
+def random_prompts(num: int, length: int, vocab_size: int, *, seed: int = 0,
+                   exclude: frozenset[int] = frozenset()) -> list[list[int]]:
+    """`num` prompts of `length` token ids drawn uniformly from
+    [0, vocab_size) minus `exclude` (e.g. special tokens); the same seed
+    gives the same prompts on every machine."""
+    if num < 0 or length < 1:
+        raise ValueError(f"need num >= 0 and length >= 1, got num={num}, length={length}")
+    allowed = [t for t in range(vocab_size) if t not in exclude]
+    if not allowed:
+        raise ValueError(f"no token ids left in [0, {vocab_size}) after excluding {len(exclude)}")
+    rng = random.Random(seed)
+    return [rng.choices(allowed, k=length) for _ in range(num)]
+
+
+def _chunk_tokens(choice: dict[str, Any], token_count: str) -> int:
+    """Tokens in one chunk: counted by its logprobs, or 1 per chunk."""
+    if token_count == "chunks":
+        return 1
+    logprobs = choice.get("logprobs") or {}
+    return len(logprobs.get("tokens") or ())
+
+
+async def _one_request(session, url: str, model: str, prompt: list[int], spec: LoadSpec,
+                       record: RequestRecord, run_start: float) -> None:
+    body: dict[str, Any] = {
+        "model": model, "prompt": prompt, "max_tokens": spec.max_tokens, "ignore_eos": True,
+        "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
+    }
+    if spec.token_count == "logprobs":
+        body["logprobs"] = 0
+    start = time.perf_counter()
+    record.start_s = start - run_start
+    last = start
+    usage_tokens = None
+    done = False
+    async with session.post(url, json=body) as response:
+        if response.status != 200:
+            text = (await response.text())[:300]
+            raise RuntimeError(f"HTTP {response.status}: {text}")
+        async for raw in response.content:
+            line = raw.strip()
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                done = True
+                break
+            now = time.perf_counter()
+            event = json.loads(data)
+            if "error" in event:
+                raise RuntimeError(f"error event: {json.dumps(event['error'])[:300]}")
+            if event.get("usage"):
+                usage_tokens = event["usage"].get("completion_tokens")
+            if not event.get("choices"):
+                continue
+            tokens = _chunk_tokens(event["choices"][0], spec.token_count)
+            if tokens == 0:
+                continue
+            record.chunks += 1
+            if record.output_tokens == 0:
+                record.ttft_s = now - start
+                record.itl_s.extend([0.0] * (tokens - 1))
+            elif spec.token_count == "chunks":
+                record.itl_s.append(now - last)
+            else:
+                record.itl_s.extend([(now - last) / tokens] * tokens)
+            record.output_tokens += tokens
+            last = now
+    record.e2e_s = time.perf_counter() - start
+    if not done:
+        raise RuntimeError("the stream ended without data: [DONE]")
+    if spec.token_count == "chunks":
+        record.output_tokens = record.chunks if usage_tokens is None else usage_tokens
+    elif usage_tokens != record.output_tokens:
+        raise RuntimeError(f"counted {record.output_tokens} tokens in {record.chunks} chunks "
+                           f"but usage says {usage_tokens} (a server that returns no "
+                           "logprobs needs token_count='chunks')")
+
+
+async def _run(base_url: str, model: str, prompts: list[list[int]],
+               spec: LoadSpec) -> tuple[list[RequestRecord], float]:
+    import aiohttp
+
+    url = base_url.rstrip("/") + "/v1/completions"
+    records = [RequestRecord(prompt_len=len(p)) for p in prompts]
+    limit = asyncio.Semaphore(spec.concurrency)
+    rng = random.Random(spec.seed)
+    timeout = aiohttp.ClientTimeout(total=spec.timeout_s)
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        run_start = time.perf_counter()
+
+        async def send(prompt: list[int], record: RequestRecord) -> None:
+            async with limit:
+                try:
+                    await _one_request(session, url, model, prompt, spec, record, run_start)
+                except (aiohttp.ClientError, TimeoutError, RuntimeError,
+                        ValueError) as exc:
+                    record.error = f"{type(exc).__name__}: {exc}"
+
+        tasks = []
+        for prompt, record in zip(prompts, records, strict=True):
+            tasks.append(asyncio.create_task(send(prompt, record)))
+            if spec.request_rate is not None:
+                await asyncio.sleep(rng.expovariate(spec.request_rate))
+        await asyncio.gather(*tasks)
+        duration = time.perf_counter() - run_start
+    return records, duration
+
+
+def run_load(base_url: str, model: str, prompts: list[list[int]], spec: LoadSpec) -> dict:
+    """Send every prompt (in order) to `base_url` under `spec`; the summary
+    (see `summarize`) with each request's record under "requests"."""
+    if not prompts:
+        raise ValueError("run_load needs at least one prompt")
+    records, duration = asyncio.run(_run(base_url, model, prompts, spec))
+    return {**summarize(records, duration), "requests": [asdict(r) for r in records]}
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0..100), linear between closest ranks (numpy's default)."""
+    if not values:
+        raise ValueError("percentile of no values")
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100.0
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def _stats_ms(values: list[float]) -> dict[str, float | None]:
+    """Mean and percentiles in ms; None where there are no samples (strict JSON has no NaN)."""
+    keys = ("mean", "p50", "p90", "p99")
+    if not values:
+        return dict.fromkeys(keys)
+    mean = sum(values) / len(values)
+    return {"mean": mean * 1e3, **{f"p{q}": percentile(values, q) * 1e3 for q in (50, 90, 99)}}
+
+
+def summarize(records: list[RequestRecord], duration_s: float) -> dict:
+    """Throughput and latency statistics over the requests that completed."""
+    ok = [r for r in records if r.error is None]
+    output_tokens = sum(r.output_tokens for r in ok)
+    return {
+        "num_requests": len(records),
+        "completed": len(ok),
+        "errors": len(records) - len(ok),
+        "error_messages": sorted({r.error for r in records if r.error})[:5],
+        "duration_s": duration_s,
+        "input_tokens": sum(r.prompt_len for r in ok),
+        "output_tokens": output_tokens,
+        "request_throughput": len(ok) / duration_s,
+        "output_throughput": output_tokens / duration_s,
+        "ttft_ms": _stats_ms([r.ttft_s for r in ok]),
+        "tpot_ms": _stats_ms([(r.e2e_s - r.ttft_s) / (r.output_tokens - 1)
+                              for r in ok if r.output_tokens > 1]),
+        "itl_ms": _stats_ms([gap for r in ok for gap in r.itl_s]),
+        "e2e_ms": _stats_ms([r.e2e_s for r in ok]),
+    }
