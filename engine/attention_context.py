@@ -12,7 +12,8 @@ the context it was given for this forward pass:
 
 The context travels as an explicit argument of `LlamaForCausalLM.forward` (no
 module-global "current context"), is built per step by the engine loop
-thread, and is only used on that thread.
+thread, and is used by the thread that runs that step's forward (the same
+thread, or the forward worker of async scheduling on CPU).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class AttentionContext(Protocol):
         """Attention output for layer `layer_idx`.
 
         Called by every decoder layer, in layer order, once per forward pass,
-        on the engine loop thread. Shapes: q [N, Hq, D], k and v [N, Hkv, D]
+        on the thread that runs the forward. Shapes: q [N, Hq, D], k and v [N, Hkv, D]
         for the N tokens of this pass (all sequences flattened, in the order
         the context was built with), RoPE already applied to q and k. Returns
         [N, Hq, D] in q's dtype. The model does not keep k/v: storing them is

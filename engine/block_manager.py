@@ -77,11 +77,16 @@ class BlockManager:
         request.num_computed_tokens = len(block_ids) * self.block_size
         return request.num_computed_tokens
 
-    def cache_computed_blocks(self, request: Request) -> None:
-        """Insert the request's newly completed full blocks into the prefix cache."""
+    def cache_computed_blocks(self, request: Request, num_computed: int | None = None) -> None:
+        """Insert the request's newly completed full blocks into the prefix cache.
+        `num_computed`: tokens whose KV is in the cache (default
+        `num_computed_tokens`; with async scheduling that counts steps still in
+        flight, so the engine passes what the completed step computed)."""
         if not self.prefix_cache.enabled:
             return
-        num_full = request.num_computed_tokens // self.block_size
+        if num_computed is None:
+            num_computed = request.num_computed_tokens
+        num_full = num_computed // self.block_size
         if num_full <= request.num_cached_blocks:
             return
         extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
@@ -91,7 +96,18 @@ class BlockManager:
 
     def free(self, request: Request) -> None:
         """Give back every block of the request; cached ones stay reusable until evicted."""
-        self.prefix_cache.release(request.block_ids)
+        self.release(self.detach(request))
+
+    def detach(self, request: Request) -> list[int]:
+        """Take the block table away from the request (it holds nothing after)
+        without giving the blocks back yet: the caller releases them once no
+        step in flight writes them."""
+        block_ids = request.block_ids
         request.block_ids = []
         request.num_cached_blocks = 0
         request.num_computed_tokens = 0
+        return block_ids
+
+    def release(self, block_ids: list[int]) -> None:
+        """Return detached blocks to the pool (last-first, see `BlockPool`)."""
+        self.prefix_cache.release(block_ids)

@@ -25,6 +25,8 @@ MAX_BLOCK_SIZE = 256
 # KV budget on CPU when neither kv_cache_memory nor num_blocks is given:
 # there is no "free device memory" to take a fraction of.
 DEFAULT_CPU_KV_CACHE_MEMORY = 512 * 1024 * 1024
+# Async scheduling's default on CPU, from the measurement in docs/engine.md.
+ASYNC_SCHEDULING_ON_CPU = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +65,16 @@ class EngineConfig:
     kernel_backend: str = "auto"
     # Dense projections: auto|onednn|torch, see engine/layers/linear.py.
     matmul_backend: str = "auto"
+    # Plan and launch step N+1 while step N computes (docs/engine.md, Async
+    # scheduling). None: on for CUDA, ASYNC_SCHEDULING_ON_CPU on CPU.
+    async_scheduling: bool | None = None
+
+    @property
+    def use_async_scheduling(self) -> bool:
+        """`async_scheduling`, with None resolved by device."""
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        return self.device.startswith("cuda") or ASYNC_SCHEDULING_ON_CPU
 
     def __post_init__(self) -> None:
         if not self.model_dir:

@@ -7,7 +7,10 @@ Threads and who calls what:
   touches the engine: it runs queued commands, then `engine.step()` while the
   engine has work, and otherwise sleeps on the command queue. It never waits
   on the network: the prefill pod's layer hook only hands tensors to a
-  sender thread, the decode pod's injector runs on its own thread.
+  sender thread, the decode pod's injector runs on its own thread. With
+  async scheduling a step is in flight while commands run (the engine keeps
+  blocks a step in flight writes out of the pool), and on CPU the forward
+  itself (and the layer hook) runs on the engine's forward worker thread.
 * the **asyncio loop** of the gRPC server calls the `async` methods below
   (`add_request`, `abort`, `reserve_remote`, `commit_remote`, `run`). Each
   queues a command and awaits its result, so a servicer never blocks the

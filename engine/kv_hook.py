@@ -56,8 +56,10 @@ class LayerKVHook(Protocol):
     def on_layer_kv(
         self, layer_idx: int, kv_cache_layer: torch.Tensor, spans: tuple[LayerKVSpan, ...]
     ) -> None:
-        """Called on the engine loop thread, inside `LLMEngine.step()`, for
-        layers 0..L-1 in order, only in steps where some request computed
+        """Called on the thread that runs the forward (the engine loop
+        thread, inside `LLMEngine.step()`; with async scheduling on CPU the
+        engine's forward worker thread, while the engine loop thread goes
+        on), for layers 0..L-1 in order, only in steps where some request computed
         context tokens; `spans` has one entry per such request.
 
         `kv_cache_layer` is the layer's whole cache tensor

@@ -18,6 +18,15 @@ A request's life (states in `engine.request`):
 one `RequestOutput` per request that sampled a token or finished (a finish
 caused between steps, by `abort_request` or a `commit_remote` whose first
 token ends the request, is reported by the next `step()`).
+
+With async scheduling (`EngineConfig.async_scheduling`, docs/engine.md)
+`step()` schedules and launches step N+1, then completes step N and returns
+its outputs while N+1 computes (`engine.step_pipeline`): a step's tokens
+come out of the *next* `step()` call, and `has_unfinished_requests()` stays
+true while a step is in flight. A request that stopped at N but was already
+in N+1 has its N+1 token discarded; blocks of a request finished, aborted
+or preempted while a step that includes it is in flight return to the pool
+when that step completes.
 """
 
 from __future__ import annotations
@@ -48,6 +57,7 @@ from engine.request import Request, RequestStatus
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.step_pipeline import CompletedStep, StepPipeline
 from kernels import native
 from kernels.dispatch import Backend
 
@@ -95,6 +105,11 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_caches, config.block_size,
                                   layer_kv_hook=layer_kv_hook)
         self.sampler = Sampler(config.seed)
+        self.async_scheduling = config.use_async_scheduling
+        # On CPU the forwards run on a worker thread, so the engine thread's
+        # Python work overlaps them (torch ops release the GIL).
+        self._pipeline = StepPipeline(self.runner, self.sampler,
+                                      use_worker=self.async_scheduling and config.device == "cpu")
         self.eos_token_ids = frozenset(mc.eos_token_ids) | _generation_eos_ids(config.model_dir)
         self._tokenizer = None  # loaded by the first generate() that needs text
         self._generate_ids = itertools.count()
@@ -193,43 +208,52 @@ class LLMEngine:
             self.scheduler.commit_reserved(request)
         else:
             self._finish(request, status)
-            self._pending.append(self._output(request, (), ()))
+            self._pending.append(_output(request, (), ()))
 
     def abort_request(self, request_id: str) -> bool:
-        """Abort in any state and free its blocks now; False if unknown or
+        """Abort in any state and free its blocks (once the step in flight that
+        includes it completes, with async scheduling); False if unknown or
         already finished. The next `step()` reports it with "abort"."""
         request = self._requests.get(request_id)
         if request is None or request.is_finished:
             return False
         self._finish(request, RequestStatus.FINISHED_ABORTED)
-        self._pending.append(self._output(request, (), ()))
+        self._pending.append(_output(request, (), ()))
         return True
 
     # ------------------------------------------------------------ stepping
 
     def has_unfinished_requests(self) -> bool:
-        """Whether `step()` has work: waiting or running requests, or pending
-        finish reports. Reserved requests need no step until committed."""
-        return bool(self.scheduler.waiting or self.scheduler.running or self._pending)
+        """Whether `step()` has work: waiting or running requests, pending
+        finish reports, or a step in flight. Reserved requests need no step
+        until committed."""
+        return bool(self.scheduler.waiting or self.scheduler.running or self._pending
+                    or self._pipeline)
 
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
         plan = self.scheduler.schedule()
-        if not plan.scheduled:
-            return outputs
-        result = self.runner.execute(plan.scheduled)
-        self.scheduler.update_computed(plan)
-        if not result.sampling_requests:
-            return outputs
-        sampled = self.sampler(result.logits, [r.sampling_params for r in result.sampling_requests],
-                               [r.num_output_tokens for r in result.sampling_requests])
-        for request, token, logprob in zip(result.sampling_requests, sampled.token_ids,
-                                           sampled.logprobs, strict=True):
+        if plan.scheduled:
+            self._pipeline.launch(plan)
+        # Async: leave the step just launched in flight and finish the one before.
+        keep = 1 if self.async_scheduling and plan.scheduled else 0
+        while len(self._pipeline) > keep:
+            outputs.extend(self._finish_step(self._pipeline.complete()))
+        return outputs
+
+    def _finish_step(self, step: CompletedStep) -> list[RequestOutput]:
+        """A completed step's tokens: append, stop checks, outputs."""
+        self.scheduler.update_computed(step.plan)
+        outputs = []
+        for request, token, logprob in zip(step.sampling_requests, step.sampled.token_ids,
+                                           step.sampled.logprobs, strict=True):
+            if request.is_finished:
+                continue  # stopped or aborted while this step was in flight: discarded
             request.append_output_token(token)
             status = self._stop_status(request, token, prefill_only=request.prefill_only)
             if status is not None:
                 self._finish(request, status)
-            outputs.append(self._output(request, (token,), () if logprob is None else (logprob,)))
+            outputs.append(_output(request, (token,), () if logprob is None else (logprob,)))
         return outputs
 
     def _stop_status(self, request: Request, token: int, *,
@@ -250,16 +274,6 @@ class LLMEngine:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         self.scheduler.finish(request, status)
         del self._requests[request.request_id]
-
-    @staticmethod
-    def _output(request: Request, new_token_ids: tuple[int, ...],
-                new_logprobs: tuple[TokenLogprobs, ...]) -> RequestOutput:
-        return RequestOutput(
-            request_id=request.request_id, new_token_ids=new_token_ids,
-            new_logprobs=new_logprobs, finish_reason=request.status.finish_reason,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_cached_tokens=request.num_cached_tokens,
-            num_output_tokens=request.num_output_tokens)
 
     def stats(self) -> EngineStats:
         """Counts for GetLoad and the gauges (engine loop thread)."""
@@ -300,7 +314,7 @@ class LLMEngine:
             request_id = f"generate-{next(self._generate_ids)}"
             self.add_request(request_id, prompt, p)
             streams[request_id] = _TextStream(request_id, tuple(prompt), p, tokenizer)
-        while any(s.finish_reason is None for s in streams.values()):
+        while self.has_unfinished_requests():  # also drains a step still in flight
             for output in self.step():
                 stream = streams.get(output.request_id)
                 if stream is None or stream.finish_reason is not None:
@@ -362,6 +376,16 @@ class _TextStream:
             text=None if self.detokenizer is None else self.text,
             finish_reason=self.finish_reason, logprobs=tuple(self.logprobs),
             num_cached_tokens=self.num_cached_tokens)
+
+
+def _output(request: Request, new_token_ids: tuple[int, ...],
+            new_logprobs: tuple[TokenLogprobs, ...]) -> RequestOutput:
+    return RequestOutput(
+        request_id=request.request_id, new_token_ids=new_token_ids,
+        new_logprobs=new_logprobs, finish_reason=request.status.finish_reason,
+        num_prompt_tokens=request.num_prompt_tokens,
+        num_cached_tokens=request.num_cached_tokens,
+        num_output_tokens=request.num_output_tokens)
 
 
 def _generation_eos_ids(model_dir: str) -> frozenset[int]:

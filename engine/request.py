@@ -62,7 +62,10 @@ _ALLOWED: dict[RequestStatus, frozenset[RequestStatus]] = {
         {_S.PREEMPTED, _S.FINISHED_STOPPED, _S.FINISHED_LENGTH, _S.FINISHED_ABORTED,
          _S.FINISHED_PREFILL_DONE}
     ),
-    _S.PREEMPTED: frozenset({_S.RUNNING, _S.FINISHED_ABORTED}),
+    # Async scheduling: a token sampled by a step that was in flight when the
+    # request was preempted is still appended, and may end it.
+    _S.PREEMPTED: frozenset({_S.RUNNING, _S.FINISHED_STOPPED, _S.FINISHED_LENGTH,
+                             _S.FINISHED_ABORTED, _S.FINISHED_PREFILL_DONE}),
     **{s: frozenset() for s in _FINISH_REASONS},
 }
 
@@ -71,14 +74,23 @@ class Request:
     """Mutable per-sequence state; created by `LLMEngine`, advanced by the scheduler.
 
     Invariants: `all_token_ids == prompt + outputs` (append-only);
-    `num_computed_tokens <= num_tokens`; `block_ids` is append-only while
-    the request holds blocks and covers at least `num_computed_tokens` slots.
+    `num_computed_tokens <= num_tokens_with_placeholders`; `block_ids` is
+    append-only while the request holds blocks and covers at least
+    `num_computed_tokens` slots.
+
+    Output placeholders: the scheduler counts a token as soon as a step that
+    samples it is scheduled (`num_output_placeholders`), so the next step can
+    be planned before the token is known (async scheduling); appending the
+    token replaces the oldest placeholder. `last_step_id` is the newest
+    scheduled step that computes tokens of this request: its blocks may only
+    go back to the pool once that step has completed.
     """
 
     __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "prefill_only",
                  "all_token_ids", "num_context_tokens", "status", "num_computed_tokens",
                  "num_cached_tokens", "block_ids", "block_hashes", "num_cached_blocks",
-                 "num_kv_streamed", "was_scheduled")
+                 "num_kv_streamed", "was_scheduled", "num_output_placeholders",
+                 "last_step_id")
 
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int],
                  sampling_params: SamplingParams, *, output_token_ids: Sequence[int] = (),
@@ -100,10 +112,27 @@ class Request:
         self.num_cached_blocks = 0  # leading blocks already inserted in the prefix cache
         self.num_kv_streamed = 0  # context tokens already handed to the LayerKVHook
         self.was_scheduled = False
+        self.num_output_placeholders = 0  # sampled by a scheduled step, not yet appended
+        self.last_step_id = -1  # newest step that computes tokens of this request
 
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        """Known tokens plus the ones scheduled steps will sample: what the
+        scheduler plans against."""
+        return len(self.all_token_ids) + self.num_output_placeholders
+
+    @property
+    def ends_with_placeholders(self) -> bool:
+        """The tokens in flight already end the request (prefill-only requests
+        stop at their first token; max_tokens is reached), so nothing more is
+        scheduled for it."""
+        ph = self.num_output_placeholders
+        return ph > 0 and (self.prefill_only or self.num_output_tokens + ph
+                           >= self.sampling_params.max_tokens)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -122,7 +151,10 @@ class Request:
         return self.status.is_finished
 
     def append_output_token(self, token_id: int) -> None:
+        """Append a sampled (or committed) token; it replaces the oldest placeholder."""
         self.all_token_ids.append(token_id)
+        if self.num_output_placeholders:
+            self.num_output_placeholders -= 1
 
     def transition(self, new_status: RequestStatus) -> None:
         """Move to `new_status`, refusing a transition the life cycle does not allow."""

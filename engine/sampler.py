@@ -18,6 +18,10 @@ index i. Unseeded rows share the engine's generator (seeded by
 `EngineConfig.seed`).
 
 Logprobs are of the raw distribution: log_softmax of the unmodified logits.
+
+`sample` leaves everything on the logits' device and reads nothing back
+(async scheduling launches step N+1 with step N's token tensor before the
+host has seen it); `SampledTensors.output()` is the host read.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
+from engine.host_copy import to_device
 from engine.outputs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 
@@ -44,6 +49,39 @@ class SamplerOutput:
     logprobs: tuple[TokenLogprobs | None, ...]  # None for rows that did not ask
 
 
+@dataclass(frozen=True, slots=True)
+class SampledTensors:
+    """A step's sampled tokens and the logprobs rows asked for, as tensors
+    (on CUDA possibly still being computed). `logprob_rows[i]` is the row of
+    `chosen[i]`, `top_values[i]`, `top_ids[i]`."""
+
+    token_ids: torch.Tensor  # [n] int64
+    logprob_rows: tuple[int, ...]
+    chosen: torch.Tensor | None  # [len(logprob_rows)] float32
+    top_values: torch.Tensor | None  # [len(logprob_rows), max n]
+    top_ids: torch.Tensor | None
+
+    def to(self, device: torch.device | str, *, non_blocking: bool = False) -> SampledTensors:
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device, non_blocking=non_blocking)
+
+        return SampledTensors(move(self.token_ids), self.logprob_rows, move(self.chosen),
+                              move(self.top_values), move(self.top_ids))
+
+    def output(self, params: Sequence[SamplingParams]) -> SamplerOutput:
+        """Read the tensors on the host (a device sync when they are not there)."""
+        tokens = tuple(self.token_ids.tolist())
+        out: list[TokenLogprobs | None] = [None] * len(tokens)
+        if self.logprob_rows:
+            chosen = self.chosen.tolist()
+            for i, r in enumerate(self.logprob_rows):
+                n = params[r].logprobs
+                ids = tuple(self.top_ids[i, :n].tolist()) if n else ()
+                values = tuple(self.top_values[i, :n].tolist()) if n else ()
+                out[r] = TokenLogprobs(tokens[r], chosen[i], ids, values)
+        return SamplerOutput(tokens, tuple(out))
+
+
 class Sampler:
     """Stateless apart from the engine generator used by unseeded rows."""
 
@@ -55,32 +93,38 @@ class Sampler:
                  output_indices: Sequence[int]) -> SamplerOutput:
         """logits [n, V] float32; `params[r]` and `output_indices[r]` (the
         index of the token being sampled among the request's outputs) per row."""
+        return self.sample(logits, params, output_indices).output(params)
+
+    def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams],
+               output_indices: Sequence[int]) -> SampledTensors:
+        """Like `__call__`, but the result stays on the logits' device: no
+        host sync (the unseeded and seeded noise is drawn on the CPU and
+        copied over, in row order, so the generators are used as before)."""
         if logits.dim() != 2 or not logits.shape[0] == len(params) == len(output_indices):
             raise ValueError(
                 f"logits {tuple(logits.shape)} must be [n, V] with n == "
                 f"{len(params)} params == {len(output_indices)} indices"
             )
         logits = logits.float()
-        greedy = torch.tensor([p.greedy for p in params], device=logits.device)
         token_ids = logits.argmax(dim=-1)
-        if not bool(greedy.all()):
+        if not all(p.greedy for p in params):
+            greedy = to_device(torch.tensor([p.greedy for p in params]), logits.device)
             sampled = self._sample(logits, params, output_indices)
             token_ids = torch.where(greedy, token_ids, sampled)
-        tokens = tuple(token_ids.tolist())
-        return SamplerOutput(tokens, _logprobs(logits, params, tokens))
+        return _with_logprobs(logits, params, token_ids)
 
     def _sample(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                 output_indices: Sequence[int]) -> torch.Tensor:
         device = logits.device
-        temperature = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
-                                   device=device)
+        temperature = to_device(torch.tensor([p.temperature if p.temperature > 0 else 1.0
+                                              for p in params]), device)
         scaled = logits / temperature[:, None]
         top_k = [p.top_k for p in params]
         top_p = [p.top_p for p in params]
         if any(top_k) or any(p < 1.0 for p in top_p):
             scaled = _filter_top_k_top_p(scaled, top_k, top_p)
         probs = scaled.softmax(dim=-1)
-        noise = self._exponential_noise(probs.shape, params, output_indices).to(device)
+        noise = to_device(self._exponential_noise(probs.shape, params, output_indices), device)
         return (probs / noise).argmax(dim=-1)
 
     def _exponential_noise(self, shape: torch.Size, params: Sequence[SamplingParams],
@@ -107,34 +151,28 @@ def _filter_top_k_top_p(scaled: torch.Tensor, top_k: list[int],
     vocab = scaled.shape[1]
     device = scaled.device
     sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True)
-    k = torch.tensor([t if 0 < t < vocab else vocab for t in top_k], device=device)
+    k = to_device(torch.tensor([t if 0 < t < vocab else vocab for t in top_k]), device)
     ranks = torch.arange(vocab, device=device)[None, :]
     remove = ranks >= k[:, None]
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
     probs = sorted_logits.softmax(dim=-1)
     # Mass strictly before each token; the most likely token is always kept.
     mass_before = probs.cumsum(dim=-1) - probs
-    p = torch.tensor(top_p, device=device)
+    p = to_device(torch.tensor(top_p), device)
     remove |= mass_before >= p[:, None]
     remove[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
     return torch.empty_like(scaled).scatter_(1, sorted_ids, sorted_logits)
 
 
-def _logprobs(logits: torch.Tensor, params: Sequence[SamplingParams],
-              tokens: tuple[int, ...]) -> tuple[TokenLogprobs | None, ...]:
-    wanted = [r for r, p in enumerate(params) if p.logprobs is not None]
+def _with_logprobs(logits: torch.Tensor, params: Sequence[SamplingParams],
+                   token_ids: torch.Tensor) -> SampledTensors:
+    wanted = tuple(r for r, p in enumerate(params) if p.logprobs is not None)
     if not wanted:
-        return (None,) * len(params)
-    logprobs = logits[wanted].log_softmax(dim=-1)
+        return SampledTensors(token_ids, (), None, None, None)
+    rows = to_device(torch.tensor(wanted), logits.device)
+    logprobs = logits[rows].log_softmax(dim=-1)
+    chosen = logprobs.gather(1, token_ids[rows, None]).squeeze(1)
     max_n = max(params[r].logprobs for r in wanted)
     top_values, top_ids = logprobs.topk(max_n, dim=-1) if max_n else (None, None)
-    chosen = logprobs.gather(1, torch.tensor([[tokens[r]] for r in wanted],
-                                             device=logits.device)).squeeze(1).tolist()
-    out: list[TokenLogprobs | None] = [None] * len(params)
-    for i, r in enumerate(wanted):
-        n = params[r].logprobs
-        ids = tuple(top_ids[i, :n].tolist()) if n else ()
-        values = tuple(top_values[i, :n].tolist()) if n else ()
-        out[r] = TokenLogprobs(tokens[r], chosen[i], ids, values)
-    return tuple(out)
+    return SampledTensors(token_ids, wanted, chosen, top_values, top_ids)

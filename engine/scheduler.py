@@ -21,6 +21,18 @@ Each `schedule()` call builds one step:
    prefix is mapped in first, and a prompt longer than the remaining budget
    is prefilled over several steps.
 
+Async scheduling (docs/engine.md): step N+1 may be scheduled before step
+N completes. A token a scheduled step will sample counts as an output
+placeholder (`Request.num_output_placeholders`), so step N+1 plans the
+request's next token before it is known; a request whose tokens in flight
+already end it (prefill-only, max_tokens) is not scheduled again. Every
+step has an id; `update_computed` marks it completed. Blocks of a request
+finished or preempted while a step that includes it is still in flight are
+**deferred**: they return to the pool only once that step completed, so
+nothing else (a new request, a remote reservation the injector writes) gets
+a block the in-flight step still writes. A request whose new blocks would
+only fit with deferred blocks waits one step instead of preempting others.
+
 Only the engine loop thread calls this.
 """
 
@@ -35,11 +47,14 @@ from engine.request import Request, RequestStatus
 
 @dataclass(frozen=True, slots=True)
 class ScheduledRequest:
-    """Tokens `[start, start + num_new_tokens)` of `request` are computed this step."""
+    """Tokens `[start, start + num_new_tokens)` of `request` are computed this
+    step; `samples`: they reach the request's end, so the step samples its
+    next token from the last row."""
 
     request: Request
     start: int
     num_new_tokens: int
+    samples: bool
 
     @property
     def end(self) -> int:
@@ -48,6 +63,7 @@ class ScheduledRequest:
 
 @dataclass(frozen=True, slots=True)
 class SchedulerOutput:
+    step_id: int
     scheduled: tuple[ScheduledRequest, ...]
     preempted_request_ids: tuple[str, ...]
 
@@ -69,6 +85,16 @@ class Scheduler:
         self.running: list[Request] = []
         self.reserved: dict[str, Request] = {}
         self.num_preemptions = 0  # cumulative, for stats and tests
+        self.num_scheduled_steps = 0  # non-empty plans so far = the next step's id
+        self.last_completed_step_id = -1
+        # (step id, block ids) of requests freed while that step was in
+        # flight: released when the step completes.
+        self._deferred: list[tuple[int, list[int]]] = []
+
+    @property
+    def num_deferred_blocks(self) -> int:
+        """Blocks that return to the pool when the steps in flight complete."""
+        return sum(len(block_ids) for _, block_ids in self._deferred)
 
     @property
     def num_seqs(self) -> int:
@@ -89,21 +115,30 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
+        step_id = self.num_scheduled_steps
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
+        stalled = False  # someone waits for deferred blocks: admit nobody
         for request in self._running_order():
             if budget == 0:
                 break
-            if request.status is not RequestStatus.RUNNING:
-                continue  # preempted earlier in this loop
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self._make_room(request, num_new, scheduled, preempted):
+            if request.status is not RequestStatus.RUNNING or request.ends_with_placeholders:
+                continue  # preempted earlier in this loop, or done once its step lands
+            num_new = min(request.num_tokens_with_placeholders - request.num_computed_tokens,
+                          budget)
+            room = self._make_room(request, num_new, scheduled, preempted)
+            if room is None:
+                stalled = True
+                continue
+            if not room:
                 break
-            scheduled.append(self._take(request, num_new))
+            scheduled.append(self._take(request, num_new, step_id))
             budget -= num_new
-        if not preempted:
-            budget = self._admit_waiting(budget, scheduled)
-        return SchedulerOutput(tuple(scheduled), tuple(preempted))
+        if not preempted and not stalled:
+            budget = self._admit_waiting(budget, scheduled, step_id)
+        if scheduled:  # an empty plan is never run: its id goes to the next one
+            self.num_scheduled_steps += 1
+        return SchedulerOutput(step_id, tuple(scheduled), tuple(preempted))
 
     def _running_order(self) -> list[Request]:
         """Running requests in the order they get the budget: with
@@ -112,16 +147,24 @@ class Scheduler:
         oldest first within each group."""
         if not self.decode_first:
             return list(self.running)
-        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens != 1]
+        decoding, prefilling = [], []
+        for r in self.running:
+            left = r.num_tokens_with_placeholders - r.num_computed_tokens
+            (decoding if left == 1 else prefilling).append(r)
         return decoding + prefilling
 
     def _make_room(self, request: Request, num_new: int, scheduled: list[ScheduledRequest],
-                   preempted: list[str]) -> bool:
+                   preempted: list[str]) -> bool | None:
         """Preempt the newest running requests not yet scheduled this step until
-        `request`'s new blocks fit; False if `request` itself had to go."""
+        `request`'s new blocks fit; False if `request` itself had to go. None:
+        they fit once the deferred blocks of the steps in flight are back, so
+        `request` waits a step rather than preempting anyone (more)."""
         taken = {id(s.request) for s in scheduled}
-        while not self.block_manager.can_allocate(request, num_new):
+        bm = self.block_manager
+        while not bm.can_allocate(request, num_new):
+            if (self._deferred and bm.num_blocks_needed(request, num_new)
+                    <= bm.num_free_blocks + self.num_deferred_blocks):
+                return None
             victim = next(r for r in reversed(self.running) if id(r) not in taken)
             self.running.remove(victim)
             self._preempt(victim)
@@ -130,9 +173,12 @@ class Scheduler:
                 return False
         return True
 
-    def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
+    def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest], step_id: int) -> int:
         while self.waiting and budget > 0 and self.num_seqs < self.max_num_seqs:
             request = self.waiting[0]
+            # A preempted request's token in flight lands before it is resumed:
+            # preemption stops admission for the step that preempts.
+            assert request.num_output_placeholders == 0, request.request_id
             if not request.block_ids:
                 num_cached = self.block_manager.match_prefix(request)
                 if not request.was_scheduled:
@@ -144,26 +190,53 @@ class Scheduler:
             self.waiting.popleft()
             request.transition(RequestStatus.RUNNING)
             self.running.append(request)
-            scheduled.append(self._take(request, num_new))
+            scheduled.append(self._take(request, num_new, step_id))
             budget -= num_new
         return budget
 
-    def _take(self, request: Request, num_new: int) -> ScheduledRequest:
+    def _take(self, request: Request, num_new: int, step_id: int) -> ScheduledRequest:
+        """Allocate and count the tokens as computed now, so the next step can
+        be planned while this one is in flight; a step that reaches the end
+        adds an output placeholder for the token it samples."""
         self.block_manager.allocate(request, num_new)
         request.was_scheduled = True
-        return ScheduledRequest(request, request.num_computed_tokens, num_new)
+        start = request.num_computed_tokens
+        request.num_computed_tokens = start + num_new
+        request.last_step_id = step_id
+        samples = request.num_computed_tokens == request.num_tokens_with_placeholders
+        if samples:
+            request.num_output_placeholders += 1
+        return ScheduledRequest(request, start, num_new, samples)
 
     def _preempt(self, request: Request) -> None:
         self.num_preemptions += 1
-        self.block_manager.free(request)
+        self._free(request)
         request.transition(RequestStatus.PREEMPTED)
         self.waiting.appendleft(request)
 
+    def _free(self, request: Request) -> None:
+        """Give back the request's blocks now, or when its newest step in flight completes."""
+        block_ids = self.block_manager.detach(request)
+        if request.last_step_id > self.last_completed_step_id:
+            self._deferred.append((request.last_step_id, block_ids))
+        else:
+            self.block_manager.release(block_ids)
+
     def update_computed(self, output: SchedulerOutput) -> None:
-        """After the forward pass: the scheduled tokens' KV is in the cache."""
+        """After the forward pass of `output`'s step (steps complete in the
+        order they were scheduled): its KV is in the cache. Enters the
+        requests' newly full blocks into the prefix cache and releases the
+        blocks deferred until this step completed."""
+        assert output.step_id > self.last_completed_step_id
+        self.last_completed_step_id = output.step_id
         for s in output.scheduled:
-            s.request.num_computed_tokens = s.end
-            self.block_manager.cache_computed_blocks(s.request)
+            # A request finished or preempted since holds other (or no) blocks.
+            if s.request.status is RequestStatus.RUNNING:
+                self.block_manager.cache_computed_blocks(s.request, s.end)
+        for step_id, block_ids in self._deferred:
+            if step_id <= output.step_id:
+                self.block_manager.release(block_ids)
+        self._deferred = [d for d in self._deferred if d[0] > output.step_id]
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """End a request in any state: leave its queue, give back its blocks."""
@@ -174,4 +247,4 @@ class Scheduler:
         elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(request)
         request.transition(status)
-        self.block_manager.free(request)
+        self._free(request)

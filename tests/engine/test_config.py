@@ -7,6 +7,10 @@ def test_defaults():
     c = EngineConfig(model_dir="m")
     assert (c.block_size, c.max_num_seqs, c.max_num_batched_tokens) == (16, 64, 2048)
     assert c.enable_prefix_caching and c.max_model_len is None
+    # async scheduling: None resolves by device (on for CUDA; off on CPU, measured)
+    assert c.async_scheduling is None and not c.use_async_scheduling
+    assert EngineConfig(model_dir="m", device="cuda:1").use_async_scheduling
+    assert EngineConfig(model_dir="m", async_scheduling=True).use_async_scheduling
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,5 @@
-"""`engine.engine_loop.EngineLoop` over a real `LLMEngine` on the tiny model."""
+"""`engine.engine_loop.EngineLoop` over a real `LLMEngine` on the tiny model,
+with synchronous and async scheduling (a step in flight while commands run)."""
 
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ from engine.sampling_params import SamplingParams
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def engine_config(tiny_model_dir) -> EngineConfig:
-    return EngineConfig(model_dir=str(tiny_model_dir), num_blocks=64, block_size=16)
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def engine_config(tiny_model_dir, request) -> EngineConfig:
+    return EngineConfig(model_dir=str(tiny_model_dir), num_blocks=64, block_size=16,
+                        async_scheduling=request.param)
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +77,13 @@ def test_abort_ends_the_stream_and_frees_blocks(engine_config):
                     assert await loop.abort("long", "client") is True
         assert err.value.reason == "client"
         assert await loop.abort("long", "client") is False  # already gone
+        # Async scheduling: the blocks come back once the step in flight
+        # completes, which the loop runs right after the command.
+        for _ in range(200):
+            stats = await loop.run(lambda engine: engine.stats())
+            if stats.num_free_blocks == stats.num_total_blocks:
+                break
+            await asyncio.sleep(0.01)
         await loop.run(lambda engine: None)  # one more pass: stats published
         return seen, loop.stats
 

@@ -131,7 +131,7 @@ def test_finish_in_any_state_leaves_queues_and_frees(state):
     else:
         sched.add(r)
         if state == "running":
-            sched.schedule()
+            _finish_step(sched, sched.schedule())
     assert sched.block_manager.num_free_blocks == (16 if state == "waiting" else 14)
     sched.finish(r, S.FINISHED_ABORTED)
     assert not sched.waiting and not sched.running and not sched.reserved
@@ -215,3 +215,40 @@ def test_preemption_under_decode_first_never_takes_a_request_already_in_the_step
     out = sched.schedule()
     assert _plan(out) == [("a", 8, 1)] and out.preempted_request_ids == ("b",)
     assert b.status is S.PREEMPTED and sched.waiting[0] is b
+
+
+def test_blocks_of_a_request_freed_while_its_step_is_in_flight_return_when_it_completes():
+    """Async scheduling: finishing or preempting a request whose step has not
+    completed defers its blocks; nothing can allocate them until then."""
+    sched = _sched(num_blocks=4)
+    a, b = _req("a", 6), _req("b", 6, start=50)
+    sched.add(a)
+    sched.add(b)
+    first = sched.schedule()  # in flight: a and b write blocks 0-1 and 2-3
+    assert sched.block_manager.num_free_blocks == 0
+    sched.finish(a, S.FINISHED_ABORTED)
+    assert a.block_ids == [] and sched.block_manager.num_free_blocks == 0
+    assert sched.num_deferred_blocks == 2
+    # b's next token (a placeholder) needs no new block: b is planned before
+    # the first step completed, and nobody can take a's blocks meanwhile.
+    second = sched.schedule()
+    assert _plan(second) == [("b", 6, 1)] and b.num_output_placeholders == 2
+    assert sched.block_manager.num_free_blocks == 0
+    sched.update_computed(first)
+    assert sched.block_manager.num_free_blocks == 2 and sched.num_deferred_blocks == 0
+
+
+def test_a_request_waits_for_deferred_blocks_instead_of_preempting():
+    sched = _sched(num_blocks=3)
+    a, b = _req("a", 4), _req("b", 8, start=50)
+    sched.add(a)
+    sched.add(b)
+    first = sched.schedule()  # a: block 0, b: blocks 1-2, none free
+    sched.finish(a, S.FINISHED_STOPPED)  # a's block comes back when `first` completes
+    # b's placeholder (token 8) needs a third block: only a's deferred block
+    # would do, so b waits a step instead of preempting itself.
+    second = sched.schedule()
+    assert second.scheduled == () and second.preempted_request_ids == ()
+    assert b.status is S.RUNNING and sched.num_preemptions == 0
+    sched.update_computed(first)
+    assert _plan(sched.schedule()) == [("b", 8, 1)] and b.block_ids == [1, 2, 0]

@@ -5,6 +5,9 @@ start-up: a colocated pod (the parity baseline), a prefill pod (block 16,
 prefix cache on, 256-token chunks so long prompts stream over several
 steps), and two decode pods: block 128 over TCP and block 256 over gRPC,
 both with a short transfer timeout so the never-arriving-KV test is quick.
+The prefill pod and the gRPC decode pod run with async scheduling (off by
+default on CPU), so parity against the colocated pod also checks it end to
+end; the TCP decode pod keeps the synchronous default.
 """
 
 from __future__ import annotations
@@ -23,11 +26,12 @@ _DECODE_FLAGS = {"transfer_timeout": TRANSFER_TIMEOUT_S, "landing_memory": "64Mi
 POD_SPECS = {
     "colocated": ("colocated", {"block_size": 16, "num_blocks": 512}),
     "prefill": ("prefill", {"block_size": 16, "num_blocks": 512,
-                            "max_num_batched_tokens": 256, "kv_streams": 4}),
+                            "max_num_batched_tokens": 256, "kv_streams": 4,
+                            "async_scheduling": True}),
     "tcp": ("decode", {"block_size": 128, "num_blocks": 64, "kv_transport": "tcp",
                        **_DECODE_FLAGS}),
     "grpc": ("decode", {"block_size": 256, "num_blocks": 32, "kv_transport": "grpc",
-                        **_DECODE_FLAGS}),
+                        "async_scheduling": True, **_DECODE_FLAGS}),
 }
 
 

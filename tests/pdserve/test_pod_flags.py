@@ -23,6 +23,7 @@ def test_defaults_on_cpu(monkeypatch):
     assert config.scheduling_policy == "decode-first"
     assert config.kernel_backend == "auto" and config.matmul_backend == "auto"
     assert _pod_flags.default_step_tokens("cuda") == 2048
+    assert config.async_scheduling is None and not config.use_async_scheduling
 
 
 def test_flags_override_and_the_environment_sets_the_kernel_default(monkeypatch):
@@ -40,3 +41,12 @@ def test_a_bad_value_is_refused_by_argparse(capsys):
     with pytest.raises(SystemExit):
         _parse(["--matmul-backend", "mkl"])
     assert "invalid choice: 'mkl'" in capsys.readouterr().err
+
+
+def test_async_scheduling_flag_and_its_device_default():
+    on = _pod_flags.engine_config_from_args(_parse(["--async-scheduling"]))
+    off = _pod_flags.engine_config_from_args(_parse(["--no-async-scheduling"]))
+    assert (on.async_scheduling, off.async_scheduling) == (True, False)
+    assert on.use_async_scheduling and not off.use_async_scheduling
+    cuda = _pod_flags.engine_config_from_args(_parse(["--device", "cuda"]))
+    assert cuda.async_scheduling is None and cuda.use_async_scheduling
