@@ -63,6 +63,9 @@ class EngineConfig:
     kernel_backend: str = "auto"
     # Dense projections: auto|onednn|torch, see engine/layers/linear.py.
     matmul_backend: str = "auto"
+    # True: never capture CUDA graphs, run every step eagerly. Graphs are
+    # only ever captured on CUDA (engine/cuda_graphs.py).
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if not self.model_dir:
@@ -100,3 +103,5 @@ class EngineConfig:
                              f"got {self.scheduling_policy!r}")
         Backend.parse(self.kernel_backend)  # ValueError naming the allowed values
         MatmulBackend.parse(self.matmul_backend)
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")

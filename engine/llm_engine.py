@@ -89,7 +89,10 @@ class LLMEngine:
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    decode_first=config.scheduling_policy == "decode-first")
         self.runner = ModelRunner(self.model, self.kv_caches, config.block_size,
-                                  layer_kv_hook=layer_kv_hook)
+                                  layer_kv_hook=layer_kv_hook, max_num_seqs=config.max_num_seqs,
+                                  max_num_batched_tokens=config.max_num_batched_tokens,
+                                  max_model_len=self.max_model_len,
+                                  enforce_eager=config.enforce_eager)
         self.sampler = Sampler(config.seed)
         self.eos_token_ids = frozenset(mc.eos_token_ids) | _generation_eos_ids(config.model_dir)
         self._tokenizer = None  # loaded by the first generate() that needs text

@@ -45,6 +45,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, block_size: int,
                         "everywhere (default: $PDSERVE_KERNEL_BACKEND, else auto).")
     g.add_argument("--matmul-backend", choices=("auto", "onednn", "torch"), default="auto",
                    help="Dense projections on CPU: oneDNN prepacked weights (auto) or F.linear.")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="Never capture CUDA graphs; run every step eagerly (graphs are "
+                        "only used on CUDA; docs/engine.md, CUDA graphs).")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="Context limit (default: the model's max_position_embeddings).")
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
@@ -120,6 +123,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         seed=args.seed,
         kernel_backend=args.kernel_backend,
         matmul_backend=args.matmul_backend,
+        enforce_eager=args.enforce_eager,
     )
 
 

@@ -7,6 +7,7 @@ def test_defaults():
     c = EngineConfig(model_dir="m")
     assert (c.block_size, c.max_num_seqs, c.max_num_batched_tokens) == (16, 64, 2048)
     assert c.enable_prefix_caching and c.max_model_len is None
+    assert c.enforce_eager is False
 
 
 @pytest.mark.parametrize(
@@ -19,7 +20,8 @@ def test_defaults():
      ({"gpu_memory_fraction": 1.5}, "gpu_memory_fraction"),
      ({"max_num_seqs": 0}, "max_num_seqs"),
      ({"max_num_batched_tokens": 0}, "max_num_batched_tokens"),
-     ({"max_model_len": 0}, "max_model_len"), ({"seed": -1}, "seed")],
+     ({"max_model_len": 0}, "max_model_len"), ({"seed": -1}, "seed"),
+     ({"enforce_eager": "yes"}, "enforce_eager must be a bool, got 'yes'")],
 )
 def test_bad_values_name_the_field(kwargs, message):
     fields = {"model_dir": "m", **kwargs}
