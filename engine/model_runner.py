@@ -86,6 +86,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled: Sequence[ScheduledRequest]) -> ModelRunnerOutput:
+        """One forward pass over the step (engine loop thread); see module docstring."""
         decode = [s for s in scheduled if s.num_new_tokens == 1]
         prefill = [s for s in scheduled if s.num_new_tokens > 1]
         ordered = decode + prefill
