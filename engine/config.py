@@ -68,6 +68,9 @@ class EngineConfig:
     # Plan and launch step N+1 while step N computes (docs/engine.md, Async
     # scheduling). None: on for CUDA, ASYNC_SCHEDULING_ON_CPU on CPU.
     async_scheduling: bool | None = None
+    # True: never capture CUDA graphs, run every step eagerly. Graphs are
+    # only ever captured on CUDA (engine/cuda_graphs.py).
+    enforce_eager: bool = False
 
     @property
     def use_async_scheduling(self) -> bool:
@@ -112,3 +115,5 @@ class EngineConfig:
                              f"got {self.scheduling_policy!r}")
         Backend.parse(self.kernel_backend)  # ValueError naming the allowed values
         MatmulBackend.parse(self.matmul_backend)
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")

@@ -103,7 +103,11 @@ class LLMEngine:
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    decode_first=config.scheduling_policy == "decode-first")
         self.runner = ModelRunner(self.model, self.kv_caches, config.block_size,
-                                  layer_kv_hook=layer_kv_hook)
+                                  layer_kv_hook=layer_kv_hook, max_num_seqs=config.max_num_seqs,
+                                  max_num_batched_tokens=config.max_num_batched_tokens,
+                                  max_model_len=self.max_model_len,
+                                  enforce_eager=config.enforce_eager,
+                                  async_scheduling=config.use_async_scheduling)
         self.sampler = Sampler(config.seed)
         self.async_scheduling = config.use_async_scheduling
         # On CPU the forwards run on a worker thread, so the engine thread's

@@ -2,34 +2,49 @@
 
 `prepare` runs on the engine loop thread (it reads the requests): it
 flattens the scheduled requests into one batch (decode rows first, then
-prefill chunks; see `engine.paged_attention_context`) and builds the
-per-step attention context (slot mapping, block tables, context lengths,
-gathered prefill context, LayerKVHook spans). `forward` runs the model on
-those inputs and returns the float32 logits of the last row of every
-request whose scheduled tokens reach its end (it finished its prompt or is
-decoding): those are the rows that sample. `execute` is both, in order.
+prefill chunks; see `engine.paged_attention_context`), writes the step's
+inputs (token ids, positions, slot mapping, decode block tables and context
+lengths, sampled rows) into the persistent `StepInputs` tensors, and builds
+the attention context over views of them (plus, only when a chunk needs it,
+the gathered prefill context's slots, and the LayerKVHook spans). `forward`
+runs the model on those inputs and returns the float32 logits of the rows
+that sample (a request's last scheduled row when the step samples for it:
+it finished its prompt or is decoding). `execute` is both, in order.
+
+A pure-decode step replays the CUDA graph of its batch-size bucket when the
+runner captured them (`engine.cuda_graphs`: CUDA, Triton kernels, no
+`enforce_eager`, no layer-KV hook); every other step runs eagerly.
 
 With async scheduling (`engine.step_pipeline`) `forward` runs where the
 forwards run (a worker thread on CPU), and a decode row may have a
 placeholder input: the token the previous step samples for that request,
-not yet in `request.all_token_ids`. `prepare` leaves it 0 and records where
-it comes from; `forward` copies it from the previous step's sampled-token
-tensor on the device (no host sync).
+not yet in `request.all_token_ids`. `prepare` writes 0 there and records
+where it comes from; `forward` copies it from the previous step's
+sampled-token tensor on the device (no host sync), into the very buffer a
+graph replay reads. Because step N+1 is prepared while step N may still be
+reading its inputs, a CPU runner under async scheduling alternates between
+two `StepInputs` sets; on CUDA one set suffices (the host writes go through staging tensors and
+stream-ordered copies; docs/engine.md, Async scheduling).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from engine.cuda_graphs import DecodeGraphs, capture_sizes, eager_reason
 from engine.host_copy import to_device
 from engine.kv_hook import LayerKVHook, LayerKVSpan
 from engine.model import LlamaForCausalLM
 from engine.paged_attention_context import PagedAttentionContext, PrefillChunk
 from engine.request import Request
 from engine.scheduler import ScheduledRequest
+from engine.step_inputs import StepInputs
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,14 +56,17 @@ class ModelRunnerOutput:
 
 
 @dataclass(frozen=True, slots=True)
-class StepInputs:
-    """One step's model inputs, built by `ModelRunner.prepare`. Rows
-    `placeholder_rows` of `input_ids` take the previous step's sampled tokens
-    at `placeholder_sources` when the forward starts."""
+class PreparedStep:
+    """One step's model inputs, built by `ModelRunner.prepare` (views of a
+    `StepInputs` set). `graph_bucket` is the CUDA graph that runs the step,
+    or None to run `context` eagerly. Rows `placeholder_rows` of `input_ids`
+    take the previous step's sampled tokens at `placeholder_sources` when the
+    forward starts."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
-    context: PagedAttentionContext
+    context: PagedAttentionContext | None
+    graph_bucket: int | None
     sample_rows: torch.Tensor
     sampling_requests: tuple[Request, ...]
     placeholder_rows: torch.Tensor
@@ -64,10 +82,18 @@ def slots_for(block_ids: Sequence[int], block_size: int, start: int, end: int,
 
 
 class ModelRunner:
-    """Owns nothing but references: the model, the cache tensors and the hook."""
+    """Holds references to the model, the cache tensors and the hook; owns the
+    step input buffers and the decode graphs.
+
+    `max_num_seqs`, `max_num_batched_tokens` and `max_model_len` size the
+    buffers (a step never holds more); `enforce_eager` turns CUDA graphs off;
+    `async_scheduling` says a step may be prepared while another is in flight.
+    """
 
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[torch.Tensor], block_size: int,
-                 *, layer_kv_hook: LayerKVHook | None = None) -> None:
+                 *, layer_kv_hook: LayerKVHook | None = None, max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
+                 enforce_eager: bool = False, async_scheduling: bool = False) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -75,100 +101,176 @@ class ModelRunner:
         self.device = model.device
         self.scale = model.config.head_dim ** -0.5
         self.sliding_window = model.config.sliding_window
+        max_model_len = max_model_len or model.config.max_position_embeddings
+        # A CPU forward reads the buffers themselves, so with a step in
+        # flight while the next is prepared it needs a second set.
+        num_sets = 2 if async_scheduling and self.device.type != "cuda" else 1
+        self._input_sets = tuple(
+            StepInputs(max_num_tokens=max(max_num_batched_tokens, max_num_seqs),
+                       max_num_seqs=max_num_seqs,
+                       max_blocks_per_seq=-(-max_model_len // block_size), device=self.device)
+            for _ in range(num_sets))
+        self._num_prepared = 0
+        self.graphs: DecodeGraphs | None = None
+        reason = eager_reason(device=self.device, kernel_backend=model.kernel_backend,
+                              enforce_eager=enforce_eager,
+                              has_layer_kv_hook=layer_kv_hook is not None)
+        if reason is None:
+            self.graphs = DecodeGraphs(model, self.inputs, self.decode_graph_context,
+                                       capture_sizes(max_num_seqs))
+        else:
+            log.info("no CUDA graphs, every step runs eagerly: %s", reason)
+
+    @property
+    def inputs(self) -> StepInputs:
+        """The `StepInputs` set the latest `prepare` wrote (the one set on CUDA)."""
+        return self._input_sets[(self._num_prepared - 1) % len(self._input_sets)]
 
     def execute(self, scheduled: Sequence[ScheduledRequest]) -> ModelRunnerOutput:
         """One step with every input token known (the synchronous path)."""
         return self.forward(self.prepare(scheduled))
 
     def prepare(self, scheduled: Sequence[ScheduledRequest],
-                placeholder_sources: Mapping[str, int] | None = None) -> StepInputs:
+                placeholder_sources: Mapping[str, int] | None = None) -> PreparedStep:
         """Engine loop thread. `placeholder_sources[request_id]`: the row of a
         request in the previous step's sampled tokens, for each request whose
         input token that step samples."""
+        self._num_prepared += 1
+        inputs = self.inputs
         decode = [s for s in scheduled if s.num_new_tokens == 1]
         prefill = [s for s in scheduled if s.num_new_tokens > 1]
         ordered = decode + prefill
-        input_ids: list[int] = []
-        positions: list[int] = []
-        sample_rows: list[int] = []
-        sampling: list[Request] = []
-        placeholders: list[tuple[int, int]] = []  # (row, row in the previous step's tokens)
-        for s in ordered:
-            r = s.request
-            if s.start < r.num_tokens:
-                assert s.end <= r.num_tokens, "only a lone decode row may be a placeholder"
-                input_ids.extend(r.all_token_ids[s.start : s.end])
-            else:  # a decode row whose token the previous step samples
-                placeholders.append((len(input_ids), placeholder_sources[r.request_id]))
-                input_ids.append(0)
-            positions.extend(range(s.start, s.end))
-            if s.samples:
-                sample_rows.append(len(input_ids) - 1)
-                sampling.append(r)
         streamed = self._spans(ordered)
         # The forward hands every layer these spans; a later step (or a
         # preemption, which recomputes) must not stream them again.
         for request, span in streamed:
             request.num_kv_streamed = span.end
-        ctx = self._build_context(decode, prefill, tuple(span for _, span in streamed))
-        dev = self.device
+        input_ids, placeholders = self._write_input_ids(inputs, ordered, placeholder_sources)
+        positions, sample_rows, sampling = self._write_rows(inputs, ordered)
+        tables = inputs.block_tables.write_table([s.request.block_ids for s in decode])
+        context_lens = inputs.context_lens.write_rows([s.end for s in decode])
+        bucket = self._graph_bucket(decode, prefill, streamed)
+        ctx = None if bucket is not None else self._eager_context(
+            inputs, decode, prefill, tables, context_lens, tuple(span for _, span in streamed))
         rows, sources = zip(*placeholders, strict=True) if placeholders else ((), ())
-        return StepInputs(
-            input_ids=to_device(torch.tensor(input_ids, dtype=torch.long), dev),
-            positions=to_device(torch.tensor(positions, dtype=torch.long), dev),
-            context=ctx,
-            sample_rows=to_device(torch.tensor(sample_rows, dtype=torch.long), dev),
-            sampling_requests=tuple(sampling),
-            placeholder_rows=to_device(torch.tensor(rows, dtype=torch.long), dev),
-            placeholder_sources=to_device(torch.tensor(sources, dtype=torch.long), dev))
+        return PreparedStep(
+            input_ids=input_ids, positions=positions, context=ctx, graph_bucket=bucket,
+            sample_rows=sample_rows, sampling_requests=tuple(sampling),
+            placeholder_rows=to_device(torch.tensor(rows, dtype=torch.long), self.device),
+            placeholder_sources=to_device(torch.tensor(sources, dtype=torch.long), self.device))
 
     @torch.inference_mode()
-    def forward(self, inputs: StepInputs,
+    def forward(self, step: PreparedStep,
                 previous_tokens: torch.Tensor | None = None) -> ModelRunnerOutput:
         """Run the model; `previous_tokens` (the previous step's sampled token
         ids, on the device) fills the placeholder rows. Reads no request."""
-        input_ids = inputs.input_ids
-        if inputs.placeholder_rows.numel():
-            input_ids[inputs.placeholder_rows] = previous_tokens[inputs.placeholder_sources]
-        hidden = self.model(input_ids, inputs.positions, inputs.context)
-        logits = (self.model.compute_logits(hidden[inputs.sample_rows])
-                  if inputs.sampling_requests else hidden.new_empty(
+        if step.placeholder_rows.numel():
+            step.input_ids[step.placeholder_rows] = previous_tokens[step.placeholder_sources]
+        if step.graph_bucket is not None:
+            hidden = self.graphs.run(step.graph_bucket)
+        else:
+            hidden = self.model(step.input_ids, step.positions, step.context)
+        logits = (self.model.compute_logits(hidden[step.sample_rows])
+                  if step.sampling_requests else hidden.new_empty(
                       (0, self.model.config.vocab_size), dtype=torch.float32))
-        return ModelRunnerOutput(inputs.sampling_requests, logits)
+        return ModelRunnerOutput(step.sampling_requests, logits)
 
-    def _build_context(self, decode: list[ScheduledRequest], prefill: list[ScheduledRequest],
+    @staticmethod
+    def _write_input_ids(inputs: StepInputs, ordered: list[ScheduledRequest],
+                         placeholder_sources: Mapping[str, int] | None
+                         ) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+        """The step's token ids in batch order, written to `inputs.input_ids`,
+        and the placeholder rows: (row, row in the previous step's tokens)."""
+        ids: list[int] = []
+        placeholders: list[tuple[int, int]] = []
+        for s in ordered:
+            r = s.request
+            if s.start < r.num_tokens:
+                assert s.end <= r.num_tokens, "only a lone decode row may be a placeholder"
+                ids.extend(r.all_token_ids[s.start : s.end])
+            else:  # a decode row whose token the previous step samples
+                placeholders.append((len(ids), placeholder_sources[r.request_id]))
+                ids.append(0)
+        return inputs.input_ids.write_rows(ids), placeholders
+
+    def _write_rows(self, inputs: StepInputs, ordered: list[ScheduledRequest]
+                    ) -> tuple[torch.Tensor, torch.Tensor, list[Request]]:
+        """Positions and cache slots of every row, and the rows that sample."""
+        bs = self.block_size
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[int] = []
+        sampling: list[Request] = []
+        for s in ordered:
+            r, table, start = s.request, s.request.block_ids, s.start
+            end = start + s.num_new_tokens
+            if end - start == 1:  # the common row: decoding
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                positions.extend(range(start, end))
+                slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            if s.samples:
+                sample_rows.append(len(positions) - 1)
+                sampling.append(r)
+        inputs.slot_mapping.write_rows(slots)
+        return (inputs.positions.write_rows(positions),
+                inputs.sample_rows.write_rows(sample_rows), sampling)
+
+    def _graph_bucket(self, decode: list[ScheduledRequest], prefill: list[ScheduledRequest],
+                      streamed: list[tuple[Request, LayerKVSpan]]) -> int | None:
+        """The bucket whose graph runs this step, or None to run it eagerly:
+        only pure-decode steps that stream no KV and fit a bucket replay."""
+        if self.graphs is None or prefill or streamed:
+            return None
+        return self.graphs.bucket_for(len(decode))
+
+    def _eager_context(self, inputs: StepInputs, decode: list[ScheduledRequest],
+                       prefill: list[ScheduledRequest], tables: torch.Tensor,
+                       context_lens: torch.Tensor,
                        spans: tuple[LayerKVSpan, ...]) -> PagedAttentionContext:
-        bs, dev = self.block_size, self.device
-        slots = []
-        for s in decode + prefill:
-            table = s.request.block_ids
-            slots.extend(table[p // bs] * bs + p % bs for p in range(s.start, s.end))
-        max_blocks = max((len(s.request.block_ids) for s in decode), default=0)
-        tables = [s.request.block_ids + [0] * (max_blocks - len(s.request.block_ids))
-                  for s in decode]
+        bs = self.block_size
         chunks: list[PrefillChunk] = []
         context_slots: list[torch.Tensor] = []
         row, context_start = len(decode), 0
         for s in prefill:
-            chunks.append(PrefillChunk(row, s.num_new_tokens, context_start, s.end))
-            context_slots.append(slots_for(s.request.block_ids, bs, 0, s.end))
+            if s.end > s.num_new_tokens:  # earlier context: gathered from the cache
+                chunks.append(PrefillChunk(row, s.num_new_tokens, context_start, s.end))
+                context_slots.append(slots_for(s.request.block_ids, bs, 0, s.end))
+                context_start += s.end
+            else:
+                chunks.append(PrefillChunk(row, s.num_new_tokens, -1, s.end))
             row += s.num_new_tokens
-            context_start += s.end
         return PagedAttentionContext(
             kv_caches=self.kv_caches,
-            slot_mapping=to_device(torch.tensor(slots, dtype=torch.int64), dev),
+            slot_mapping=inputs.slot_mapping.buffer[:row],
             num_decode=len(decode),
-            decode_block_tables=to_device(torch.tensor(tables, dtype=torch.int32).reshape(
-                len(decode), max_blocks), dev),
-            decode_context_lens=to_device(torch.tensor([s.end for s in decode],
-                                                       dtype=torch.int32), dev),
+            decode_block_tables=tables,
+            decode_context_lens=context_lens,
             prefill_chunks=tuple(chunks),
-            prefill_context_slots=to_device(torch.cat(context_slots) if context_slots
-                                            else torch.empty(0, dtype=torch.int64), dev),
+            prefill_context_slots=(to_device(torch.cat(context_slots), self.device)
+                                   if context_slots else None),
             scale=self.scale,
             sliding_window=self.sliding_window,
             hook=self.layer_kv_hook,
             spans=spans,
+            kernel_backend=self.model.kernel_backend,
+        )
+
+    def decode_graph_context(self, size: int) -> PagedAttentionContext:
+        """The context a bucket's graph is captured with: `size` decode rows over
+        the full-width static tensors, no prefill, no hook."""
+        inputs = self.inputs
+        return PagedAttentionContext(
+            kv_caches=self.kv_caches,
+            slot_mapping=inputs.slot_mapping.buffer[:size],
+            num_decode=size,
+            decode_block_tables=inputs.block_tables.buffer[:size],
+            decode_context_lens=inputs.context_lens.buffer[:size],
+            prefill_chunks=(),
+            prefill_context_slots=None,
+            scale=self.scale,
+            sliding_window=self.sliding_window,
             kernel_backend=self.model.kernel_backend,
         )
 

@@ -15,7 +15,8 @@ each prefill chunk occupies a contiguous run of rows. Per layer:
 3. prefill chunks run causal attention with the query offset
    `context_len - num_new` (torch sdpa): a chunk that is a whole prompt uses
    this step's K/V rows directly; the others gather their whole context
-   (cached prefix + this chunk) with one `kernels.extract_kv` for the step;
+   (cached prefix + this chunk) with one `kernels.extract_kv` for the step
+   over `prefill_context_slots` (None when no chunk needs it);
 4. the `LayerKVHook`, if any, receives the layer with this step's spans.
 
 Sliding window W: a query at position p sees keys j with p - W < j <= p
@@ -37,13 +38,19 @@ from kernels.dispatch import Backend
 @dataclass(frozen=True, slots=True)
 class PrefillChunk:
     """Rows `[row_start, row_start + num_new)` of the batch are the last
-    `num_new` of the sequence's `context_len` tokens; their context K/V are
-    rows `[context_start, context_start + context_len)` of the gathered context."""
+    `num_new` of the sequence's `context_len` tokens. A chunk with earlier
+    context (`needs_context`) finds its context K/V at rows
+    `[context_start, context_start + context_len)` of the step's gathered
+    context; a whole prompt attends over its own rows (context_start -1)."""
 
     row_start: int
     num_new: int
     context_start: int
     context_len: int
+
+    @property
+    def needs_context(self) -> bool:
+        return self.context_len > self.num_new
 
 
 class PagedAttentionContext:
@@ -52,7 +59,7 @@ class PagedAttentionContext:
     def __init__(self, *, kv_caches: list[torch.Tensor], slot_mapping: torch.Tensor,
                  num_decode: int, decode_block_tables: torch.Tensor,
                  decode_context_lens: torch.Tensor, prefill_chunks: tuple[PrefillChunk, ...],
-                 prefill_context_slots: torch.Tensor, scale: float,
+                 prefill_context_slots: torch.Tensor | None, scale: float,
                  sliding_window: int | None, hook: LayerKVHook | None = None,
                  spans: tuple[LayerKVSpan, ...] = (),
                  kernel_backend: Backend = Backend.AUTO) -> None:
@@ -94,12 +101,12 @@ class PagedAttentionContext:
         # context gathered from the cache; a whole prompt's K/V are this
         # step's own rows, bit for bit what the cache now holds.
         context = None
-        if any(c.context_len > c.num_new for c in self.prefill_chunks):
+        if self.prefill_context_slots is not None:
             context = kernels.extract_kv(cache, self.prefill_context_slots,
                                          backend=self.kernel_backend)
         for c in self.prefill_chunks:
             rows = slice(c.row_start, c.row_start + c.num_new)
-            if c.context_len == c.num_new:
+            if not c.needs_context:
                 keys, values = k[rows].to(cache.dtype), v[rows].to(cache.dtype)
             else:
                 ctx = slice(c.context_start, c.context_start + c.context_len)

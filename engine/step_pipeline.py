@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.model_runner import ModelRunner, StepInputs
+from engine.model_runner import ModelRunner, PreparedStep
 from engine.request import Request
 from engine.sampler import SampledTensors, Sampler, SamplerOutput
 from engine.sampling_params import SamplingParams
@@ -122,7 +122,7 @@ class StepPipeline:
         future.set_result(fn(*args))  # an exception propagates from step() at once
         return future
 
-    def _run(self, inputs: StepInputs, previous: Future[_Result] | None,
+    def _run(self, inputs: PreparedStep, previous: Future[_Result] | None,
              params: tuple[SamplingParams, ...], indices: tuple[int, ...]) -> _Result:
         """Forward + sampling (worker thread on CPU). `previous` is done: the
         worker runs steps in order, and on CUDA its tensors are stream-ordered."""

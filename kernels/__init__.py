@@ -6,6 +6,7 @@ a backend is chosen). Importing this package never imports Triton.
 
 from kernels.dispatch import (
     Backend,
+    cuda_graph_unsupported_reason,
     extract_kv,
     inject_kv,
     paged_decode_attention,
@@ -17,6 +18,7 @@ from kernels.dispatch import (
 
 __all__ = [
     "Backend",
+    "cuda_graph_unsupported_reason",
     "extract_kv",
     "inject_kv",
     "paged_decode_attention",

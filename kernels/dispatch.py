@@ -79,6 +79,28 @@ def _use_triton(device: torch.device, backend: Backend | str) -> bool:
     return True
 
 
+def cuda_graph_unsupported_reason(device: torch.device, backend: Backend | str) -> str | None:
+    """Why the decode-step ops (`inject_kv`, `paged_decode_attention`,
+    `rms_norm`, `rotary_embedding`) on `device` under `backend` cannot be
+    captured in a CUDA graph, or None when they can.
+
+    Captured work must not read device values on the host. The Triton
+    launchers size their grids from tensor shapes only (decode attention
+    from the block table's width, masking by `context_lens` on the device);
+    the torch references do read them (`inject_kv`'s mask of negative
+    slots, decode attention's longest context), and interpreted Triton runs
+    on the host.
+    """
+    if device.type != "cuda":
+        return f"the model is on {device.type}; CUDA graphs need a CUDA device"
+    if not _use_triton(device, backend):
+        return (f"kernel backend {Backend.parse(backend).value!r} runs the torch references, "
+                "which read device values on the host")
+    if _interpreter_enabled():
+        return "TRITON_INTERPRET is set: interpreted Triton kernels run on the host"
+    return None
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     kv_cache: torch.Tensor,

@@ -49,6 +49,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, block_size: int,
                    help="Plan and launch each engine step while the previous one computes "
                         "(default: on for CUDA, off on CPU, where it measured no gain; "
                         "docs/engine.md, Async scheduling).")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="Never capture CUDA graphs; run every step eagerly (graphs are "
+                        "only used on CUDA; docs/engine.md, CUDA graphs).")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="Context limit (default: the model's max_position_embeddings).")
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
@@ -125,6 +128,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kernel_backend=args.kernel_backend,
         matmul_backend=args.matmul_backend,
         async_scheduling=args.async_scheduling,
+        enforce_eager=args.enforce_eager,
     )
 
 

@@ -11,6 +11,7 @@ def test_defaults():
     assert c.async_scheduling is None and not c.use_async_scheduling
     assert EngineConfig(model_dir="m", device="cuda:1").use_async_scheduling
     assert EngineConfig(model_dir="m", async_scheduling=True).use_async_scheduling
+    assert c.enforce_eager is False
 
 
 @pytest.mark.parametrize(
@@ -23,7 +24,8 @@ def test_defaults():
      ({"gpu_memory_fraction": 1.5}, "gpu_memory_fraction"),
      ({"max_num_seqs": 0}, "max_num_seqs"),
      ({"max_num_batched_tokens": 0}, "max_num_batched_tokens"),
-     ({"max_model_len": 0}, "max_model_len"), ({"seed": -1}, "seed")],
+     ({"max_model_len": 0}, "max_model_len"), ({"seed": -1}, "seed"),
+     ({"enforce_eager": "yes"}, "enforce_eager must be a bool, got 'yes'")],
 )
 def test_bad_values_name_the_field(kwargs, message):
     fields = {"model_dir": "m", **kwargs}

@@ -22,6 +22,7 @@ def test_defaults_on_cpu(monkeypatch):
     assert config.max_num_batched_tokens == _pod_flags.CPU_STEP_TOKENS == 512
     assert config.scheduling_policy == "decode-first"
     assert config.kernel_backend == "auto" and config.matmul_backend == "auto"
+    assert config.enforce_eager is False
     assert _pod_flags.default_step_tokens("cuda") == 2048
     assert config.async_scheduling is None and not config.use_async_scheduling
 
@@ -32,9 +33,10 @@ def test_flags_override_and_the_environment_sets_the_kernel_default(monkeypatch)
     assert config.kernel_backend == "torch"
     config = _pod_flags.engine_config_from_args(_parse([
         "--kernel-backend", "triton", "--matmul-backend", "torch",
-        "--scheduling-policy", "fcfs", "--max-num-batched-tokens", "64"]))
+        "--scheduling-policy", "fcfs", "--max-num-batched-tokens", "64", "--enforce-eager"]))
     assert (config.kernel_backend, config.matmul_backend, config.scheduling_policy,
-            config.max_num_batched_tokens) == ("triton", "torch", "fcfs", 64)
+            config.max_num_batched_tokens, config.enforce_eager) == (
+        "triton", "torch", "fcfs", 64, True)
 
 
 def test_a_bad_value_is_refused_by_argparse(capsys):
