@@ -11,8 +11,9 @@ In one run this module measures:
 - the **step**: median wall time of decode steps of B requests at a given
   context length;
 - the **breakdown** of profiled steps (torch.profiler, self CPU time by op):
-  matmul (oneDNN / BLAS linears), attention (SDPA, the paged gather and
-  the KV inject), and everything else (norms, RoPE, sampling, Python).
+  matmul (oneDNN / BLAS linears), attention (the native C decode kernel,
+  or SDPA and the paged gather; the KV inject), and everything else
+  (norms, RoPE, sampling, Python).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ MATMUL_OPS = ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::bmm
               "aten::matmul", "aten::linear")
 ATTENTION_OPS = ("aten::_scaled_dot_product_flash_attention_for_cpu",
                  "aten::_scaled_dot_product_attention_math", "aten::index_select",
-                 "aten::index_put_", "aten::index", "aten::_softmax", "aten::einsum")
+                 "aten::index_put_", "aten::index", "aten::_softmax", "aten::einsum",
+                 "pdserve_native::paged_decode_attention")
 
 
 @dataclass(frozen=True, slots=True)
