@@ -16,8 +16,8 @@ import os
 from engine.config import SCHEDULING_POLICIES, EngineConfig
 from pod.config import ServerConfig, parse_size
 
-CPU_STEP_TOKENS = 512
-CUDA_STEP_TOKENS = 2048
+# Step token budget (docs/engine.md, Configuration: why 2,048 on CPU too).
+STEP_TOKENS = 2048
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser, *, block_size: int,
@@ -32,10 +32,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, block_size: int,
                       help="KV cache budget, e.g. 2GiB (default: a fraction of free memory).")
     size.add_argument("--num-blocks", type=int, default=None, help="Exact number of KV blocks.")
     g.add_argument("--max-num-seqs", type=int, default=64, help="Sequences per batch.")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+    g.add_argument("--max-num-batched-tokens", type=int, default=STEP_TOKENS,
                    help="Token budget of one engine step; longer prompts are prefilled in "
-                        f"chunks, so it bounds a step's time (default {CUDA_STEP_TOKENS} on "
-                        f"CUDA, {CPU_STEP_TOKENS} on CPU; docs/engine.md, Scheduling).")
+                        f"chunks, so it bounds a step's time (default {STEP_TOKENS}; smaller "
+                        "smooths inter-token latency under continuous prompt arrivals at the "
+                        "cost of TTFT; docs/engine.md, Configuration).")
     g.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="decode-first",
                    help="Who gets the step budget first: decoding requests (decode-first) "
                         "or the oldest request (fcfs).")
@@ -102,14 +103,6 @@ def resolve_dtype(dtype: str, device: str, model_dir: str) -> str:
     return ModelConfig.from_pretrained(model_dir).torch_dtype
 
 
-def default_step_tokens(device: str) -> int:
-    """Step token budget when the flag is not given: a GPU step of 2,048 tokens
-    takes tens of ms; on one CPU core a 1,024-token prompt of the built-in base
-    model took ~2.1 s, so a 512-token chunk (~1 s) bounds how long a prompt can
-    hold decode tokens back (docs/engine.md, Configuration)."""
-    return CPU_STEP_TOKENS if device == "cpu" else CUDA_STEP_TOKENS
-
-
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     device = resolve_device(args.device)
     return EngineConfig(
@@ -120,7 +113,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_cache_memory=args.kv_cache_memory,
         num_blocks=args.num_blocks,
         max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens or default_step_tokens(device),
+        max_num_batched_tokens=args.max_num_batched_tokens,
         scheduling_policy=args.scheduling_policy,
         max_model_len=args.max_model_len,
         enable_prefix_caching=args.prefix_cache,

@@ -19,11 +19,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 def test_defaults_on_cpu(monkeypatch):
     monkeypatch.delenv("PDSERVE_KERNEL_BACKEND", raising=False)
     config = _pod_flags.engine_config_from_args(_parse([]))
-    assert config.max_num_batched_tokens == _pod_flags.CPU_STEP_TOKENS == 512
+    assert config.max_num_batched_tokens == _pod_flags.STEP_TOKENS == 2048
     assert config.scheduling_policy == "decode-first"
     assert config.kernel_backend == "auto" and config.matmul_backend == "auto"
     assert config.enforce_eager is False
-    assert _pod_flags.default_step_tokens("cuda") == 2048
     assert config.async_scheduling is None and not config.use_async_scheduling
 
 
