@@ -71,7 +71,8 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor,
                            scale: float, sliding_window: int | None = None,
                            num_threads: int | None = None) -> torch.Tensor:
     """Same contract as `kernels.dispatch.paged_decode_attention`, for tensors
-    `supports()` accepts; `num_threads` defaults to torch's intra-op threads.
+    `supports()` accepts; `num_threads` (OpenMP threads of torch's own pool)
+    defaults to torch's intra-op threads.
     Raises NativeKernelError (never reads out of bounds) when a context length
     exceeds its block table or a used block id is out of range."""
     lib = library()

@@ -26,7 +26,7 @@ SOURCES = tuple(sorted(Path(__file__).parent.glob("*.c")))
 # Reassociation lets gcc vectorise the dot products and sums; no
 # -ffinite-math-only, so the -inf of an empty max and NaNs keep their meaning.
 CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math",
-          "-fno-signed-zeros", "-fassociative-math", "-fPIC", "-shared", "-pthread")
+          "-fno-signed-zeros", "-fassociative-math", "-fPIC", "-shared", "-fopenmp")
 BUILD_TIMEOUT_S = 120
 
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float

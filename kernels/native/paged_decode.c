@@ -14,14 +14,13 @@
  * adjacent in memory) and scores it against the Hq / Hkv query heads of each
  * KV head; then a softmax per query head; then one pass over the V rows
  * accumulating the weighted sum. Every K/V row is read once, in place.
- * Items are dealt round-robin to `num_threads` threads (the caller is one).
+ * Items are dealt round-robin to `num_threads` OpenMP threads.
  *
  * Bounds: a context length above W * BS or a used block id outside
  * [0, num_blocks) stops the item with status 3 instead of reading out of
  * bounds; table entries past a sequence's last block are never read.
  */
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -199,16 +198,11 @@ static void run_job(ThreadJob *work) {
   free(vectors);
 }
 
-static void *thread_main(void *arg) {
-  run_job(arg);
-  return NULL;
-}
-
 #define MAX_THREADS 64
 
 /* dtype: 0 float32, 1 bfloat16, 2 float16. Returns 0 on success; otherwise
- * `out` is undefined and the code says why: 1 out of memory (or no thread),
- * 2 unsupported shape or dtype, 3 a context length or block id out of range. */
+ * `out` is undefined and the code says why: 1 out of memory, 2 unsupported
+ * shape or dtype, 3 a context length or block id out of range. */
 int pdserve_paged_decode_attention(const void *q, const void *cache, const int32_t *tables,
                                    const int32_t *lens, void *out, int dtype, int batch,
                                    int num_q_heads, int num_kv_heads, int head_dim,
@@ -229,23 +223,17 @@ int pdserve_paged_decode_attention(const void *q, const void *cache, const int32
   const int num_items = batch * (num_kv_heads / heads_per_item);
   if (num_threads > num_items) num_threads = num_items;
   ThreadJob jobs[MAX_THREADS];
-  pthread_t threads[MAX_THREADS];
-  int started[MAX_THREADS] = {0};
   for (int i = 0; i < num_threads; i++) {
     jobs[i].job = (Job){q, cache, tables, lens, out, batch, num_q_heads, num_kv_heads,
                         head_dim, num_blocks, block_size, table_width, window, scale,
                         heads_per_item, i, num_threads, 0};
     jobs[i].kernel = kernel;
   }
-  for (int i = 1; i < num_threads; i++)
-    started[i] = pthread_create(&threads[i], NULL, thread_main, &jobs[i]) == 0;
-  run_job(&jobs[0]);
-  for (int i = 1; i < num_threads; i++) {
-    if (started[i])
-      pthread_join(threads[i], NULL);
-    else
-      run_job(&jobs[i]); /* no thread: do its share here */
-  }
+  /* OpenMP from the libgomp torch already loaded (same soname, so the
+   * loader reuses it): the work runs on torch's own thread pool, whose
+   * workers are awake between ops, instead of threads competing with them. */
+#pragma omp parallel for num_threads(num_threads) schedule(static, 1)
+  for (int i = 0; i < num_threads; i++) run_job(&jobs[i]);
   int status = 0;
   for (int i = 0; i < num_threads; i++)
     if (jobs[i].job.status > status) status = jobs[i].job.status;
