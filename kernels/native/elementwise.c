@@ -12,25 +12,7 @@
 #include <stdint.h>
 #include <string.h>
 
-static inline float bf16_load(uint16_t x) {
-  uint32_t bits = (uint32_t)x << 16;
-  float f;
-  memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-static inline uint16_t bf16_store(float f) { /* round to nearest even, as torch does */
-  uint32_t bits;
-  memcpy(&bits, &f, sizeof bits);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return (uint16_t)(bits >> 16);
-}
-
-#define F32_LOAD(x) (x)
-#define F32_STORE(x) (x)
-#define F16_LOAD(x) ((float)(x))
-#define F16_STORE(x) ((_Float16)(x))
+#include "dtypes.h"
 
 /* y = r / sqrt(mean(r^2) + eps) * w with r = x (+ residual, rounded to ELEM). */
 #define DEFINE_RMS_NORM(NAME, ELEM, LOAD, STORE)                                           \
@@ -64,7 +46,7 @@ static inline uint16_t bf16_store(float f) { /* round to nearest even, as torch 
   }
 
 DEFINE_RMS_NORM(rms_norm_f32, float, F32_LOAD, F32_STORE)
-DEFINE_RMS_NORM(rms_norm_bf16, uint16_t, bf16_load, bf16_store)
+DEFINE_RMS_NORM(rms_norm_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
 DEFINE_RMS_NORM(rms_norm_f16, _Float16, F16_LOAD, F16_STORE)
 
 /* dtype: 0 float32, 1 bfloat16, 2 float16; residual/res_out NULL for none. */
@@ -108,7 +90,7 @@ int pdserve_rms_norm(const void *x, long x_stride, const void *residual, long re
   }
 
 DEFINE_ROTARY(rotary_f32, float, F32_LOAD, F32_STORE)
-DEFINE_ROTARY(rotary_bf16, uint16_t, bf16_load, bf16_store)
+DEFINE_ROTARY(rotary_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
 DEFINE_ROTARY(rotary_f16, _Float16, F16_LOAD, F16_STORE)
 
 /* Rotates q [rows, q_heads, D] and k [rows, k_heads, D] into q_out / k_out

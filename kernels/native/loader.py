@@ -23,6 +23,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(sorted(Path(__file__).parent.glob("*.c")))
+HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))
 # Reassociation lets gcc vectorise the dot products and sums; no
 # -ffinite-math-only, so the -inf of an empty max and NaNs keep their meaning.
 CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math",
@@ -67,7 +68,7 @@ def build(cache_dir: Path | None = None) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                              timeout=30).stdout
     key = hashlib.sha256()
-    for part in (*(p.read_bytes() for p in SOURCES), " ".join(CFLAGS).encode(),
+    for part in (*(p.read_bytes() for p in SOURCES + HEADERS), " ".join(CFLAGS).encode(),
                  version.encode(), _cpu_signature().encode(), platform.machine().encode()):
         key.update(part)
         key.update(b"\0")

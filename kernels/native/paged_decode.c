@@ -25,6 +25,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "dtypes.h"
+
 #define LANES 16
 typedef float vfloat __attribute__((vector_size(LANES * sizeof(float))));
 typedef uint16_t vhalfbits __attribute__((vector_size(LANES * sizeof(uint16_t))));
@@ -62,21 +64,6 @@ static inline vfloat load_f16(const _Float16 *p) {
   vhalf raw;
   memcpy(&raw, p, sizeof raw);
   return __builtin_convertvector(raw, vfloat);
-}
-
-static inline float bf16_to_f32(uint16_t x) {
-  uint32_t bits = (uint32_t)x << 16;
-  float f;
-  memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does */
-  uint32_t bits;
-  memcpy(&bits, &f, sizeof bits);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return (uint16_t)(bits >> 16);
 }
 
 static inline float hsum(vfloat v) {
@@ -163,11 +150,7 @@ static inline float hsum(vfloat v) {
     }                                                                                       \
   }
 
-#define IDENTITY(x) (x)
-#define F16_STORE(x) ((_Float16)(x))
-#define F16_LOAD(x) ((float)(x))
-
-DEFINE_KERNEL(run_f32, float, load_f32, IDENTITY, IDENTITY)
+DEFINE_KERNEL(run_f32, float, load_f32, F32_LOAD, F32_STORE)
 DEFINE_KERNEL(run_bf16, uint16_t, load_bf16, bf16_to_f32, f32_to_bf16)
 DEFINE_KERNEL(run_f16, _Float16, load_f16, F16_LOAD, F16_STORE)
 

@@ -1,17 +1,12 @@
 """Decode CUDA graphs on a real CUDA device: replay equals eager, token for token.
 
-Skipped without CUDA. The suite runs with TRITON_INTERPRET=1 (tests/conftest.py),
-under which Triton would interpret even CUDA tensors and no graph is captured
-(`kernels.cuda_graph_unsupported_reason`), so on a GPU machine
-`test_gpu_graph_suite_compiled` re-runs this file in a subprocess with
-TRITON_INTERPRET=0; the other tests run only in that compiled mode.
+Skipped without CUDA; on a GPU machine the file re-runs itself with compiled
+Triton kernels (tests/gpu_rerun.py): interpreted, no graph is captured
+(`kernels.cuda_graph_unsupported_reason`).
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,26 +15,15 @@ import torch
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
+from tests.gpu_rerun import GPU_MARKS, compiled_only, needs_rerun, rerun_compiled
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-compiled_only = pytest.mark.skipif(INTERPRETED, reason="runs in the TRITON_INTERPRET=0 re-run")
-REPO = Path(__file__).resolve().parents[2]
+pytestmark = GPU_MARKS
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.skipif(not INTERPRETED, reason="already in compiled mode")
+@needs_rerun
 def test_gpu_graph_suite_compiled():
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
-         str(Path(__file__).relative_to(REPO))],
-        cwd=REPO, env=env, capture_output=True, text=True,
-    )
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    rerun_compiled(__file__)
 
 
 def _engine(model_dir: Path, **overrides) -> LLMEngine:
