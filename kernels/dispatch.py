@@ -3,7 +3,8 @@
 Every op takes a keyword `backend` (a `Backend` or its name):
 
 - ``auto`` (default): the Triton kernel when the tensors are on CUDA; on CPU
-  the native C kernels (`kernels.native`: decode attention, RMSNorm, RoPE)
+  the native C kernels (`kernels.native`: decode attention, RMSNorm, RoPE,
+  KV inject)
   when they built, else the torch reference (`kernels.reference`) or, for
   decode attention, the faster torch path `kernels.cpu_attention`.
 - ``triton``: always the Triton kernel. On CPU that needs Triton's
@@ -183,8 +184,9 @@ def inject_kv(kv_cache: torch.Tensor, src: torch.Tensor, slot_mapping: torch.Ten
 
     One call covers any number of requests (their slots concatenated).
     Negative slots are skipped (padding). Slots must be < num_blocks *
-    block_size: the torch path raises IndexError on others, the Triton kernel
-    skips them rather than write out of bounds.
+    block_size: the torch path raises IndexError on others, the native CPU
+    kernel NativeKernelError (writing nothing), the Triton kernel skips them
+    rather than write out of bounds.
     """
     num_tokens = checks.check_transfer_rows("src", src, kv_cache)
     checks.check_slot_mapping(slot_mapping, num_tokens)
@@ -196,6 +198,10 @@ def inject_kv(kv_cache: torch.Tensor, src: torch.Tensor, slot_mapping: torch.Ten
         from kernels.kv_copy import inject_kv_triton
 
         inject_kv_triton(kv_cache, src, slot_mapping)
+        return
+    if (Backend.parse(backend) is Backend.AUTO and kv_cache.device.type == "cpu"
+            and native.supports_inject(kv_cache, src, slot_mapping)):
+        native.inject_kv(kv_cache, src, slot_mapping)
         return
     reference.inject_kv_reference(kv_cache, src, slot_mapping)
 

@@ -5,8 +5,9 @@ avoid. Decode attention through torch must first gather each sequence's
 scattered blocks into a contiguous copy, then read it again in SDPA
 (`kernels.cpu_attention`); `paged_decode.c` reads every K/V row once, in
 place, in the cache's own dtype. RMSNorm and RoPE are 8-10 small torch ops
-each, whose dispatch costs more than their arithmetic; `elementwise.c` does
-each in one call. Same contracts as the `kernels.dispatch` ops; `dispatch`
+each, whose dispatch costs more than their arithmetic, and the KV inject's
+skip of padding slots is a boolean-mask gather and scatter; `elementwise.c`
+does each in one call. Same contracts as the `kernels.dispatch` ops; `dispatch`
 picks these for CPU tensors under backend ``auto`` when `supports_*` says so.
 
 Building (kernels/native/loader.py): ~0.3 s with `cc -O3 -march=native` (the
@@ -24,9 +25,9 @@ import torch
 
 from kernels.native.loader import build, default_cache_dir, library
 
-__all__ = ["NativeKernelError", "build", "default_cache_dir", "library",
+__all__ = ["NativeKernelError", "build", "default_cache_dir", "inject_kv", "library",
            "paged_decode_attention", "rms_norm", "rotary_embedding", "supports",
-           "supports_rms_norm", "supports_rotary"]
+           "supports_inject", "supports_rms_norm", "supports_rotary"]
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 PROFILER_NAME = "pdserve_native::paged_decode_attention"
@@ -145,3 +146,26 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
             cos_sin_cache.data_ptr(), cos_sin_cache.shape[0], DTYPE_CODES[q.dtype]),
             "rotary_embedding")
     return q_out, k_out
+
+
+def supports_inject(kv_cache: torch.Tensor, src: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
+    """CPU, one dtype, a contiguous cache, src [2, T, Hkv, D] with each row's
+    Hkv * D elements contiguous, int64 slots."""
+    return (kv_cache.device.type == "cpu" and kv_cache.is_contiguous()
+            and src.dtype == kv_cache.dtype and src.device.type == "cpu"
+            and src.stride(3) == 1 and src.stride(2) == src.shape[3]
+            and slot_mapping.dtype == torch.int64 and slot_mapping.device.type == "cpu"
+            and library() is not None)
+
+
+def inject_kv(kv_cache: torch.Tensor, src: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Same contract as `kernels.dispatch.inject_kv` (arguments already
+    checked); a slot past the cache raises NativeKernelError, writing nothing."""
+    lib = library()
+    slots = slot_mapping.contiguous()
+    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+    size = src.element_size()
+    _check(lib.pdserve_inject_kv(
+        kv_cache.data_ptr(), src.data_ptr(), src.stride(0) * size, src.stride(1) * size,
+        slots.data_ptr(), slots.shape[0], num_kv_heads * head_dim * size,
+        num_blocks * block_size), "inject_kv")

@@ -118,3 +118,22 @@ int pdserve_rotary_embedding(const int64_t *positions, const void *q, long q_str
       return 2;
   }
 }
+
+/* KV inject: cache[kv][slot] = src[kv][t] for both halves (kv = 0: K, 1: V)
+ * and every token t with slot = slots[t] >= 0 (negative: padding, skipped).
+ * A cache row is `row_bytes` (Hkv * D elements); src rows may be strided
+ * (`src_row_stride` bytes apart, V rows `src_kv_stride` bytes after K rows).
+ * Returns 3, having written nothing, if a slot is >= num_slots. */
+int pdserve_inject_kv(void *cache, const void *src, long src_kv_stride, long src_row_stride,
+                      const int64_t *slots, long num_tokens, long row_bytes, long num_slots) {
+  for (long t = 0; t < num_tokens; t++)
+    if (slots[t] >= num_slots) return 3;
+  char *k_cache = cache, *v_cache = (char *)cache + num_slots * row_bytes;
+  const char *k_src = src, *v_src = (const char *)src + src_kv_stride;
+  for (long t = 0; t < num_tokens; t++) {
+    if (slots[t] < 0) continue;
+    memcpy(k_cache + slots[t] * row_bytes, k_src + t * src_row_stride, row_bytes);
+    memcpy(v_cache + slots[t] * row_bytes, v_src + t * src_row_stride, row_bytes);
+  }
+  return 0;
+}

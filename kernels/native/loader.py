@@ -36,6 +36,7 @@ SIGNATURES = {
     "pdserve_paged_decode_attention": [_P] * 5 + [_I] * 9 + [_F, _I],
     "pdserve_rms_norm": [_P, _L, _P, _L, _P, _P, _P, _L, _L, _F, _I],
     "pdserve_rotary_embedding": [_P, _P, _L, _P, _L, _P, _P, _L, _L, _L, _L, _P, _L, _I],
+    "pdserve_inject_kv": [_P, _P, _L, _L, _P, _L, _L, _L],
 }
 
 

@@ -166,3 +166,28 @@ def test_dispatch_auto_on_cpu_takes_native_norm_and_rotary(monkeypatch):
     kernels.rotary_embedding(torch.tensor([0, 1]), q, k, cache)
     kernels.rotary_embedding(torch.tensor([0, 1]), q, k, cache, backend="torch")
     assert called == ["norm", "rotary"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_inject_kv_matches_reference_with_padding_and_strided_rows(dtype):
+    gen = generator(17)
+    cache = randn((2, 6, 16, 2, 64), dtype, gen)
+    expected = cache.clone()
+    # src as the attention context builds it: K and V rows of a qkv split, stacked
+    k, v = randn((9, 2, 64), dtype, gen), randn((9, 2, 64), dtype, gen)
+    src = torch.stack((k, v))
+    slots = torch.tensor([5, -1, 17, 95, 0, -3, 40, 41, 64])
+    reference.inject_kv_reference(expected, src, slots)
+    assert native.supports_inject(cache, src, slots)
+    native.inject_kv(cache, src, slots)
+    assert torch.equal(cache, expected)
+    wide = randn((2, 9, 2, 128), dtype, gen)[..., :64]  # rows strided, head rows not adjacent
+    assert not native.supports_inject(cache, wide, slots)
+
+
+def test_inject_kv_slot_past_the_cache_raises_and_writes_nothing():
+    cache = torch.zeros(2, 2, 16, 1, 64)
+    src = torch.ones(2, 3, 1, 64)
+    with pytest.raises(native.NativeKernelError, match="out of range"):
+        native.inject_kv(cache, src, torch.tensor([0, 1, 32]))
+    assert not cache.any()
