@@ -82,10 +82,8 @@ class LLMEngine:
         mc = self.model_config
         limit = mc.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > limit:
-            raise ValueError(
-                f"max_model_len {config.max_model_len} exceeds the model's "
-                f"max_position_embeddings {limit}"
-            )
+            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
+                             f"max_position_embeddings {limit}")
         self.max_model_len = config.max_model_len or limit
         dtype = self.model.dtype
         per_block = kv_bytes_per_block(num_layers=mc.num_hidden_layers,

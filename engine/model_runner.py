@@ -111,6 +111,7 @@ class ModelRunner:
                        max_blocks_per_seq=-(-max_model_len // block_size), device=self.device)
             for _ in range(num_sets))
         self._num_prepared = 0
+        self._no_rows = torch.empty(0, dtype=torch.long, device=self.device)
         self.graphs: DecodeGraphs | None = None
         reason = eager_reason(device=self.device, kernel_backend=model.kernel_backend,
                               enforce_eager=enforce_eager,
@@ -152,12 +153,16 @@ class ModelRunner:
         bucket = self._graph_bucket(decode, prefill, streamed)
         ctx = None if bucket is not None else self._eager_context(
             inputs, decode, prefill, tables, context_lens, tuple(span for _, span in streamed))
-        rows, sources = zip(*placeholders, strict=True) if placeholders else ((), ())
+        rows, sources = (self._index_tensors(*zip(*placeholders, strict=True)) if placeholders
+                         else (self._no_rows, self._no_rows))
         return PreparedStep(
             input_ids=input_ids, positions=positions, context=ctx, graph_bucket=bucket,
             sample_rows=sample_rows, sampling_requests=tuple(sampling),
-            placeholder_rows=to_device(torch.tensor(rows, dtype=torch.long), self.device),
-            placeholder_sources=to_device(torch.tensor(sources, dtype=torch.long), self.device))
+            placeholder_rows=rows, placeholder_sources=sources)
+
+    def _index_tensors(self, *index_lists: Sequence[int]) -> tuple[torch.Tensor, ...]:
+        return tuple(to_device(torch.tensor(values, dtype=torch.long), self.device)
+                     for values in index_lists)
 
     @torch.inference_mode()
     def forward(self, step: PreparedStep,

@@ -46,15 +46,11 @@ def _check(code: int, what: str) -> None:
 
 
 def _rows_ok(t: torch.Tensor) -> bool:
-    """CPU, a native dtype, and each row's trailing dims contiguous (rows may be strided)."""
-    if t.device.type != "cpu" or t.dtype not in DTYPE_CODES:
+    """CPU, a native dtype, and each row's trailing dims contiguous (rows may
+    be strided): [N, H] with unit stride, or [N, heads, D] with heads D apart."""
+    if t.device.type != "cpu" or t.dtype not in DTYPE_CODES or t.stride(-1) != 1:
         return False
-    inner = 1
-    for size, stride in zip(reversed(t.shape[1:]), reversed(t.stride()[1:]), strict=True):
-        if size != 1 and stride != inner:
-            return False
-        inner *= size
-    return True
+    return t.dim() == 2 or (t.dim() == 3 and (t.shape[1] == 1 or t.stride(1) == t.shape[2]))
 
 
 def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
@@ -80,7 +76,11 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor,
     if lib is None:
         raise NativeKernelError("native CPU kernels are unavailable (see the log)")
     q = q.contiguous()
-    tables = block_tables.to(torch.int32).contiguous()
+    # The runner's tables are views of wider persistent rows: passed with
+    # their row stride, not copied once per layer.
+    tables = block_tables.to(torch.int32)
+    if tables.shape[1] > 1 and tables.stride(1) != 1:
+        tables = tables.contiguous()
     lens = context_lens.to(torch.int32).contiguous()
     out = torch.empty_like(q)
     batch, num_q_heads, head_dim = q.shape
@@ -93,7 +93,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor,
         code = lib.pdserve_paged_decode_attention(
             q.data_ptr(), kv_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
             out.data_ptr(), DTYPE_CODES[q.dtype], batch, num_q_heads, num_kv_heads, head_dim,
-            num_blocks, block_size, tables.shape[1], sliding_window or 0, scale,
+            num_blocks, block_size, tables.shape[1], tables.stride(0), sliding_window or 0, scale,
             num_threads or torch.get_num_threads())
     _check(code, "paged decode attention")
     return out

@@ -4,7 +4,7 @@
  * first use; see there). Same contract as kernels.dispatch.paged_decode_attention:
  *   q      [B, Hq, D]                   element type T, contiguous
  *   cache  [2, num_blocks, BS, Hkv, D]  element type T, contiguous
- *   tables [B, W] int32, lens [B] int32
+ *   tables [B, W] int32 (rows `table_stride` apart), lens [B] int32
  *   out    [B, Hq, D]                   element type T, contiguous
  * T is float32, bfloat16 or float16; arithmetic is float32. D must be a
  * multiple of 16 (one 16-float vector per 16 dims).
@@ -38,6 +38,7 @@ typedef struct {
   const int32_t *tables, *lens;
   void *out;
   int batch, num_q_heads, num_kv_heads, head_dim, num_blocks, block_size, table_width;
+  long table_stride; /* elements between rows of `tables` (>= table_width) */
   int window; /* 0: no sliding window */
   float scale;
   int heads_per_item; /* KV heads per work item (divides num_kv_heads) */
@@ -97,7 +98,7 @@ static inline float hsum(vfloat v) {
         for (long i = 0; i < (long)rows * D; i++) out[i] = STORE1(0.0f);                    \
         continue;                                                                           \
       }                                                                                     \
-      const int32_t *table = job->tables + (long)b * job->table_width;                      \
+      const int32_t *table = job->tables + (long)b * job->table_stride;                     \
       int bad_block = 0;                                                                    \
       for (int i = start / BS; i <= (len - 1) / BS; i++)                                    \
         bad_block |= table[i] < 0 || table[i] >= job->num_blocks;                           \
@@ -189,7 +190,8 @@ static void run_job(ThreadJob *work) {
 int pdserve_paged_decode_attention(const void *q, const void *cache, const int32_t *tables,
                                    const int32_t *lens, void *out, int dtype, int batch,
                                    int num_q_heads, int num_kv_heads, int head_dim,
-                                   int num_blocks, int block_size, int table_width, int window,
+                                   int num_blocks, int block_size, int table_width,
+                                   long table_stride, int window,
                                    float scale, int num_threads) {
   if (batch <= 0) return 0;
   if (num_kv_heads <= 0 || num_q_heads % num_kv_heads != 0) return 2;
@@ -208,7 +210,8 @@ int pdserve_paged_decode_attention(const void *q, const void *cache, const int32
   ThreadJob jobs[MAX_THREADS];
   for (int i = 0; i < num_threads; i++) {
     jobs[i].job = (Job){q, cache, tables, lens, out, batch, num_q_heads, num_kv_heads,
-                        head_dim, num_blocks, block_size, table_width, window, scale,
+                        head_dim, num_blocks, block_size, table_width, table_stride,
+                        window, scale,
                         heads_per_item, i, num_threads, 0};
     jobs[i].kernel = kernel;
   }
