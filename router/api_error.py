@@ -18,6 +18,7 @@ _GRPC_CODES: dict[int, grpc.StatusCode] = {
     401: grpc.StatusCode.UNAUTHENTICATED,
     404: grpc.StatusCode.NOT_FOUND,
     408: grpc.StatusCode.DEADLINE_EXCEEDED,
+    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
     503: grpc.StatusCode.UNAVAILABLE,
     504: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
@@ -27,6 +28,7 @@ _TYPES: dict[int, str] = {
     401: "invalid_request_error",
     404: "invalid_request_error",
     408: "timeout_error",
+    429: "overloaded_error",
     503: "service_unavailable_error",
     504: "timeout_error",
 }
@@ -43,6 +45,7 @@ class ApiError(Exception):
         param: str | None = None,
         code: str | None = None,
         error_type: str | None = None,
+        retry_after: int | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -50,6 +53,11 @@ class ApiError(Exception):
         self.param = param
         self.code = code
         self.error_type = error_type or _TYPES.get(status, "internal_error")
+        self.retry_after = retry_after  # seconds, sent as the Retry-After header
+
+    def headers(self) -> dict[str, str]:
+        """HTTP headers that go with the error (Retry-After when set)."""
+        return {} if self.retry_after is None else {"Retry-After": str(self.retry_after)}
 
     def body(self) -> dict[str, Any]:
         """The JSON body OpenAI clients parse."""

@@ -59,6 +59,11 @@ class RouterConfig:
     max_model_len: int | None = None
     # Seconds SIGTERM waits for in-flight requests before closing anyway.
     shutdown_grace: float = 30.0
+    # The admission queue in front of the prefill pods (router/routing/admission.py):
+    # prompt tokens outstanding at one prefill pod before requests queue here
+    # (0 = no queue), and the estimated wait beyond which requests get 429.
+    prefill_dispatch_tokens: int = 4096
+    max_queue_wait: float = 30.0
 
     def __post_init__(self) -> None:
         if not self.model_dir:
@@ -93,6 +98,13 @@ class RouterConfig:
             )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if not 0 <= self.prefill_dispatch_tokens <= 1 << 24:
+            raise ValueError(f"prefill_dispatch_tokens must be in [0, {1 << 24}], "
+                             f"got {self.prefill_dispatch_tokens}")
+        if not 0.0 < self.max_queue_wait <= 86400.0:
+            raise ValueError(
+                f"max_queue_wait must be in (0, 86400] seconds, got {self.max_queue_wait}"
+            )
         if self.shutdown_grace < 0:
             raise ValueError(f"shutdown_grace must be >= 0 seconds, got {self.shutdown_grace}")
 

@@ -56,6 +56,40 @@ class RouterMetrics:
         self.in_flight = Gauge(
             "pdserve_router_requests_in_flight", "Client requests being served now", registry=r
         )
+        # the admission queue in front of the prefill pods (router/routing/admission.py)
+        self.queue_requests = Gauge(
+            "pdserve_router_queue_requests",
+            "Requests waiting in the router's queue for a prefill pod", ["pod"], registry=r,
+        )
+        self.queue_tokens = Gauge(
+            "pdserve_router_queue_tokens",
+            "Prompt tokens waiting in the router's queue for a prefill pod", ["pod"], registry=r,
+        )
+        self.queue_dispatched_tokens = Gauge(
+            "pdserve_router_queue_dispatched_tokens",
+            "Prompt tokens this router has sent to a prefill pod and not yet seen finish",
+            ["pod"], registry=r,
+        )
+        self.queue_estimated_wait = Gauge(
+            "pdserve_router_queue_estimated_wait_seconds",
+            "Estimated wait of a request arriving now for a prefill pod (set once its "
+            "throughput is known)", ["pod"], registry=r,
+        )
+        self.queue_prefill_rate = Gauge(
+            "pdserve_router_queue_prefill_tokens_per_second",
+            "A prefill pod's prompt tokens per busy second, learnt from finished prefills",
+            ["pod"], registry=r,
+        )
+        self.queue_wait = Histogram(
+            "pdserve_router_queue_wait_seconds",
+            "Time a request waited in the router's queue before its prefill was sent",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.queue_rejected = Counter(
+            "pdserve_router_queue_rejected_total",
+            "Requests refused with 429 because the estimated queue wait was above "
+            "--max-queue-wait", registry=r,
+        )
 
     def render(self) -> bytes:
         """The text exposition format for GET /metrics."""

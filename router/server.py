@@ -38,6 +38,7 @@ from router.pod_clients import PodChannels
 from router.registry.base import PodEntry, PodSource
 from router.registry.poller import PolledPodPool
 from router.registry.static import StaticPodSource
+from router.routing.admission import AdmissionSettings, PrefillAdmission
 from router.routing.policy import RoutingPolicy
 from router.sessions import InMemorySessionStore, RedisSessionStore, SessionStore
 
@@ -101,11 +102,16 @@ class RouterServer:
         await self.pool.start()
         self._sessions = RedisSessionStore(c.redis_url) if c.redis_url else InMemorySessionStore()
         policy = RoutingPolicy(self.pool, self._sessions, epsilon=c.session_epsilon)
+        admission = PrefillAdmission(
+            self.pool, policy, self.metrics,
+            AdmissionSettings(dispatch_tokens=c.prefill_dispatch_tokens,
+                              max_queue_wait=c.max_queue_wait))
         deps = FlowDeps(
             pool=self.pool, policy=policy, channels=self._channels, metrics=self.metrics,
             settings=FlowSettings(max_prefill_retries=c.max_prefill_retries,
                                   max_migrations=c.max_migrations,
                                   request_timeout=c.request_timeout),
+            admission=admission,
         )
         frontend = Frontend(model_name=c.model_name, max_model_len=max_model_len,
                             tokenizer=tokenizer, deps=deps)

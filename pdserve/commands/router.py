@@ -41,6 +41,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="context limit (default: max_position_embeddings in config.json)")
+    parser.add_argument("--prefill-dispatch-tokens", type=int, default=4096, metavar="TOKENS",
+                        help="prompt tokens the router lets be outstanding at one prefill "
+                             "pod; later requests wait in the router's queue, without a "
+                             "decode reservation (0 = no queue; default 4096)")
+    parser.add_argument("--max-queue-wait", type=float, default=30.0, metavar="SECONDS",
+                        help="refuse new requests with 429 while the estimated wait for a "
+                             "prefill pod is above this (default 30)")
     parser.add_argument("--shutdown-grace", type=float, default=30.0, metavar="SECONDS",
                         help="how long SIGTERM waits for in-flight requests")
     parser.add_argument("--ready-file", default=None, metavar="PATH",
@@ -69,6 +76,8 @@ def config_from_args(args: argparse.Namespace):
         request_timeout=args.request_timeout,
         max_model_len=args.max_model_len,
         shutdown_grace=args.shutdown_grace,
+        prefill_dispatch_tokens=args.prefill_dispatch_tokens,
+        max_queue_wait=args.max_queue_wait,
     )
 
 

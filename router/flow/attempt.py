@@ -8,7 +8,8 @@ flow's `FlowState` through `to_state`.
 
     colocated():     Decode.Generate(remote_prefill=false) on a colocated pod
                      -> tokens 0..n
-    disaggregated(): Decode.Generate(remote_prefill=true) -> Reserved{target}
+    disaggregated(): the prefill pod's turn in the router's queue (admission)
+                     -> Decode.Generate(remote_prefill=true) -> Reserved{target}
                      -> Prefill.Prefill(target) on up to 1 + max_prefill_retries
                         prefill pods -> the first token (sent at once)
                      -> tokens 1..n from the decode stream
@@ -35,6 +36,7 @@ from router.flow.output import OutputAssembler, OutputGap, fold_final, logprobs_
 from router.flow.pod_calls import AttemptFailed, client_error, describe
 from router.flow.state import FlowState
 from router.generation import Delta, GenerationRequest
+from router.routing.admission import AdmissionSlot
 from router.routing.base import NoPodAvailable
 from router.sampling import sampling_to_proto
 
@@ -155,14 +157,19 @@ class Attempt:
                     yield delta
 
     async def disaggregated(self) -> AsyncIterator[Delta]:
-        """Reserve on a decode pod, prefill against the reservation, stream tokens."""
+        """Wait for a prefill pod's turn, then reserve on a decode pod (so no
+        reservation waits behind a prefill queue), prefill against the
+        reservation, stream tokens."""
         with contextlib.ExitStack() as stack:
+            slot = await self._deps.admission.admit(
+                self._request, exclude=frozenset(self._left_out), timeout=self._remaining())
+            stack.callback(slot.release)  # a no-op once the prefill released it
             address, call, first = await self._open_stream("decode", stack)
             if first is grpc.aio.EOF or first.WhichOneof("kind") != "reserved":
                 raise AttemptFailed(f"decode pod {address} did not answer Reserved first",
                                     addresses=frozenset({address}), migrate=True)
             self._to_state(FlowState.PREFILLING)
-            response = await self._prefill(first.reserved.target, address)
+            response = await self._prefill(first.reserved.target, address, slot)
             self._out.set_cached_tokens(response.num_cached_tokens)
             first_logprobs = ()
             if response.HasField("first_logprob"):
@@ -181,8 +188,9 @@ class Attempt:
                 async for delta in deltas:
                     yield delta
 
-    async def _prefill(self, target: pb.KVTarget, decode_address: str):
-        """Prefill.Prefill against `target`, on up to 1 + max_prefill_retries pods.
+    async def _prefill(self, target: pb.KVTarget, decode_address: str, slot: AdmissionSlot):
+        """Prefill.Prefill against `target`, on up to 1 + max_prefill_retries pods:
+        first the pod whose turn `slot` holds (released once that call ends).
 
         A prefill pod that is gone or broken (UNAVAILABLE, INTERNAL, UNKNOWN)
         or busy (RESOURCE_EXHAUSTED) is replaced by another against the same
@@ -206,7 +214,7 @@ class Attempt:
         failures: list[str] = []
         for attempt in range(self._deps.settings.max_prefill_retries + 1):
             try:
-                address = await policy.choose_prefill(
+                address = slot.address if not attempt else await policy.choose_prefill(
                     session_id=self._request.session_id,
                     prompt_token_ids=self._request.prompt_token_ids,
                     exclude=frozenset(tried),
@@ -222,7 +230,10 @@ class Attempt:
                     request, timeout=self._remaining()
                 )
                 try:
-                    return await call
+                    response = await call
+                    if address == slot.address:
+                        slot.release(finished_tokens=len(request.prompt_token_ids))
+                    return response
                 except grpc.aio.AioRpcError as error:
                     self._pod_failed(error, address)
                     failures.append(f"{address} {describe(error)}")
@@ -233,6 +244,8 @@ class Attempt:
                         break
                 finally:
                     call.cancel()  # no-op when done; frees the prefill pod when we leave early
+                    if address == slot.address:
+                        slot.release()  # a no-op after the release above
         raise AttemptFailed(
             f"prefill failed on {len(failures)} pod(s) for decode pod {decode_address}: "
             + "; ".join(failures),

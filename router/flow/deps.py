@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from router.metrics import RouterMetrics
 from router.pod_clients import PodChannels
+from router.routing.admission import PrefillAdmission
 from router.routing.base import PodPool
 from router.routing.policy import RoutingPolicy
 
@@ -41,3 +42,4 @@ class FlowDeps:
     channels: PodChannels
     metrics: RouterMetrics
     settings: FlowSettings
+    admission: PrefillAdmission

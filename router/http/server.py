@@ -51,7 +51,7 @@ def _internal_error(exc: BaseException) -> ApiError:
 
 
 def error_response(error: ApiError) -> web.Response:
-    return web.json_response(error.body(), status=error.status)
+    return web.json_response(error.body(), status=error.status, headers=error.headers())
 
 
 @web.middleware

@@ -17,6 +17,7 @@ from router.metrics import RouterMetrics
 from router.pod_clients import PodChannels
 from router.registry.poller import PolledPodPool
 from router.registry.static import StaticPodSource
+from router.routing.admission import AdmissionSettings, PrefillAdmission
 from router.routing.policy import RoutingPolicy
 from router.sampling import SamplingSpec
 from router.sessions import InMemorySessionStore
@@ -53,10 +54,12 @@ class Cluster:
         self.pool = PolledPodPool(source, poll_interval=30)
         await self.pool.start()
         self.channels = PodChannels()
-        self.deps = FlowDeps(pool=self.pool,
-                             policy=RoutingPolicy(self.pool, InMemorySessionStore()),
+        policy = RoutingPolicy(self.pool, InMemorySessionStore())
+        self.deps = FlowDeps(pool=self.pool, policy=policy,
                              channels=self.channels, metrics=self.metrics,
-                             settings=self.settings)
+                             settings=self.settings,
+                             admission=PrefillAdmission(self.pool, policy, self.metrics,
+                                                        AdmissionSettings()))
         return self
 
     async def __aexit__(self, *exc) -> None:

@@ -1,0 +1,290 @@
+"""`PrefillAdmission`: the router's queue in front of each prefill pod.
+
+A disaggregated attempt reserves KV blocks on a decode pod only when its
+prefill is about to start, so a decode reservation (and its transfer
+deadline) never waits behind a queue at the prefill pod. The queue lives
+here instead, where it can be seen, bounded and measured.
+
+Life of one attempt's admission (all on the router's event loop):
+
+    admit(request)   the policy picks the prefill pod P (load = P's reported
+        │            queued tokens + what this router has queued or sent there)
+        │ estimated wait at P > --max-queue-wait ──> ApiError 429 (shed)
+        v
+    QUEUED           FIFO per pod; counts toward P's routing load
+        │ P's dispatched tokens + this prompt <= --prefill-dispatch-tokens,
+        │ or nothing is dispatched at P (a prompt larger than the budget
+        │ still runs, alone)
+        v
+    DISPATCHED       the attempt reserves on a decode pod and calls P's Prefill
+        │ slot.release(num_tokens)   Prefill answered: P's throughput learns
+        │ slot.release()             the attempt failed or ended early
+        v
+    (the next waiter at P is dispatched)
+
+Estimated wait at P = (prompt tokens queued here for P + max(tokens
+dispatched to P by this router, P's reported queued tokens)) / P's prefill
+throughput. The throughput is learnt from this router's own Prefill calls:
+prompt tokens finished per second of time P had work dispatched (an
+exponentially weighted ratio, so it follows load changes within a few
+requests). Until one prefill finished at P its wait is unknown and nothing
+is shed there.
+
+Leaving the queue early (client gone, request deadline) removes the waiter;
+a request whose deadline passes while queued gets 504.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from router.api_error import ApiError
+from router.generation import GenerationRequest
+from router.metrics import RouterMetrics
+from router.routing.base import NoPodAvailable, PodPool
+from router.routing.policy import RoutingPolicy
+
+# Weight of the history in the throughput estimate at each finished prefill.
+_DECAY = 0.8
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionSettings:
+    """`dispatch_tokens`: prompt tokens this router lets be outstanding at one
+    prefill pod (0: no queue, dispatch at once). `max_queue_wait`: seconds of
+    estimated wait beyond which a new request is refused with 429."""
+
+    dispatch_tokens: int = 4096
+    max_queue_wait: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.dispatch_tokens <= 1 << 24:
+            raise ValueError(f"prefill dispatch tokens must be in [0, {1 << 24}], "
+                             f"got {self.dispatch_tokens}")
+        if not 0.0 < self.max_queue_wait <= 86400.0:
+            raise ValueError(f"max queue wait must be in (0, 86400] seconds, "
+                             f"got {self.max_queue_wait}")
+
+
+class Throughput:
+    """Prompt tokens per second of busy time (time with work dispatched)."""
+
+    def __init__(self) -> None:
+        self._tokens = 0.0
+        self._busy_s = 0.0
+        self._pending_busy_s = 0.0  # busy time since the last finished prefill
+        self._busy_since: float | None = None
+
+    def set_busy(self, busy: bool, now: float) -> None:
+        if busy and self._busy_since is None:
+            self._busy_since = now
+        elif not busy and self._busy_since is not None:
+            self._pending_busy_s += now - self._busy_since
+            self._busy_since = None
+
+    def finished(self, num_tokens: int, now: float) -> None:
+        if self._busy_since is not None:
+            self._pending_busy_s += now - self._busy_since
+            self._busy_since = now
+        self._tokens = self._tokens * _DECAY + num_tokens
+        self._busy_s = self._busy_s * _DECAY + self._pending_busy_s
+        self._pending_busy_s = 0.0
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        if self._tokens <= 0 or self._busy_s <= 0:
+            return None
+        return self._tokens / self._busy_s
+
+
+@dataclass(slots=True)
+class _Waiter:
+    num_tokens: int
+    turn: asyncio.Future[None]
+
+
+@dataclass(slots=True)
+class _PodQueue:
+    """One prefill pod's queue and dispatched work, as this router sees it."""
+
+    waiters: collections.deque[_Waiter] = field(default_factory=collections.deque)
+    queued_tokens: int = 0
+    dispatched: int = 0
+    dispatched_tokens: int = 0
+    throughput: Throughput = field(default_factory=Throughput)
+
+    def tokens_ahead(self, reported_waiting_tokens: int) -> int:
+        return self.queued_tokens + max(self.dispatched_tokens, reported_waiting_tokens)
+
+
+class AdmissionSlot:
+    """A dispatched attempt's place at its prefill pod; `release` exactly once
+    counts (later calls are no-ops), so it may also sit on an exit stack."""
+
+    def __init__(self, admission: PrefillAdmission, address: str, num_tokens: int) -> None:
+        self.address = address
+        self.num_tokens = num_tokens
+        self._admission = admission
+        self._released = False
+
+    def release(self, finished_tokens: int | None = None) -> None:
+        """The prefill is over; `finished_tokens` when it succeeded (P's
+        throughput learns from it), None when it failed or was left."""
+        if not self._released:
+            self._released = True
+            self._admission._release(self, finished_tokens)
+
+
+class PrefillAdmission:
+    """The per-pod queues; one per router, used on its event loop only."""
+
+    def __init__(self, pool: PodPool, policy: RoutingPolicy, metrics: RouterMetrics,
+                 settings: AdmissionSettings) -> None:
+        self._pool = pool
+        self._policy = policy
+        self._metrics = metrics
+        self.settings = settings
+        self._queues: dict[str, _PodQueue] = {}
+
+    def estimated_wait(self, address: str) -> float | None:
+        """Seconds a request arriving now would wait for its turn at `address`;
+        None while that pod's throughput is unknown."""
+        queue = self._queues.get(address)
+        if queue is None:
+            return 0.0
+        rate = queue.throughput.tokens_per_s
+        ahead = queue.tokens_ahead(self._reported_waiting(address))
+        if ahead == 0:
+            return 0.0
+        return None if rate is None else ahead / rate
+
+    async def admit(self, request: GenerationRequest, *, exclude: frozenset[str],
+                    timeout: float) -> AdmissionSlot:
+        """Wait for this request's turn at a prefill pod. ApiError 429 when the
+        wait would exceed --max-queue-wait, 503 without a pod, 504 when
+        `timeout` (the request's time left) runs out in the queue."""
+        num_tokens = len(request.prompt_token_ids)
+        address = await self._choose(request, exclude)
+        queue = self._queue(address)
+        if not queue.waiters and self._has_room(queue, num_tokens):
+            self._dispatch(address, queue, num_tokens)
+            self._metrics.queue_wait.observe(0.0)
+            return AdmissionSlot(self, address, num_tokens)
+        waiter = _Waiter(num_tokens, asyncio.get_running_loop().create_future())
+        queue.waiters.append(waiter)
+        queue.queued_tokens += num_tokens
+        queued_at = time.monotonic()
+        try:
+            with self._counted(address, num_tokens):
+                await asyncio.wait_for(asyncio.shield(waiter.turn), timeout)
+        except BaseException as exc:  # timeout, or the client left (cancelled)
+            if waiter.turn.done():  # dispatched just as it left: give the turn back
+                AdmissionSlot(self, address, num_tokens).release()
+            else:
+                waiter.turn.cancel()
+                queue.waiters.remove(waiter)
+                queue.queued_tokens -= num_tokens
+            if isinstance(exc, TimeoutError):
+                raise ApiError(504, f"the request waited {time.monotonic() - queued_at:.1f}s "
+                                    f"in the router's queue for prefill pod {address} and did "
+                                    "not finish within --request-timeout") from None
+            raise
+        self._metrics.queue_wait.observe(time.monotonic() - queued_at)
+        return AdmissionSlot(self, address, num_tokens)
+
+    # ------------------------------------------------------------ internals
+
+    async def _choose(self, request: GenerationRequest, exclude: frozenset[str]) -> str:
+        try:
+            address = await self._policy.choose_prefill(
+                session_id=request.session_id, prompt_token_ids=request.prompt_token_ids,
+                exclude=exclude)
+        except NoPodAvailable as exc:
+            raise ApiError(503, exc.reason, code="no_pod_available") from None
+        limit = self.settings.max_queue_wait
+        wait = self.estimated_wait(address)
+        if wait is None or wait <= limit:
+            return address
+        # the chosen pod is too far behind: the least-waiting other pod, if any has room
+        waits = {p.address: self.estimated_wait(p.address)
+                 for p in self._pool.pods("prefill") if p.address not in exclude}
+        waits[address] = wait
+        best = min(waits, key=lambda a: waits[a] if waits[a] is not None else 0.0)
+        best_wait = waits[best]
+        if best_wait is None or best_wait <= limit:
+            return best
+        queue = self._queues[best]
+        self._metrics.queue_rejected.inc()
+        raise ApiError(
+            429,
+            f"server overloaded: the prefill queue's estimated wait is {best_wait:.1f}s "
+            f"({len(queue.waiters)} requests, {queue.queued_tokens} prompt tokens queued in "
+            f"the router for prefill pod {best}), above the limit --max-queue-wait "
+            f"{limit:g}s; retry later",
+            code="queue_full", error_type="overloaded_error",
+            retry_after=max(1, math.ceil(best_wait - limit)),
+        )
+
+    def _reported_waiting(self, address: str) -> int:
+        for pod in self._pool.pods("prefill"):
+            if pod.address == address:
+                return pod.num_waiting_tokens
+        return 0
+
+    def _has_room(self, queue: _PodQueue, num_tokens: int) -> bool:
+        budget = self.settings.dispatch_tokens
+        return (budget == 0 or queue.dispatched == 0
+                or queue.dispatched_tokens + num_tokens <= budget)
+
+    @contextlib.contextmanager
+    def _counted(self, address: str, num_tokens: int) -> Iterator[None]:
+        """A queued request counts toward its pod's routing load until dispatched
+        (from then on the Prefill call's own tracking counts it)."""
+        with self._pool.track(address, num_tokens=num_tokens):
+            yield
+
+    def _dispatch(self, address: str, queue: _PodQueue, num_tokens: int) -> None:
+        queue.dispatched += 1
+        queue.dispatched_tokens += num_tokens
+        queue.throughput.set_busy(True, time.monotonic())
+
+    def _release(self, slot: AdmissionSlot, finished_tokens: int | None) -> None:
+        queue = self._queues[slot.address]
+        now = time.monotonic()
+        queue.dispatched -= 1
+        queue.dispatched_tokens -= slot.num_tokens
+        if finished_tokens is not None:
+            queue.throughput.finished(finished_tokens, now)
+        queue.throughput.set_busy(queue.dispatched > 0, now)
+        self._pump(slot.address, queue)
+
+    def _pump(self, address: str, queue: _PodQueue) -> None:
+        """Dispatch waiters in order while the pod has room."""
+        while queue.waiters and self._has_room(queue, queue.waiters[0].num_tokens):
+            waiter = queue.waiters.popleft()
+            queue.queued_tokens -= waiter.num_tokens
+            self._dispatch(address, queue, waiter.num_tokens)
+            waiter.turn.set_result(None)
+
+    def _queue(self, address: str) -> _PodQueue:
+        """`address`'s queue; the first time, its gauges are bound to it (read
+        when /metrics is rendered, on this event loop; NaN while unknown)."""
+        queue = self._queues.get(address)
+        if queue is None:
+            queue = self._queues[address] = _PodQueue()
+            m, nan = self._metrics, math.nan
+            m.queue_requests.labels(pod=address).set_function(lambda: len(queue.waiters))
+            m.queue_tokens.labels(pod=address).set_function(lambda: queue.queued_tokens)
+            m.queue_dispatched_tokens.labels(pod=address).set_function(
+                lambda: queue.dispatched_tokens)
+            m.queue_estimated_wait.labels(pod=address).set_function(
+                lambda: nan if (w := self.estimated_wait(address)) is None else w)
+            m.queue_prefill_rate.labels(pod=address).set_function(
+                lambda: nan if (r := queue.throughput.tokens_per_s) is None else r)
+        return queue

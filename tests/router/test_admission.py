@@ -1,0 +1,195 @@
+"""`PrefillAdmission`: the router's queue in front of the prefill pods (order,
+dispatch budget, shedding with 429, leaving the queue, the metrics)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from router.api_error import ApiError
+from router.generation import GenerationRequest
+from router.metrics import RouterMetrics
+from router.routing.admission import AdmissionSettings, PrefillAdmission, Throughput
+from router.routing.base import PodLoad, PodPool
+from router.routing.policy import RoutingPolicy
+from router.sampling import SamplingSpec
+from router.sessions import InMemorySessionStore
+
+pytestmark = pytest.mark.timeout(60)
+POD = "127.0.0.1:7001"
+
+
+class _ReportedPool(PodPool):
+    """A pool whose pods' reports are set by the test (no polling)."""
+
+    def __init__(self, addresses: list[str]) -> None:
+        super().__init__()
+        self.waiting_tokens = dict.fromkeys(addresses, 0)
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    def pods(self, role: str) -> list[PodLoad]:
+        if role != "prefill":
+            return []
+        loads = []
+        for address, waiting in sorted(self.waiting_tokens.items()):
+            requests, tokens = self.in_flight(address)
+            loads.append(PodLoad(address, "prefill", True, 1, 0, waiting, 0, 10, 10, 16, 0.0,
+                                 requests, tokens))
+        return loads
+
+    def known(self, role: str) -> list[str]:
+        return sorted(self.waiting_tokens) if role == "prefill" else []
+
+    def mark_unhealthy(self, address: str, reason: str) -> None: ...
+
+
+def _admission(pods=(POD,), **settings) -> tuple[PrefillAdmission, RouterMetrics, _ReportedPool]:
+    pool = _ReportedPool(list(pods))
+    metrics = RouterMetrics()
+    policy = RoutingPolicy(pool, InMemorySessionStore())
+    return PrefillAdmission(pool, policy, metrics, AdmissionSettings(**settings)), metrics, pool
+
+
+def _request(num_tokens: int, rid: str = "r") -> GenerationRequest:
+    return GenerationRequest(rid, tuple(range(5, 5 + num_tokens)), SamplingSpec(max_tokens=4))
+
+
+def _sample(metrics: RouterMetrics, name: str, **labels) -> float | None:
+    return metrics.registry.get_sample_value(name, labels)
+
+
+def test_requests_wait_in_order_until_the_pod_has_room(run_async):
+    async def scenario():
+        admission, metrics, _ = _admission(dispatch_tokens=100)
+        order: list[str] = []
+
+        async def admit(rid: str, n: int):
+            slot = await admission.admit(_request(n, rid), exclude=frozenset(), timeout=10)
+            order.append(rid)
+            return slot
+
+        first = await admit("a", 60)  # room: dispatched at once
+        b = asyncio.create_task(admit("b", 60))
+        c = asyncio.create_task(admit("c", 10))  # fits, but waits behind b (FIFO)
+        await asyncio.sleep(0.05)
+        assert order == ["a"]
+        assert _sample(metrics, "pdserve_router_queue_requests", pod=POD) == 2
+        assert _sample(metrics, "pdserve_router_queue_tokens", pod=POD) == 70
+        assert _sample(metrics, "pdserve_router_queue_dispatched_tokens", pod=POD) == 60
+        first.release(finished_tokens=60)
+        slots = await asyncio.gather(b, c)
+        assert order == ["a", "b", "c"]  # 60 + 10 <= 100: both go
+        assert _sample(metrics, "pdserve_router_queue_requests", pod=POD) == 0
+        assert _sample(metrics, "pdserve_router_queue_dispatched_tokens", pod=POD) == 70
+        for slot in slots:
+            slot.release()
+            slot.release()  # a second release is a no-op
+        assert _sample(metrics, "pdserve_router_queue_dispatched_tokens", pod=POD) == 0
+        assert _sample(metrics, "pdserve_router_queue_wait_seconds_count") == 3
+
+    run_async(scenario())
+
+
+def test_a_prompt_above_the_budget_runs_alone_and_zero_budget_never_queues(run_async):
+    async def scenario():
+        admission, _, _ = _admission(dispatch_tokens=100)
+        big = await admission.admit(_request(500), exclude=frozenset(), timeout=10)
+        small = asyncio.create_task(admission.admit(_request(1), exclude=frozenset(), timeout=10))
+        await asyncio.sleep(0.05)
+        assert not small.done()
+        big.release()
+        (await small).release()
+
+        unbounded, _, _ = _admission(dispatch_tokens=0)
+        slots = [await unbounded.admit(_request(500), exclude=frozenset(), timeout=1)
+                 for _ in range(5)]
+        for slot in slots:
+            slot.release()
+
+    run_async(scenario())
+
+
+def test_beyond_the_wait_limit_requests_get_429_and_others_go_on(run_async):
+    async def scenario():
+        admission, metrics, pool = _admission(dispatch_tokens=100, max_queue_wait=2.0)
+        warm = await admission.admit(_request(50), exclude=frozenset(), timeout=10)
+        await asyncio.sleep(0.1)
+        warm.release(finished_tokens=50)  # ~500 tokens/s
+        rate = _sample(metrics, "pdserve_router_queue_prefill_tokens_per_second", pod=POD)
+        assert 0 < rate <= 600  # 50 tokens in >= 0.1 busy seconds
+        running = await admission.admit(_request(100), exclude=frozenset(), timeout=10)
+        queued = [asyncio.create_task(admission.admit(_request(100, f"q{i}"),
+                                                      exclude=frozenset(), timeout=10))
+                  for i in range(4)]
+        await asyncio.sleep(0.01)
+        wait = admission.estimated_wait(POD)
+        assert wait == pytest.approx(500 / rate)
+        # another router's traffic, seen in the pod's report, counts too
+        pool.waiting_tokens[POD] = 1000
+        assert admission.estimated_wait(POD) == pytest.approx(1400 / rate)
+        with pytest.raises(ApiError) as err:
+            await admission.admit(_request(100, "shed"), exclude=frozenset(), timeout=10)
+        error = err.value
+        assert error.status == 429 and error.code == "queue_full"
+        assert error.message.startswith(
+            f"server overloaded: the prefill queue's estimated wait is {1400 / rate:.1f}s "
+            f"(4 requests, 400 prompt tokens queued in the router for prefill pod {POD}), "
+            "above the limit --max-queue-wait 2s")
+        assert error.headers()["Retry-After"] == str(max(1, int(-(-(1400 / rate - 2) // 1))))
+        assert _sample(metrics, "pdserve_router_queue_rejected_total") == 1
+        assert _sample(metrics, "pdserve_router_queue_estimated_wait_seconds", pod=POD) > 2
+        pool.waiting_tokens[POD] = 0
+        running.release(finished_tokens=100)
+        for task in queued:  # the ones accepted before the limit still get their turn
+            slot = await task
+            slot.release(finished_tokens=100)
+
+    run_async(scenario())
+
+
+def test_leaving_the_queue_or_running_out_of_time_frees_the_place(run_async):
+    async def scenario():
+        admission, metrics, pool = _admission(dispatch_tokens=10)
+        running = await admission.admit(_request(10), exclude=frozenset(), timeout=10)
+        left = asyncio.create_task(admission.admit(_request(5), exclude=frozenset(), timeout=10))
+        await asyncio.sleep(0.02)
+        assert pool.in_flight(POD) == (1, 5)  # a queued request counts toward routing load
+        left.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await left
+        assert pool.in_flight(POD) == (0, 0)
+        with pytest.raises(ApiError) as err:
+            await admission.admit(_request(5), exclude=frozenset(), timeout=0.05)
+        assert err.value.status == 504
+        assert "in the router's queue for prefill pod" in err.value.message
+        assert _sample(metrics, "pdserve_router_queue_requests", pod=POD) == 0
+        assert _sample(metrics, "pdserve_router_queue_tokens", pod=POD) == 0
+        running.release()
+        again = await admission.admit(_request(10), exclude=frozenset(), timeout=1)
+        again.release()
+
+    run_async(scenario())
+
+
+def test_throughput_counts_busy_time_only():
+    meter = Throughput()
+    assert meter.tokens_per_s is None
+    meter.set_busy(True, 0.0)
+    meter.finished(100, 1.0)  # 100 tokens in 1 busy second
+    meter.set_busy(False, 1.0)
+    meter.set_busy(True, 50.0)  # idle time between does not count
+    meter.finished(100, 51.0)
+    assert meter.tokens_per_s == pytest.approx(100.0)
+    meter.finished(300, 52.0)  # faster now: the estimate moves toward it
+    assert 100.0 < meter.tokens_per_s < 300.0
+
+
+def test_settings_are_checked():
+    with pytest.raises(ValueError, match="max queue wait must be in"):
+        AdmissionSettings(max_queue_wait=0)
+    with pytest.raises(ValueError, match="prefill dispatch tokens must be in"):
+        AdmissionSettings(dispatch_tokens=-1)

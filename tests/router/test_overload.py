@@ -1,0 +1,194 @@
+"""Overload without wasted work, end to end: real prefill and decode pods and a
+real `pdserve router` on loopback, driven by the openai client.
+
+The prefill pod computes 32 tokens per step, so each ~900-token prompt takes
+it many steps and a burst of them queues. The decode pod's transfer timeout
+is 1 s, far shorter than the burst's queue:
+
+* with the router's admission queue, no decode reservation waits behind the
+  prefill queue, so no request is restarted and every output equals the
+  undisturbed (one at a time) run; without it (`--prefill-dispatch-tokens 0`)
+  the same burst makes requests restart (some even fail) after their
+  reservation expired: the failure the queue removes, so this test can fail;
+* beyond `--max-queue-wait`, new requests get 429 with the queue's length and
+  the limit, the accepted ones complete, and the router keeps serving;
+* the queue's metrics say what happened.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Iterator
+
+import openai
+import pytest
+
+from tests.integration.pods import start_pods
+from tests.router.router_process import RouterProcess, start_router, wait_ready
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+TRANSFER_TIMEOUT_S = 1.0
+MAX_TOKENS = 4
+NUM_BURST = 10
+RESTART = "moves to a new pod pair after 0 tokens"
+
+
+def _prompt(seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(5, 1100) for _ in range(rng.randrange(850, 950))]
+
+
+PROMPTS = [_prompt(seed) for seed in range(NUM_BURST)]
+
+
+@pytest.fixture(scope="module")
+def pods(tiny_model_dir) -> Iterator[dict]:
+    started = start_pods({
+        "prefill": ("prefill", {"block_size": 16, "num_blocks": 1024,
+                                "max_num_batched_tokens": 16, "no_prefix_cache": True}),
+        "decode": ("decode", {"block_size": 128, "num_blocks": 128,
+                              "transfer_timeout": TRANSFER_TIMEOUT_S,
+                              "landing_memory": "256MiB"}),
+    }, tiny_model_dir)
+    yield started
+    for pod in started.values():
+        pod.terminate()
+
+
+def _router(tiny_model_dir, pods, **flags) -> RouterProcess:
+    router = start_router(tiny_model_dir, prefill=[pods["prefill"].address],
+                          decode=[pods["decode"].address], **flags)
+    wait_ready(router)
+    return router
+
+
+def _client(router: RouterProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=router.base_url, api_key="x", max_retries=0, timeout=120)
+
+
+def _complete(client: openai.OpenAI, prompt: list[int]) -> str:
+    reply = client.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS,
+                                      temperature=0, extra_body={"ignore_eos": True})
+    return reply.choices[0].text
+
+
+def _burst(client: openai.OpenAI, prompts: list[list[int]]) -> list[object]:
+    """Send every prompt at once; each result is the text or the exception."""
+    results: list[object] = [None] * len(prompts)
+
+    def one(i: int) -> None:
+        try:
+            results[i] = _complete(client, prompts[i])
+        except Exception as exc:  # noqa: BLE001 - the test looks at each
+            results[i] = exc
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+        time.sleep(0.02)  # arrival order = prompt order
+    for thread in threads:
+        thread.join(240)
+    return results
+
+
+@pytest.fixture(scope="module")
+def undisturbed(tiny_model_dir, pods) -> list[str]:
+    router = _router(tiny_model_dir, pods)
+    try:
+        client = _client(router)
+        return [_complete(client, prompt) for prompt in PROMPTS]
+    finally:
+        router.terminate()
+
+
+def test_queued_prefill_longer_than_the_transfer_timeout_is_not_restarted(
+        tiny_model_dir, pods, undisturbed):
+    router = _router(tiny_model_dir, pods, prefill_dispatch_tokens=1000)
+    try:
+        peak = _watch_queue(router, pods["prefill"].address)
+        started = time.monotonic()
+        results = _burst(_client(router), PROMPTS)
+        took = time.monotonic() - started
+        peak_queued = peak()
+        log = router.log_tail(200_000)
+        assert results == undisturbed, log[-4000:]
+        assert RESTART not in log
+        # the burst really queued for longer than the decode pod's transfer timeout
+        assert took > 2 * TRANSFER_TIMEOUT_S
+        assert peak_queued >= 1
+        pod = pods["prefill"].address
+        assert router.metric("pdserve_router_queue_wait_seconds_count") == NUM_BURST
+        assert router.metric("pdserve_router_queue_wait_seconds_sum") > TRANSFER_TIMEOUT_S
+        assert router.metric("pdserve_router_queue_requests", pod=pod) == 0
+        assert router.metric("pdserve_router_queue_dispatched_tokens", pod=pod) == 0
+        assert router.metric("pdserve_router_queue_prefill_tokens_per_second", pod=pod) > 0
+        assert router.metric("pdserve_router_queue_rejected_total") == 0
+    finally:
+        router.terminate()
+
+
+def test_without_the_queue_the_same_burst_restarts_requests(tiny_model_dir, pods):
+    router = _router(tiny_model_dir, pods, prefill_dispatch_tokens=0)
+    try:
+        _burst(_client(router), PROMPTS)  # some may even fail after --max-migrations
+        log = router.log_tail(200_000)
+        assert RESTART in log
+        assert "expired_ticket" in log or "deadline" in log
+    finally:
+        router.terminate()
+
+
+def test_beyond_the_wait_limit_requests_get_429_and_the_rest_complete(
+        tiny_model_dir, pods, undisturbed):
+    router = _router(tiny_model_dir, pods, prefill_dispatch_tokens=1000, max_queue_wait=0.05)
+    try:
+        client = _client(router)
+        # the first prefill teaches the router the pod's throughput
+        assert _complete(client, PROMPTS[0]) == undisturbed[0]
+        results = _burst(client, PROMPTS)
+        shed = [r for r in results if isinstance(r, openai.RateLimitError)]
+        done = [(i, r) for i, r in enumerate(results) if isinstance(r, str)]
+        assert len(shed) + len(done) == NUM_BURST, results
+        assert shed and done
+        assert all(text == undisturbed[i] for i, text in done)
+        error = shed[0]
+        assert error.status_code == 429
+        assert int(error.response.headers["retry-after"]) >= 1
+        body = error.body
+        assert body["code"] == "queue_full" and body["type"] == "overloaded_error"
+        assert body["message"].startswith("server overloaded: the prefill queue's estimated "
+                                          "wait is ")
+        assert "above the limit --max-queue-wait 0.05s" in body["message"]
+        assert router.metric("pdserve_router_queue_rejected_total") == len(shed)
+        # the server keeps serving everyone else
+        assert _complete(client, PROMPTS[1]) == undisturbed[1]
+    finally:
+        router.terminate()
+
+
+def _watch_queue(router: RouterProcess, pod: str):
+    """Sample the router's queue length in the background; returns a function
+    that stops sampling and gives the largest value seen."""
+    peak, stop = [0.0], threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            try:
+                peak[0] = max(peak[0], router.metric("pdserve_router_queue_requests", pod=pod))
+            except OSError:
+                pass
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+
+    def finish() -> float:
+        stop.set()
+        thread.join(5)
+        return peak[0]
+
+    return finish
+
