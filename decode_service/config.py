@@ -11,6 +11,7 @@ from pod.config import ServerConfig
 
 KV_TRANSPORTS = ("tcp", "grpc")
 MAX_TRANSFER_TIMEOUT_S = 3600.0
+MAX_RESERVATION_TIMEOUT_S = 86400.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,8 +21,11 @@ class DecodeConfig:
     `kv_port` is where prefill pods push KV (the TCP listener, or the gRPC
     `KVTransfer` server); `landing_memory` bounds the bytes of KV in flight
     (a full pool refuses new requests with RESOURCE_EXHAUSTED);
-    `transfer_timeout_s` is how long a reserved request waits for its KV
-    before it fails with DEADLINE_EXCEEDED and its blocks are freed.
+    `transfer_timeout_s` is how long one sending attempt may take from its
+    BEGIN to the last layer, and `reservation_timeout_s` how long a reserved
+    request waits for a prefill pod to begin sending (its prefill may be
+    queued there); past either it fails with DEADLINE_EXCEEDED and its
+    blocks are freed.
     """
 
     engine: EngineConfig
@@ -30,6 +34,7 @@ class DecodeConfig:
     kv_transport: str = "tcp"
     landing_memory: int = 1 << 30
     transfer_timeout_s: float = 30.0
+    reservation_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.kv_port <= 65535:
@@ -43,6 +48,9 @@ class DecodeConfig:
         if not 0 < self.transfer_timeout_s <= MAX_TRANSFER_TIMEOUT_S:
             raise ValueError(f"transfer_timeout must be in (0, {MAX_TRANSFER_TIMEOUT_S}] "
                              f"seconds, got {self.transfer_timeout_s}")
+        if not 0 < self.reservation_timeout_s <= MAX_RESERVATION_TIMEOUT_S:
+            raise ValueError(f"reservation_timeout must be in (0, {MAX_RESERVATION_TIMEOUT_S}] "
+                             f"seconds, got {self.reservation_timeout_s}")
 
 
 @dataclass(frozen=True, slots=True)

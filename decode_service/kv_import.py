@@ -22,7 +22,9 @@ the pod's event loop unless another caller is named:
      │ wait()         receiver I/O threads land each layer; the injector thread
      │                writes it into R's slots while the engine keeps stepping;
      │                a lost sender restarts the layers (injector.on_restart)
-     │   transfer failed -> TransferFailed(reason); no KV by the deadline ->
+     │   transfer failed -> TransferFailed(reason); no KV by the deadline (per
+     │   phase: no BEGIN within the reservation timeout -- the prefill may be
+     │   queued --, or no END within the transfer timeout of the BEGIN) ->
      │   TransferFailed("deadline: ..."); abort() (the Abort RPC, same event
      │   loop) -> RequestAborted -- R stays OPEN until free()
      v
@@ -71,12 +73,17 @@ _DEADLINE_SLACK_S = 1.0
 
 @dataclass(frozen=True, slots=True)
 class RemoteKV:
-    """The decode pod's receive side; None on a colocated pod."""
+    """The decode pod's receive side; None on a colocated pod.
+
+    Deadlines per phase: a reserved request waits for a prefill pod to begin
+    sending for up to `reservation_timeout_s` (its prefill may be queued);
+    each sending attempt must finish within `transfer_timeout_s` of its BEGIN."""
 
     receiver: KVReceiver
     injector: KVInjector
     kv_shape: KVShape
     transfer_timeout_s: float
+    reservation_timeout_s: float = 600.0
 
 
 class ImportState(enum.Enum):
@@ -150,7 +157,8 @@ class KVImport:
                                              layout.num_layers, layout.total_bytes)
         self._aborted = asyncio.get_running_loop().create_future()
         target = remote.receiver.expect(self.request_id, layout,
-                                        time.time() + remote.transfer_timeout_s)
+                                        time.time() + remote.reservation_timeout_s,
+                                        transfer_timeout_s=remote.transfer_timeout_s)
         self._to(ImportState.OPEN)
         return target
 
@@ -161,7 +169,9 @@ class KVImport:
         if self._state is not ImportState.OPEN:
             raise RuntimeError(f"wait() in import state {self._state.value}")
         assert self._ready is not None and self._aborted is not None
-        timeout_s = self._remote.transfer_timeout_s
+        # The receiver enforces the per-phase deadlines (RemoteKV); every one
+        # ends by the reservation's, so that is where this local backstop waits.
+        timeout_s = self._remote.reservation_timeout_s
         # neither future is cancelled by a timeout or by our caller's cancel
         await asyncio.wait((self._ready, self._aborted), timeout=timeout_s + _DEADLINE_SLACK_S,
                            return_when=asyncio.FIRST_COMPLETED)
@@ -169,7 +179,7 @@ class KVImport:
             raise self._aborted.result()
         if not self._ready.done():
             raise TransferFailed(self.request_id, f"deadline: no KV within the "
-                                                  f"{timeout_s:g}s transfer timeout")
+                                                  f"{timeout_s:g}s reservation timeout")
         first_token_id = self._ready.result()  # raises the injector's TransferFailed
         self._to(ImportState.INJECTED)
         return first_token_id

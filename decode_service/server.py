@@ -72,7 +72,7 @@ async def _serve(role: PodRole, engine_config: EngineConfig, server_config: Serv
         ReceiverCollector(receiver, role).register(metrics.registry)
         remote = RemoteKV(receiver, injector, kv_shape_of(engine_config.model_dir,
                                                           engine_config.dtype),
-                          decode.transfer_timeout_s)
+                          decode.transfer_timeout_s, decode.reservation_timeout_s)
         on_stopped = [receiver.close, injector.close, loop.stop]
     gate = DrainGate()
     servicer = DecodeServicer(

@@ -193,8 +193,7 @@ class DecodeServicer(pdserve_pb2_grpc.DecodeServicer):
         self._metrics.transfer_failure(code)
         if code == "deadline":
             return ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                f"KV for request {rid} did not arrive within the "
-                                f"{remote.transfer_timeout_s:g}s transfer timeout "
+                                f"KV for request {rid} did not arrive in time "
                                 f"({exc.reason}); its blocks were freed")
         return ServiceError(grpc.StatusCode.ABORTED,
                             f"KV transfer for request {rid} failed: {exc.reason}")

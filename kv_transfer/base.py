@@ -145,7 +145,8 @@ class TransferTarget:
     """Where and how a prefill pod sends one request's KV; issued by `KVReceiver.expect`.
 
     `deadline` is unix seconds: after it the receiver fails the transfer and
-    frees its landing buffer, whatever state it is in.
+    frees its landing buffer, whatever state it is in (a receiver given a
+    transfer timeout may fail a started attempt earlier, `KVReceiver.expect`).
     """
 
     endpoints: tuple[str, ...]
@@ -367,8 +368,16 @@ class KVReceiver(abc.ABC):
         """'host:port' addresses senders connect to (valid after start())."""
 
     @abc.abstractmethod
-    def expect(self, request_id: str, layout: KVLayout, deadline: float) -> TransferTarget:
+    def expect(self, request_id: str, layout: KVLayout, deadline: float,
+               transfer_timeout_s: float | None = None) -> TransferTarget:
         """Reserve a landing buffer and issue a ticket valid until `deadline`.
+
+        Without `transfer_timeout_s` the transfer fails once `deadline` passes,
+        whatever its state. With it, the deadline is per phase: while no sender
+        is sending (before the first BEGIN, or after a sender was lost) the
+        transfer waits until `deadline`; each sending attempt must finish
+        within `transfer_timeout_s` of its BEGIN (and by `deadline`). So a
+        prefill that is merely queued does not use up the transfer's time.
 
         Raises `BufferPoolExhausted` when the pool cannot hold `layout.total_bytes`
         now (back-pressure: nothing is queued), ValueError for a duplicate id or a

@@ -50,10 +50,12 @@ class ConnectorReceiver(KVReceiver):
     def endpoints(self) -> tuple[str, ...]:
         return self._endpoints
 
-    def expect(self, request_id: str, layout: KVLayout, deadline: float) -> TransferTarget:
+    def expect(self, request_id: str, layout: KVLayout, deadline: float,
+               transfer_timeout_s: float | None = None) -> TransferTarget:
         if not self._endpoints:
             raise RuntimeError(f"{type(self).__name__}.expect called before it was started")
-        return self.table.expect(request_id, layout, deadline, self._endpoints)
+        return self.table.expect(request_id, layout, deadline, self._endpoints,
+                                 transfer_timeout_s)
 
     def release(self, request_id: str) -> bool:
         return self.table.release(request_id)

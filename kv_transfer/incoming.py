@@ -30,16 +30,22 @@ class Incoming:
     """One transfer's state; guarded by the table's lock (`deliver_lock` aside)."""
 
     __slots__ = (
-        "request_id", "layout", "deadline", "buffer", "writes", "attempts", "state",
+        "request_id", "layout", "deadline", "reservation_deadline", "transfer_timeout_s",
+        "buffer", "writes", "attempts", "state",
         "reason", "next_layer", "delivered_any", "released", "end_peer",
         "first_token_id", "end_total", "finished_at", "deliver_lock",
     )  # fmt: skip
 
     def __init__(self, request_id: str, layout: KVLayout, deadline: float,
-                 buffer: LandingBuffer) -> None:  # fmt: skip
+                 buffer: LandingBuffer,
+                 transfer_timeout_s: float | None = None) -> None:  # fmt: skip
         self.request_id = request_id
         self.layout = layout
-        self.deadline = deadline
+        # Per phase (see `start_attempt`): waiting for a sender is bounded by the
+        # reservation's deadline; a running attempt by its BEGIN + transfer_timeout_s.
+        self.reservation_deadline = deadline
+        self.transfer_timeout_s = transfer_timeout_s
+        self.deadline = deadline  # the current phase's
         self.buffer: LandingBuffer | None = buffer  # None once back in the pool
         self.writes = LandingWrites(layout, byte_view(buffer.data))
         self.attempts = Attempts()
@@ -77,6 +83,9 @@ class Incoming:
         if self.state in (TransferState.EXPECTED, TransferState.SENDER_LOST):
             self.state = self.state.to(TransferState.STARTED)
             self.attempts.start(attempt)
+            if self.transfer_timeout_s is not None:  # the transfer's clock starts now
+                self.deadline = min(self.reservation_deadline,
+                                    time.time() + self.transfer_timeout_s)
         self.attempts.join(peer)
 
     def runs_attempt(self, epoch: int) -> bool:
@@ -87,6 +96,7 @@ class Incoming:
         """The current attempt's sender is lost: -> SENDER_LOST, its progress is
         reset (buffer, ticket and deadline stay); returns its streams."""
         self.state = self.state.to(TransferState.SENDER_LOST)
+        self.deadline = self.reservation_deadline  # waiting for a sender again
         stale = self.attempts.drop()
         self.writes.reset()
         self.next_layer = 0
@@ -137,6 +147,17 @@ class Incoming:
 
     def expired(self, now: float) -> bool:
         return not self.state.terminal and now > self.deadline
+
+    def expiry_detail(self) -> str:
+        """Why `expired` is true, naming the phase whose deadline passed."""
+        if self.transfer_timeout_s is None:
+            return f"deadline {self.deadline:.3f} passed"
+        if self.state not in _RECEIVING:
+            return f"no sender began before the reservation's deadline {self.deadline:.3f}"
+        if self.deadline < self.reservation_deadline:
+            return (f"the transfer did not finish within the {self.transfer_timeout_s:g}s "
+                    "transfer timeout of its BEGIN")
+        return f"the transfer did not finish by the reservation's deadline {self.deadline:.3f}"
 
     # ---------------------------------------------------------------- the buffer
 

@@ -6,7 +6,8 @@ calls `expect` / `release` / `cancel`, and the sweeper calls `sweep`.
 
 Per transfer (see `TransferState`):
 
-    expect  -> EXPECTED, landing buffer allocated, ticket issued
+    expect  -> EXPECTED, landing buffer allocated, ticket issued (valid until the
+               reservation's deadline)
     BEGIN   -> STARTED   (each stream's BEGIN authenticates that stream: `peer`)
     DATA    -> rows claimed (no two writers ever touch the same bytes), payload
                written by the transport straight into the buffer, then committed
@@ -20,6 +21,10 @@ Per transfer (see `TransferState`):
                running attempt first (the new pod's BEGIN may beat the old
                connection's close). Frames from a dropped attempt's streams are
                refused as `superseded` (counted in `stale_frames`), never applied
+    deadline (per phase when `expect` got a transfer timeout): EXPECTED and
+               SENDER_LOST (waiting for a sender, e.g. while the prefill is
+               queued) until the reservation's deadline; STARTED/ENDING until
+               min(that, the attempt's BEGIN + transfer timeout); past it -> FAILED
     failure -> FAILED from any non-terminal state; every authenticated peer is told
     free    -> RELEASED, once terminal AND no writer is inside the buffer AND
                (the consumer released it, or nothing was ever handed out, or the
@@ -85,10 +90,13 @@ class ReceiveTable:
     # ---------------------------------------------------------------- service side
 
     def expect(self, request_id: str, layout: KVLayout, deadline: float,
-               endpoints: tuple[str, ...]) -> TransferTarget:  # fmt: skip
+               endpoints: tuple[str, ...],
+               transfer_timeout_s: float | None = None) -> TransferTarget:  # fmt: skip
         check_request_id(request_id)
         if deadline <= time.time():
             raise ValueError(f"deadline {deadline:.3f} is already in the past")
+        if transfer_timeout_s is not None and not transfer_timeout_s > 0:
+            raise ValueError(f"transfer_timeout_s must be > 0 seconds, got {transfer_timeout_s}")
         with self._lock:
             if self._transfers.get(request_id) is not None:
                 raise ValueError(f"request {request_id!r} already has a transfer")
@@ -97,7 +105,8 @@ class ReceiveTable:
             if self._transfers.get(request_id) is not None:
                 self.pool.free(buffer)
                 raise ValueError(f"request {request_id!r} already has a transfer")
-            self._transfers.add(Incoming(request_id, layout, deadline, buffer))
+            self._transfers.add(Incoming(request_id, layout, deadline, buffer,
+                                         transfer_timeout_s))
         return TransferTarget(
             endpoints=endpoints,
             ticket=self.authority.issue(request_id, deadline),
@@ -289,7 +298,9 @@ class ReceiveTable:
             transfers = self._transfers.live()
         for t in transfers:
             if t.expired(now):
-                passed = make_reason(Reason.DEADLINE, f"deadline {t.deadline:.3f} passed")
+                with self._lock:
+                    detail = t.expiry_detail()
+                passed = make_reason(Reason.DEADLINE, detail)
                 self._transfers.fail(t, passed)
             self._transfers.free(t, now)
 

@@ -21,7 +21,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--landing-memory", type=parse_size, default=parse_size("1GiB"),
                    metavar="SIZE", help="Budget of KV in flight (landing buffers, default 1GiB).")
     g.add_argument("--transfer-timeout", type=float, default=30.0, metavar="SECONDS",
-                   help="How long a reserved request waits for its KV (default 30).")
+                   help="How long one KV transfer may take from the prefill pod's first "
+                        "frame (BEGIN) to its last (default 30).")
+    g.add_argument("--reservation-timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="How long a reserved request waits for a prefill pod to begin "
+                        "sending its KV, e.g. while its prefill is queued (default 600).")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -38,5 +42,6 @@ def main(args: argparse.Namespace) -> int:
         engine=engine_config_from_args(args), server=server_config_from_args(args),
         kv_port=args.kv_port, kv_transport=args.kv_transport,
         landing_memory=args.landing_memory, transfer_timeout_s=args.transfer_timeout,
+        reservation_timeout_s=args.reservation_timeout,
     )
     return asyncio.run(run_decode_pod(config))

@@ -46,7 +46,8 @@ class _Receiver(KVReceiver):
     def endpoints(self) -> tuple[str, ...]:
         return ("127.0.0.1:1",)
 
-    def expect(self, request_id: str, layout: KVLayout, deadline: float) -> TransferTarget:
+    def expect(self, request_id: str, layout: KVLayout, deadline: float,
+               transfer_timeout_s: float | None = None) -> TransferTarget:
         self.log.append(f"receiver.expect {request_id} {layout.num_tokens}")
         if self.full:
             raise BufferPoolExhausted("landing pool has 0 of 64 bytes free")
@@ -97,7 +98,8 @@ def _run(tiny_model_dir, scenario, *, full=False, timeout_s=30.0, num_blocks=64)
         injector = _Injector(log, loop.kv_caches(), metrics)
         _, _, _, heads, dim = loop.kv_caches()[0].shape
         shape = KVShape(len(loop.kv_caches()), heads, dim, "float32")
-        remote = RemoteKV(_Receiver(log, full), injector, shape, timeout_s)
+        remote = RemoteKV(_Receiver(log, full), injector, shape, timeout_s,
+                          reservation_timeout_s=timeout_s)
         loop.start()
         try:
             return await asyncio.wait_for(scenario(loop, remote, log), 60)
@@ -208,7 +210,7 @@ def test_no_kv_by_the_deadline_fails_the_wait(tiny_model_dir):
         return err.value.reason
 
     reason = _run(tiny_model_dir, scenario, timeout_s=0.1)
-    assert reason == "deadline: no KV within the 0.1s transfer timeout"
+    assert reason == "deadline: no KV within the 0.1s reservation timeout"
 
 
 def test_a_full_landing_pool_leaves_the_blocks_to_free(tiny_model_dir):

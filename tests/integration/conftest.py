@@ -4,7 +4,8 @@ Session-scoped and started together, so the whole package pays for one pod
 start-up: a colocated pod (the parity baseline), a prefill pod (block 16,
 prefix cache on, 256-token chunks so long prompts stream over several
 steps), and two decode pods: block 128 over TCP and block 256 over gRPC,
-both with a short transfer timeout so the never-arriving-KV test is quick.
+both with short transfer and reservation timeouts so the never-arriving-KV
+test is quick.
 The prefill pod and the gRPC decode pod run with async scheduling (off by
 default on CPU), so parity against the colocated pod also checks it end to
 end; the TCP decode pod keeps the synchronous default.
@@ -21,8 +22,10 @@ from proto import pdserve_pb2_grpc
 from tests.integration.pods import PodProcess, start_pods
 
 TRANSFER_TIMEOUT_S = 4.0
+RESERVATION_TIMEOUT_S = 4.0
 
-_DECODE_FLAGS = {"transfer_timeout": TRANSFER_TIMEOUT_S, "landing_memory": "64MiB"}
+_DECODE_FLAGS = {"transfer_timeout": TRANSFER_TIMEOUT_S,
+                 "reservation_timeout": RESERVATION_TIMEOUT_S, "landing_memory": "64MiB"}
 POD_SPECS = {
     "colocated": ("colocated", {"block_size": 16, "num_blocks": 512}),
     "prefill": ("prefill", {"block_size": 16, "num_blocks": 512,

@@ -232,3 +232,37 @@ def test_a_late_begin_of_the_completing_attempt_is_not_a_failure():
         table.begin("late", target.ticket, LAYOUT, other, b"attempt-2")
     assert carrier.outcomes == [("late", True, "")] and idle.outcomes == []
     assert table.stats().failures == {} and pool.bytes_in_use == 0
+
+
+def test_deadline_per_phase_waiting_for_a_sender_does_not_use_the_transfer_timeout():
+    table, _, listener = make_table()
+    now = time.time()
+    target = table.expect("q", LAYOUT, now + 60, ("127.0.0.1:1",), transfer_timeout_s=0.5)
+    assert target.deadline == now + 60  # the ticket outlives a queued prefill
+    table.sweep(now + 5)  # queued at the prefill pod far past the transfer timeout
+    assert "q" not in listener.events
+    peer = Peer()
+    table.begin("q", target.ticket, LAYOUT, peer)  # the prefill starts: its clock starts
+    begun = time.time()
+    assert begun + 0.5 == pytest.approx(table.deadline_of("q"), abs=0.05)
+    table.peer_lost(peer, "connection_lost")  # waiting for a sender again: no transfer clock
+    assert table.deadline_of("q") == now + 60
+    table.sweep(begun + 5)
+    assert listener.events["q"][-1][0] == "restart"
+    second = Peer()
+    table.begin("q", target.ticket, LAYOUT, second, attempt=b"2")
+    table.sweep(time.time() + 1)  # the new attempt's 0.5 s passed
+    assert listener.wait_final("q") == (
+        "failed", "deadline: the transfer did not finish within the 0.5s transfer timeout "
+                  "of its BEGIN")
+
+
+def test_deadline_per_phase_no_sender_by_the_reservation_deadline():
+    table, _, listener = make_table()
+    deadline = time.time() + 60
+    table.expect("n", LAYOUT, deadline, ("127.0.0.1:1",), transfer_timeout_s=0.5)
+    table.sweep(deadline + 0.1)
+    assert listener.wait_final("n") == (
+        "failed", f"deadline: no sender began before the reservation's deadline {deadline:.3f}")
+    with pytest.raises(ValueError, match="transfer_timeout_s must be > 0 seconds, got 0"):
+        table.expect("z", LAYOUT, deadline, ("127.0.0.1:1",), transfer_timeout_s=0)
