@@ -215,6 +215,15 @@ def vllm_env(settings: ServerSettings) -> dict[str, str]:
     return {**env, **dict(settings.vllm_env)}
 
 
+def start_up(name: str, model_dir: str, up_args: list[str], log_path: Path) -> Server:
+    """`pdserve up --model DIR UP_ARGS` on free ports (any topology, e.g. pinned
+    disaggregated or colocated pods); not yet ready."""
+    port = free_port()
+    argv = [sys.executable, "-m", "pdserve", "up", "--model", model_dir, "--host", "127.0.0.1",
+            "--port", str(port), "--grpc-port", str(free_port()), *up_args]
+    return _spawn(name, argv, {}, REPO_ROOT, log_path, port, "/ready")
+
+
 def start(system: str, model_dir: str, dtype: str, settings: ServerSettings,
           log_dir: Path) -> Server:
     """Start `system` ("pdserve" or "vllm") on a free port; not yet ready."""

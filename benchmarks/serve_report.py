@@ -39,8 +39,9 @@ def _ms(stats: dict, key: str) -> str:
     return "—" if value is None else f"{value:,.1f}"
 
 
-def print_summary(result: dict, out: TextIO = sys.stdout) -> None:
+def print_summary(result: dict, out: TextIO | None = None) -> None:
     """A short human-readable table of one run (the JSON holds everything)."""
+    out = sys.stdout if out is None else out
     p = lambda *a: print(*a, file=out)  # noqa: E731
     p(f"\n{result['label']}: {result['completed']}/{result['num_requests']} requests in "
       f"{result['duration_s']:.1f} s, {result['errors']} errors")
