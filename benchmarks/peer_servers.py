@@ -215,6 +215,19 @@ def vllm_env(settings: ServerSettings) -> dict[str, str]:
     return {**env, **dict(settings.vllm_env)}
 
 
+def model_dir(name: str) -> Path:
+    """--model: a directory with config.json, or 'tiny' / 'base' (built in, made
+    on first use). ValueError naming the flag otherwise."""
+    if name in ("tiny", "base"):
+        from engine.make_model import ensure_model
+
+        return ensure_model(name)
+    path = Path(name)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"--model {name}: no config.json there")
+    return path
+
+
 def start_up(name: str, model_dir: str, up_args: list[str], log_path: Path) -> Server:
     """`pdserve up --model DIR UP_ARGS` on free ports (any topology, e.g. pinned
     disaggregated or colocated pods); not yet ready."""

@@ -32,7 +32,7 @@ import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from benchmarks import serve_metrics, serve_plot
+from benchmarks import peer_servers, serve_metrics, serve_plot
 from benchmarks.serve_client import TOKEN_COUNTS, LoadSpec, run_load, run_sessions
 from benchmarks.serve_report import goodput, print_summary
 from benchmarks.serve_trace import TraceScaling, load_trace, trace_sessions
@@ -124,6 +124,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--output-len", type=int, default=64)
     g.add_argument("--range-ratio", type=float, default=0.0,
                    help="lengths uniform in [len*(1-r), len*(1+r)]")
+    g.add_argument("--output-range-ratio", type=float, default=None,
+                   help="the same for output lengths (default: --range-ratio)")
     g.add_argument("--turns", type=int, default=1,
                    help="turns per session; each extends the previous prompt and answer")
     g.add_argument("--trace", default=None, metavar="PATH", help="Mooncake JSONL trace")
@@ -156,11 +158,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def vocabulary(name: str) -> Vocabulary:
-    if name in ("tiny", "base"):
-        from engine.make_model import ensure_model
-
-        return Vocabulary.from_model_dir(ensure_model(name))
-    return Vocabulary.from_model_dir(Path(name))
+    try:
+        return Vocabulary.from_model_dir(peer_servers.model_dir(name))
+    except ValueError as exc:
+        raise ValueError(f"--vocab-from: {exc}") from None
 
 
 def sessions_from_args(args: argparse.Namespace) -> tuple[list[Session], dict]:
@@ -174,7 +175,8 @@ def sessions_from_args(args: argparse.Namespace) -> tuple[list[Session], dict]:
                 {"kind": "trace", "trace": args.trace, "max_requests": args.max_requests,
                  **asdict(scaling), "seed": args.seed, "vocab_from": args.vocab_from})
     workload = RandomWorkload(args.num_prompts, args.input_len, args.output_len,
-                              args.range_ratio, args.turns, args.request_rate, args.seed)
+                              args.range_ratio, args.output_range_ratio, args.turns,
+                              args.request_rate, args.seed)
     return (workload.sessions(vocab),
             {"kind": "random", **asdict(workload), "vocab_from": args.vocab_from})
 

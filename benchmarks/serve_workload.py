@@ -11,7 +11,8 @@ lengths and arrival times on every machine, so two systems get identical
 requests.
 
     random      prompts of seeded random token ids (special tokens left out),
-                lengths uniform in [len * (1 - r), len * (1 + r)] (r = range ratio)
+                lengths uniform in [len * (1 - r), len * (1 + r)] (r = range ratio;
+                outputs may have their own)
     multi-turn  turn k+1's prompt = turn k's prompt + a stand-in for turn k's
                 answer (its max_tokens of seeded token ids) + new user tokens;
                 every turn carries the session id (sent as OpenAI's `user`,
@@ -126,6 +127,7 @@ class RandomWorkload:
     input_len: int
     output_len: int
     range_ratio: float = 0.0
+    output_range_ratio: float | None = None  # None = range_ratio
     turns: int = 1
     request_rate: float | None = None  # sessions/s, Poisson; None = all at once
     seed: int = 0
@@ -135,15 +137,19 @@ class RandomWorkload:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, "
                                  f"got {getattr(self, name)}")
-        if not 0 <= self.range_ratio < 1:
-            raise ValueError(f"--range-ratio must be in [0, 1), got {self.range_ratio}")
+        for name in ("range_ratio", "output_range_ratio"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be in [0, 1), got {value}")
 
     def sessions(self, vocab: Vocabulary) -> list[Session]:
         allowed = vocab.allowed()
         rng = random.Random(self.seed)
         total = self.num_sessions * self.turns
         inputs = random_lengths(total, self.input_len, self.range_ratio, rng)
-        outputs = random_lengths(total, self.output_len, self.range_ratio, rng)
+        outputs = random_lengths(total, self.output_len, self.range_ratio
+                                 if self.output_range_ratio is None
+                                 else self.output_range_ratio, rng)
         arrivals = poisson_arrivals(self.num_sessions, self.request_rate, self.seed)
         sessions = []
         for s, arrival in enumerate(arrivals):

@@ -21,6 +21,7 @@ BENCHMARKS: dict[str, str] = {
     "router": "benchmarks.router",
     "peer": "benchmarks.peer",
     "serve": "benchmarks.serve",
+    "disagg": "benchmarks.disagg",
     "serve-plot": "benchmarks.serve_plot",
 }
 
