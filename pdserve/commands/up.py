@@ -5,12 +5,14 @@ child copies its output to ours, each line prefixed with the child's name):
 
     model    --model DIR, or the built-in tiny model (created on first use)
     pods     every pod starts at once (`python -m pdserve prefill|decode|serve`
-             on free ports, `--ready-file`); each line "[k/n] ... ready" as it
-             comes up
+             on free ports, `--ready-file`, `--cpus` from --{role}-cpus); each
+             line "[k/n] ... ready" as it comes up
     router   `python -m pdserve router` on --port/--grpc-port, pointed at the
              pods (static lists, or Redis discovery with --redis-url); ready
              when its HTTP /ready answers 200
-    serving  prints the URL and a curl example, then watches the children
+    serving  writes --ready-file (the pods' addresses and /metrics URLs, for
+             benchmarks), prints the URL and a curl example, then watches
+             the children
     stop     SIGINT/SIGTERM: router first (no new requests), then the pods;
              each gets SIGTERM, then SIGKILL after --grace-period seconds
 
