@@ -187,6 +187,7 @@ def run_from_args(args: argparse.Namespace) -> ServeRun:
         raise ValueError(f"--concurrency must be >= 1, got {args.concurrency}")
     if args.warmup < 0:
         raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
+    goodput([], 1.0, args.slo_ttft, args.slo_itl)  # the SLO flags' checks
     if args.trace is not None and args.request_rate is not None:
         raise ValueError("--request-rate and --trace exclude each other (a trace brings its "
                          "own arrival times; --time-scale stretches them)")
@@ -208,7 +209,6 @@ def run_from_args(args: argparse.Namespace) -> ServeRun:
 def main(args: argparse.Namespace) -> int:
     try:
         run = run_from_args(args)
-        goodput([], 1.0, args.slo_ttft, args.slo_itl)  # the SLO flags' checks, before the load
     except ValueError as exc:
         print(f"pdserve bench serve: error: {exc}", file=sys.stderr)
         return 2
