@@ -12,11 +12,12 @@ against colocated serving of the same CPUs, on the same requests.
                               0.4 req/s, --num-requests each
                 light-c8      256 in / 64 out, concurrency 8, --light-requests
                 trace         the first --trace-requests lines of the Mooncake
-                              synthetic trace, lengths x1/32 (512-token blocks
-                              become 16), outputs x1/4, arrival times x16: about
-                              0.24 req/s of ~480-token prompts, 65% of them
-                              prefix hits, which the built-in `base` model on two
-                              cores serves without a growing queue
+                              synthetic trace, by default lengths x1/32 (512-token
+                              blocks become 16, the prefill pod's block size),
+                              outputs x1/4, arrival times x32: about 0.12 req/s
+                              of ~480-token prompts on average (--trace-*-scale
+                              change them; docs/benchmarks.md says what a short
+                              check on 2 cores showed)
     per run     benchmarks/serve.py's run_benchmark (with the pods' counters);
                 a JSON per (workload, topology) in --out-dir
     comparison  disaggregated / colocated per workload: TTFT p50, ITL p99,
@@ -98,7 +99,8 @@ def build_workloads(names: tuple[str, ...], args: argparse.Namespace,
             out.append(Workload(name, w.sessions(vocab), 8, {"kind": "random", **asdict(w),
                                                                "concurrency": 8}))
         else:
-            scaling = TraceScaling(512, 1 / 32, 1 / 4, 16.0)
+            scaling = TraceScaling(512, args.trace_length_scale, args.trace_output_scale,
+                                   args.trace_time_scale)
             requests = load_trace(Path(args.trace), args.trace_requests)
             out.append(Workload(name, trace_sessions(requests, scaling, vocab, seed), None,
                                 {"kind": "trace", "trace": args.trace,
@@ -139,8 +141,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="requests of each prefill-heavy workload")
     parser.add_argument("--light-requests", type=int, default=32)
     parser.add_argument("--trace", default=str(DEFAULT_TRACE), metavar="PATH")
-    parser.add_argument("--trace-requests", type=int, default=40,
+    parser.add_argument("--trace-requests", type=int, default=24,
                         help="the trace's first N lines")
+    parser.add_argument("--trace-length-scale", type=float, default=1 / 32,
+                        help="trace prompt lengths and block size times this (default 1/32)")
+    parser.add_argument("--trace-output-scale", type=float, default=1 / 4)
+    parser.add_argument("--trace-time-scale", type=float, default=32.0,
+                        help="trace arrival times times this")
     parser.add_argument("--slo-ttft", type=float, default=10000.0, metavar="MS")
     parser.add_argument("--slo-itl", type=float, default=None, metavar="MS")
     parser.add_argument("--seed", type=int, default=0)
@@ -209,6 +216,7 @@ def run_topology(topology: str, up_args: list[str], model_dir: Path,
     results = {}
     try:
         model = server.wait_ready(args.startup_timeout)
+        server.wait_file(ready, 60)
         urls = tuple(urls_from_up_ready_file(ready))
         for index, workload in enumerate(workloads):
             run = ServeRun(

@@ -135,6 +135,20 @@ class Server:
         with urllib.request.urlopen(self.base_url + "/v1/models", timeout=30) as r:
             return json.loads(r.read())["data"][0]["id"]
 
+    def wait_file(self, path: Path, timeout_s: float) -> None:
+        """Wait for a file the server writes once serving (e.g. `pdserve up
+        --ready-file`, written just after its router answers /ready)."""
+        deadline = time.monotonic() + timeout_s
+        while not path.is_file():
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with status "
+                                   f"{self.process.returncode} before writing {path}; log "
+                                   f"{self.log_path}:\n{self.log_tail()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.name} did not write {path} within "
+                                   f"{timeout_s:.0f} s")
+            time.sleep(0.05)
+
     def stop(self, grace_s: float = 60.0) -> None:
         """SIGTERM the server, wait, then SIGKILL what is left of its process group."""
         if self.process.poll() is None:

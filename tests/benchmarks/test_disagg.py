@@ -47,9 +47,9 @@ def test_workloads_have_the_issue_shapes(tmp_path):
     assert light.concurrency == 8 and len(light.sessions) == 8
     assert all(len(s.turns[0].prompt) == 256 and s.turns[0].max_tokens == 64
                for s in light.sessions)
-    # lengths / 32, outputs / 4, time x 16
+    # lengths / 32, outputs / 4, time x 32
     assert [(len(s.turns[0].prompt), s.turns[0].max_tokens, s.arrival_s)
-            for s in scaled.sessions] == [(32, 10, 0.0), (32, 10, 16.0), (32, 10, 32.0)]
+            for s in scaled.sessions] == [(32, 10, 0.0), (32, 10, 32.0), (32, 10, 64.0)]
 
 
 def test_ratios_are_disaggregated_over_colocated():

@@ -44,6 +44,7 @@ def stack(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[str, Path]]:
         logs / "up.log")
     try:
         server.wait_ready(120)
+        server.wait_file(ready, 30)
         yield server.base_url, ready
     finally:
         server.stop()
