@@ -158,17 +158,6 @@ def config_from_args(args: argparse.Namespace) -> tuple[PeerWorkload, peer_serve
     return workload, settings
 
 
-def _model_dir(name: str) -> Path:
-    if name in ("tiny", "base"):
-        from engine.make_model import ensure_model
-
-        return ensure_model(name)
-    path = Path(name)
-    if not (path / "config.json").is_file():
-        raise ValueError(f"--model {name}: no config.json there")
-    return path
-
-
 def prompt_vocabulary(model_dir: Path) -> tuple[int, frozenset[int]]:
     """(vocab_size, special token ids): prompts draw from the rest."""
     vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
@@ -209,7 +198,7 @@ def measure(base_url: str, model: str, workload: PeerWorkload,
 def main(args: argparse.Namespace) -> int:
     try:
         workload, settings = config_from_args(args)
-        model_dir = _model_dir(args.model)
+        model_dir = peer_servers.model_dir(args.model)
     except ValueError as exc:
         print(f"pdserve bench peer: error: {exc}", file=sys.stderr)
         return 2

@@ -135,6 +135,20 @@ class Server:
         with urllib.request.urlopen(self.base_url + "/v1/models", timeout=30) as r:
             return json.loads(r.read())["data"][0]["id"]
 
+    def wait_file(self, path: Path, timeout_s: float) -> None:
+        """Wait for a file the server writes once serving (e.g. `pdserve up
+        --ready-file`, written just after its router answers /ready)."""
+        deadline = time.monotonic() + timeout_s
+        while not path.is_file():
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with status "
+                                   f"{self.process.returncode} before writing {path}; log "
+                                   f"{self.log_path}:\n{self.log_tail()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.name} did not write {path} within "
+                                   f"{timeout_s:.0f} s")
+            time.sleep(0.05)
+
     def stop(self, grace_s: float = 60.0) -> None:
         """SIGTERM the server, wait, then SIGKILL what is left of its process group."""
         if self.process.poll() is None:
@@ -213,6 +227,28 @@ def vllm_env(settings: ServerSettings) -> dict[str, str]:
     if preload:
         env["LD_PRELOAD"] = preload
     return {**env, **dict(settings.vllm_env)}
+
+
+def model_dir(name: str) -> Path:
+    """--model: a directory with config.json, or 'tiny' / 'base' (built in, made
+    on first use). ValueError naming the flag otherwise."""
+    if name in ("tiny", "base"):
+        from engine.make_model import ensure_model
+
+        return ensure_model(name)
+    path = Path(name)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"--model {name}: no config.json there")
+    return path
+
+
+def start_up(name: str, model_dir: str, up_args: list[str], log_path: Path) -> Server:
+    """`pdserve up --model DIR UP_ARGS` on free ports (any topology, e.g. pinned
+    disaggregated or colocated pods); not yet ready."""
+    port = free_port()
+    argv = [sys.executable, "-m", "pdserve", "up", "--model", model_dir, "--host", "127.0.0.1",
+            "--port", str(port), "--grpc-port", str(free_port()), *up_args]
+    return _spawn(name, argv, {}, REPO_ROOT, log_path, port, "/ready")
 
 
 def start(system: str, model_dir: str, dtype: str, settings: ServerSettings,

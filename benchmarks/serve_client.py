@@ -1,14 +1,17 @@
 """A load client for any OpenAI-compatible server: streamed `/v1/completions`.
 
-Used by `pdserve bench peer` (benchmarks/peer.py) to drive pdserve's router
-and vLLM's server with the same requests, and meant as the core of
-`pdserve bench serve`. One request's life:
+The core of `pdserve bench serve` (benchmarks/serve.py, which sends
+benchmarks/serve_workload.py's sessions through `run_sessions`) and of
+`pdserve bench peer` (benchmarks/peer.py, `run_load` over plain prompts).
+One request's life:
 
-    arrival   at once (closed loop), or at seeded Poisson times (`request_rate`);
-              at most `concurrency` in flight either way
+    arrival   its session's arrival time (`run_load`: at once, or at seeded
+              Poisson times with `request_rate`), then each turn of a session
+              after the previous one ended; at most `concurrency` in flight
     send      POST /v1/completions {prompt: [token ids], max_tokens,
               ignore_eos: true, temperature: 0, stream: true,
-              stream_options: {include_usage: true}} (+ logprobs: 0, below)
+              stream_options: {include_usage: true}} (+ logprobs: 0, below;
+              + user: the session id, for multi-turn sessions)
     stream    each `data:` chunk is timestamped on arrival; the first one
               carrying tokens gives TTFT, later ones the inter-token latencies
     end       `data: [DONE]`; the usage chunk's completion_tokens must equal
@@ -40,15 +43,20 @@ import asyncio
 import json
 import random
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from benchmarks.serve_workload import BenchRequest, Session, poisson_arrivals
 
 TOKEN_COUNTS = ("logprobs", "chunks")
 
 
 @dataclass(frozen=True, slots=True)
 class LoadSpec:
-    """How requests are sent: how many may be in flight, when they arrive."""
+    """How requests are sent: how many may be in flight, when they arrive.
+    `max_tokens` and `request_rate` shape `run_load`'s plain prompts; the
+    sessions `run_sessions` takes carry their own lengths and arrivals."""
 
     max_tokens: int
     concurrency: int = 1
@@ -77,6 +85,9 @@ class RequestRecord:
     """One request as the client saw it; times in seconds."""
 
     prompt_len: int
+    max_tokens: int = 0
+    session_id: str | None = None
+    turn: int = 0
     start_s: float = 0.0  # since the run started
     ttft_s: float = 0.0
     e2e_s: float = 0.0
@@ -108,14 +119,17 @@ def _chunk_tokens(choice: dict[str, Any], token_count: str) -> int:
     return len(logprobs.get("tokens") or ())
 
 
-async def _one_request(session, url: str, model: str, prompt: list[int], spec: LoadSpec,
+async def _one_request(session, url: str, model: str, request: BenchRequest, spec: LoadSpec,
                        record: RequestRecord, run_start: float) -> None:
     body: dict[str, Any] = {
-        "model": model, "prompt": prompt, "max_tokens": spec.max_tokens, "ignore_eos": True,
-        "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
+        "model": model, "prompt": list(request.prompt), "max_tokens": request.max_tokens,
+        "ignore_eos": True, "temperature": 0.0, "stream": True,
+        "stream_options": {"include_usage": True},
     }
     if spec.token_count == "logprobs":
         body["logprobs"] = 0
+    if request.session_id is not None:
+        body["user"] = request.session_id
     start = time.perf_counter()
     record.start_s = start - run_start
     last = start
@@ -165,35 +179,55 @@ async def _one_request(session, url: str, model: str, prompt: list[int], spec: L
                            "logprobs needs token_count='chunks')")
 
 
-async def _run(base_url: str, model: str, prompts: list[list[int]],
-               spec: LoadSpec) -> tuple[list[RequestRecord], float]:
+async def _run(base_url: str, model: str, sessions: list[Session], spec: LoadSpec,
+               on_done: Callable[[RequestRecord], None] | None,
+               ) -> tuple[list[RequestRecord], float]:
     import aiohttp
 
     url = base_url.rstrip("/") + "/v1/completions"
-    records = [RequestRecord(prompt_len=len(p)) for p in prompts]
+    records = [[RequestRecord(prompt_len=len(turn.prompt), max_tokens=turn.max_tokens,
+                              session_id=turn.session_id, turn=t)
+                for t, turn in enumerate(s.turns)] for s in sessions]
     limit = asyncio.Semaphore(spec.concurrency)
-    rng = random.Random(spec.seed)
     timeout = aiohttp.ClientTimeout(total=spec.timeout_s)
     connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as client:
         run_start = time.perf_counter()
 
-        async def send(prompt: list[int], record: RequestRecord) -> None:
-            async with limit:
-                try:
-                    await _one_request(session, url, model, prompt, spec, record, run_start)
-                except (aiohttp.ClientError, TimeoutError, RuntimeError,
-                        ValueError) as exc:
-                    record.error = f"{type(exc).__name__}: {exc}"
+        async def send(session: Session, session_records: list[RequestRecord]) -> None:
+            await asyncio.sleep(max(0.0, run_start + session.arrival_s - time.perf_counter()))
+            failed = False
+            for turn, record in zip(session.turns, session_records, strict=True):
+                if failed:  # later turns extend this one: they would not be the same chat
+                    record.error = "not sent: an earlier turn of its session failed"
+                else:
+                    async with limit:
+                        try:
+                            await _one_request(client, url, model, turn, spec, record,
+                                               run_start)
+                        except (aiohttp.ClientError, TimeoutError, RuntimeError,
+                                ValueError) as exc:
+                            record.error = f"{type(exc).__name__}: {exc}"
+                    failed = record.error is not None
+                if on_done is not None:
+                    on_done(record)
 
-        tasks = []
-        for prompt, record in zip(prompts, records, strict=True):
-            tasks.append(asyncio.create_task(send(prompt, record)))
-            if spec.request_rate is not None:
-                await asyncio.sleep(rng.expovariate(spec.request_rate))
-        await asyncio.gather(*tasks)
+        await asyncio.gather(*(send(s, r) for s, r in zip(sessions, records, strict=True)))
         duration = time.perf_counter() - run_start
-    return records, duration
+    return [record for session_records in records for record in session_records], duration
+
+
+def run_sessions(base_url: str, model: str, sessions: list[Session], spec: LoadSpec,
+                 on_done: Callable[[RequestRecord], None] | None = None) -> dict:
+    """Send every session to `base_url` (each at its arrival time, turns in
+    order, at most `spec.concurrency` requests in flight); the summary (see
+    `summarize`) with each request's record under "requests", in session and
+    turn order. A turn after a failed one is not sent and counts as an error.
+    `on_done(record)` runs on the event loop after each request (a progress bar)."""
+    if not sessions:
+        raise ValueError("run_sessions needs at least one session")
+    records, duration = asyncio.run(_run(base_url, model, sessions, spec, on_done))
+    return {**summarize(records, duration), "requests": [asdict(r) for r in records]}
 
 
 def run_load(base_url: str, model: str, prompts: list[list[int]], spec: LoadSpec) -> dict:
@@ -201,8 +235,10 @@ def run_load(base_url: str, model: str, prompts: list[list[int]], spec: LoadSpec
     (see `summarize`) with each request's record under "requests"."""
     if not prompts:
         raise ValueError("run_load needs at least one prompt")
-    records, duration = asyncio.run(_run(base_url, model, prompts, spec))
-    return {**summarize(records, duration), "requests": [asdict(r) for r in records]}
+    arrivals = poisson_arrivals(len(prompts), spec.request_rate, spec.seed)
+    sessions = [Session(at, (BenchRequest(tuple(prompt), spec.max_tokens),))
+                for at, prompt in zip(arrivals, prompts, strict=True)]
+    return run_sessions(base_url, model, sessions, spec)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -229,16 +265,19 @@ def summarize(records: list[RequestRecord], duration_s: float) -> dict:
     """Throughput and latency statistics over the requests that completed."""
     ok = [r for r in records if r.error is None]
     output_tokens = sum(r.output_tokens for r in ok)
+    input_tokens = sum(r.prompt_len for r in ok)
     return {
         "num_requests": len(records),
         "completed": len(ok),
         "errors": len(records) - len(ok),
         "error_messages": sorted({r.error for r in records if r.error})[:5],
         "duration_s": duration_s,
-        "input_tokens": sum(r.prompt_len for r in ok),
+        "input_tokens": input_tokens,
         "output_tokens": output_tokens,
         "request_throughput": len(ok) / duration_s,
+        "input_throughput": input_tokens / duration_s,
         "output_throughput": output_tokens / duration_s,
+        "total_token_throughput": (input_tokens + output_tokens) / duration_s,
         "ttft_ms": _stats_ms([r.ttft_s for r in ok]),
         "tpot_ms": _stats_ms([(r.e2e_s - r.ttft_s) / (r.output_tokens - 1)
                               for r in ok if r.output_tokens > 1]),

@@ -14,6 +14,7 @@ import logging
 import os
 
 from engine.config import SCHEDULING_POLICIES, EngineConfig
+from pdserve.commands._cpus import add_pinning_arguments, pin_process
 from pod.config import ServerConfig, parse_size
 
 # Step token budget (docs/engine.md, Configuration: why 2,048 on CPU too).
@@ -64,6 +65,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, block_size: int,
     else:
         g.add_argument("--prefix-cache", dest="prefix_cache", action="store_true",
                        help="Enable the prefix cache (off by default on this role).")
+    add_pinning_arguments(parser, threads=True)
 
 
 def add_server_arguments(parser: argparse.ArgumentParser, *, port: int,
@@ -135,3 +137,9 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
 
 def setup_logging(level: str) -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def apply_placement(args: argparse.Namespace) -> None:
+    """--cpus / --threads (pdserve/commands/_cpus.py): call once, after logging is
+    set up and before the engine starts."""
+    pin_process(args.cpus, args.threads)

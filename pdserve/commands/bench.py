@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 import importlib
 
-HELP = ("Benchmarks: engine, kernels, transfer, transfer-split, ttft, router, peer "
-        "(each against its baseline).")
+HELP = ("Benchmarks: engine, kernels, transfer, transfer-split, ttft, router, peer, disagg "
+        "(each against its baseline); serve (a load generator) and serve-plot.")
 
 BENCHMARKS: dict[str, str] = {
     "engine": "benchmarks.engine",
@@ -20,6 +20,9 @@ BENCHMARKS: dict[str, str] = {
     "ttft": "benchmarks.ttft",
     "router": "benchmarks.router",
     "peer": "benchmarks.peer",
+    "serve": "benchmarks.serve",
+    "disagg": "benchmarks.disagg",
+    "serve-plot": "benchmarks.serve_plot",
 }
 
 

@@ -32,12 +32,14 @@ def main(args: argparse.Namespace) -> int:
     from decode_service.config import DecodeConfig
     from decode_service.server import run_decode_pod
     from pdserve.commands._pod_flags import (
+        apply_placement,
         engine_config_from_args,
         server_config_from_args,
         setup_logging,
     )
 
     setup_logging(args.log_level)
+    apply_placement(args)
     config = DecodeConfig(
         engine=engine_config_from_args(args), server=server_config_from_args(args),
         kv_port=args.kv_port, kv_transport=args.kv_transport,

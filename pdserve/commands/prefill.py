@@ -19,6 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from pdserve.commands._pod_flags import (
+        apply_placement,
         engine_config_from_args,
         server_config_from_args,
         setup_logging,
@@ -27,6 +28,7 @@ def main(args: argparse.Namespace) -> int:
     from prefill_service.server import run_prefill_pod
 
     setup_logging(args.log_level)
+    apply_placement(args)
     config = PrefillConfig(engine=engine_config_from_args(args),
                            server=server_config_from_args(args), kv_streams=args.kv_streams)
     return asyncio.run(run_prefill_pod(config))

@@ -11,6 +11,8 @@ import logging
 import os
 from pathlib import Path
 
+from pdserve.commands._cpus import add_pinning_arguments, pin_process
+
 HELP = "Run the router: OpenAI-compatible HTTP + gRPC API over prefill/decode pods."
 
 
@@ -53,6 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ready-file", default=None, metavar="PATH",
                         help='written once serving: {"http": port, "grpc": port}')
     parser.add_argument("--log-level", default="INFO")
+    add_pinning_arguments(parser, threads=False)
 
 
 def config_from_args(args: argparse.Namespace):
@@ -86,6 +89,7 @@ def main(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from router.server import RouterServer
 
+    pin_process(args.cpus, torch_threads=False)
     try:
         config = config_from_args(args)
     except ValueError as exc:

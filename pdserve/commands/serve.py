@@ -20,12 +20,14 @@ def main(args: argparse.Namespace) -> int:
     from decode_service.config import ColocatedConfig
     from decode_service.server import run_colocated_pod
     from pdserve.commands._pod_flags import (
+        apply_placement,
         engine_config_from_args,
         server_config_from_args,
         setup_logging,
     )
 
     setup_logging(args.log_level)
+    apply_placement(args)
     config = ColocatedConfig(engine=engine_config_from_args(args),
                              server=server_config_from_args(args))
     return asyncio.run(run_colocated_pod(config))

@@ -5,12 +5,14 @@ child copies its output to ours, each line prefixed with the child's name):
 
     model    --model DIR, or the built-in tiny model (created on first use)
     pods     every pod starts at once (`python -m pdserve prefill|decode|serve`
-             on free ports, `--ready-file`); each line "[k/n] ... ready" as it
-             comes up
+             on free ports, `--ready-file`, `--cpus` from --{role}-cpus); each
+             line "[k/n] ... ready" as it comes up
     router   `python -m pdserve router` on --port/--grpc-port, pointed at the
              pods (static lists, or Redis discovery with --redis-url); ready
              when its HTTP /ready answers 200
-    serving  prints the URL and a curl example, then watches the children
+    serving  writes --ready-file (the pods' addresses and /metrics URLs, for
+             benchmarks), prints the URL and a curl example, then watches
+             the children
     stop     SIGINT/SIGTERM: router first (no new requests), then the pods;
              each gets SIGTERM, then SIGKILL after --grace-period seconds
 
@@ -24,30 +26,26 @@ dies (PR_SET_PDEATHSIG), so nothing is left behind.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
-import os
 import signal
 import subprocess
-import sys
 import tempfile
-import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
+from pdserve.commands._children import Child, StartupError, check_alive, spawn
+from pdserve.commands._cpus import format_cpu_list, parse_cpu_list
 from proto.roles import PodRole
 
 HELP = "Run router + prefill + decode pods locally on a built-in model (OpenAI API on :8000)."
 
 # The pdserve subcommand that runs each pod role.
 POD_COMMANDS = {PodRole.PREFILL: "prefill", PodRole.DECODE: "decode", PodRole.COLOCATED: "serve"}
-
-
-class StartupError(RuntimeError):
-    """A child failed to come up; the message says which and why."""
+# Roles `--{role}-cpus` pins.
+CPU_ROLES = (*POD_COMMANDS, "router")
 
 
 class Stopping(Exception):
@@ -70,6 +68,10 @@ class UpConfig:
     startup_timeout_s: float = 300.0
     log_level: str = "WARNING"
     pod_args: tuple[str, ...] = ()
+    # CPU list per role ("prefill", "decode", "colocated", "router"), as given;
+    # every pod of a role gets the same list (pdserve/commands/_cpus.py)
+    cpus: tuple[tuple[str, str], ...] = ()
+    ready_file: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("port", "grpc_port"):
@@ -84,20 +86,20 @@ class UpConfig:
             raise ValueError("need at least one prefill and one decode pod, or --colocated >= 1")
         if self.grace_period_s <= 0 or self.startup_timeout_s <= 0:
             raise ValueError("--grace-period and --startup-timeout must be > 0 seconds")
+        for role, text in self.cpus:
+            if role not in CPU_ROLES:
+                raise ValueError(f"no CPU list for role {role!r}; roles: {', '.join(CPU_ROLES)}")
+            try:
+                parse_cpu_list(text)
+            except ValueError as exc:
+                raise ValueError(f"--{role}-cpus: {exc}") from None
 
-
-@dataclass
-class Child:
-    """One child process and what `up` knows about it."""
-
-    name: str  # "prefill-0", "router", ...
-    process: subprocess.Popen
-    workdir: Path
-    started_at: float = field(default_factory=time.monotonic)
-    address: str = ""
-
-    def alive(self) -> bool:
-        return self.process.poll() is None
+    def cpus_of(self, role: str) -> str | None:
+        """The canonical CPU list of `role`'s processes, or None (not pinned)."""
+        for name, text in self.cpus:
+            if name == role:
+                return format_cpu_list(parse_cpu_list(text))
+        return None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -120,6 +122,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="log level of the children (their lines are prefixed)")
     parser.add_argument("--pod-arg", action="append", default=[], metavar="ARG",
                         help="extra flag for every pod, e.g. --pod-arg=--num-blocks=256")
+    for role in CPU_ROLES:
+        parser.add_argument(f"--{role}-cpus", default=None, metavar="LIST",
+                            help=f"pin the {role} process(es) to these CPUs, e.g. 0 or 0-1 "
+                                 "(their --cpus; torch threads follow the count)")
+    parser.add_argument("--ready-file", default=None, metavar="PATH",
+                        help='written once serving: {"http", "grpc", "pods": [{"name", "role", '
+                             '"grpc", "metrics", "cpus"}]} (benchmarks read the pods\' '
+                             "/metrics ports there)")
 
 
 def config_from_args(args: argparse.Namespace) -> UpConfig:
@@ -129,42 +139,14 @@ def config_from_args(args: argparse.Namespace) -> UpConfig:
         redis_url=args.redis_url, grace_period_s=args.grace_period,
         startup_timeout_s=args.startup_timeout, log_level=args.log_level,
         pod_args=tuple(args.pod_arg),
+        cpus=tuple((role, text) for role in CPU_ROLES
+                   if (text := getattr(args, f"{role}_cpus")) is not None),
+        ready_file=args.ready_file,
     )
 
 
 def say(message: str) -> None:
     print(f"pdserve up: {message}", flush=True)
-
-
-def _die_with_parent() -> None:
-    """Runs in the child before exec: SIGTERM it if `up` dies, even by SIGKILL (Linux)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
-def _pump(name: str, stream) -> None:
-    """Reader thread: copy a child's output to ours, one prefixed line at a time."""
-    for raw in iter(stream.readline, b""):
-        line = raw.decode(errors="replace").rstrip()
-        sys.stdout.write(f"[{name}] {line}\n")
-        sys.stdout.flush()
-    stream.close()
-
-
-def spawn(name: str, argv: list[str], workdir: Path) -> Child:
-    """Start `python -m pdserve ARGV` in its own session with prefixed output."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "pdserve", *argv], stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-        start_new_session=True, preexec_fn=_die_with_parent if sys.platform == "linux" else None,
-    )
-    threading.Thread(target=_pump, args=(name, process.stdout), name=f"log-{name}",
-                     daemon=True).start()
-    return Child(name, process, workdir)
 
 
 def resolve_model(config: UpConfig) -> Path:
@@ -194,6 +176,9 @@ def pod_argv(role: str, model: Path, config: UpConfig, ready_file: Path) -> list
         argv += ["--kv-port", "0"]
     if config.redis_url:
         argv += ["--redis-url", config.redis_url]
+    cpus = config.cpus_of(role)
+    if cpus is not None:
+        argv += ["--cpus", cpus]
     return argv + list(config.pod_args)
 
 
@@ -224,6 +209,7 @@ def start_pods(model: Path, config: UpConfig, tmp: Path, children: list[Child]) 
             if ready_file.is_file():
                 ports = json.loads(ready_file.read_text())
                 child.address = f"127.0.0.1:{ports['grpc']}"
+                child.metrics_port = ports["metrics"]
                 done += 1
                 elapsed = time.monotonic() - child.started_at
                 say(f"[{done}/{total}] {role} pod ready on {child.address} ({elapsed:.1f} s)")
@@ -239,15 +225,11 @@ def counts_of(roles: list[str]) -> list[tuple[str, int]]:
     return [(r, roles.count(r)) for r in POD_COMMANDS if roles.count(r)]
 
 
-def check_alive(child: Child) -> None:
-    if not child.alive():
-        raise StartupError(f"{child.name} exited with status {child.process.returncode} "
-                           "(its log is above, prefixed with its name)")
-
-
 def router_argv(model: Path, config: UpConfig, children: list[Child]) -> list[str]:
     argv = ["router", "--model", str(model), "--host", config.host, "--port", str(config.port),
             "--grpc-port", str(config.grpc_port), "--log-level", config.log_level]
+    if config.cpus_of("router") is not None:
+        argv += ["--cpus", config.cpus_of("router")]
     if config.redis_url:
         return argv + ["--redis-url", config.redis_url]
     for role in POD_COMMANDS:
@@ -285,6 +267,20 @@ def start_router(model: Path, config: UpConfig, tmp: Path, children: list[Child]
 
 def _client_host(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+
+
+def write_ready_file(config: UpConfig, children: list[Child]) -> None:
+    """--ready-file: the router's ports and every pod's, written then renamed
+    so a reader never sees half a file."""
+    pods = [{"name": c.name, "role": c.name.rsplit("-", 1)[0], "grpc": c.address,
+             "metrics": f"http://127.0.0.1:{c.metrics_port}/metrics",
+             "cpus": config.cpus_of(c.name.rsplit("-", 1)[0])}
+            for c in children if c.name != "router"]
+    body = {"http": f"http://{_client_host(config.host)}:{config.port}",
+            "grpc": config.grpc_port, "pods": pods}
+    tmp = Path(config.ready_file + ".tmp")
+    tmp.write_text(json.dumps(body, indent=2))
+    tmp.replace(config.ready_file)
 
 
 def print_banner(config: UpConfig, model_name: str) -> None:
@@ -325,6 +321,8 @@ def run(config: UpConfig) -> int:
             model = resolve_model(config)
             start_pods(model, config, Path(tmp_name), children)
             start_router(model, config, Path(tmp_name), children)
+            if config.ready_file:
+                write_ready_file(config, children)
             print_banner(config, model.name)
             while True:
                 for child in children:

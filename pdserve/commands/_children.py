@@ -1,0 +1,70 @@
+"""The child processes of `pdserve up`: how each is started, watched and
+its output relayed (pdserve/commands/up.py runs the life cycle)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class StartupError(RuntimeError):
+    """A child failed to come up; the message says which and why."""
+
+
+@dataclass
+class Child:
+    """One child process and what `up` knows about it."""
+
+    name: str  # "prefill-0", "router", ...
+    process: subprocess.Popen
+    workdir: Path
+    started_at: float = field(default_factory=time.monotonic)
+    address: str = ""
+    metrics_port: int = 0
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: SIGTERM it if `up` dies, even by SIGKILL (Linux)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _pump(name: str, stream) -> None:
+    """Reader thread: copy a child's output to ours, one prefixed line at a time."""
+    for raw in iter(stream.readline, b""):
+        line = raw.decode(errors="replace").rstrip()
+        sys.stdout.write(f"[{name}] {line}\n")
+        sys.stdout.flush()
+    stream.close()
+
+
+def spawn(name: str, argv: list[str], workdir: Path) -> Child:
+    """Start `python -m pdserve ARGV` in its own session with prefixed output."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pdserve", *argv], stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+        start_new_session=True, preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+    )
+    threading.Thread(target=_pump, args=(name, process.stdout), name=f"log-{name}",
+                     daemon=True).start()
+    return Child(name, process, workdir)
+
+
+def check_alive(child: Child) -> None:
+    if not child.alive():
+        raise StartupError(f"{child.name} exited with status {child.process.returncode} "
+                           "(its log is above, prefixed with its name)")

@@ -1,0 +1,98 @@
+"""pdserve/commands/_cpus.py: CPU lists, the flags that take them, and pinning
+a real process."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pdserve.commands import _cpus, _pod_flags, up
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+EIGHT = tuple(range(8))
+
+
+@pytest.mark.parametrize("text, cpus", [
+    ("0", (0,)), ("0-1", (0, 1)), ("0,2", (0, 2)), ("3,0-1", (0, 1, 3)),
+    ("0-3,6-7", (0, 1, 2, 3, 6, 7)), (" 1 , 1 ", (1,)),
+])
+def test_cpu_lists_parse_to_sorted_ids(text, cpus):
+    assert _cpus.parse_cpu_list(text, EIGHT) == cpus
+
+
+@pytest.mark.parametrize("text, message", [
+    ("", "'' is not a CPU id or a range"),
+    ("a", "'a' is not a CPU id"),
+    ("0-", "'0-' is not a CPU id"),
+    ("-1", "'-1' is not a CPU id"),
+    ("3-1", "range 3-1 runs backwards"),
+    ("0,9-10", "CPU 9-10 is not available"),
+])
+def test_bad_cpu_lists_name_the_list_and_the_allowed_cpus(text, message):
+    with pytest.raises(ValueError, match=message) as info:
+        _cpus.parse_cpu_list(text, EIGHT)
+    assert f"CPU list {text!r}" in str(info.value)
+    assert "this machine allows CPUs 0-7" in str(info.value)
+
+
+def test_format_cpu_list_round_trips():
+    assert _cpus.format_cpu_list((5, 0, 1, 2, 7)) == "0-2,5,7"
+    assert _cpus.parse_cpu_list(_cpus.format_cpu_list((0, 1, 3, 4)), EIGHT) == (0, 1, 3, 4)
+
+
+def test_pod_flags_take_cpus_and_threads(capsys):
+    parser = argparse.ArgumentParser()
+    _pod_flags.add_engine_arguments(parser, block_size=16, prefix_cache_default=True)
+    first = min(os.sched_getaffinity(0))
+    args = parser.parse_args(["--model", "/m", "--cpus", str(first), "--threads", "2"])
+    assert (args.cpus, args.threads) == ((first,), 2)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model", "/m", "--cpus", "100000"])
+    err = capsys.readouterr().err
+    assert "argument --cpus: CPU list '100000': CPU 100000 is not available" in err
+    assert "this machine allows CPUs " + _cpus.format_cpu_list(_cpus.allowed_cpus()) in err
+
+
+def test_up_passes_each_role_its_cpu_list():
+    parser = argparse.ArgumentParser()
+    up.add_arguments(parser)
+    first = min(os.sched_getaffinity(0))
+    config = up.config_from_args(parser.parse_args(
+        ["--prefill-cpus", str(first), "--router-cpus", f"{first}-{first}"]))
+    assert config.cpus_of("prefill") == config.cpus_of("router") == str(first)
+    assert config.cpus_of("decode") is None
+    argv = up.pod_argv("prefill", Path("/m"), config, Path("/r"))
+    assert argv[argv.index("--cpus") + 1] == str(first)
+    assert "--cpus" not in up.pod_argv("decode", Path("/m"), config, Path("/r"))
+    with pytest.raises(ValueError, match="--decode-cpus: CPU list '100000'"):
+        up.config_from_args(parser.parse_args(["--decode-cpus", "100000"]))
+
+
+def test_pin_process_pins_every_thread_and_sizes_torch():
+    """In a fresh interpreter (pinning is process-wide): a thread started
+    before the pin is moved too, and torch runs one thread per CPU."""
+    cpu = min(os.sched_getaffinity(0))
+    code = f"""
+import os, threading, time, torch
+from pdserve.commands._cpus import pin_process
+stop = threading.Event()
+worker = threading.Thread(target=stop.wait); worker.start()
+pin_process(({cpu},))
+print(sorted(os.sched_getaffinity(0)), sorted(os.sched_getaffinity(worker.native_id)),
+      torch.get_num_threads())
+stop.set(); worker.join()
+pin_process(None, 3)
+print(torch.get_num_threads())
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+                         timeout=60, check=True).stdout.split("\n")
+    assert out[0] == f"[{cpu}] [{cpu}] 1"
+    assert out[1] == "3"
+    with pytest.raises(ValueError, match="--threads must be >= 1, got 0"):
+        _cpus.pin_process(None, 0)
