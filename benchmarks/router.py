@@ -110,7 +110,7 @@ async def direct_request(pb, stubs, request_id: str, prompt: list[int], max_toke
         if message is grpc.aio.EOF or message.tokens.finish_reason:
             break
     finished = time.perf_counter()
-    async for _ in prefill:  # the verdict (the decode stream implied it)
+    while await prefill.read() is not grpc.aio.EOF:  # the verdict (the decode stream implied it)
         pass
     return Sample(ttft, finished - started)
 

@@ -248,7 +248,7 @@ def direct_client(pb, prefill_stub, decode_stub) -> OpenStream:
                 if message.tokens.token_ids:
                     yield len(message.tokens.token_ids)
                 if message.tokens.finish_reason:
-                    async for _ in prefill:  # the verdict (the decode stream implied it)
+                    while await prefill.read() is not grpc.aio.EOF:  # the verdict
                         pass
                     return
         finally:
