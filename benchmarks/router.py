@@ -100,15 +100,19 @@ async def direct_request(pb, stubs, request_id: str, prompt: list[int], max_toke
     call = decode_stub.Generate(pb.DecodeGenerateRequest(
         request_id=request_id, prompt_token_ids=prompt, sampling=sampling, remote_prefill=True))
     first = await call.read()
-    await prefill_stub.Prefill(pb.PrefillRequest(
+    prefill = prefill_stub.Prefill(pb.PrefillRequest(
         request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
         target=first.reserved.target))
+    await prefill.read()  # the first token, before the transfer's verdict
     ttft = time.perf_counter() - started
     while True:
         message = await call.read()
         if message is grpc.aio.EOF or message.tokens.finish_reason:
             break
-    return Sample(ttft, time.perf_counter() - started)
+    finished = time.perf_counter()
+    while await prefill.read() is not grpc.aio.EOF:  # the verdict (the decode stream implied it)
+        pass
+    return Sample(ttft, finished - started)
 
 
 async def router_request(pb, stub, request_id: str, prompt: list[int], max_tokens: int

@@ -236,9 +236,10 @@ def direct_client(pb, prefill_stub, decode_stub) -> OpenStream:
             remote_prefill=True))
         try:
             first = await call.read()
-            await prefill_stub.Prefill(pb.PrefillRequest(
+            prefill = prefill_stub.Prefill(pb.PrefillRequest(
                 request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
                 target=first.reserved.target))
+            await prefill.read()  # the first token, before the transfer's verdict
             yield 1
             while True:
                 message = await call.read()
@@ -247,6 +248,8 @@ def direct_client(pb, prefill_stub, decode_stub) -> OpenStream:
                 if message.tokens.token_ids:
                     yield len(message.tokens.token_ids)
                 if message.tokens.finish_reason:
+                    while await prefill.read() is not grpc.aio.EOF:  # the verdict
+                        pass
                     return
         finally:
             call.cancel()  # no-op once finished; frees the pod when we leave early

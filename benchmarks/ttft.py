@@ -4,13 +4,14 @@ One run, one prefill pod and one decode pod (real processes on loopback),
 the built-in `base` model by default:
 
 - **prefill-only** (baseline): `Prefill.Prefill` with an empty target (no
-  endpoints = no KV transfer); TTFT = the RPC's round trip.
+  endpoints = no KV transfer); TTFT = until the stream's first message.
 - **disaggregated**: the router's flow: open `Decode.Generate(remote_prefill)`,
   read `Reserved`, call `Prefill.Prefill` with its target; TTFT = time from
   opening the decode stream until the first token is in the client's hand
-  (the Prefill response, which returns only after the decode pod accepted
-  every layer and END). Includes the reservation round trip and the tail of
-  the layer-wise transfer that did not overlap the compute.
+  (the Prefill stream's first message, sent as soon as the prefill pod
+  sampled it, before the decode pod's verdict on the transfer). Includes the
+  reservation round trip; the tail of the transfer now overlaps the client's
+  wait for token 1 instead.
 
 Both run at low load (one request at a time), interleaved so drift hits
 both alike, over fresh random prompts (prefix cache off on the prefill pod,
@@ -93,9 +94,13 @@ class _Pod:
 def _measure_prefill_only(prefill, pb, rid: str, prompt: list[int]) -> float:
     sampling = pb.SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     start = time.perf_counter()
-    prefill.Prefill(pb.PrefillRequest(request_id=rid, prompt_token_ids=prompt,
-                                      sampling=sampling), timeout=600)
-    return time.perf_counter() - start
+    messages = prefill.Prefill(pb.PrefillRequest(request_id=rid, prompt_token_ids=prompt,
+                                                 sampling=sampling), timeout=600)
+    next(messages)  # the first token
+    ttft = time.perf_counter() - start
+    for _ in messages:  # transfer_done (no transfer here)
+        pass
+    return ttft
 
 
 def _measure_disaggregated(prefill, decode, pb, rid: str, prompt: list[int]) -> tuple[float, int]:
@@ -105,13 +110,15 @@ def _measure_disaggregated(prefill, decode, pb, rid: str, prompt: list[int]) -> 
         request_id=rid, prompt_token_ids=prompt, sampling=sampling, remote_prefill=True),
         timeout=600)
     reserved = next(call).reserved
-    response = prefill.Prefill(pb.PrefillRequest(
+    messages = prefill.Prefill(pb.PrefillRequest(
         request_id=rid, prompt_token_ids=prompt, sampling=sampling, target=reserved.target),
         timeout=600)
+    next(messages)  # the first token, streamed before the transfer's verdict
     ttft = time.perf_counter() - start
+    (done,) = messages
     for _ in call:  # the decode stream finishes the request (not timed)
         pass
-    return ttft, response.kv_bytes_sent
+    return ttft, done.transfer_done.kv_bytes_sent
 
 
 def main(args: argparse.Namespace) -> int:

@@ -25,7 +25,10 @@ Life of one request R (per-request state, checked transitions):
     sender lost         -> WAITING   (on_restart: the receiver waits for another
                                      prefill pod's attempt; layers come again from
                                      0 and overwrite the same reserved slots)
-    END accepted        -> READY     once all layers are in: future = first token
+    END accepted        -> READY     once all layers are in: `on_ready(first token)`
+                                     (the decode pod queues R's commit on the engine
+                                     loop from here), R leaves the table (the thread
+                                     never touches it again), future = first token
     failed              -> FAILED    future = TransferFailed(reason)
     forget(R)           -> (removed) after this returns, the injector thread never
                                      touches R's slots or landing views again,
@@ -43,6 +46,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -89,6 +93,7 @@ class _Pending:
     num_bytes: int
     future: asyncio.Future[int]
     loop: asyncio.AbstractEventLoop
+    on_ready: Callable[[int], object] | None
     state: InjectState = InjectState.WAITING
     layers_done: int = 0
     first_layer_at: float | None = None
@@ -177,16 +182,24 @@ class KVInjector(KVReceiveListener):
     # ---------------------------------------------------------------- KVImport (event loop)
 
     def expect(self, request_id: str, slot_mapping: torch.Tensor, num_layers: int,
-               num_bytes: int) -> asyncio.Future[int]:
+               num_bytes: int, on_ready: Callable[[int], object] | None = None
+               ) -> asyncio.Future[int]:
         """Register R before its receiver ticket exists, so no layer can
         arrive unannounced. The future resolves with the first token id once
-        every layer is in the cache, or raises TransferFailed."""
+        every layer is in the cache, or raises TransferFailed.
+
+        `on_ready(first_token_id)` runs on the injector thread the moment R's
+        KV is complete (every layer in, END accepted, on CUDA the copies
+        done), before the future resolves; if it raises, R fails with the
+        reason. After it the injector never touches R again (no `forget`
+        needed)."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[int] = loop.create_future()
         with self._lock:
             if request_id in self._pending:
                 raise ValueError(f"request {request_id!r} is already waiting for KV")
-            self._pending[request_id] = _Pending(slot_mapping, num_layers, num_bytes, future, loop)
+            self._pending[request_id] = _Pending(slot_mapping, num_layers, num_bytes, future, loop,
+                                                 on_ready)
         return future
 
     async def forget(self, request_id: str) -> None:
@@ -243,7 +256,7 @@ class KVInjector(KVReceiveListener):
                 if isinstance(item, _LayerReady):
                     self._inject(p, item.layer, item.kv_view)
                 elif isinstance(item, _Complete):
-                    self._complete(p, item.first_token_id)
+                    self._complete(item.request_id, p, item.first_token_id)
                 else:
                     p.fail(TransferFailed(item.request_id, item.reason))
             except Exception as exc:  # noqa: BLE001 - one bad request must not stop injection
@@ -293,13 +306,17 @@ class KVInjector(KVReceiveListener):
         finally:
             done.set()
 
-    def _complete(self, p: _Pending, first_token_id: int) -> None:
+    def _complete(self, request_id: str, p: _Pending, first_token_id: int) -> None:
         if p.layers_done != p.num_layers:
             raise RuntimeError(f"END after {p.layers_done} of {p.num_layers} layers")
         if self._stream is not None:
             # The engine's stream must never read these slots before the
             # scatter finished; wait here, on the injector thread.
             self._stream.synchronize()
+        if p.on_ready is not None:
+            p.on_ready(first_token_id)  # before anything else: the engine's next step
+        with self._lock:
+            self._pending.pop(request_id, None)
         if p.first_layer_at is not None:
             self._metrics.kv_injection_seconds.observe(time.monotonic() - p.first_layer_at)
         self._metrics.kv_transfer_bytes.inc(p.num_bytes)

@@ -28,9 +28,12 @@ the pod's event loop unless another caller is named:
      │   TransferFailed("deadline: ..."); abort() (the Abort RPC, same event
      │   loop) -> RequestAborted -- R stays OPEN until free()
      v
-    INJECTED          every layer in the cache and END accepted: first token known
-     │ commit()       injector.forget(R), receiver.release(R) (landing freed),
-     v                then engine loop: commit_remote(R, first token)
+    INJECTED          every layer in the cache and END accepted: the injector
+     │                thread has already queued commit_remote(R, first token)
+     │                on the engine loop (so R joins the engine's next step
+     │                without waiting for this event loop) and let go of R
+     │ commit()       receiver.release(R) (landing freed), then await that
+     v                queued commit
     COMMITTED         R runs in the batch; the engine alone owns it from here
 
     RESERVED / OPEN / INJECTED ── free(reason) ──> FREED
@@ -40,8 +43,11 @@ the pod's event loop unless another caller is named:
         only then the engine aborts R and frees its blocks.
 
 Who sets what: the injector owns the future that says R's KV is in (set on
-its thread via `call_soon_threadsafe`); this class owns the future `abort`
-sets; the caller never sets either.
+its thread via `call_soon_threadsafe`); the engine loop the future of the
+commit the injector thread queued (`_queue_commit`); this class owns the
+future `abort` sets; the caller never sets any. A commit queued just before an
+`abort` or `free` is harmless: the engine runs commands in order, so the
+abort that `free` queues still finds R and frees it.
 
 Known issue (kept as it was): a `Generate` cancelled while its reserve
 command is still queued leaves R in RESERVING; the command may still reserve
@@ -121,6 +127,7 @@ class KVImport:
         self._reservation: RemoteReservation | None = None
         self._stream: RequestStream | None = None
         self._ready: asyncio.Future[int] | None = None  # the injector's
+        self._committed: asyncio.Future[None] | None = None  # the engine loop's, see _queue_commit
         self._aborted: asyncio.Future[RequestAborted] | None = None  # ours: abort()
 
     @property
@@ -153,9 +160,11 @@ class KVImport:
         assert self._reservation is not None
         remote = self._remote
         layout = remote.kv_shape.layout(self._reservation.num_context_tokens)
-        self._ready = remote.injector.expect(self.request_id, self._reservation.slot_mapping,
-                                             layout.num_layers, layout.total_bytes)
-        self._aborted = asyncio.get_running_loop().create_future()
+        event_loop = asyncio.get_running_loop()
+        self._ready = remote.injector.expect(
+            self.request_id, self._reservation.slot_mapping, layout.num_layers,
+            layout.total_bytes, on_ready=lambda token: self._queue_commit(token, event_loop))
+        self._aborted = event_loop.create_future()
         target = remote.receiver.expect(self.request_id, layout,
                                         time.time() + remote.reservation_timeout_s,
                                         transfer_timeout_s=remote.transfer_timeout_s)
@@ -192,15 +201,22 @@ class KVImport:
                 and not self._aborted.done()):
             self._aborted.set_result(RequestAborted(self.request_id, reason))
 
-    async def commit(self, first_token_id: int) -> RequestStream:
-        """R's KV is in the cache: the injector and the landing buffer are done;
-        R joins the batch. Returns the stream its tokens arrive on."""
+    def _queue_commit(self, first_token_id: int, event_loop: asyncio.AbstractEventLoop) -> None:
+        """Injector thread, the moment R's KV is complete: R joins the engine's
+        next step. Raises EngineDead when the loop stopped (R then fails)."""
+        self._committed = self._loop.commit_remote_soon(self.request_id, first_token_id,
+                                                        event_loop)
+
+    async def commit(self) -> RequestStream:
+        """R's KV is in the cache and its commit queued (see `_queue_commit`):
+        the landing buffer is done; returns the stream R's tokens arrive on
+        once the commit ran (its error, e.g. a first token outside the
+        vocabulary, propagates)."""
         if self._state is not ImportState.INJECTED:
             raise RuntimeError(f"commit() in import state {self._state.value}")
-        assert self._stream is not None
-        await self._remote.injector.forget(self.request_id)
+        assert self._stream is not None and self._committed is not None
         self._remote.receiver.release(self.request_id)
-        await self._loop.commit_remote(self.request_id, first_token_id)
+        await self._committed
         self._to(ImportState.COMMITTED)
         return self._stream
 

@@ -15,10 +15,12 @@ receiver, injector) is a `KVImport` (decode_service/kv_import.py):
     yield Reserved{target, block_size, num_reserved_blocks}
       v
     kv.wait()           WAITING_FOR_KV: receiver threads land each layer; the
-      │  injector thread writes it into R's slots while the engine keeps stepping
+      │  injector thread writes it into R's slots while the engine keeps stepping,
+      │  and after the last layer and END queues R's commit on the engine loop
+      │  itself (R joins the next step; no hop through this event loop)
       │  transfer failed ──> ABORTED "<reason>";  deadline ──> DEADLINE_EXCEEDED
       v
-    kv.commit(first)    landing freed, RUNNING in the batch
+    kv.commit()         landing freed, the queued commit awaited: RUNNING in the batch
       v
     yield DecodeTokens(first_index=1..), the last one with finish_reason
 
@@ -163,10 +165,10 @@ class DecodeServicer(pdserve_pb2_grpc.DecodeServicer):
                 block_size=reservation.block_size,
                 num_reserved_blocks=len(reservation.block_ids)))
             reserved_at = time.monotonic()
-            first_token = await kv.wait()
+            await kv.wait()  # the injector thread queued R's commit already
             # Reserved -> every layer injected and END accepted, as this pod saw it
             self._metrics.kv_transfer_seconds.observe(time.monotonic() - reserved_at)
-            stream = await kv.commit(first_token)
+            stream = await kv.commit()
             first_token_at = time.monotonic()
             self._metrics.time_to_first_token.observe(first_token_at - arrived)
         except (TransferFailed, RequestAborted, ServiceError) as exc:

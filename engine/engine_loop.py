@@ -15,6 +15,9 @@ Threads and who calls what:
   (`add_request`, `abort`, `reserve_remote`, `commit_remote`, `run`). Each
   queues a command and awaits its result, so a servicer never blocks the
   event loop on the engine.
+* any other thread may queue a command with `submit` (the decode pod's
+  injector commits a request whose KV is in straight from its own thread,
+  so the commit joins the next step without a hop through the event loop).
 * any thread may read `stats` (an immutable snapshot replaced after every
   step) and call `kv_caches()` (the cache tensors never move after start).
 
@@ -138,6 +141,18 @@ class EngineLoop:
             self._commands.put(command)
         return await command.future
 
+    def submit(self, fn: Callable[[Any], T], loop: asyncio.AbstractEventLoop
+               ) -> asyncio.Future[T]:
+        """`run` for any thread: queue `fn(engine)` now and return the future
+        (on `loop`) its result or exception will settle. Raises EngineDead at
+        once when the loop is not running. An idle loop wakes at once."""
+        command = _Command(fn, loop, loop.create_future())
+        with self._state_lock:
+            if self._state is not LoopState.RUNNING:
+                raise EngineDead(f"engine loop is {self._state.value}")
+            self._commands.put(command)
+        return command.future
+
     async def add_request(
         self,
         request_id: str,
@@ -202,6 +217,13 @@ class EngineLoop:
     async def commit_remote(self, request_id: str, first_token_id: int) -> None:
         """All KV of a reserved request is in its slots: let it join the batch."""
         await self.run(lambda engine: engine.commit_remote(request_id, first_token_id))
+
+    def commit_remote_soon(self, request_id: str, first_token_id: int,
+                           loop: asyncio.AbstractEventLoop) -> asyncio.Future[None]:
+        """`commit_remote` from any thread (the decode pod's injector): queued
+        now, so the request joins the engine's next step; the returned future
+        (on `loop`) settles once the command ran."""
+        return self.submit(lambda engine: engine.commit_remote(request_id, first_token_id), loop)
 
     async def abort(self, request_id: str, reason: str) -> bool:
         """Abort a request in any engine state and free its blocks; its

@@ -18,10 +18,19 @@ except where the engine loop thread is named:
     first token sampled -> FINISHED_PREFILL_DONE, output on R's stream
         v
     export.finish(R, first_token) -> END queued after the last DATA frame
+        v
+    yield PrefillResponse(first_token: token, logprob, num_cached_tokens)
+        │   at once: the router sends the token to its client before the
+        │   transfer is decided
         │   await the decode pod's verdict
         v
-    PrefillResponse(first token, logprob, num_cached_tokens, kv bytes)
-        or ABORTED "KV transfer to <endpoints> failed: <reason>"
+    yield PrefillResponse(transfer_done: kv bytes), the stream ends OK
+        or the stream ends ABORTED "KV transfer to <endpoints> failed: <reason>"
+        (after the first token: the router moves R on with that token as output)
+
+Without a target (prefill only, the TTFT baseline) `transfer_done` (0 bytes)
+follows the first token at once. A failure before the first token ends the
+stream with its status and no message.
 
 Cancel at any point (the router cancels the RPC, or calls `Abort`):
 engine abort (frees R's blocks), export abort (ABORT frame to the decode pod),
@@ -33,13 +42,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator
 
 import grpc
 
 from engine.engine_loop import EngineLoop, RequestAborted, RequestStream
 from engine.metrics import PodMetrics
 from engine.outputs import RequestOutput
-from kv_transfer.base import KVLayout, TransferTarget
+from kv_transfer.base import KVLayout, TransferOutcome, TransferTarget
 from kv_transfer.errors import reason_code
 from pod.drain import DrainGate
 from pod.errors import pod_errors
@@ -78,11 +88,14 @@ class PrefillServicer(pdserve_pb2_grpc.PrefillServicer):
 
     @pod_errors
     async def Prefill(self, request: pdserve_pb2.PrefillRequest,
-                      context: grpc.aio.ServicerContext) -> pdserve_pb2.PrefillResponse:
+                      context: grpc.aio.ServicerContext
+                      ) -> AsyncIterator[pdserve_pb2.PrefillResponse]:
         with self._gate.admit():
-            return await self._prefill(request)
+            async for message in self._prefill(request):
+                yield message
 
-    async def _prefill(self, request: pdserve_pb2.PrefillRequest) -> pdserve_pb2.PrefillResponse:
+    async def _prefill(self, request: pdserve_pb2.PrefillRequest
+                       ) -> AsyncIterator[pdserve_pb2.PrefillResponse]:
         arrived = time.monotonic()
         checked = check_request(request, self._limits)
         rid, params = checked.request_id, checked.params
@@ -91,31 +104,35 @@ class PrefillServicer(pdserve_pb2_grpc.PrefillServicer):
         layout = self._kv_shape.layout(len(prompt) + len(outputs))
         if target is not None:
             self._export.register(rid, target, layout)
-        finished = False
+        finished = settled = False
         try:
             stream = await self._loop.add_request(rid, prompt, params, output_token_ids=outputs,
                                                   prefill_only=True)
             first = await _first_output(stream)
             finished = True
             self._metrics.time_to_first_token.observe(time.monotonic() - arrived)
+            first_message = pdserve_pb2.PrefillResponse(request_id=rid,
+                                                        first_token=_first_token(first))
             sent = 0
-            if target is not None:
-                sent = await self._finish_transfer(rid, target, layout, first)
+            if target is None:
+                yield first_message
+            else:
+                # END goes on the wire before the first token goes to the router
+                started = time.monotonic()
+                verdict = asyncio.wrap_future(self._export.finish(rid, first.new_token_ids[0]))
+                yield first_message
+                sent = await self._await_verdict(rid, target, layout, started, verdict)
             self._metrics.e2e_request_latency.observe(time.monotonic() - arrived)
-            return pdserve_pb2.PrefillResponse(
-                request_id=rid,
-                first_token_id=first.new_token_ids[0],
-                first_logprob=(logprob_to_proto(first.new_logprobs[0])
-                               if first.new_logprobs else None),
-                num_prompt_tokens=first.num_prompt_tokens,
-                num_cached_tokens=first.num_cached_tokens,
-                kv_bytes_sent=sent,
-            )
+            settled = True
+            yield pdserve_pb2.PrefillResponse(
+                request_id=rid, transfer_done=pdserve_pb2.PrefillTransferDone(kv_bytes_sent=sent))
         except RequestAborted as exc:
             self._export.abort(rid, f"request aborted ({exc.reason})")
             raise ServiceError(grpc.StatusCode.ABORTED,
                                f"request {rid} was aborted ({exc.reason})") from None
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):
+            if settled:  # the stream was closed after its last message: nothing to free
+                raise
             # The router cancelled the RPC: free the engine's blocks, tell D.
             self._export.abort(rid, "prefill RPC cancelled")
             if not finished:
@@ -126,10 +143,10 @@ class PrefillServicer(pdserve_pb2_grpc.PrefillServicer):
         finally:
             self._export.forget(rid)
 
-    async def _finish_transfer(self, rid: str, target: TransferTarget, layout: KVLayout,
-                               first: RequestOutput) -> int:
-        started = time.monotonic()
-        outcome = await asyncio.wrap_future(self._export.finish(rid, first.new_token_ids[0]))
+    async def _await_verdict(self, rid: str, target: TransferTarget, layout: KVLayout,
+                             started: float, verdict: asyncio.Future[TransferOutcome]) -> int:
+        """The decode pod's verdict on R's KV: the bytes sent, or ABORTED with the reason."""
+        outcome = await verdict
         if not outcome.ok:
             self._metrics.transfer_failure(reason_code(outcome.reason))
             raise ServiceError(
@@ -152,6 +169,15 @@ class PrefillServicer(pdserve_pb2_grpc.PrefillServicer):
     async def GetLoad(self, request: pdserve_pb2.LoadRequest,
                       context: grpc.aio.ServicerContext) -> pdserve_pb2.LoadReport:
         return load_report(PodRole.PREFILL, self._model, self._generation, self._loop, self._gate)
+
+
+def _first_token(first: RequestOutput) -> pdserve_pb2.PrefillFirstToken:
+    return pdserve_pb2.PrefillFirstToken(
+        token_id=first.new_token_ids[0],
+        logprob=logprob_to_proto(first.new_logprobs[0]) if first.new_logprobs else None,
+        num_prompt_tokens=first.num_prompt_tokens,
+        num_cached_tokens=first.num_cached_tokens,
+    )
 
 
 async def _first_output(stream: RequestStream) -> RequestOutput:

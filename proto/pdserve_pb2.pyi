@@ -176,21 +176,33 @@ class PrefillRequest(_message.Message):
     target: KVTarget
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., target: _Optional[_Union[KVTarget, _Mapping]] = ...) -> None: ...
 
-class PrefillResponse(_message.Message):
-    __slots__ = ("request_id", "first_token_id", "first_logprob", "num_prompt_tokens", "num_cached_tokens", "kv_bytes_sent")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
-    FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+class PrefillFirstToken(_message.Message):
+    __slots__ = ("token_id", "logprob", "num_prompt_tokens", "num_cached_tokens")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    KV_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
-    first_token_id: int
-    first_logprob: TokenLogprob
+    token_id: int
+    logprob: TokenLogprob
     num_prompt_tokens: int
     num_cached_tokens: int
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+
+class PrefillTransferDone(_message.Message):
+    __slots__ = ("kv_bytes_sent",)
+    KV_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     kv_bytes_sent: int
-    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ...) -> None: ...
+    def __init__(self, kv_bytes_sent: _Optional[int] = ...) -> None: ...
+
+class PrefillResponse(_message.Message):
+    __slots__ = ("request_id", "first_token", "transfer_done")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_DONE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    first_token: PrefillFirstToken
+    transfer_done: PrefillTransferDone
+    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[_Union[PrefillFirstToken, _Mapping]] = ..., transfer_done: _Optional[_Union[PrefillTransferDone, _Mapping]] = ...) -> None: ...
 
 class KVFrame(_message.Message):
     __slots__ = ("version", "kind", "request_id", "layer", "offset", "payload", "checksum", "ticket", "num_layers", "num_tokens", "num_kv_heads", "head_dim", "dtype", "first_token_id", "total_bytes", "reason", "flags")

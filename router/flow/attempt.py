@@ -11,8 +11,11 @@ flow's `FlowState` through `to_state`.
     disaggregated(): the prefill pod's turn in the router's queue (admission)
                      -> Decode.Generate(remote_prefill=true) -> Reserved{target}
                      -> Prefill.Prefill(target) on up to 1 + max_prefill_retries
-                        prefill pods -> the first token (sent at once)
-                     -> tokens 1..n from the decode stream
+                        prefill pods, until one streams the first token
+                     -> the first token, sent at once (before the transfer's verdict)
+                     -> tokens 1..n from the decode stream, while the rest of
+                        the prefill stream (the verdict) is watched: a failed
+                        transfer moves the request with the first token as output
 
 Pods that are full or unreachable when the stream opens are skipped here
 (counted as retries); a failure that another pair may not have ends the
@@ -23,6 +26,7 @@ error the client must see (bad input, no pod, the deadline) is an
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
@@ -157,9 +161,17 @@ class Attempt:
                     yield delta
 
     async def disaggregated(self) -> AsyncIterator[Delta]:
-        """Wait for a prefill pod's turn, then reserve on a decode pod (so no
-        reservation waits behind a prefill queue), prefill against the
-        reservation, stream tokens."""
+        """Wait for a prefill pod's turn (so no reservation waits behind a
+        prefill queue), reserve on a decode pod, prefill against the
+        reservation, send the first token at once, then stream the decode
+        pod's tokens.
+
+        The prefill pod's verdict on the KV transfer comes after its first
+        token; until the decode stream shows its first token (the decode pod
+        then has the KV, whatever the prefill pod says), a failed verdict ends
+        the attempt at once. Every failure after the first token moves the
+        request (`migrate=True`) with that token as output: it was sent, and
+        an unseeded retry could sample a different one."""
         with contextlib.ExitStack() as stack:
             slot = await self._deps.admission.admit(
                 self._request, exclude=frozenset(self._left_out), timeout=self._remaining())
@@ -169,13 +181,13 @@ class Attempt:
                 raise AttemptFailed(f"decode pod {address} did not answer Reserved first",
                                     addresses=frozenset({address}), migrate=True)
             self._to_state(FlowState.PREFILLING)
-            response = await self._prefill(first.reserved.target, address, slot)
-            self._out.set_cached_tokens(response.num_cached_tokens)
+            prefill_address, prefill_call, token = await self._prefill(
+                first.reserved.target, address, stack, slot)
+            self._out.set_cached_tokens(token.num_cached_tokens)
             first_logprobs = ()
-            if response.HasField("first_logprob"):
-                first_logprobs = logprobs_from_proto([response.first_logprob])
-            delta = self._out.accept(self._out.next_index, [response.first_token_id],
-                                     first_logprobs)
+            if token.HasField("logprob"):
+                first_logprobs = logprobs_from_proto([token.logprob])
+            delta = self._out.accept(self._out.next_index, [token.token_id], first_logprobs)
             self._to_state(FlowState.DECODING)
             if self._out.stopped:  # a stop string ended in the very first token
                 call.cancel()
@@ -183,23 +195,39 @@ class Attempt:
                 yield fold_final(delta, self._finish("stop"))
                 return
             if delta is not None:
-                yield delta  # the first token goes out before decode streams anything
+                yield delta  # the first token goes out before the transfer is decided
+            verdict = asyncio.ensure_future(
+                self._transfer_verdict(prefill_address, prefill_call, address))
+            stack.callback(_drop, verdict)
             async with contextlib.aclosing(self._read_tokens(address, call, None)) as deltas:
-                async for delta in deltas:
-                    yield delta
+                async with contextlib.aclosing(_unless_verdict_fails(deltas, verdict)) as relay:
+                    async for delta in relay:
+                        yield delta
+            # The client has its last token: let the prefill pod's RPC end
+            # with its verdict rather than cancel it (moot now, either way).
+            with contextlib.suppress(AttemptFailed, ApiError):
+                await verdict
 
-    async def _prefill(self, target: pb.KVTarget, decode_address: str, slot: AdmissionSlot):
-        """Prefill.Prefill against `target`, on up to 1 + max_prefill_retries pods:
-        first the pod whose turn `slot` holds (released once that call ends).
+    async def _prefill(self, target: pb.KVTarget, decode_address: str,
+                       stack: contextlib.ExitStack, slot: AdmissionSlot,
+                       ) -> tuple[str, grpc.aio.UnaryStreamCall, pb.PrefillFirstToken]:
+        """Prefill.Prefill against `target`, on up to 1 + max_prefill_retries
+        pods (first the one whose turn `slot` holds; the slot is released at
+        that pod's first token, when its prefill work is done, or when its
+        call fails), until one streams the first token. Returns (address, the call,
+        the first token); the call still owes the transfer's verdict (see
+        `_transfer_verdict`), and its cancellation is registered on `stack`.
 
         A prefill pod that is gone or broken (UNAVAILABLE, INTERNAL, UNKNOWN)
-        or busy (RESOURCE_EXHAUSTED) is replaced by another against the same
-        reservation: the decode pod's receiver treats a sender that went away
-        mid-transfer as lost, not failed, and the new pod's BEGIN restarts the
-        transfer from layer 0. Any other failure (ABORTED: the decode side
-        refused or failed the transfer, DEADLINE_EXCEEDED from the pod, ...)
-        means the reservation itself is gone, so the attempt ends and the
-        request starts over on a new pair; only the broken pods are left out.
+        or busy (RESOURCE_EXHAUSTED) before its first token is replaced by
+        another against the same reservation: the decode pod's receiver treats
+        a sender that went away mid-transfer as lost, not failed, and the new
+        pod's BEGIN restarts the transfer from layer 0. Any other failure
+        (ABORTED: the decode side refused or failed the transfer,
+        DEADLINE_EXCEEDED from the pod, ...) means the reservation itself is
+        gone, so the attempt ends and the request starts over on a new pair;
+        only the broken pods are left out. After the first token nothing is
+        retried against the reservation (see `disaggregated`).
         """
         policy, metrics = self._deps.policy, self._deps.metrics
         request = pb.PrefillRequest(
@@ -225,33 +253,66 @@ class Attempt:
                 break
             if attempt:
                 metrics.retries.labels(role="prefill").inc()
+            # the pod's tracked load ends with its prefill work, at the first token
             with policy.track(address, num_tokens=len(request.prompt_token_ids)):
                 call = self._deps.channels.prefill(address).Prefill(
                     request, timeout=self._remaining()
                 )
                 try:
-                    response = await call
-                    if address == slot.address:
-                        slot.release(finished_tokens=len(request.prompt_token_ids))
-                    return response
+                    message = await call.read()
                 except grpc.aio.AioRpcError as error:
                     self._pod_failed(error, address)
-                    failures.append(f"{address} {describe(error)}")
-                    tried.add(address)
-                    if error.code() in _BROKEN_POD:
-                        broken.add(address)
-                    elif error.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
-                        break
-                finally:
-                    call.cancel()  # no-op when done; frees the prefill pod when we leave early
-                    if address == slot.address:
-                        slot.release()  # a no-op after the release above
+                    message = error
+                except BaseException:
+                    call.cancel()  # we leave early: frees the prefill pod, tells the decode pod
+                    raise
+            if address == slot.address:
+                first_token = not isinstance(message, grpc.aio.AioRpcError) and (
+                    message is not grpc.aio.EOF and message.WhichOneof("kind") == "first_token")
+                slot.release(finished_tokens=len(request.prompt_token_ids) if first_token
+                             else None)
+            if isinstance(message, grpc.aio.AioRpcError):
+                failures.append(f"{address} {describe(message)}")
+                tried.add(address)
+                if message.code() in _BROKEN_POD:
+                    broken.add(address)
+                elif message.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    break
+                continue
+            if message is grpc.aio.EOF or message.WhichOneof("kind") != "first_token":
+                call.cancel()  # a pod that breaks the contract counts as broken
+                failures.append(f"{address} did not stream the first token first")
+                tried.add(address)
+                broken.add(address)
+                continue
+            stack.callback(call.cancel)  # no-op once the verdict came
+            return address, call, message.first_token
         raise AttemptFailed(
             f"prefill failed on {len(failures)} pod(s) for decode pod {decode_address}: "
             + "; ".join(failures),
             addresses=frozenset(broken),
             migrate=False,
         )
+
+    async def _transfer_verdict(self, address: str, call: grpc.aio.UnaryStreamCall,
+                                decode_address: str) -> None:
+        """The rest of the prefill pod's stream after the first token: returns
+        once the decode pod accepted the KV; raises AttemptFailed
+        (migrate=True, the first token is output now) when the transfer
+        failed, leaving out the prefill pod only if it is gone or broken."""
+        try:
+            message = await call.read()
+        except grpc.aio.AioRpcError as error:
+            self._pod_failed(error, address)
+            broken = frozenset({address}) if error.code() in _BROKEN_POD else frozenset()
+            raise AttemptFailed(
+                f"KV transfer from prefill pod {address} to decode pod {decode_address} failed "
+                f"after the first token: {describe(error)}",
+                addresses=broken, migrate=True) from None
+        if message is grpc.aio.EOF or message.WhichOneof("kind") != "transfer_done":
+            raise AttemptFailed(
+                f"prefill pod {address} ended without the transfer's outcome for decode pod "
+                f"{decode_address}", addresses=frozenset({address}), migrate=True)
 
     async def _read_tokens(self, address: str, call, first) -> AsyncIterator[Delta]:
         """Stream DecodeTokens from `call` into the assembler until a finish."""
@@ -295,3 +356,42 @@ class Attempt:
     def _finish(self, finish_reason: str) -> Delta:
         self._to_state(FlowState.FINISHED)
         return self._out.finish(finish_reason)
+
+
+async def _unless_verdict_fails(deltas: AsyncIterator[Delta],
+                                verdict: asyncio.Future[None]) -> AsyncIterator[Delta]:
+    """Relay the decode stream after the first token. Until its first delta
+    arrives, a failed `verdict` (the prefill pod's) wins: the decode pod takes
+    a sender that went away for lost, not failed, and would wait for another
+    one until its transfer deadline. From the first delta on the decode pod
+    has the KV, and the verdict no longer matters."""
+    first = asyncio.ensure_future(_next_or_none(deltas))
+    try:
+        await asyncio.wait((first, verdict), return_when=asyncio.FIRST_COMPLETED)
+        if not first.done() and verdict.exception() is not None:
+            raise verdict.exception()
+        delta = await first
+    finally:
+        if not first.done():
+            first.cancel()
+            await asyncio.wait((first,))  # the decode stream is closed only after it stopped
+    if delta is None:
+        return
+    yield delta
+    async for delta in deltas:
+        yield delta
+
+
+async def _next_or_none(deltas: AsyncIterator[Delta]) -> Delta | None:
+    try:
+        return await anext(deltas)
+    except StopAsyncIteration:
+        return None
+
+
+def _drop(task: asyncio.Future) -> None:
+    """Cancel `task` if it runs; mark a failure nobody waited for as seen."""
+    if not task.done():
+        task.cancel()
+    elif not task.cancelled():
+        task.exception()

@@ -34,6 +34,11 @@ Failure handling:
 * Only when the decode side refused (the retry's Prefill answers ABORTED /
   DEADLINE_EXCEEDED: the transfer or the reservation is gone) does the
   request start over on a new pair (counted as a prefill retry).
+* Prefill.Prefill streams the first token before the transfer's verdict; the
+  client gets it at once. A transfer that fails after it (the prefill stream
+  ends ABORTED or without its verdict, before the decode stream's first
+  token) → MIGRATING with that token as output, like a broken decode stream:
+  re-prefilling could sample a different first token than the one sent.
 * The decode stream breaks (an error status, EOF without a finish reason, a
   gap in the indices, or the pod aborts the request) → MIGRATING: prompt +
   tokens so far go to a new pair as `output_token_ids`, and the assembler

@@ -151,3 +151,42 @@ def test_restart_after_all_layers_then_end_counts_only_the_new_attempt():
 
     asyncio.run(scenario())
     injector.close()
+
+
+def test_on_ready_runs_on_the_injector_thread_before_the_future_and_r_is_let_go():
+    import threading
+
+    injector = KVInjector(_caches(), PodMetrics.create("decode"))
+    calls: list[tuple[int, str, bool]] = []
+
+    async def scenario():
+        ready = None
+
+        def on_ready(token: int) -> None:
+            calls.append((token, threading.current_thread().name, ready.done()))
+
+        ready = injector.expect("r", _slots([0], 5), NUM_LAYERS, num_bytes=1, on_ready=on_ready)
+        for layer in range(NUM_LAYERS):
+            injector.on_layer_ready("r", layer, torch.ones(2, 5, HEADS, DIM))
+        injector.on_complete("r", 9)
+        assert await asyncio.wait_for(ready, 10) == 9
+        # R left the table at READY: it can be expected again without a forget
+        injector.expect("r", _slots([1], 5), NUM_LAYERS, num_bytes=1)
+        await injector.forget("r")
+
+        def refuse(token: int) -> None:
+            raise RuntimeError("engine loop is stopped")
+
+        failing = injector.expect("s", _slots([2], 5), NUM_LAYERS, num_bytes=1, on_ready=refuse)
+        for layer in range(NUM_LAYERS):
+            injector.on_layer_ready("s", layer, torch.ones(2, 5, HEADS, DIM))
+        injector.on_complete("s", 3)
+        with pytest.raises(TransferFailed) as err:
+            await asyncio.wait_for(failing, 10)
+        await injector.forget("s")
+        return err.value.reason
+
+    reason = asyncio.run(scenario())
+    injector.close()
+    assert calls == [(9, "kv-injector", False)]
+    assert reason == "injection: engine loop is stopped"

@@ -8,6 +8,7 @@ the injector the way the receiver's I/O threads do.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -127,7 +128,7 @@ def test_reserve_open_wait_commit_then_tokens_stream(tiny_model_dir):
         _send_all_layers(remote, "r", 7)
         assert await kv.wait() == 7
         assert kv.state is ImportState.INJECTED
-        stream = await kv.commit(7)
+        stream = await kv.commit()
         assert kv.state is ImportState.COMMITTED and not kv.holds_resources
         tokens = [t async for output in stream for t in output.new_token_ids]
         await kv.free("client")  # after commit: nothing to give back
@@ -137,6 +138,47 @@ def test_reserve_open_wait_commit_then_tokens_stream(tiny_model_dir):
     assert reservation.num_context_tokens == 20 and len(reservation.block_ids) == 2  # 20 + 4
     assert target.transport == "tcp" and target.ticket == b"t"
     assert len(tokens) == 3  # the first of max_tokens=4 came from the prefill pod
+    assert stats.num_free_blocks == stats.num_total_blocks
+
+
+def test_the_injector_thread_commits_without_the_event_loop(tiny_model_dir):
+    async def scenario(loop, remote, log):
+        kv = KVImport("r", loop, remote)
+        await kv.reserve(PROMPT, PARAMS, [])
+        kv.open()
+        _send_all_layers(remote, "r", 7)
+        # This event loop is blocked from here on: R must still join the batch
+        # (the engine loop thread commits it and steps it to its end).
+        deadline = time.monotonic() + 20
+        while loop.stats.num_free_blocks != loop.stats.num_total_blocks:
+            assert time.monotonic() < deadline, "R was not committed while the event loop slept"
+            time.sleep(0.01)
+        assert kv.state is ImportState.OPEN  # the event loop has not looked yet
+        assert await kv.wait() == 7
+        stream = await kv.commit()
+        tokens = [t async for output in stream for t in output.new_token_ids]
+        return tokens, log
+
+    tokens, log = _run(tiny_model_dir, scenario)
+    assert len(tokens) == 3
+    assert "injector.forget r" not in log  # the injector let go of R by itself
+    assert log[-1] == "receiver.release r"
+
+
+def test_a_commit_the_engine_refuses_fails_the_commit_and_free_still_frees(tiny_model_dir):
+    async def scenario(loop, remote, log):
+        kv = KVImport("r", loop, remote)
+        await kv.reserve(PROMPT, PARAMS, [])
+        kv.open()
+        _send_all_layers(remote, "r", 10**6)  # outside the vocabulary
+        await kv.wait()
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            await kv.commit()
+        await kv.free("transfer")
+        await loop.run(lambda engine: None)
+        return loop.stats
+
+    stats = _run(tiny_model_dir, scenario)
     assert stats.num_free_blocks == stats.num_total_blocks
 
 

@@ -122,3 +122,30 @@ def test_stop_ends_open_streams_with_engine_dead(engine_config):
         return loop.state
 
     assert _run(engine_config, scenario) is LoopState.STOPPED
+
+
+@pytest.mark.timeout(120)
+def test_submit_from_another_thread_settles_on_the_callers_loop(engine_config):
+    import threading
+
+    async def scenario(loop: EngineLoop):
+        event_loop = asyncio.get_running_loop()
+        futures = []
+
+        def other_thread() -> None:
+            futures.append(loop.submit(lambda engine: engine.stats().num_total_blocks,
+                                       event_loop))
+            futures.append(loop.submit(lambda engine: 1 // 0, event_loop))
+
+        thread = threading.Thread(target=other_thread)
+        thread.start()
+        thread.join()
+        total = await futures[0]
+        with pytest.raises(ZeroDivisionError):
+            await futures[1]
+        loop.stop()
+        with pytest.raises(EngineDead, match="engine loop is stopped"):
+            loop.submit(lambda engine: None, event_loop)
+        return total
+
+    assert _run(engine_config, scenario) == 64

@@ -2,13 +2,47 @@
 
 from __future__ import annotations
 
+import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import grpc
 
 from proto import pdserve_pb2, pdserve_pb2_grpc
 from tests.integration.pods import PodProcess
+
+
+@dataclass(frozen=True)
+class Prefilled:
+    first_token: pdserve_pb2.PrefillFirstToken
+    kv_bytes_sent: int  # from the final message: the decode pod accepted the KV
+
+
+def prefill(stub: pdserve_pb2_grpc.PrefillStub, request: pdserve_pb2.PrefillRequest,
+            timeout: float = 120) -> Prefilled:
+    """Prefill.Prefill read to its end: the first token, then the transfer's
+    outcome; a failed transfer raises its grpc.RpcError."""
+    first, done = stub.Prefill(request, timeout=timeout)
+    assert first.WhichOneof("kind") == "first_token"
+    assert done.WhichOneof("kind") == "transfer_done"
+    return Prefilled(first.first_token, done.transfer_done.kv_bytes_sent)
+
+
+def prefill_in_background(stub: pdserve_pb2_grpc.PrefillStub,
+                          request: pdserve_pb2.PrefillRequest,
+                          timeout: float = 120) -> Future[Prefilled]:
+    """`prefill` on its own thread (the call blocks until the transfer's verdict)."""
+    future: Future[Prefilled] = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(prefill(stub, request, timeout))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            future.set_exception(exc)
+
+    threading.Thread(target=run, daemon=True).start()
+    return future
 
 
 @dataclass(frozen=True)
@@ -32,7 +66,7 @@ def colocated_generate(stub: pdserve_pb2_grpc.DecodeStub, request_id: str, promp
     return Generated(tokens, reason, cached)
 
 
-def disaggregated_generate(prefill: pdserve_pb2_grpc.PrefillStub,
+def disaggregated_generate(prefill_stub: pdserve_pb2_grpc.PrefillStub,
                            decode: pdserve_pb2_grpc.DecodeStub, request_id: str,
                            prompt: list[int], sampling: pdserve_pb2.SamplingParams,
                            output_token_ids: tuple[int, ...] = ()) -> Generated:
@@ -46,18 +80,18 @@ def disaggregated_generate(prefill: pdserve_pb2_grpc.PrefillStub,
     try:
         first = next(call)
         assert first.WhichOneof("kind") == "reserved"
-        response = prefill.Prefill(pdserve_pb2.PrefillRequest(
+        response = prefill(prefill_stub, pdserve_pb2.PrefillRequest(
             request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
-            output_token_ids=output_token_ids, target=first.reserved.target), timeout=120)
+            output_token_ids=output_token_ids, target=first.reserved.target))
         assert response.kv_bytes_sent > 0
-        tokens = [response.first_token_id]
+        tokens = [response.first_token.token_id]
         reason = ""
         for message in call:
             assert message.tokens.first_index == len(output_token_ids) + len(tokens), (
                 "gap or duplicate in the stream")
             tokens.extend(message.tokens.token_ids)
             reason = message.tokens.finish_reason
-        return Generated(tokens, reason, response.num_cached_tokens)
+        return Generated(tokens, reason, response.first_token.num_cached_tokens)
     finally:
         call.cancel()
 

@@ -17,6 +17,8 @@ from tests.integration.flows import (
     colocated_generate,
     disaggregated_generate,
     load,
+    prefill,
+    prefill_in_background,
     wait_released,
 )
 
@@ -81,8 +83,8 @@ def test_bad_input_is_invalid_argument_and_pods_keep_serving(
         lambda: list(decode_stubs["tcp"].Generate(pdserve_pb2.DecodeGenerateRequest(
             request_id="bad", prompt_token_ids=prompt, sampling=sampling,
             remote_prefill=True), timeout=30)),
-        lambda: prefill_stub.Prefill(pdserve_pb2.PrefillRequest(
-            request_id="bad", prompt_token_ids=prompt, sampling=sampling), timeout=30),
+        lambda: list(prefill_stub.Prefill(pdserve_pb2.PrefillRequest(
+            request_id="bad", prompt_token_ids=prompt, sampling=sampling), timeout=30)),
     ]
     for call in calls:
         with pytest.raises(grpc.RpcError) as err:
@@ -130,18 +132,18 @@ def test_cancel_while_queued_on_the_prefill_pod(prefill_stub, decode_stubs, pref
                                                 decode_pods):
     # A 4000-token prompt keeps the prefill pod's 256-token budget busy for
     # 16 steps; the request behind it waits in the queue.
-    filler = prefill_stub.Prefill.future(pdserve_pb2.PrefillRequest(
+    filler = prefill_in_background(prefill_stub, pdserve_pb2.PrefillRequest(
         request_id="filler", prompt_token_ids=_prompt(4000, 2), sampling=GREEDY), timeout=60)
     _wait_until(lambda: load(prefill_pod.address, "Prefill").num_running == 1)
     call, reserved = _open_reserved(decode_stubs["tcp"], "queued", _prompt(300, 3))
-    queued = prefill_stub.Prefill.future(pdserve_pb2.PrefillRequest(
+    queued = prefill_stub.Prefill(pdserve_pb2.PrefillRequest(
         request_id="queued", prompt_token_ids=_prompt(300, 3), sampling=GREEDY,
         target=reserved.target), timeout=60)
     _wait_until(lambda: load(prefill_pod.address, "Prefill").num_waiting == 1)
     aborted = _client_aborts(prefill_pod)
     queued.cancel()
     call.cancel()
-    assert filler.result().num_prompt_tokens == 4000
+    assert filler.result().first_token.num_prompt_tokens == 4000
     _wait_until(lambda: _client_aborts(prefill_pod) == aborted + 1)
     _assert_released(prefill_pod, decode_pods["tcp"])
 
@@ -149,7 +151,7 @@ def test_cancel_while_queued_on_the_prefill_pod(prefill_stub, decode_stubs, pref
 def test_cancel_mid_transfer(prefill_stub, decode_stubs, prefill_pod, decode_pods):
     prompt = _prompt(4000, 4)
     call, reserved = _open_reserved(decode_stubs["grpc"], "mid", prompt)
-    pending = prefill_stub.Prefill.future(pdserve_pb2.PrefillRequest(
+    pending = prefill_stub.Prefill(pdserve_pb2.PrefillRequest(
         request_id="mid", prompt_token_ids=prompt, sampling=GREEDY, target=reserved.target),
         timeout=60)
     # Some of the 16 chunks are computed and streaming when both calls are cancelled.
@@ -187,7 +189,7 @@ def test_cancel_while_decoding(prefill_stub, decode_stubs, prefill_pod, decode_p
     prompt = _prompt(100, 7)
     sampling = pdserve_pb2.SamplingParams(temperature=0.0, max_tokens=3000, ignore_eos=True)
     call, reserved = _open_reserved(decode_stubs["tcp"], "decoding", prompt, sampling)
-    prefill_stub.Prefill(pdserve_pb2.PrefillRequest(
+    prefill(prefill_stub, pdserve_pb2.PrefillRequest(
         request_id="decoding", prompt_token_ids=prompt, sampling=sampling,
         target=reserved.target), timeout=60)
     received = 0
@@ -204,7 +206,7 @@ def test_abort_rpc_while_decoding_ends_the_stream(prefill_stub, decode_stubs, pr
     prompt = _prompt(50, 8)
     sampling = pdserve_pb2.SamplingParams(temperature=0.0, max_tokens=3000, ignore_eos=True)
     call, reserved = _open_reserved(decode_stubs["grpc"], "abort-dec", prompt, sampling)
-    prefill_stub.Prefill(pdserve_pb2.PrefillRequest(
+    prefill(prefill_stub, pdserve_pb2.PrefillRequest(
         request_id="abort-dec", prompt_token_ids=prompt, sampling=sampling,
         target=reserved.target), timeout=60)
     next(call)
@@ -248,7 +250,7 @@ def test_prefill_to_an_unreachable_decode_pod_fails_with_the_reason(prefill_stub
     target = pdserve_pb2.KVTarget(endpoints=["127.0.0.1:1"], ticket=b"x" * 16, transport="tcp",
                                   generation=1, deadline_unix_ms=int((time.time() + 5) * 1000))
     with pytest.raises(grpc.RpcError) as err:
-        prefill_stub.Prefill(pdserve_pb2.PrefillRequest(
+        prefill(prefill_stub, pdserve_pb2.PrefillRequest(
             request_id="dead-target", prompt_token_ids=_prompt(40, 23), sampling=GREEDY,
             target=target), timeout=30)
     assert err.value.code() == grpc.StatusCode.ABORTED

@@ -18,7 +18,7 @@ import grpc
 import pytest
 
 from proto import pdserve_pb2
-from tests.integration.flows import wait_released
+from tests.integration.flows import prefill_in_background, wait_released
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -35,7 +35,7 @@ def _start_disaggregated(prefill_stub, decode_stub, request_id, prompt, sampling
         request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
         remote_prefill=True), timeout=120)
     reserved = next(call).reserved
-    prefill = prefill_stub.Prefill.future(pdserve_pb2.PrefillRequest(
+    prefill = prefill_in_background(prefill_stub, pdserve_pb2.PrefillRequest(
         request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
         target=reserved.target), timeout=120)
     return call, prefill

@@ -12,7 +12,12 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from proto import pdserve_pb2
-from tests.integration.flows import colocated_generate, disaggregated_generate, wait_released
+from tests.integration.flows import (
+    colocated_generate,
+    disaggregated_generate,
+    prefill,
+    wait_released,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -112,9 +117,9 @@ def test_logprobs_travel_with_the_first_token_and_the_stream(colocated_stub, pre
         request_id="lp-dis", prompt_token_ids=prompt, sampling=sampling, remote_prefill=True),
         timeout=60)
     target = next(call).reserved.target
-    first = prefill_stub.Prefill(pdserve_pb2.PrefillRequest(
+    first = prefill(prefill_stub, pdserve_pb2.PrefillRequest(
         request_id="lp-dis", prompt_token_ids=prompt, sampling=sampling, target=target),
-        timeout=60).first_logprob
+        timeout=60).first_token.logprob
     disaggregated = [first, *(lp for message in call for lp in message.tokens.logprobs)]
     assert len(colocated) == len(disaggregated) == 4
     for want, got in zip(colocated, disaggregated, strict=True):

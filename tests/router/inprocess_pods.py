@@ -63,6 +63,8 @@ class Behaviour:
     full: bool = False  # Decode.Generate -> RESOURCE_EXHAUSTED
     fail_prefill: bool = False  # Prefill.Prefill -> UNAVAILABLE
     abort_prefill_once: bool = False  # first Prefill.Prefill -> ABORTED (transfer failed)
+    transfer_delay: float = 0.0  # prefill: seconds from the first token to the transfer's end
+    fail_transfer_once: bool = False  # first Prefill.Prefill: the first token, then ABORTED
     break_after: int | None = None  # decode: abort the stream after this many tokens sent
     repeat: int = 0  # decode: resend this many already-known tokens first (duplicates)
     gap: bool = False  # decode: skip one index
@@ -122,10 +124,16 @@ class FakePod(pdserve_pb2_grpc.DecodeServicer, pdserve_pb2_grpc.PrefillServicer)
             await context.abort(grpc.StatusCode.ABORTED, "KV transfer failed: connection_lost")
         index = len(request.output_token_ids)
         first = expected_token(request.prompt_token_ids, index)
+        yield pb.PrefillResponse(request_id=request.request_id, first_token=pb.PrefillFirstToken(
+            token_id=first, num_prompt_tokens=len(request.prompt_token_ids),
+            num_cached_tokens=b.cached_tokens))
+        if b.transfer_delay:
+            await asyncio.sleep(b.transfer_delay)
+        if b.fail_transfer_once and len(self.requests) == 1:
+            await context.abort(grpc.StatusCode.ABORTED, "KV transfer failed: connection_lost")
         self.wire.event(request.request_id).set()
-        return pb.PrefillResponse(request_id=request.request_id, first_token_id=first,
-                                  num_prompt_tokens=len(request.prompt_token_ids),
-                                  num_cached_tokens=b.cached_tokens)
+        yield pb.PrefillResponse(request_id=request.request_id,
+                                 transfer_done=pb.PrefillTransferDone(kv_bytes_sent=64))
 
     async def Generate(self, request, context):
         self.requests.append(request)

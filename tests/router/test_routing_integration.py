@@ -122,12 +122,12 @@ def test_overloaded_pod_sheds_a_session_and_the_new_mapping_sticks(cluster: dict
             n = 0
             while not stop.is_set():
                 n += 1
-                stub.Prefill(pdserve_pb2.PrefillRequest(
+                list(stub.Prefill(pdserve_pb2.PrefillRequest(
                     request_id=f"flood-{worker}-{n}",
                     prompt_token_ids=[(worker * 7919 + n * 31 + i) % 1000 + 5
                                       for i in range(2000)],
                     sampling=pdserve_pb2.SamplingParams(max_tokens=1, top_p=1.0),
-                ), timeout=60)
+                ), timeout=60))
 
     threads = [threading.Thread(target=flood, args=(w,)) for w in range(8)]
     for t in threads:

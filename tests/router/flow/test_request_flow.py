@@ -190,6 +190,51 @@ def test_failed_transfer_starts_over_with_a_new_reservation():
     run(main())
 
 
+def test_first_token_reaches_the_client_before_the_transfer_verdict():
+    async def main():
+        cluster = Cluster()
+        await cluster.add("prefill", transfer_delay=1.0)
+        decode = await cluster.add("decode")
+        async with cluster:
+            flow = cluster.flow(max_tokens=4)
+            started = asyncio.get_running_loop().time()
+            async with contextlib.aclosing(flow.run()) as stream:
+                first = await anext(stream)
+                first_at = asyncio.get_running_loop().time() - started
+                # the decode pod has not been given the KV yet: token 0 came from prefill alone
+                assert not cluster.wire.event("r1-1").is_set()
+                rest = [d async for d in stream]
+        assert first.token_ids == (expected_token(PROMPT, 0),)
+        assert first_at < 0.5  # well before the 1 s transfer ended
+        assert _text([first, *rest]) == expected_text(PROMPT, 4)
+        assert len(decode.requests) == 1
+        assert cluster.sample("pdserve_migrations_total") == 0
+    run(main())
+
+
+def test_transfer_failing_after_the_first_token_moves_with_that_token_as_output():
+    async def main():
+        cluster = Cluster()
+        prefill = await cluster.add("prefill", transfer_delay=0.2, fail_transfer_once=True)
+        decode = await cluster.add("decode")
+        async with cluster:
+            deltas = await _collect(cluster.flow(max_tokens=6))
+            await asyncio.sleep(0.1)
+            assert not decode.active  # the first reservation's stream was cancelled at once
+        tokens = [t for d in deltas for t in d.token_ids]
+        assert tokens == [expected_token(PROMPT, i) for i in range(6)]  # none twice, none lost
+        assert [r.request_id for r in decode.requests] == ["r1-1", "r1-2"]
+        # the move carries the token the client already has; the new prefill starts after it
+        first_try, moved = prefill.requests
+        assert list(first_try.output_token_ids) == []
+        assert list(moved.output_token_ids) == [expected_token(PROMPT, 0)]
+        assert list(decode.requests[1].output_token_ids) == [expected_token(PROMPT, 0)]
+        assert "r1-1" in decode.cancelled
+        assert cluster.sample("pdserve_migrations_total") == 1
+        assert cluster.sample("pdserve_retries_total", role="prefill") == 0
+    run(main())
+
+
 def test_all_prefill_pods_failing_gives_up_with_reason():
     async def main():
         cluster = Cluster(max_prefill_retries=1, max_migrations=0)
