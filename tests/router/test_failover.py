@@ -204,5 +204,7 @@ def test_prefill_and_decode_pods_killed_during_a_run(cluster):
     assert not errors, {p: e.details() for p, e in errors.items()}
     for prompt in prompts:
         assert results[prompt] == expected[prompt], prompt
-    assert pd.metric("pdserve_retries_total", role="prefill") >= 1
+    # The dead prefill pod costs a prefill retry, or nothing when the router's health
+    # poll dropped it before any request was routed to it (timing-dependent): both
+    # are right, so only the decode pod's death is counted.
     assert pd.metric("pdserve_migrations_total") > migrations_before
