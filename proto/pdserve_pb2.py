@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13proto/pdserve.proto\x12\npdserve.v1\"\xbf\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x10\n\x08logprobs\x18\x08 \x01(\x05\x12\x0c\n\x04stop\x18\t \x03(\tB\x07\n\x05_seed\"^\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\r\n\x0bLoadRequest\"\x8c\x02\n\nLoadReport\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\x05\x12\x1a\n\x12num_waiting_tokens\x18\x04 \x01(\x03\x12\x13\n\x0bnum_running\x18\x05 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x06 \x01(\x05\x12\x18\n\x10num_total_blocks\x18\x07 \x01(\x05\x12\x12\n\nblock_size\x18\x08 \x01(\x05\x12\x17\n\x0fprefix_hit_rate\x18\t \x01(\x01\x12\r\n\x05model\x18\n \x01(\t\x12\x15\n\rmax_model_len\x18\x0b \x01(\x05\x12\x10\n\x08\x64raining\x18\x0c \x01(\x08\"2\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"n\n\x08KVTarget\x12\x11\n\tendpoints\x18\x01 \x03(\t\x12\x0e\n\x06ticket\x18\x02 \x01(\x0c\x12\x11\n\ttransport\x18\x03 \x01(\t\x12\x12\n\ngeneration\x18\x04 \x01(\x04\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x05 \x01(\x03\"\xa5\x01\n\x15\x44\x65\x63odeGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x18\n\x10output_token_ids\x18\x04 \x03(\x05\x12\x16\n\x0eremote_prefill\x18\x05 \x01(\x08\"a\n\x08Reserved\x12$\n\x06target\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KVTarget\x12\x12\n\nblock_size\x18\x02 \x01(\x05\x12\x1b\n\x13num_reserved_blocks\x18\x03 \x01(\x05\"\xaf\x01\n\x0c\x44\x65\x63odeTokens\x12\x13\n\x0b\x66irst_index\x18\x01 \x01(\x05\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\x05\"v\n\x16\x44\x65\x63odeGenerateResponse\x12(\n\x08reserved\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.ReservedH\x00\x12*\n\x06tokens\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.DecodeTokensH\x00\x42\x06\n\x04kind\"\xac\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x18\n\x10output_token_ids\x18\x04 \x03(\x05\x12$\n\x06target\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.KVTarget\"\xbb\x01\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12/\n\rfirst_logprob\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\x12\x15\n\rkv_bytes_sent\x18\x06 \x01(\x03\"\xd0\x02\n\x07KVFrame\x12\x0f\n\x07version\x18\x01 \x01(\r\x12#\n\x04kind\x18\x02 \x01(\x0e\x32\x15.pdserve.v1.FrameKind\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\r\n\x05layer\x18\x04 \x01(\r\x12\x0e\n\x06offset\x18\x05 \x01(\x04\x12\x0f\n\x07payload\x18\x06 \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\x07 \x01(\x04\x12\x0e\n\x06ticket\x18\x08 \x01(\x0c\x12\x12\n\nnum_layers\x18\t \x01(\r\x12\x12\n\nnum_tokens\x18\n \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x0b \x01(\r\x12\x10\n\x08head_dim\x18\x0c \x01(\r\x12\r\n\x05\x64type\x18\r \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x0e \x01(\x05\x12\x13\n\x0btotal_bytes\x18\x0f \x01(\x04\x12\x0e\n\x06reason\x18\x10 \x01(\t\x12\r\n\x05\x66lags\x18\x11 \x01(\r\"(\n\nPushResult\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xcb\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12)\n\x08messages\x18\x03 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x05\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\nsession_id\x18\x06 \x01(\t\x12\x12\n\nrequest_id\x18\x07 \x01(\t\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\xac\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\"\x13\n\x11ListModelsRequest\"?\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x0f\n\x07\x63reated\x18\x03 \x01(\x03\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.ModelInfo*|\n\tFrameKind\x12\x1a\n\x16\x46RAME_KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10\x46RAME_KIND_BEGIN\x10\x01\x12\x13\n\x0f\x46RAME_KIND_DATA\x10\x02\x12\x12\n\x0e\x46RAME_KIND_END\x10\x03\x12\x14\n\x10\x46RAME_KIND_ABORT\x10\x04\x32\xd7\x01\n\x06\x44\x65\x63ode\x12S\n\x08Generate\x12!.pdserve.v1.DecodeGenerateRequest\x1a\".pdserve.v1.DecodeGenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12:\n\x07GetLoad\x12\x17.pdserve.v1.LoadRequest\x1a\x16.pdserve.v1.LoadReport2\xc7\x01\n\x07Prefill\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12:\n\x07GetLoad\x12\x17.pdserve.v1.LoadRequest\x1a\x16.pdserve.v1.LoadReport2C\n\nKVTransfer\x12\x35\n\x04Push\x12\x13.pdserve.v1.KVFrame\x1a\x16.pdserve.v1.PushResult(\x01\x32\x9e\x01\n\x06Router\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13proto/pdserve.proto\x12\npdserve.v1\"\xbf\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x10\n\x08logprobs\x18\x08 \x01(\x05\x12\x0c\n\x04stop\x18\t \x03(\tB\x07\n\x05_seed\"^\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\r\n\x0bLoadRequest\"\x8c\x02\n\nLoadReport\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\x05\x12\x1a\n\x12num_waiting_tokens\x18\x04 \x01(\x03\x12\x13\n\x0bnum_running\x18\x05 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x06 \x01(\x05\x12\x18\n\x10num_total_blocks\x18\x07 \x01(\x05\x12\x12\n\nblock_size\x18\x08 \x01(\x05\x12\x17\n\x0fprefix_hit_rate\x18\t \x01(\x01\x12\r\n\x05model\x18\n \x01(\t\x12\x15\n\rmax_model_len\x18\x0b \x01(\x05\x12\x10\n\x08\x64raining\x18\x0c \x01(\x08\"2\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"n\n\x08KVTarget\x12\x11\n\tendpoints\x18\x01 \x03(\t\x12\x0e\n\x06ticket\x18\x02 \x01(\x0c\x12\x11\n\ttransport\x18\x03 \x01(\t\x12\x12\n\ngeneration\x18\x04 \x01(\x04\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x05 \x01(\x03\"\xa5\x01\n\x15\x44\x65\x63odeGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x18\n\x10output_token_ids\x18\x04 \x03(\x05\x12\x16\n\x0eremote_prefill\x18\x05 \x01(\x08\"a\n\x08Reserved\x12$\n\x06target\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KVTarget\x12\x12\n\nblock_size\x18\x02 \x01(\x05\x12\x1b\n\x13num_reserved_blocks\x18\x03 \x01(\x05\"\xaf\x01\n\x0c\x44\x65\x63odeTokens\x12\x13\n\x0b\x66irst_index\x18\x01 \x01(\x05\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\x05\"v\n\x16\x44\x65\x63odeGenerateResponse\x12(\n\x08reserved\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.ReservedH\x00\x12*\n\x06tokens\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.DecodeTokensH\x00\x42\x06\n\x04kind\"-\n\x0cSessionError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"a\n\x0eSessionCommand\x12\x35\n\x08generate\x18\x01 \x01(\x0b\x32!.pdserve.v1.DecodeGenerateRequestH\x00\x12\x10\n\x06\x63\x61ncel\x18\x02 \x01(\tH\x00\x42\x06\n\x04kind\"\xab\x01\n\x0cSessionEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\x08reserved\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.ReservedH\x00\x12*\n\x06tokens\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.DecodeTokensH\x00\x12)\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x18.pdserve.v1.SessionErrorH\x00\x42\x06\n\x04kind\"8\n\x0cSessionBatch\x12(\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x18.pdserve.v1.SessionEvent\"\xac\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x18\n\x10output_token_ids\x18\x04 \x03(\x05\x12$\n\x06target\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.KVTarget\"\xbb\x01\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12/\n\rfirst_logprob\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\x12\x15\n\rkv_bytes_sent\x18\x06 \x01(\x03\"\xd0\x02\n\x07KVFrame\x12\x0f\n\x07version\x18\x01 \x01(\r\x12#\n\x04kind\x18\x02 \x01(\x0e\x32\x15.pdserve.v1.FrameKind\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\r\n\x05layer\x18\x04 \x01(\r\x12\x0e\n\x06offset\x18\x05 \x01(\x04\x12\x0f\n\x07payload\x18\x06 \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\x07 \x01(\x04\x12\x0e\n\x06ticket\x18\x08 \x01(\x0c\x12\x12\n\nnum_layers\x18\t \x01(\r\x12\x12\n\nnum_tokens\x18\n \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x0b \x01(\r\x12\x10\n\x08head_dim\x18\x0c \x01(\r\x12\r\n\x05\x64type\x18\r \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x0e \x01(\x05\x12\x13\n\x0btotal_bytes\x18\x0f \x01(\x04\x12\x0e\n\x06reason\x18\x10 \x01(\t\x12\r\n\x05\x66lags\x18\x11 \x01(\r\"(\n\nPushResult\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xcb\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12)\n\x08messages\x18\x03 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x05\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\nsession_id\x18\x06 \x01(\t\x12\x12\n\nrequest_id\x18\x07 \x01(\t\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\xac\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\"\x13\n\x11ListModelsRequest\"?\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x0f\n\x07\x63reated\x18\x03 \x01(\x03\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.ModelInfo*|\n\tFrameKind\x12\x1a\n\x16\x46RAME_KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10\x46RAME_KIND_BEGIN\x10\x01\x12\x13\n\x0f\x46RAME_KIND_DATA\x10\x02\x12\x12\n\x0e\x46RAME_KIND_END\x10\x03\x12\x14\n\x10\x46RAME_KIND_ABORT\x10\x04\x32\x9c\x02\n\x06\x44\x65\x63ode\x12S\n\x08Generate\x12!.pdserve.v1.DecodeGenerateRequest\x1a\".pdserve.v1.DecodeGenerateResponse0\x01\x12\x43\n\x07Session\x12\x1a.pdserve.v1.SessionCommand\x1a\x18.pdserve.v1.SessionBatch(\x01\x30\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12:\n\x07GetLoad\x12\x17.pdserve.v1.LoadRequest\x1a\x16.pdserve.v1.LoadReport2\xc7\x01\n\x07Prefill\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12:\n\x07GetLoad\x12\x17.pdserve.v1.LoadRequest\x1a\x16.pdserve.v1.LoadReport2C\n\nKVTransfer\x12\x35\n\x04Push\x12\x13.pdserve.v1.KVFrame\x1a\x16.pdserve.v1.PushResult(\x01\x32\x9e\x01\n\x06Router\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.pdserve_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FRAMEKIND']._serialized_start=2774
-  _globals['_FRAMEKIND']._serialized_end=2898
+  _globals['_FRAMEKIND']._serialized_start=3152
+  _globals['_FRAMEKIND']._serialized_end=3276
   _globals['_SAMPLINGPARAMS']._serialized_start=36
   _globals['_SAMPLINGPARAMS']._serialized_end=227
   _globals['_TOKENLOGPROB']._serialized_start=229
@@ -55,34 +55,42 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DECODETOKENS']._serialized_end=1250
   _globals['_DECODEGENERATERESPONSE']._serialized_start=1252
   _globals['_DECODEGENERATERESPONSE']._serialized_end=1370
-  _globals['_PREFILLREQUEST']._serialized_start=1373
-  _globals['_PREFILLREQUEST']._serialized_end=1545
-  _globals['_PREFILLRESPONSE']._serialized_start=1548
-  _globals['_PREFILLRESPONSE']._serialized_end=1735
-  _globals['_KVFRAME']._serialized_start=1738
-  _globals['_KVFRAME']._serialized_end=2074
-  _globals['_PUSHRESULT']._serialized_start=2076
-  _globals['_PUSHRESULT']._serialized_end=2116
-  _globals['_CHATMESSAGE']._serialized_start=2118
-  _globals['_CHATMESSAGE']._serialized_end=2162
-  _globals['_GENERATEREQUEST']._serialized_start=2165
-  _globals['_GENERATEREQUEST']._serialized_end=2368
-  _globals['_USAGE']._serialized_start=2370
-  _globals['_USAGE']._serialized_end=2450
-  _globals['_GENERATERESPONSE']._serialized_start=2453
-  _globals['_GENERATERESPONSE']._serialized_end=2625
-  _globals['_LISTMODELSREQUEST']._serialized_start=2627
-  _globals['_LISTMODELSREQUEST']._serialized_end=2646
-  _globals['_MODELINFO']._serialized_start=2648
-  _globals['_MODELINFO']._serialized_end=2711
-  _globals['_LISTMODELSRESPONSE']._serialized_start=2713
-  _globals['_LISTMODELSRESPONSE']._serialized_end=2772
-  _globals['_DECODE']._serialized_start=2901
-  _globals['_DECODE']._serialized_end=3116
-  _globals['_PREFILL']._serialized_start=3119
-  _globals['_PREFILL']._serialized_end=3318
-  _globals['_KVTRANSFER']._serialized_start=3320
-  _globals['_KVTRANSFER']._serialized_end=3387
-  _globals['_ROUTER']._serialized_start=3390
-  _globals['_ROUTER']._serialized_end=3548
+  _globals['_SESSIONERROR']._serialized_start=1372
+  _globals['_SESSIONERROR']._serialized_end=1417
+  _globals['_SESSIONCOMMAND']._serialized_start=1419
+  _globals['_SESSIONCOMMAND']._serialized_end=1516
+  _globals['_SESSIONEVENT']._serialized_start=1519
+  _globals['_SESSIONEVENT']._serialized_end=1690
+  _globals['_SESSIONBATCH']._serialized_start=1692
+  _globals['_SESSIONBATCH']._serialized_end=1748
+  _globals['_PREFILLREQUEST']._serialized_start=1751
+  _globals['_PREFILLREQUEST']._serialized_end=1923
+  _globals['_PREFILLRESPONSE']._serialized_start=1926
+  _globals['_PREFILLRESPONSE']._serialized_end=2113
+  _globals['_KVFRAME']._serialized_start=2116
+  _globals['_KVFRAME']._serialized_end=2452
+  _globals['_PUSHRESULT']._serialized_start=2454
+  _globals['_PUSHRESULT']._serialized_end=2494
+  _globals['_CHATMESSAGE']._serialized_start=2496
+  _globals['_CHATMESSAGE']._serialized_end=2540
+  _globals['_GENERATEREQUEST']._serialized_start=2543
+  _globals['_GENERATEREQUEST']._serialized_end=2746
+  _globals['_USAGE']._serialized_start=2748
+  _globals['_USAGE']._serialized_end=2828
+  _globals['_GENERATERESPONSE']._serialized_start=2831
+  _globals['_GENERATERESPONSE']._serialized_end=3003
+  _globals['_LISTMODELSREQUEST']._serialized_start=3005
+  _globals['_LISTMODELSREQUEST']._serialized_end=3024
+  _globals['_MODELINFO']._serialized_start=3026
+  _globals['_MODELINFO']._serialized_end=3089
+  _globals['_LISTMODELSRESPONSE']._serialized_start=3091
+  _globals['_LISTMODELSRESPONSE']._serialized_end=3150
+  _globals['_DECODE']._serialized_start=3279
+  _globals['_DECODE']._serialized_end=3563
+  _globals['_PREFILL']._serialized_start=3566
+  _globals['_PREFILL']._serialized_end=3765
+  _globals['_KVTRANSFER']._serialized_start=3767
+  _globals['_KVTRANSFER']._serialized_end=3834
+  _globals['_ROUTER']._serialized_start=3837
+  _globals['_ROUTER']._serialized_end=3995
 # @@protoc_insertion_point(module_scope)

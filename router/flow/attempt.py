@@ -102,7 +102,8 @@ class Attempt:
         )
 
     async def _open_stream(self, role: str, stack: contextlib.ExitStack):
-        """Open Decode.Generate on the first pod of `role` that takes it.
+        """Start the request on the first pod of `role` that takes it (on this
+        router's Session to the pod, or Decode.Generate; PodChannels.open_generate).
 
         Returns (address, call, first message); the pod's load tracking and
         the call's cancellation are registered on `stack`. Pods that are full
@@ -131,18 +132,16 @@ class Attempt:
                 raise ApiError(503, reason, code="no_pod_available") from None
             with contextlib.ExitStack() as candidate:
                 candidate.enter_context(policy.track(address, num_tokens=num_prompt))
-                call = self._deps.channels.decode(address).Generate(
-                    self._generate_request(remote), timeout=self._remaining()
-                )
-                candidate.callback(call.cancel)  # no-op once the call has ended
                 try:
-                    first = await call.read()
+                    call, first = await self._deps.channels.open_generate(
+                        address, self._generate_request(remote), self._remaining())
                 except grpc.aio.AioRpcError as error:
                     self._pod_failed(error, address)
                     refusals.append(f"{address} {describe(error)}")
                     self._deps.metrics.retries.labels(role=role).inc()
                     tried.add(address)
                     continue
+                candidate.callback(call.cancel)  # no-op once the request has ended
                 stack.enter_context(candidate.pop_all())
                 return address, call, first
 
