@@ -38,7 +38,9 @@ _OPTIONS = [
 class PodChannels:
     """Lazily opened channels and stubs keyed by address."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, sessions: bool = True) -> None:
+        # False: every request gets its own Decode.Generate (RouterConfig.relay "stream")
+        self._use_sessions = sessions
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._prefill: dict[str, pdserve_pb2_grpc.PrefillStub] = {}
         self._decode: dict[str, pdserve_pb2_grpc.DecodeStub] = {}
@@ -72,7 +74,7 @@ class PodChannels:
         `cancel()` like a Decode.Generate call. Raises grpc.aio.AioRpcError as
         that call would. The request rides this router's Session to the pod
         (router/decode_session.py); a pod without Session gets Decode.Generate."""
-        if address not in self._no_session:
+        if self._use_sessions and address not in self._no_session:
             call = self._session(address).open(request, timeout)
             try:
                 return call, await call.read()
