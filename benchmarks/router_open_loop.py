@@ -102,15 +102,23 @@ def arrival_times(rate: float, duration: float, seed: int) -> list[float]:
 
 
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU of every thread of `pid` so far (Linux /proc)."""
+    """User + system CPU of every thread of `pid` and of its live child
+    processes (router workers) so far (Linux /proc)."""
     ticks = 0
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
             with open(f"/proc/{pid}/task/{tid}/stat") as stat:
                 fields = stat.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{pid}/task/{tid}/children") as children:
+                child_pids = [int(c) for c in children.read().split()]
         except FileNotFoundError:  # the thread ended while we listed
             continue
         ticks += int(fields[11]) + int(fields[12])
+        for child in child_pids:
+            try:
+                ticks += round(cpu_seconds(child) * os.sysconf("SC_CLK_TCK"))
+            except FileNotFoundError:
+                pass
     return ticks / os.sysconf("SC_CLK_TCK")
 
 

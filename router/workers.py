@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import dataclasses
 import logging
 import multiprocessing
@@ -58,6 +59,7 @@ def _reserve_port(host: str, port: int) -> socket.socket:
 def _worker(config: RouterConfig, index: int, log_level: str,
             ready: multiprocessing.Queue) -> None:
     """One worker process: a RouterServer until SIGTERM."""
+    _die_with_parent()
     logging.basicConfig(level=log_level.upper(),
                         format=f"%(asctime)s %(levelname)s [worker {index}] %(name)s: %(message)s")
     from router.server import RouterServer
@@ -66,6 +68,15 @@ def _worker(config: RouterConfig, index: int, log_level: str,
         ready.put((index, server.http_port, server.grpc_port))
 
     asyncio.run(RouterServer(config).run_until_signal(started))
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGTERM this worker if the supervisor dies, even by SIGKILL."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except OSError:
+        pass
 
 
 def serve_workers(config: RouterConfig, *, log_level: str,
