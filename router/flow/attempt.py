@@ -146,7 +146,8 @@ class Attempt:
                 return address, call, first
 
     async def colocated(self) -> AsyncIterator[Delta]:
-        """Decode.Generate(remote_prefill=false) on a colocated pod: tokens 0..n."""
+        """A generate command (remote_prefill=false) on the colocated pod's
+        Session (or Decode.Generate): tokens 0..n."""
         with contextlib.ExitStack() as stack:
             address, call, first = await self._open_stream("colocated", stack)
             async with contextlib.aclosing(self._read_tokens(address, call, first)) as deltas:
@@ -240,7 +241,9 @@ class Attempt:
         )
 
     async def _read_tokens(self, address: str, call, first) -> AsyncIterator[Delta]:
-        """Stream DecodeTokens from `call` into the assembler until a finish."""
+        """Stream DecodeTokens from `call` (a SessionCall, or a Decode.Generate
+        call: both give messages whose `kind` is "tokens") into the assembler
+        until a finish."""
         message = first
         while True:
             if message is None:
