@@ -79,9 +79,11 @@ class SessionCall:
         return self._events.popleft()
 
     def cancel(self) -> bool:
-        """Tell the pod to drop the request (no-op once it ended)."""
+        """Tell the pod to drop the request (no-op once it ended); events not
+        read yet are dropped, `read()` answers EOF from now on."""
         if not self._open:
             return False
+        self._events.clear()
         self._end()
         self._session.send_cancel(self.request_id)
         return True
