@@ -49,7 +49,7 @@ class EngineDead(RuntimeError):
 
 class RequestStream:
     """The outputs of one request, read by one servicer coroutine with
-    `async for`. Created on the servicer's event loop; the `push` / `end` /
+    `async for`. Created on the servicer's event loop; the `mark_pushed` / `end` /
     `abort` methods are called by the engine-loop thread (via `StreamTable`)."""
 
     def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
@@ -70,13 +70,9 @@ class RequestStream:
     def loop(self) -> asyncio.AbstractEventLoop:
         return self._loop
 
-    def push(self, output: RequestOutput) -> None:
-        """Loop thread: queue one output; a finished one closes the stream."""
-        self.mark_pushed(output)
-        post(self._loop, self._queue.put_nowait, output)
-
     def mark_pushed(self, output: RequestOutput) -> None:
-        """Loop thread: `output` is on its way (`deliver` runs on the event loop)."""
+        """Loop thread: `output` is on its way (`StreamTable.dispatch` has the
+        event loop run `deliver` for it); a finished one closes the stream."""
         if output.finished:
             self._closed = True
 
