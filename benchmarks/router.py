@@ -62,6 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(router overhead without CPU contention with the pods)")
     parser.add_argument("--pod-arg", action="append", default=[],
                         help="extra flag for the pods started here")
+    parser.add_argument("--router-arg", action="append", default=[],
+                        help="extra flag for the router started here (e.g. "
+                             "--router-arg=--relay=stream for the per-request relay)")
     g = parser.add_argument_group("open loop (--open-loop; see benchmarks/router_open_loop.py)")
     g.add_argument("--open-loop", action="store_true",
                    help="instead of the closed loop: --background streams held open, probes "
@@ -302,7 +305,8 @@ def main(args: argparse.Namespace) -> int:
                 from engine.make_model import ensure_model
 
                 model = Path(args.model) if args.model else ensure_model("tiny")
-                procs, prefill, decode, router = start_stack(model, Path(tmp), args.pod_arg)
+                procs, prefill, decode, router = start_stack(model, Path(tmp), args.pod_arg,
+                                                             args.router_arg)
                 if args.pin:
                     print(pin_cpus(procs), flush=True)
             print(f"pods: prefill {prefill}, decode {decode}; router gRPC {router}", flush=True)

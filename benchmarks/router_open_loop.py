@@ -23,7 +23,8 @@ batch is empty. Rounds alternate direct / router. Reported per client:
 probe TTFT, end-to-end and inter-token latency (mean gap after the first
 token, per probe) p50/p99, the background streams open when each probe
 arrived, and each process's CPU share during the probe window — and the
-difference router - direct.
+difference router - direct, and the router's CPU per output token it
+relayed in the window (router client).
 
 Everything here runs on the benchmark's own event loop (`asyncio.run` in
 benchmarks.router.main).
@@ -82,6 +83,12 @@ class RoundResult:
     failures: list[str]
     cpu_share: dict[str, float]  # process -> CPU seconds / probe-window seconds
     load_average: float  # 1-minute, at the end of the probe window
+    window_s: float = 0.0  # the probe window's length
+    tokens: int = 0  # output tokens the client received (background + probes) in the window
+
+    def cpu_us_per_token(self, process: str) -> float:
+        """`process`'s CPU time per output token relayed in the window (µs)."""
+        return self.cpu_share[process] * self.window_s / max(self.tokens, 1) * 1e6
 
 
 def arrival_times(rate: float, duration: float, seed: int) -> list[float]:
@@ -95,15 +102,23 @@ def arrival_times(rate: float, duration: float, seed: int) -> list[float]:
 
 
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU of every thread of `pid` so far (Linux /proc)."""
+    """User + system CPU of every thread of `pid` and of its live child
+    processes (router workers) so far (Linux /proc)."""
     ticks = 0
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
             with open(f"/proc/{pid}/task/{tid}/stat") as stat:
                 fields = stat.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{pid}/task/{tid}/children") as children:
+                child_pids = [int(c) for c in children.read().split()]
         except FileNotFoundError:  # the thread ended while we listed
             continue
         ticks += int(fields[11]) + int(fields[12])
+        for child in child_pids:
+            try:
+                ticks += round(cpu_seconds(child) * os.sysconf("SC_CLK_TCK"))
+            except FileNotFoundError:
+                pass
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
@@ -179,6 +194,17 @@ async def run_round(open_stream: OpenStream, settings: OpenLoopSettings, round_i
                     tag: str, pids: dict[str, int],
                     wait_idle: Callable[[], asyncio.Future | object]) -> RoundResult:
     """One round through one client; see the module docstring."""
+    received = [0]  # output tokens through this client so far
+
+    client_stream = open_stream
+
+    async def counted(request_id: str, prompt: list[int], max_tokens: int
+                      ) -> AsyncIterator[int]:
+        async for num_tokens in client_stream(request_id, prompt, max_tokens):
+            received[0] += num_tokens
+            yield num_tokens
+
+    open_stream = counted
     rng = random.Random(settings.seed * 1000 + round_index)
     probe_prompts = [[rng.randrange(5, 1000) for _ in range(settings.prompt_tokens)]
                      for _ in range(64)]
@@ -202,6 +228,7 @@ async def run_round(open_stream: OpenStream, settings: OpenLoopSettings, round_i
                 failures.append(repr(exc))
 
         cpu_before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+        tokens_before = received[0]
         window_start = time.perf_counter()
         tasks = []
         for i, at in enumerate(schedule):
@@ -211,13 +238,14 @@ async def run_round(open_stream: OpenStream, settings: OpenLoopSettings, round_i
             tasks.append(asyncio.create_task(probe(i)))
         await asyncio.gather(*tasks)
         window = time.perf_counter() - window_start
+        tokens = received[0] - tokens_before
         cpu_share = {name: (cpu_seconds(pid) - cpu_before[name]) / window
                      for name, pid in pids.items()}
         load = os.getloadavg()[0]
     finally:
         await background.stop()
     await wait_idle()
-    return RoundResult(probes, failures, cpu_share, load)
+    return RoundResult(probes, failures, cpu_share, load, window, tokens)
 
 
 # ------------------------------------------------------------------ the two clients
@@ -360,3 +388,11 @@ def report(results: dict[str, list[RoundResult]], settings: OpenLoopSettings,
         shares = [sum(r.cpu_share[n] for r in rounds) / len(rounds) for n in names]
         loads = ", ".join(f"{r.load_average:.2f}" for r in rounds)
         print(f"| {name} | " + " | ".join(f"{s:.2f}" for s in shares) + f" | {loads} |")
+    if "router" in results and "router" in names:
+        rounds = results["router"]
+        per_token = [r.cpu_us_per_token("router") for r in rounds]
+        print("\nrouter CPU per relayed output token (router client; CPU of the router "
+              "process in the probe window / output tokens the client received in it): "
+              + ", ".join(f"{v:.1f}" for v in per_token) + " µs per round, "
+              f"{sum(r.tokens for r in rounds) / sum(r.window_s for r in rounds):.0f} "
+              "tokens/s relayed")

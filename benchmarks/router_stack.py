@@ -44,7 +44,8 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_stack(model: Path, tmp: Path, pod_args: list[str]) -> tuple[list, str, str, str]:
+def start_stack(model: Path, tmp: Path, pod_args: list[str], router_args: list[str] = ()
+                ) -> tuple[list, str, str, str]:
     """Start prefill, decode, router; return (processes, prefill, decode, router grpc)."""
     procs, addresses = [], []
     for role in ("prefill", "decode"):
@@ -62,7 +63,7 @@ def start_stack(model: Path, tmp: Path, pod_args: list[str]) -> tuple[list, str,
     log = tmp / "router.log"
     router = _spawn(["router", "--model", str(model), "--host", "127.0.0.1", "--port",
                      str(http_port), "--grpc-port", str(grpc_port), "--prefill", addresses[0],
-                     "--decode", addresses[1], "--log-level", "WARNING"], log)
+                     "--decode", addresses[1], "--log-level", "WARNING", *router_args], log)
     deadline = time.monotonic() + 60
     while True:
         try:

@@ -1,5 +1,10 @@
 """`DecodeServicer`: the `pdserve.v1.Decode` service of decode and colocated pods.
 
+`Session` carries many requests over one stream (one per router process):
+each `generate` command runs the same per-request generator as `Generate`
+(pod/session.py), its `cancel` command is a Generate stream's cancel, and
+the pod answers with one `SessionBatch` per engine step.
+
 Life cycle of one `Generate` stream (request R) with `remote_prefill=true`
 (decode pod), on the pod's event loop; the import itself (engine loop,
 receiver, injector) is a `KVImport` (decode_service/kv_import.py):
@@ -56,6 +61,7 @@ from pod.drain import DrainGate
 from pod.errors import pod_errors
 from pod.load import load_report
 from pod.messages import ModelLimits, check_request
+from pod.session import SessionMux
 from proto import pdserve_pb2, pdserve_pb2_grpc
 from proto.status import ServiceError
 
@@ -87,6 +93,20 @@ class DecodeServicer(pdserve_pb2_grpc.DecodeServicer):
     async def Generate(self, request: pdserve_pb2.DecodeGenerateRequest,
                        context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[pdserve_pb2.DecodeGenerateResponse]:
+        async for message in self._generate(request):
+            yield message
+
+    @decode_errors
+    async def Session(self, request_iterator: AsyncIterator[pdserve_pb2.SessionCommand],
+                      context: grpc.aio.ServicerContext
+                      ) -> AsyncIterator[pdserve_pb2.SessionBatch]:
+        """Many requests over one stream, one batch per engine step (pod/session.py);
+        each request lives exactly as a `Generate` stream would."""
+        async for batch in SessionMux(self._generate, decode_errors).run(request_iterator):
+            yield batch
+
+    async def _generate(self, request: pdserve_pb2.DecodeGenerateRequest
+                        ) -> AsyncIterator[pdserve_pb2.DecodeGenerateResponse]:
         with self._gate.admit():
             arrived = time.monotonic()
             checked = check_request(request, self._limits)

@@ -5,7 +5,10 @@ A stream is created on the servicer's event loop and registered in the table
 by the engine-loop thread *before* the engine sees its request, so no output
 can be lost. After each step the loop thread hands each request's outputs to
 its stream (`StreamTable.dispatch`), which queues them on the servicer's
-event loop with `call_soon_threadsafe`. A stream ends, and leaves the table,
+event loop with one `call_soon_threadsafe` per event loop and step (not one
+per request): every reader of the step wakes in the same event-loop pass, so
+a servicer that batches per step (the decode pod's Session) sees the whole
+step at once, and the pod pays one loop wake-up per step. A stream ends, and leaves the table,
 in exactly one of three ways:
 
     finished output      -> the reader's `async for` ends after it
@@ -46,7 +49,7 @@ class EngineDead(RuntimeError):
 
 class RequestStream:
     """The outputs of one request, read by one servicer coroutine with
-    `async for`. Created on the servicer's event loop; the `push` / `end` /
+    `async for`. Created on the servicer's event loop; the `mark_pushed` / `end` /
     `abort` methods are called by the engine-loop thread (via `StreamTable`)."""
 
     def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
@@ -63,11 +66,19 @@ class RequestStream:
     def closed(self) -> bool:
         return self._closed
 
-    def push(self, output: RequestOutput) -> None:
-        """Loop thread: queue one output; a finished one closes the stream."""
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return self._loop
+
+    def mark_pushed(self, output: RequestOutput) -> None:
+        """Loop thread: `output` is on its way (`StreamTable.dispatch` has the
+        event loop run `deliver` for it); a finished one closes the stream."""
         if output.finished:
             self._closed = True
-        post(self._loop, self._queue.put_nowait, output)
+
+    def deliver(self, output: RequestOutput) -> None:
+        """Event loop: queue one output whose `mark_pushed` the loop thread ran."""
+        self._queue.put_nowait(output)
 
     def end(self, exc: BaseException) -> None:
         """Loop thread: close the stream with `exc` (EngineDead) after what is queued."""
@@ -122,20 +133,30 @@ class StreamTable:
         return self._streams.pop(request_id, None)
 
     def dispatch(self, outputs: Sequence[RequestOutput]) -> None:
-        """After a step: each output to its request's stream."""
+        """After a step: each output to its request's stream, in one callback
+        per event loop (streams of one servicer share its loop)."""
+        per_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:  # aborted between the step's start and now
                 continue
             if output.finished:
                 del self._streams[output.request_id]
-            stream.push(output)
+            stream.mark_pushed(output)
+            per_loop.setdefault(stream.loop, []).append((stream, output))
+        for loop, items in per_loop.items():
+            post(loop, _deliver_all, items)
 
     def end_all(self, exc: BaseException) -> None:
         """The loop ends: every open stream ends with `exc`."""
         for stream in self._streams.values():
             stream.end(exc)
         self._streams.clear()
+
+
+def _deliver_all(items: list[tuple[RequestStream, RequestOutput]]) -> None:
+    for stream, output in items:
+        stream.deliver(output)
 
 
 def post(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:

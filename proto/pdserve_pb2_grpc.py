@@ -39,6 +39,11 @@ class DecodeStub:
                 request_serializer=proto_dot_pdserve__pb2.DecodeGenerateRequest.SerializeToString,
                 response_deserializer=proto_dot_pdserve__pb2.DecodeGenerateResponse.FromString,
                 _registered_method=True)
+        self.Session = channel.stream_stream(
+                '/pdserve.v1.Decode/Session',
+                request_serializer=proto_dot_pdserve__pb2.SessionCommand.SerializeToString,
+                response_deserializer=proto_dot_pdserve__pb2.SessionBatch.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pdserve.v1.Decode/Abort',
                 request_serializer=proto_dot_pdserve__pb2.AbortRequest.SerializeToString,
@@ -56,6 +61,14 @@ class DecodeServicer:
 
     def Generate(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Session(self, request_iterator, context):
+        """Many requests over one stream (one per router process and pod): the pod sends one
+        SessionBatch per engine step, not one message per token (docs/services.md).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -79,6 +92,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=proto_dot_pdserve__pb2.DecodeGenerateRequest.FromString,
                     response_serializer=proto_dot_pdserve__pb2.DecodeGenerateResponse.SerializeToString,
+            ),
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=proto_dot_pdserve__pb2.SessionCommand.FromString,
+                    response_serializer=proto_dot_pdserve__pb2.SessionBatch.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -118,6 +136,33 @@ class Decode:
             '/pdserve.v1.Decode/Generate',
             proto_dot_pdserve__pb2.DecodeGenerateRequest.SerializeToString,
             proto_dot_pdserve__pb2.DecodeGenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pdserve.v1.Decode/Session',
+            proto_dot_pdserve__pb2.SessionCommand.SerializeToString,
+            proto_dot_pdserve__pb2.SessionBatch.FromString,
             options,
             channel_credentials,
             insecure,

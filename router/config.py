@@ -15,6 +15,8 @@ from pathlib import Path
 from proto.address import MAX_PORT, split_host_port
 from proto.roles import PodRole
 
+RELAYS = ("session", "stream")
+
 
 def _check_port(name: str, port: int, *, allow_zero: bool = True) -> None:
     low = 0 if allow_zero else 1
@@ -64,6 +66,16 @@ class RouterConfig:
     # (0 = no queue), and the estimated wait beyond which requests get 429.
     prefill_dispatch_tokens: int = 4096
     max_queue_wait: float = 30.0
+    # How tokens come back from decode/colocated pods: "session" (one
+    # Decode.Session per pod, one message per engine step) or "stream" (one
+    # Decode.Generate stream per request, one message per token; the A/B
+    # baseline, and what pods without Session get anyway).
+    relay: str = "session"
+    # Worker processes serving the same ports (SO_REUSEPORT; router/workers.py).
+    workers: int = 1
+    # prometheus_client multiprocess directory (set by the CLI when workers > 1):
+    # /metrics of any worker sums every worker's samples.
+    metrics_dir: str | None = None
 
     def __post_init__(self) -> None:
         if not self.model_dir:
@@ -105,6 +117,10 @@ class RouterConfig:
             raise ValueError(
                 f"max_queue_wait must be in (0, 86400] seconds, got {self.max_queue_wait}"
             )
+        if not 1 <= self.workers <= 256:
+            raise ValueError(f"workers must be in [1, 256], got {self.workers}")
+        if self.relay not in RELAYS:
+            raise ValueError(f"relay must be one of {', '.join(RELAYS)}, got {self.relay!r}")
         if self.shutdown_grace < 0:
             raise ValueError(f"shutdown_grace must be >= 0 seconds, got {self.shutdown_grace}")
 

@@ -127,12 +127,15 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
 
 
 def build_grpc_server(
-    frontend: Frontend, auth: ApiKeyCheck, address: str
+    frontend: Frontend, auth: ApiKeyCheck, address: str, *, reuse_port: bool = False
 ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """A started-later server with Router + health bound to `address`;
     returns (server, bound port, health servicer — the router server sets
-    it SERVING / NOT_SERVING as the pool's readiness changes)."""
-    server = grpc.aio.server(options=list(GRPC_MESSAGE_OPTIONS))
+    it SERVING / NOT_SERVING as the pool's readiness changes). `reuse_port`:
+    other router workers bind the same port (SO_REUSEPORT); off, a port
+    already taken is an error rather than silently shared."""
+    options = [*GRPC_MESSAGE_OPTIONS, ("grpc.so_reuseport", 1 if reuse_port else 0)]
+    server = grpc.aio.server(options=options)
     pdserve_pb2_grpc.add_RouterServicer_to_server(RouterServicer(frontend, auth), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.multiprocess import MultiProcessCollector
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ROLE = "router"
@@ -20,8 +21,14 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 class RouterMetrics:
     """Counters and histograms for request flow, retries, migrations and aborts."""
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None, *,
+                 multiprocess_dir: str | None = None) -> None:
+        """`multiprocess_dir`: this process is one of several router workers
+        whose samples prometheus_client keeps in that directory (its
+        multiprocess mode, enabled by the CLI before this module is imported);
+        `render` then sums every worker's."""
         self.registry = registry or CollectorRegistry()
+        self._multiprocess_dir = multiprocess_dir
         r = self.registry
         self.ttft = Histogram(
             "pdserve_time_to_first_token_seconds", "Request arrival to first token sent",
@@ -54,7 +61,8 @@ class RouterMetrics:
             ["outcome"], registry=r,
         )
         self.in_flight = Gauge(
-            "pdserve_router_requests_in_flight", "Client requests being served now", registry=r
+            "pdserve_router_requests_in_flight", "Client requests being served now", registry=r,
+            multiprocess_mode="livesum",  # the live workers' sum (ignored with one process)
         )
         # the admission queue in front of the prefill pods (router/routing/admission.py)
         self.queue_requests = Gauge(
@@ -93,4 +101,8 @@ class RouterMetrics:
 
     def render(self) -> bytes:
         """The text exposition format for GET /metrics."""
-        return generate_latest(self.registry)
+        if self._multiprocess_dir is None:
+            return generate_latest(self.registry)
+        merged = CollectorRegistry()
+        MultiProcessCollector(merged, path=self._multiprocess_dir)
+        return generate_latest(merged)

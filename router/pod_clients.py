@@ -1,4 +1,5 @@
-"""`PodChannels`: one reused gRPC channel (and stubs) per pod address.
+"""`PodChannels`: one reused gRPC channel (and stubs) per pod address, and
+this router process's one Decode.Session per decode/colocated pod.
 
 Owned by the router server, used by every request's flow on the router's
 event loop. Channels are opened lazily on first use and live until
@@ -9,10 +10,16 @@ address never needs a second one. Message size limits are the project's
 
 from __future__ import annotations
 
+import logging
+
 import grpc
 
+from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc
 from proto.limits import GRPC_MESSAGE_OPTIONS
+from router.decode_session import DecodeSession
+
+log = logging.getLogger(__name__)
 
 _OPTIONS = [
     *GRPC_MESSAGE_OPTIONS,
@@ -31,10 +38,14 @@ _OPTIONS = [
 class PodChannels:
     """Lazily opened channels and stubs keyed by address."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, sessions: bool = True) -> None:
+        # False: every request gets its own Decode.Generate (RouterConfig.relay "stream")
+        self._use_sessions = sessions
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._prefill: dict[str, pdserve_pb2_grpc.PrefillStub] = {}
         self._decode: dict[str, pdserve_pb2_grpc.DecodeStub] = {}
+        self._sessions: dict[str, DecodeSession] = {}
+        self._no_session: set[str] = set()  # pods that answered Session UNIMPLEMENTED
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
@@ -56,7 +67,42 @@ class PodChannels:
             stub = self._decode[address] = pdserve_pb2_grpc.DecodeStub(self._channel(address))
         return stub
 
+    async def open_generate(self, address: str, request: pb.DecodeGenerateRequest,
+                            timeout: float):
+        """Start `request` on the decode/colocated pod at `address` and read its
+        first message. Returns (call, first): `call` has `read()` and
+        `cancel()` like a Decode.Generate call. Raises grpc.aio.AioRpcError as
+        that call would. The request rides this router's Session to the pod
+        (router/decode_session.py); a pod without Session gets Decode.Generate."""
+        if self._use_sessions and address not in self._no_session:
+            call = self._session(address).open(request, timeout)
+            try:
+                return call, await call.read()
+            except grpc.aio.AioRpcError as error:
+                if error.code() != grpc.StatusCode.UNIMPLEMENTED:
+                    raise
+                log.info("decode pod %s has no Session; using Decode.Generate", address)
+                self._no_session.add(address)
+            except BaseException:
+                call.cancel()
+                raise
+        call = self.decode(address).Generate(request, timeout=timeout)
+        try:
+            return call, await call.read()
+        except BaseException:
+            call.cancel()
+            raise
+
+    def _session(self, address: str) -> DecodeSession:
+        session = self._sessions.get(address)
+        if session is None or session.closed:
+            session = self._sessions[address] = DecodeSession(address, self.decode(address))
+        return session
+
     async def close(self) -> None:
+        sessions, self._sessions = list(self._sessions.values()), {}
+        for session in sessions:
+            await session.close()
         channels, self._channels = list(self._channels.values()), {}
         self._prefill.clear()
         self._decode.clear()

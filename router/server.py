@@ -68,7 +68,7 @@ class RouterServer:
 
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
-        self.metrics = RouterMetrics()
+        self.metrics = RouterMetrics(multiprocess_dir=config.metrics_dir)
         self.http_port = 0
         self.grpc_port = 0
         self._runner: web.AppRunner | None = None
@@ -77,7 +77,7 @@ class RouterServer:
         self._ready_task: asyncio.Task[None] | None = None
         self.pool: PolledPodPool | None = None
         self._sessions: SessionStore | None = None
-        self._channels = PodChannels()
+        self._channels = PodChannels(sessions=config.relay == "session")
 
     def _pod_source(self) -> PodSource:
         c = self.config
@@ -120,11 +120,12 @@ class RouterServer:
                                      handler_cancellation=True, access_log=None,
                                      shutdown_timeout=c.shutdown_grace)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, c.host, c.port)
+        # several workers share the ports (router/workers.py)
+        site = web.TCPSite(self._runner, c.host, c.port, reuse_port=c.workers > 1)
         await site.start()
         self.http_port = self._runner.addresses[0][1]
         self._grpc, self.grpc_port, self._health = build_grpc_server(
-            frontend, auth, f"{c.host}:{c.grpc_port}")
+            frontend, auth, f"{c.host}:{c.grpc_port}", reuse_port=c.workers > 1)
         await self._grpc.start()
         self._ready_task = asyncio.create_task(self._mirror_readiness(), name="router-ready")
         log.info("router serving %s: HTTP on %s:%d, gRPC on %s:%d",

@@ -52,6 +52,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "prefill pod is above this (default 30)")
     parser.add_argument("--shutdown-grace", type=float, default=30.0, metavar="SECONDS",
                         help="how long SIGTERM waits for in-flight requests")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="router processes serving the same ports (SO_REUSEPORT); share "
+                             "session moves through --redis-url (docs/router.md, Workers)")
+    parser.add_argument("--relay", choices=("session", "stream"), default="session",
+                        help="tokens from decode pods: one Decode.Session per pod, batched per "
+                             "engine step (default), or one Decode.Generate stream per request")
     parser.add_argument("--ready-file", default=None, metavar="PATH",
                         help='written once serving: {"http": port, "grpc": port}')
     parser.add_argument("--log-level", default="INFO")
@@ -81,6 +87,8 @@ def config_from_args(args: argparse.Namespace):
         shutdown_grace=args.shutdown_grace,
         prefill_dispatch_tokens=args.prefill_dispatch_tokens,
         max_queue_wait=args.max_queue_wait,
+        relay=args.relay,
+        workers=args.workers,
     )
 
 
@@ -95,12 +103,40 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         logging.getLogger("pdserve.router").error("bad router flags: %s", exc)
         return 2
-    def write_ready_file(server: RouterServer) -> None:
+    def write_ready_file(http_port: int, grpc_port: int) -> None:
         if args.ready_file:
             # write then rename, so a reader never sees half a file
             tmp = Path(args.ready_file + ".tmp")
-            tmp.write_text(json.dumps({"http": server.http_port, "grpc": server.grpc_port}))
+            tmp.write_text(json.dumps({"http": http_port, "grpc": grpc_port}))
             tmp.replace(args.ready_file)
 
-    asyncio.run(RouterServer(config).run_until_signal(write_ready_file))
+    if config.workers > 1:
+        return _serve_workers(config, args.log_level, write_ready_file)
+    asyncio.run(RouterServer(config).run_until_signal(
+        lambda server: write_ready_file(server.http_port, server.grpc_port)))
     return 0
+
+
+def _serve_workers(config, log_level: str, on_ready) -> int:
+    """Several worker processes (router/workers.py). prometheus_client's
+    multiprocess mode is switched on here, through its environment variable,
+    before any worker imports it; the directory lives as long as this run."""
+    import dataclasses
+    import shutil
+    import tempfile
+
+    from router.workers import serve_workers
+
+    log = logging.getLogger("pdserve.router")
+    if config.redis_url is None:
+        log.warning("%d router workers without --redis-url: each keeps its own session map, "
+                    "so a session moved off an overloaded pod by one worker may be routed "
+                    "by another to its first-ranked pod (docs/router.md, Workers)",
+                    config.workers)
+    metrics_dir = tempfile.mkdtemp(prefix="pdserve-router-metrics-")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+    try:
+        return serve_workers(dataclasses.replace(config, metrics_dir=metrics_dir),
+                             log_level=log_level, on_ready=on_ready)
+    finally:
+        shutil.rmtree(metrics_dir, ignore_errors=True)

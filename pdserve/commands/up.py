@@ -72,6 +72,7 @@ class UpConfig:
     # every pod of a role gets the same list (pdserve/commands/_cpus.py)
     cpus: tuple[tuple[str, str], ...] = ()
     ready_file: str | None = None
+    router_workers: int = 1
 
     def __post_init__(self) -> None:
         for name in ("port", "grpc_port"):
@@ -84,6 +85,9 @@ class UpConfig:
                 raise ValueError(f"--{name} must be between 0 and 16 pods; got {value}")
         if self.num_colocated == 0 and (self.num_prefill == 0 or self.num_decode == 0):
             raise ValueError("need at least one prefill and one decode pod, or --colocated >= 1")
+        if not 1 <= self.router_workers <= 64:
+            raise ValueError(f"--router-workers must be between 1 and 64; got "
+                             f"{self.router_workers}")
         if self.grace_period_s <= 0 or self.startup_timeout_s <= 0:
             raise ValueError("--grace-period and --startup-timeout must be > 0 seconds")
         for role, text in self.cpus:
@@ -120,6 +124,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="WARNING",
                         choices=("DEBUG", "INFO", "WARNING", "ERROR"),
                         help="log level of the children (their lines are prefixed)")
+    parser.add_argument("--router-workers", type=int, default=1, metavar="N",
+                        help="router worker processes on the same ports (pdserve router --workers)")
     parser.add_argument("--pod-arg", action="append", default=[], metavar="ARG",
                         help="extra flag for every pod, e.g. --pod-arg=--num-blocks=256")
     for role in CPU_ROLES:
@@ -138,7 +144,7 @@ def config_from_args(args: argparse.Namespace) -> UpConfig:
         num_decode=args.decode, num_colocated=args.colocated, model_dir=args.model,
         redis_url=args.redis_url, grace_period_s=args.grace_period,
         startup_timeout_s=args.startup_timeout, log_level=args.log_level,
-        pod_args=tuple(args.pod_arg),
+        pod_args=tuple(args.pod_arg), router_workers=args.router_workers,
         cpus=tuple((role, text) for role in CPU_ROLES
                    if (text := getattr(args, f"{role}_cpus")) is not None),
         ready_file=args.ready_file,
@@ -227,7 +233,8 @@ def counts_of(roles: list[str]) -> list[tuple[str, int]]:
 
 def router_argv(model: Path, config: UpConfig, children: list[Child]) -> list[str]:
     argv = ["router", "--model", str(model), "--host", config.host, "--port", str(config.port),
-            "--grpc-port", str(config.grpc_port), "--log-level", config.log_level]
+            "--grpc-port", str(config.grpc_port), "--log-level", config.log_level,
+            "--workers", str(config.router_workers)]
     if config.cpus_of("router") is not None:
         argv += ["--cpus", config.cpus_of("router")]
     if config.redis_url:

@@ -108,7 +108,8 @@ class Attempt:
         )
 
     async def _open_stream(self, role: str, stack: contextlib.ExitStack):
-        """Open Decode.Generate on the first pod of `role` that takes it.
+        """Start the request on the first pod of `role` that takes it (on this
+        router's Session to the pod, or Decode.Generate; PodChannels.open_generate).
 
         Returns (address, call, first message); the pod's load tracking and
         the call's cancellation are registered on `stack`. Pods that are full
@@ -137,23 +138,22 @@ class Attempt:
                 raise ApiError(503, reason, code="no_pod_available") from None
             with contextlib.ExitStack() as candidate:
                 candidate.enter_context(policy.track(address, num_tokens=num_prompt))
-                call = self._deps.channels.decode(address).Generate(
-                    self._generate_request(remote), timeout=self._remaining()
-                )
-                candidate.callback(call.cancel)  # no-op once the call has ended
                 try:
-                    first = await call.read()
+                    call, first = await self._deps.channels.open_generate(
+                        address, self._generate_request(remote), self._remaining())
                 except grpc.aio.AioRpcError as error:
                     self._pod_failed(error, address)
                     refusals.append(f"{address} {describe(error)}")
                     self._deps.metrics.retries.labels(role=role).inc()
                     tried.add(address)
                     continue
+                candidate.callback(call.cancel)  # no-op once the request has ended
                 stack.enter_context(candidate.pop_all())
                 return address, call, first
 
     async def colocated(self) -> AsyncIterator[Delta]:
-        """Decode.Generate(remote_prefill=false) on a colocated pod: tokens 0..n."""
+        """A generate command (remote_prefill=false) on the colocated pod's
+        Session (or Decode.Generate): tokens 0..n."""
         with contextlib.ExitStack() as stack:
             address, call, first = await self._open_stream("colocated", stack)
             async with contextlib.aclosing(self._read_tokens(address, call, first)) as deltas:
@@ -315,7 +315,9 @@ class Attempt:
                 f"{decode_address}", addresses=frozenset({address}), migrate=True)
 
     async def _read_tokens(self, address: str, call, first) -> AsyncIterator[Delta]:
-        """Stream DecodeTokens from `call` into the assembler until a finish."""
+        """Stream DecodeTokens from `call` (a SessionCall, or a Decode.Generate
+        call: both give messages whose `kind` is "tokens") into the assembler
+        until a finish."""
         message = first
         while True:
             if message is None:

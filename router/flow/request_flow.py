@@ -127,7 +127,10 @@ class RequestFlow:
         except (GeneratorExit, asyncio.CancelledError):
             # The consumer left: after the final delta that is just the end of
             # iteration; before it, the client went away mid-request.
-            if self.state is not FlowState.FINISHED:
+            if self.state is FlowState.FINISHED:  # a consumer that stops at the final delta
+                outcome = "ok"
+                metrics.e2e.observe(time.monotonic() - self._start)
+            else:
                 outcome = "client_disconnect"
                 metrics.aborts.labels(reason="client_disconnect").inc()
                 self._to(FlowState.FAILED)

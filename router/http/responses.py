@@ -16,6 +16,7 @@ from typing import Any
 from router.generation import Delta, OutputLogprobs, Usage
 
 DONE_EVENT = b"data: [DONE]\n\n"
+_TEXT_SLOT = "\x01pdserve-text\x01"  # stands for the text while the event template is built
 
 
 def sse_event(payload: dict[str, Any]) -> bytes:
@@ -70,6 +71,8 @@ class ResponseShaper:
         self._top_logprobs = top_logprobs
         self._text_offset = 0
         self._collected = _Collected()
+        # `event` of a text-only delta: the serialized chunk around its JSON string
+        self._text_event: tuple[bytes, bytes] | None = None
 
     # ------------------------------------------------------------ logprobs
 
@@ -156,6 +159,22 @@ class ResponseShaper:
                 "finish_reason": delta.finish_reason,
             }
         return self._envelope([choice])
+
+    def event(self, delta: Delta) -> bytes | None:
+        """`sse_event(chunk(delta))`, or None when the delta shows nothing. Most
+        deltas are text only (no logprobs, not the last); those are one JSON
+        string put into a template built once per request, the same bytes
+        `sse_event` would give, at a fraction of the per-token cost."""
+        if not delta.text or delta.logprobs or delta.finish_reason is not None \
+                or self._top_logprobs is not None:
+            chunk = self.chunk(delta)
+            return None if chunk is None else sse_event(chunk)
+        if self._text_event is None:
+            quoted = json.dumps(_TEXT_SLOT).encode()
+            before, after = sse_event(self.chunk(Delta(text=_TEXT_SLOT))).split(quoted)
+            self._text_event = (before, after)
+        before, after = self._text_event
+        return before + json.dumps(delta.text).encode() + after
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any] | None:
         """The trailing `choices: []` chunk with usage, when the client asked for it."""

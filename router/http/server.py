@@ -119,9 +119,9 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
         delta = first
         try:
             while True:
-                chunk = shaper.chunk(delta)
-                if chunk is not None:
-                    await response.write(sse_event(chunk))
+                event = shaper.event(delta)
+                if event is not None:
+                    await response.write(event)
                 if delta.usage is not None:
                     usage = shaper.usage_chunk(delta.usage)
                     if usage is not None:

@@ -22,8 +22,10 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from pod.session import SessionMux
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc
+from proto.status import ServiceError, grpc_errors
 
 VOCAB = 26  # token t in 1..26 renders as one lowercase letter
 
@@ -73,6 +75,25 @@ class Behaviour:
     invalid: str | None = None  # answer INVALID_ARGUMENT with this message
     no_reserved: bool = False  # decode: answer remote_prefill with tokens, not Reserved
     waiting_tokens: int = 0  # GetLoad's num_waiting_tokens (steers the prefill policy)
+    no_session: bool = False  # decode: answer Decode.Session UNIMPLEMENTED (an older pod)
+
+
+class _RequestContext:
+    """What a request on a Session has of a Generate call's context: abort
+    (its status becomes the request's error event) and done callbacks."""
+
+    def __init__(self) -> None:
+        self._callbacks: list = []
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise ServiceError(code, details)
+
+    def add_done_callback(self, callback) -> None:
+        self._callbacks.append(callback)
+
+    def done(self) -> None:
+        for callback in self._callbacks:
+            callback(self)
 
 
 class FakePod(pdserve_pb2_grpc.DecodeServicer, pdserve_pb2_grpc.PrefillServicer):
@@ -85,6 +106,7 @@ class FakePod(pdserve_pb2_grpc.DecodeServicer, pdserve_pb2_grpc.PrefillServicer)
         self.active: set[str] = set()  # request ids with an open stream / call
         self.cancelled: list[str] = []
         self.requests: list[object] = []
+        self.sessions = 0  # Decode.Session streams opened
         self.server: grpc.aio.Server | None = None
         self.address = ""
 
@@ -151,6 +173,22 @@ class FakePod(pdserve_pb2_grpc.DecodeServicer, pdserve_pb2_grpc.PrefillServicer)
         except asyncio.CancelledError:
             self.cancelled.append(rid)
             raise
+
+    async def Session(self, request_iterator, context):
+        """The real pods' multiplexing (pod/session.py) over this fake's Generate."""
+        if self.behaviour.no_session:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
+        self.sessions += 1
+        async for batch in SessionMux(self._session_generate, grpc_errors).run(request_iterator):
+            yield batch
+
+    async def _session_generate(self, request):
+        context = _RequestContext()
+        try:
+            async for message in self.Generate(request, context):
+                yield message
+        finally:
+            context.done()
 
     async def _generate(self, request, context):
         b = self.behaviour

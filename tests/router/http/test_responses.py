@@ -92,3 +92,18 @@ def test_delta_validates():
         Delta(text="a", finish_reason="stop")
     with pytest.raises(ValueError, match="finish_reason must be one of"):
         Delta(text="a", finish_reason="done", usage=USAGE)
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+@pytest.mark.parametrize("usage", [False, True])
+def test_event_is_sse_event_of_chunk(kind, usage):
+    """The per-token template gives exactly the bytes of the general path."""
+    s = ResponseShaper(kind=kind, response_id="x-1", model="tiny", created=100,
+                       token_text=str, include_usage=usage)
+    deltas = [Delta(text=t, token_ids=(1,)) for t in
+              ("ab", ' "q" ', "\\", "é", "日本", "\n\t", "\x01pdserve-text\x01", "😀")]
+    deltas += [Delta(text="", token_ids=(2,)),
+               Delta(text="z", finish_reason="length", usage=USAGE)]
+    for delta in deltas:
+        chunk = s.chunk(delta)
+        assert s.event(delta) == (None if chunk is None else sse_event(chunk))

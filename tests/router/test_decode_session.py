@@ -1,0 +1,115 @@
+"""`PodChannels.open_generate` over `DecodeSession` against in-process fake pods
+(the real pods' SessionMux over a deterministic Generate): sharing, cancel,
+deadline, a broken session, and pods without Session."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from proto import pdserve_pb2 as pb
+from router.pod_clients import PodChannels
+from tests.router.inprocess_pods import Behaviour, FakePod, Wire, expected_token
+
+pytestmark = pytest.mark.timeout(60)
+PROMPT = [5, 9, 2, 7]
+
+
+def _request(rid: str, max_tokens: int = 5) -> pb.DecodeGenerateRequest:
+    return pb.DecodeGenerateRequest(request_id=rid, prompt_token_ids=PROMPT,
+                                    sampling=pb.SamplingParams(max_tokens=max_tokens))
+
+
+async def _read_all(call, first) -> list[int]:
+    tokens, message = [], first
+    while True:
+        tokens.extend(message.tokens.token_ids)
+        if message.tokens.finish_reason:
+            return tokens
+        message = await call.read()
+
+
+async def _pod(**behaviour) -> FakePod:
+    pod = FakePod("colocated", Wire(), Behaviour(**behaviour))
+    await pod.start()
+    return pod
+
+
+def test_requests_share_one_session_and_a_cancel_touches_one():
+    async def main():
+        pod, channels = await _pod(delay=0.02), PodChannels()
+        try:
+            opened = [await channels.open_generate(pod.address, _request(f"r{i}", 20), 30)
+                      for i in range(3)]
+            (victim, _), *others = opened
+            assert victim.cancel() and not victim.cancel()
+            outputs = await asyncio.gather(*(_read_all(c, f) for c, f in others))
+            assert outputs == [[expected_token(PROMPT, i) for i in range(20)]] * 2
+            assert await victim.read() is grpc.aio.EOF
+            assert pod.sessions == 1 and pod.cancelled == ["r0"]
+        finally:
+            await channels.close()
+            await pod.stop()
+
+    asyncio.run(main())
+
+
+def test_a_deadline_fails_the_request_and_cancels_it_on_the_pod():
+    async def main():
+        pod, channels = await _pod(delay=0.5), PodChannels()
+        try:
+            call, first = await channels.open_generate(pod.address, _request("slow"), 0.8)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await _read_all(call, first)
+            assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            for _ in range(100):
+                if pod.cancelled:
+                    break
+                await asyncio.sleep(0.01)
+            assert pod.cancelled == ["slow"]
+        finally:
+            await channels.close()
+            await pod.stop()
+
+    asyncio.run(main())
+
+
+def test_errors_keep_their_status_and_a_broken_session_fails_every_request():
+    async def main():
+        full, pod, channels = await _pod(full=True), await _pod(delay=0.05), PodChannels()
+        try:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await channels.open_generate(full.address, _request("r"), 30)
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            opened = [await channels.open_generate(pod.address, _request(f"r{i}", 100), 30)
+                      for i in range(3)]
+            await pod.stop()  # the pod goes away under its session
+            for call, first in opened:
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await _read_all(call, first)
+                assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert pod.sessions == 1
+        finally:
+            await channels.close()
+            await full.stop()
+
+    asyncio.run(main())
+
+
+def test_a_pod_without_session_gets_generate():
+    async def main():
+        pod, channels = await _pod(no_session=True), PodChannels()
+        try:
+            for rid in ("a", "b"):
+                call, first = await channels.open_generate(pod.address, _request(rid), 30)
+                assert await _read_all(call, first) == [expected_token(PROMPT, i)
+                                                        for i in range(5)]
+            assert [r.request_id for r in pod.requests] == ["a", "b"]
+            assert pod.sessions == 0
+        finally:
+            await channels.close()
+            await pod.stop()
+
+    asyncio.run(main())
