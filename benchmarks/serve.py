@@ -91,7 +91,8 @@ def run_benchmark(run: ServeRun) -> dict:
     else:
         summary = run_sessions(run.base_url, run.model, run.sessions, run.spec)
     if urls:
-        metrics = serve_metrics.delta_report(urls, before, serve_metrics.scrape(urls))
+        metrics = serve_metrics.delta_report(urls, before,
+                                               serve_metrics.scrape_settled(urls))
     else:
         metrics = serve_metrics.empty_report(
             "no --metrics-url or --up-ready-file given: the router does not list its pods' "

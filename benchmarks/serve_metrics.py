@@ -10,6 +10,12 @@ Before the load and after it, every `--metrics-url` (a pod's Prometheus
                                    (received); 0 on a colocated pod, which
                                    transfers nothing
 
+The "after" read waits until the counters settle (two reads 0.2 s apart
+agree, at most `settle_s`): a prefill pod counts a transfer's bytes when the
+decode pod's verdict reaches it, which can be after the client has its last
+token (the first token is sent before the verdict; a 1-token request ends
+there).
+
 Where no URL is given the section says so in `note` and its figures are
 None: the router does not list its pods' metrics addresses, but `pdserve up
 --ready-file PATH` writes them, and `--up-ready-file PATH` reads them from there.
@@ -18,6 +24,7 @@ None: the router does not list its pods' metrics addresses, but `pdserve up
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -59,6 +66,19 @@ def scrape(urls: list[str], timeout_s: float = 10.0) -> dict[str, float]:
                     if sample.name == name and role in (None, sample.labels.get("role")):
                         totals[field] += sample.value
     return totals
+
+
+def scrape_settled(urls: list[str], settle_s: float = 5.0) -> dict[str, float]:
+    """`scrape` once the counters stopped moving (see the module docstring)."""
+    deadline = time.monotonic() + settle_s
+    last = scrape(urls)
+    while time.monotonic() < deadline:
+        time.sleep(0.2)
+        now = scrape(urls)
+        if now == last:
+            break
+        last = now
+    return last
 
 
 def empty_report(note: str) -> dict:

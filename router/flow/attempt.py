@@ -39,6 +39,7 @@ from router.flow.deps import FlowDeps
 from router.flow.output import OutputAssembler, OutputGap, fold_final, logprobs_from_proto
 from router.flow.pod_calls import AttemptFailed, client_error, describe
 from router.flow.state import FlowState
+from router.flow.verdict import PrefillEnding, unless_verdict_fails
 from router.generation import Delta, GenerationRequest
 from router.routing.admission import AdmissionSlot
 from router.routing.base import NoPodAvailable
@@ -183,6 +184,8 @@ class Attempt:
             self._to_state(FlowState.PREFILLING)
             prefill_address, prefill_call, token = await self._prefill(
                 first.reserved.target, address, stack, slot)
+            ending = PrefillEnding(prefill_call)
+            stack.callback(ending.close)
             self._out.set_cached_tokens(token.num_cached_tokens)
             first_logprobs = ()
             if token.HasField("logprob"):
@@ -196,17 +199,13 @@ class Attempt:
                 return
             if delta is not None:
                 yield delta  # the first token goes out before the transfer is decided
-            verdict = asyncio.ensure_future(
+            ending.verdict = verdict = asyncio.ensure_future(
                 self._transfer_verdict(prefill_address, prefill_call, address))
-            stack.callback(_drop, verdict)
             async with contextlib.aclosing(self._read_tokens(address, call, None)) as deltas:
-                async with contextlib.aclosing(_unless_verdict_fails(deltas, verdict)) as relay:
+                async with contextlib.aclosing(unless_verdict_fails(deltas, verdict)) as relay:
                     async for delta in relay:
+                        ending.finished = delta.finish_reason is not None
                         yield delta
-            # The client has its last token: let the prefill pod's RPC end
-            # with its verdict rather than cancel it (moot now, either way).
-            with contextlib.suppress(AttemptFailed, ApiError):
-                await verdict
 
     async def _prefill(self, target: pb.KVTarget, decode_address: str,
                        stack: contextlib.ExitStack, slot: AdmissionSlot,
@@ -285,7 +284,6 @@ class Attempt:
                 tried.add(address)
                 broken.add(address)
                 continue
-            stack.callback(call.cancel)  # no-op once the verdict came
             return address, call, message.first_token
         raise AttemptFailed(
             f"prefill failed on {len(failures)} pod(s) for decode pod {decode_address}: "
@@ -358,42 +356,3 @@ class Attempt:
     def _finish(self, finish_reason: str) -> Delta:
         self._to_state(FlowState.FINISHED)
         return self._out.finish(finish_reason)
-
-
-async def _unless_verdict_fails(deltas: AsyncIterator[Delta],
-                                verdict: asyncio.Future[None]) -> AsyncIterator[Delta]:
-    """Relay the decode stream after the first token. Until its first delta
-    arrives, a failed `verdict` (the prefill pod's) wins: the decode pod takes
-    a sender that went away for lost, not failed, and would wait for another
-    one until its transfer deadline. From the first delta on the decode pod
-    has the KV, and the verdict no longer matters."""
-    first = asyncio.ensure_future(_next_or_none(deltas))
-    try:
-        await asyncio.wait((first, verdict), return_when=asyncio.FIRST_COMPLETED)
-        if not first.done() and verdict.exception() is not None:
-            raise verdict.exception()
-        delta = await first
-    finally:
-        if not first.done():
-            first.cancel()
-            await asyncio.wait((first,))  # the decode stream is closed only after it stopped
-    if delta is None:
-        return
-    yield delta
-    async for delta in deltas:
-        yield delta
-
-
-async def _next_or_none(deltas: AsyncIterator[Delta]) -> Delta | None:
-    try:
-        return await anext(deltas)
-    except StopAsyncIteration:
-        return None
-
-
-def _drop(task: asyncio.Future) -> None:
-    """Cancel `task` if it runs; mark a failure nobody waited for as seen."""
-    if not task.done():
-        task.cancel()
-    elif not task.cancelled():
-        task.exception()
