@@ -31,6 +31,7 @@ CLI_FLAGS: dict[str, frozenset[str]] = {
     "router": frozenset({
         "--model", "--served-model-name", "--host", "--port", "--grpc-port", "--prefill",
         "--decode", "--redis-url", "--api-key", "--session-epsilon", "--load-poll-interval",
+        "--workers", "--prefill-dispatch-tokens", "--max-queue-wait",
     }),
     "prefill": frozenset({
         "--model", "--host", "--port", "--metrics-port", "--block-size", "--kv-cache-memory",
@@ -40,7 +41,7 @@ CLI_FLAGS: dict[str, frozenset[str]] = {
     "decode": frozenset({
         "--model", "--host", "--port", "--kv-port", "--metrics-port", "--block-size",
         "--kv-transport", "--kv-cache-memory", "--landing-memory", "--transfer-timeout",
-        "--redis-url", "--advertise-host", "--grace-period",
+        "--reservation-timeout", "--redis-url", "--advertise-host", "--grace-period",
     }),
     "make-model": frozenset({"--size"}),
 }

@@ -68,6 +68,9 @@ def test_static_mode_router_gets_headless_service_addresses() -> None:
         "--decode": f"{PREFIX}-decode.{NAMESPACE}.svc.cluster.local:50061",
         "--session-epsilon": "0.25",
         "--load-poll-interval": "0.5",
+        "--workers": "1",
+        "--prefill-dispatch-tokens": "4096",
+        "--max-queue-wait": "30",
     }
 
 
@@ -83,7 +86,7 @@ def test_default_prefill_and_decode_args() -> None:
         "--model": "/models/tiny", "--host": "0.0.0.0", "--port": "50061",
         "--metrics-port": "9102", "--kv-port": "50062", "--block-size": "128",
         "--kv-transport": "tcp", "--landing-memory": "1GiB", "--transfer-timeout": "30",
-        "--advertise-host": "$(POD_IP)", "--grace-period": "30",
+        "--reservation-timeout": "600", "--advertise-host": "$(POD_IP)", "--grace-period": "30",
     }
     for role in ("prefill", "decode"):
         env = container(find(docs, "Deployment", f"{PREFIX}-{role}"), role)["env"]
