@@ -12,7 +12,7 @@ Threads and who calls what:
   blocks a step in flight writes out of the pool), and on CPU the forward
   itself (and the layer hook) runs on the engine's forward worker thread.
 * the **asyncio loop** of the gRPC server calls the `async` methods below
-  (`add_request`, `abort`, `reserve_remote`, `commit_remote`, `run`). Each
+  (`add_request`, `abort`, `reserve_remote`, `run`). Each
   queues a command and awaits its result, so a servicer never blocks the
   event loop on the engine.
 * any other thread may queue a command with `submit` (the decode pod's
@@ -213,10 +213,6 @@ class EngineLoop:
 
         reservation = await self.run(reserve)
         return reservation, stream
-
-    async def commit_remote(self, request_id: str, first_token_id: int) -> None:
-        """All KV of a reserved request is in its slots: let it join the batch."""
-        await self.run(lambda engine: engine.commit_remote(request_id, first_token_id))
 
     def commit_remote_soon(self, request_id: str, first_token_id: int,
                            loop: asyncio.AbstractEventLoop) -> asyncio.Future[None]:
