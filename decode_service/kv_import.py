@@ -204,8 +204,9 @@ class KVImport:
     def _queue_commit(self, first_token_id: int, event_loop: asyncio.AbstractEventLoop) -> None:
         """Injector thread, the moment R's KV is complete: R joins the engine's
         next step. Raises EngineDead when the loop stopped (R then fails)."""
-        self._committed = self._loop.commit_remote_soon(self.request_id, first_token_id,
-                                                        event_loop)
+        rid = self.request_id
+        self._committed = self._loop.submit(
+            lambda engine: engine.commit_remote(rid, first_token_id), event_loop)
 
     async def commit(self) -> RequestStream:
         """R's KV is in the cache and its commit queued (see `_queue_commit`):

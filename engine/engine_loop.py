@@ -214,13 +214,6 @@ class EngineLoop:
         reservation = await self.run(reserve)
         return reservation, stream
 
-    def commit_remote_soon(self, request_id: str, first_token_id: int,
-                           loop: asyncio.AbstractEventLoop) -> asyncio.Future[None]:
-        """`commit_remote` from any thread (the decode pod's injector): queued
-        now, so the request joins the engine's next step; the returned future
-        (on `loop`) settles once the command ran."""
-        return self.submit(lambda engine: engine.commit_remote(request_id, first_token_id), loop)
-
     async def abort(self, request_id: str, reason: str) -> bool:
         """Abort a request in any engine state and free its blocks; its
         stream (if still open) ends with `RequestAborted(reason)`. Returns
