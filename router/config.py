@@ -64,6 +64,11 @@ class RouterConfig:
     # (0 = no queue), and the estimated wait beyond which requests get 429.
     prefill_dispatch_tokens: int = 4096
     max_queue_wait: float = 30.0
+    # A decode pod prefills a prompt itself (router/routing/local_prefill.py)
+    # when its new tokens are at most this (0 = never) and the prefill path has
+    # at least queue_ratio x as many tokens queued ahead of it.
+    local_prefill_max_tokens: int = 128
+    local_prefill_queue_ratio: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.model_dir:
@@ -105,6 +110,12 @@ class RouterConfig:
             raise ValueError(
                 f"max_queue_wait must be in (0, 86400] seconds, got {self.max_queue_wait}"
             )
+        if not 0 <= self.local_prefill_max_tokens <= 1 << 20:
+            raise ValueError(f"local_prefill_max_tokens must be in [0, {1 << 20}], "
+                             f"got {self.local_prefill_max_tokens}")
+        if not 0.0 <= self.local_prefill_queue_ratio <= 1000.0:
+            raise ValueError(f"local_prefill_queue_ratio must be in [0, 1000], "
+                             f"got {self.local_prefill_queue_ratio}")
         if self.shutdown_grace < 0:
             raise ValueError(f"shutdown_grace must be >= 0 seconds, got {self.shutdown_grace}")
 

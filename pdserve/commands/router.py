@@ -50,6 +50,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-queue-wait", type=float, default=30.0, metavar="SECONDS",
                         help="refuse new requests with 429 while the estimated wait for a "
                              "prefill pod is above this (default 30)")
+    parser.add_argument("--local-prefill-max-tokens", type=int, default=128, metavar="TOKENS",
+                        help="a decode pod with spare capacity prefills prompts of at most "
+                             "this many new tokens itself while the prefill path is the "
+                             "bottleneck (0 = never; default 128)")
+    parser.add_argument("--local-prefill-queue-ratio", type=float, default=1.0, metavar="R",
+                        help="... when the prefill path has at least R x the prompt's new "
+                             "tokens queued ahead of it (default 1)")
     parser.add_argument("--shutdown-grace", type=float, default=30.0, metavar="SECONDS",
                         help="how long SIGTERM waits for in-flight requests")
     parser.add_argument("--ready-file", default=None, metavar="PATH",
@@ -81,6 +88,8 @@ def config_from_args(args: argparse.Namespace):
         shutdown_grace=args.shutdown_grace,
         prefill_dispatch_tokens=args.prefill_dispatch_tokens,
         max_queue_wait=args.max_queue_wait,
+        local_prefill_max_tokens=args.local_prefill_max_tokens,
+        local_prefill_queue_ratio=args.local_prefill_queue_ratio,
     )
 
 

@@ -164,6 +164,18 @@ class PrefillAdmission:
             return 0.0
         return None if rate is None else ahead / rate
 
+    def least_tokens_ahead(self, exclude: frozenset[str]) -> int:
+        """Prompt tokens ahead of a prompt arriving now at the healthy prefill
+        pod (not in `exclude`) with the fewest; 0 without one. Read by the
+        local-prefill rule (router/routing/local_prefill.py)."""
+        ahead = []
+        for pod in self._pool.pods("prefill"):
+            if pod.address not in exclude:
+                queue = self._queues.get(pod.address)
+                ahead.append(pod.num_waiting_tokens if queue is None
+                             else queue.tokens_ahead(pod.num_waiting_tokens))
+        return min(ahead, default=0)
+
     async def admit(self, request: GenerationRequest, *, exclude: frozenset[str],
                     timeout: float) -> AdmissionSlot:
         """Wait for this request's turn at a prefill pod. ApiError 429 when the
