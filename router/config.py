@@ -67,7 +67,7 @@ class RouterConfig:
     # A decode pod prefills a prompt itself (router/routing/local_prefill.py)
     # when its new tokens are at most this (0 = never) and the prefill path has
     # at least queue_ratio x as many tokens queued ahead of it.
-    local_prefill_max_tokens: int = 128
+    local_prefill_max_tokens: int = 0
     local_prefill_queue_ratio: float = 1.0
 
     def __post_init__(self) -> None:

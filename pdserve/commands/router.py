@@ -50,10 +50,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-queue-wait", type=float, default=30.0, metavar="SECONDS",
                         help="refuse new requests with 429 while the estimated wait for a "
                              "prefill pod is above this (default 30)")
-    parser.add_argument("--local-prefill-max-tokens", type=int, default=128, metavar="TOKENS",
+    parser.add_argument("--local-prefill-max-tokens", type=int, default=0, metavar="TOKENS",
                         help="a decode pod with spare capacity prefills prompts of at most "
                              "this many new tokens itself while the prefill path is the "
-                             "bottleneck (0 = never; default 128)")
+                             "bottleneck (default 0 = never; 128 measured a good value)")
     parser.add_argument("--local-prefill-queue-ratio", type=float, default=1.0, metavar="R",
                         help="... when the prefill path has at least R x the prompt's new "
                              "tokens queued ahead of it (default 1)")

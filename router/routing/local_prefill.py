@@ -11,8 +11,9 @@ own batch, no KV transfer) when every condition holds:
    prefix the decode pod already caches) are at most N;
 3. prefill is the bottleneck: the prefill path has at least
    `--local-prefill-queue-ratio` R x the new tokens ahead of this prompt
-   (the least over the healthy prefill pods of the admission queue's
-   `tokens_ahead`: queued here + dispatched or reported queued there). The
+   (the least over the healthy prefill pods of the prompt tokens this
+   router has queued for them or dispatched to them, not yet finished:
+   `PrefillAdmission.least_tokens_ahead`). The
    wait at a prefill pod is tokens ahead / its prefill rate and the local
    prefill takes new tokens / the decode pod's rate, so with both pods on
    equal hardware R = 1 means: the decode pod finishes the prompt before
@@ -55,7 +56,7 @@ def no_cached_prefix(address: str, token_ids: Sequence[int]) -> int:
 class LocalPrefillSettings:
     """`max_tokens`: N above (0 = off). `queue_ratio`: R above."""
 
-    max_tokens: int = 128
+    max_tokens: int = 0
     queue_ratio: float = 1.0
 
     def __post_init__(self) -> None:

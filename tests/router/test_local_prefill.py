@@ -4,6 +4,7 @@ count against it, and a cached prefix (the hook) counts only the tail."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 import pytest
@@ -145,27 +146,30 @@ def test_a_cached_prefix_counts_only_the_tail():
     assert (choice.address, choice.new_tokens) == (DECODE_B, 40)
 
 
-def test_tokens_ahead_come_from_the_admission_queue_and_the_pods_reports():
-    pool = _Pool(_load(PREFILL, "prefill", num_waiting_tokens=300),
-                 _load("127.0.0.1:7002", "prefill", num_waiting_tokens=200))
+def test_tokens_ahead_are_what_this_router_queued_or_dispatched(run_async):
+    other = "127.0.0.1:7002"
+    # the pods' own reports are not used: one was seen reporting tokens waiting when idle
+    pool = _Pool(_load(PREFILL, "prefill", num_waiting_tokens=10),
+                 _load(other, "prefill", num_waiting_tokens=20))
     admission = PrefillAdmission(pool, RoutingPolicy(pool, InMemorySessionStore()),
-                                 RouterMetrics(), AdmissionSettings())
-    assert admission.least_tokens_ahead(frozenset()) == 200
-    assert admission.least_tokens_ahead(frozenset({"127.0.0.1:7002"})) == 300
-    assert admission.least_tokens_ahead(frozenset({PREFILL, "127.0.0.1:7002"})) == 0
-
-
-def test_tokens_ahead_include_what_this_router_dispatched(run_async):
-    pool = _Pool(_load(PREFILL, "prefill", num_waiting_tokens=10))
-    admission = PrefillAdmission(pool, RoutingPolicy(pool, InMemorySessionStore()),
-                                 RouterMetrics(), AdmissionSettings())
+                                 RouterMetrics(), AdmissionSettings(dispatch_tokens=600))
 
     async def scenario():
-        request = GenerationRequest("r", tuple(range(5, 505)), SamplingSpec(max_tokens=4))
-        slot = await admission.admit(request, exclude=frozenset(), timeout=5)
-        assert admission.least_tokens_ahead(frozenset()) == 500
-        slot.release(finished_tokens=500)
-        assert admission.least_tokens_ahead(frozenset()) == 10
+        def request(rid: str, n: int) -> GenerationRequest:
+            return GenerationRequest(rid, tuple(range(5, 5 + n)), SamplingSpec(max_tokens=4))
+
+        assert admission.least_tokens_ahead(frozenset()) == 0
+        first = await admission.admit(request("a", 500), exclude=frozenset({other}), timeout=5)
+        assert admission.least_tokens_ahead(frozenset()) == 0  # the other pod has nothing
+        assert admission.least_tokens_ahead(frozenset({other})) == 500
+        queued = asyncio.ensure_future(
+            admission.admit(request("b", 300), exclude=frozenset({other}), timeout=5))
+        await asyncio.sleep(0.01)
+        assert admission.least_tokens_ahead(frozenset({other})) == 800
+        first.release(finished_tokens=500)
+        (await queued).release(finished_tokens=300)
+        assert admission.least_tokens_ahead(frozenset({other})) == 0
+        assert admission.least_tokens_ahead(frozenset({PREFILL, other})) == 0
 
     run_async(scenario())
 

@@ -9,25 +9,33 @@ import dataclasses
 import pytest
 
 from router.flow.state import FlowState
+from router.generation import GenerationRequest
+from router.routing.admission import AdmissionSlot
 from router.routing.local_prefill import LocalPrefill, LocalPrefillSettings
+from router.sampling import SamplingSpec
 from tests.router.flow.test_request_flow import PROMPT, Cluster, _collect, _text, run
 from tests.router.inprocess_pods import expected_text
 
 
-def _with_rule(cluster: Cluster, max_tokens: int = 64) -> None:
-    """Give the cluster's flows the local-prefill rule (the router's wiring)."""
+async def _with_rule(cluster: Cluster, *, busy_tokens: int, max_tokens: int = 64
+                     ) -> AdmissionSlot:
+    """Give the cluster's flows the local-prefill rule (the router's wiring),
+    with `busy_tokens` dispatched to the prefill pod (the slot returned holds
+    them until released)."""
     rule = LocalPrefill(cluster.pool, cluster.deps.admission.least_tokens_ahead,
                         LocalPrefillSettings(max_tokens=max_tokens))
     cluster.deps = dataclasses.replace(cluster.deps, local_prefill=rule)
+    busy = GenerationRequest("busy", tuple(range(5, 5 + busy_tokens)), SamplingSpec(max_tokens=1))
+    return await cluster.deps.admission.admit(busy, exclude=frozenset(), timeout=5)
 
 
 def test_a_busy_prefill_pod_sends_a_short_prompt_to_the_decode_pod():
     async def main():
         cluster = Cluster()
-        prefill = await cluster.add("prefill", waiting_tokens=100)
+        prefill = await cluster.add("prefill")
         decode = await cluster.add("decode")
         async with cluster:
-            _with_rule(cluster)
+            await _with_rule(cluster, busy_tokens=100)
             flow = cluster.flow(max_tokens=6)
             deltas = await _collect(flow)
         assert _text(deltas) == expected_text(PROMPT, 6)
@@ -40,18 +48,18 @@ def test_a_busy_prefill_pod_sends_a_short_prompt_to_the_decode_pod():
     run(main())
 
 
-@pytest.mark.parametrize(("waiting_tokens", "max_tokens"), [
-    (3, 64),  # the prefill pod has fewer tokens queued than the prompt's 4
+@pytest.mark.parametrize(("busy_tokens", "max_tokens"), [
+    (3, 64),  # the prefill pod has fewer tokens dispatched than the prompt's 4
     (100, 3),  # the prompt is longer than --local-prefill-max-tokens
     (100, 0),  # the rule is off
 ])
-def test_without_every_condition_the_request_takes_the_pd_path(waiting_tokens, max_tokens):
+def test_without_every_condition_the_request_takes_the_pd_path(busy_tokens, max_tokens):
     async def main():
         cluster = Cluster()
-        prefill = await cluster.add("prefill", waiting_tokens=waiting_tokens)
+        prefill = await cluster.add("prefill")
         decode = await cluster.add("decode")
         async with cluster:
-            _with_rule(cluster, max_tokens=max_tokens)
+            await _with_rule(cluster, busy_tokens=busy_tokens, max_tokens=max_tokens)
             assert _text(await _collect(cluster.flow())) == expected_text(PROMPT, 6)
         assert [g.remote_prefill for g in decode.requests] == [True]
         assert len(prefill.requests) == 1
@@ -62,12 +70,12 @@ def test_without_every_condition_the_request_takes_the_pd_path(waiting_tokens, m
 def test_a_decode_pod_that_refuses_sends_the_request_down_the_pd_path():
     async def main():
         cluster = Cluster()
-        prefill = await cluster.add("prefill", waiting_tokens=100)
+        prefill = await cluster.add("prefill")
         pods = [await cluster.add("decode"), await cluster.add("decode")]
         first, second = sorted(pods, key=lambda p: p.address)
         first.behaviour.full = True  # the rule picks it (first by address), it refuses
         async with cluster:
-            _with_rule(cluster)
+            await _with_rule(cluster, busy_tokens=100)
             flow = cluster.flow(max_tokens=6)
             deltas = await _collect(flow)
         assert _text(deltas) == expected_text(PROMPT, 6)
@@ -84,12 +92,12 @@ def test_a_decode_pod_that_refuses_sends_the_request_down_the_pd_path():
 def test_a_local_stream_that_breaks_moves_the_request_to_another_decode_pod():
     async def main():
         cluster = Cluster()
-        await cluster.add("prefill", waiting_tokens=100)
+        await cluster.add("prefill")
         pods = [await cluster.add("decode"), await cluster.add("decode")]
         first, second = sorted(pods, key=lambda p: p.address)
         first.behaviour.break_after = 2
         async with cluster:
-            _with_rule(cluster)
+            await _with_rule(cluster, busy_tokens=100)
             flow = cluster.flow(max_tokens=6)
             deltas = await _collect(flow)
         assert _text(deltas) == expected_text(PROMPT, 6)
