@@ -20,8 +20,10 @@ Life cycle (`FlowState`, transitions checked):
            the pod refused ─► RESERVING
     any state ─► FAILED (an ApiError for the client, or the client left)
 
-Each try on a pod pair (or a colocated pod) is one `Attempt`
-(router.flow.attempt); this module decides what happens after one fails.
+Each try on a pod pair (or a colocated pod, or a decode pod that prefills
+the prompt itself) is one `Attempt` (router.flow.attempt; its subclass
+`LocalAttempt`, router.flow.local_attempt, adds the last); this module
+decides what happens after one fails.
 
 Failure handling:
 
@@ -202,9 +204,9 @@ class RequestFlow:
                     yield delta
 
     def _new_attempt(self) -> LocalAttempt:
-        return LocalAttempt(self.request, self._next_request_id(), deps=self._deps, out=self._out,
-                       left_out=frozenset(self._left_out), deadline=self._deadline,
-                       to_state=self._to)
+        return LocalAttempt(self.request, self._next_request_id(), deps=self._deps,
+                            out=self._out, left_out=frozenset(self._left_out),
+                            deadline=self._deadline, to_state=self._to)
 
     def _choose_local(self) -> LocalChoice | None:
         """The decode pod that prefills this attempt itself, or None (the P/D path)."""

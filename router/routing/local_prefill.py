@@ -13,11 +13,11 @@ own batch, no KV transfer) when every condition holds:
    `--local-prefill-queue-ratio` R x the new tokens ahead of this prompt
    (the least over the healthy prefill pods of the prompt tokens this
    router has queued for them or dispatched to them, not yet finished:
-   `PrefillAdmission.least_tokens_ahead`). The
-   wait at a prefill pod is tokens ahead / its prefill rate and the local
-   prefill takes new tokens / the decode pod's rate, so with both pods on
-   equal hardware R = 1 means: the decode pod finishes the prompt before
-   the prefill pod would even start it;
+   `PrefillAdmission.least_tokens_ahead`). The wait at a prefill pod is
+   tokens ahead / its prefill rate and the local prefill takes new tokens /
+   the decode pod's rate, so with both pods on equal hardware R = 1 means:
+   the decode pod finishes the prompt before the prefill pod would even
+   start it;
 4. a decode pod has spare capacity: healthy and not failed for this
    request; no waiting queue in its last report (its scheduler queues what
    it cannot run, so none waiting means it ran fewer than max_num_seqs and
