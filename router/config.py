@@ -76,6 +76,11 @@ class RouterConfig:
     # prometheus_client multiprocess directory (set by the CLI when workers > 1):
     # /metrics of any worker sums every worker's samples.
     metrics_dir: str | None = None
+    # A decode pod prefills a prompt itself (router/routing/local_prefill.py)
+    # when its new tokens are at most this (0 = never) and the prefill path has
+    # at least queue_ratio x as many tokens queued ahead of it.
+    local_prefill_max_tokens: int = 0
+    local_prefill_queue_ratio: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.model_dir:
@@ -121,6 +126,12 @@ class RouterConfig:
             raise ValueError(f"workers must be in [1, 256], got {self.workers}")
         if self.relay not in RELAYS:
             raise ValueError(f"relay must be one of {', '.join(RELAYS)}, got {self.relay!r}")
+        if not 0 <= self.local_prefill_max_tokens <= 1 << 20:
+            raise ValueError(f"local_prefill_max_tokens must be in [0, {1 << 20}], "
+                             f"got {self.local_prefill_max_tokens}")
+        if not 0.0 <= self.local_prefill_queue_ratio <= 1000.0:
+            raise ValueError(f"local_prefill_queue_ratio must be in [0, 1000], "
+                             f"got {self.local_prefill_queue_ratio}")
         if self.shutdown_grace < 0:
             raise ValueError(f"shutdown_grace must be >= 0 seconds, got {self.shutdown_grace}")
 

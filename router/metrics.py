@@ -52,6 +52,11 @@ class RouterMetrics:
             "Requests moved to a new pod pair after their decode pod failed",
             registry=r,
         )
+        self.local_prefills = Counter(
+            "pdserve_router_local_prefills_total",
+            "Requests a decode pod prefilled itself (--local-prefill-max-tokens) instead "
+            "of the P/D path", registry=r,
+        )
         self.aborts = Counter(
             "pdserve_aborts_total", "Requests the router aborted on the pods, by reason",
             ["reason"], registry=r,

@@ -39,6 +39,7 @@ from router.registry.base import PodEntry, PodSource
 from router.registry.poller import PolledPodPool
 from router.registry.static import StaticPodSource
 from router.routing.admission import AdmissionSettings, PrefillAdmission
+from router.routing.local_prefill import LocalPrefill, LocalPrefillSettings
 from router.routing.policy import RoutingPolicy
 from router.sessions import InMemorySessionStore, RedisSessionStore, SessionStore
 
@@ -112,6 +113,10 @@ class RouterServer:
                                   max_migrations=c.max_migrations,
                                   request_timeout=c.request_timeout),
             admission=admission,
+            local_prefill=LocalPrefill(
+                self.pool, admission.least_tokens_ahead,
+                LocalPrefillSettings(max_tokens=c.local_prefill_max_tokens,
+                                     queue_ratio=c.local_prefill_queue_ratio)),
         )
         frontend = Frontend(model_name=c.model_name, max_model_len=max_model_len,
                             tokenizer=tokenizer, deps=deps)

@@ -50,6 +50,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-queue-wait", type=float, default=30.0, metavar="SECONDS",
                         help="refuse new requests with 429 while the estimated wait for a "
                              "prefill pod is above this (default 30)")
+    parser.add_argument("--local-prefill-max-tokens", type=int, default=0, metavar="TOKENS",
+                        help="a decode pod with spare capacity prefills prompts of at most "
+                             "this many new tokens itself while the prefill path is the "
+                             "bottleneck (default 0 = never; 128 measured a good value)")
+    parser.add_argument("--local-prefill-queue-ratio", type=float, default=1.0, metavar="R",
+                        help="... when the prefill path has at least R x the prompt's new "
+                             "tokens queued ahead of it (default 1)")
     parser.add_argument("--shutdown-grace", type=float, default=30.0, metavar="SECONDS",
                         help="how long SIGTERM waits for in-flight requests")
     parser.add_argument("--workers", type=int, default=1,
@@ -89,6 +96,8 @@ def config_from_args(args: argparse.Namespace):
         max_queue_wait=args.max_queue_wait,
         relay=args.relay,
         workers=args.workers,
+        local_prefill_max_tokens=args.local_prefill_max_tokens,
+        local_prefill_queue_ratio=args.local_prefill_queue_ratio,
     )
 
 

@@ -68,6 +68,7 @@ class UpConfig:
     startup_timeout_s: float = 300.0
     log_level: str = "WARNING"
     pod_args: tuple[str, ...] = ()
+    router_args: tuple[str, ...] = ()
     # CPU list per role ("prefill", "decode", "colocated", "router"), as given;
     # every pod of a role gets the same list (pdserve/commands/_cpus.py)
     cpus: tuple[tuple[str, str], ...] = ()
@@ -128,6 +129,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="router worker processes on the same ports (pdserve router --workers)")
     parser.add_argument("--pod-arg", action="append", default=[], metavar="ARG",
                         help="extra flag for every pod, e.g. --pod-arg=--num-blocks=256")
+    parser.add_argument("--router-arg", action="append", default=[], metavar="ARG",
+                        help="extra flag for the router, e.g. "
+                             "--router-arg=--local-prefill-max-tokens=128")
     for role in CPU_ROLES:
         parser.add_argument(f"--{role}-cpus", default=None, metavar="LIST",
                             help=f"pin the {role} process(es) to these CPUs, e.g. 0 or 0-1 "
@@ -145,6 +149,7 @@ def config_from_args(args: argparse.Namespace) -> UpConfig:
         redis_url=args.redis_url, grace_period_s=args.grace_period,
         startup_timeout_s=args.startup_timeout, log_level=args.log_level,
         pod_args=tuple(args.pod_arg), router_workers=args.router_workers,
+        router_args=tuple(args.router_arg),
         cpus=tuple((role, text) for role in CPU_ROLES
                    if (text := getattr(args, f"{role}_cpus")) is not None),
         ready_file=args.ready_file,
@@ -238,12 +243,12 @@ def router_argv(model: Path, config: UpConfig, children: list[Child]) -> list[st
     if config.cpus_of("router") is not None:
         argv += ["--cpus", config.cpus_of("router")]
     if config.redis_url:
-        return argv + ["--redis-url", config.redis_url]
+        return argv + ["--redis-url", config.redis_url, *config.router_args]
     for role in POD_COMMANDS:
         addresses = [c.address for c in children if c.name.startswith(role + "-")]
         if addresses:
             argv += [f"--{role}", ",".join(addresses)]
-    return argv
+    return argv + list(config.router_args)
 
 
 def start_router(model: Path, config: UpConfig, tmp: Path, children: list[Child]) -> Child:

@@ -13,6 +13,7 @@ from router.metrics import RouterMetrics
 from router.pod_clients import PodChannels
 from router.routing.admission import PrefillAdmission
 from router.routing.base import PodPool
+from router.routing.local_prefill import LocalPrefill
 from router.routing.policy import RoutingPolicy
 
 
@@ -43,3 +44,4 @@ class FlowDeps:
     metrics: RouterMetrics
     settings: FlowSettings
     admission: PrefillAdmission
+    local_prefill: LocalPrefill | None = None  # None: every P/D request takes the P/D path

@@ -14,11 +14,16 @@ Life cycle (`FlowState`, transitions checked):
        │  │    answers Reserved the first token goes
        │  │                     to the client at once
        │  └─── MIGRATING ◄── decode pod failed / every prefill try failed
-       └─► COLOCATED: Decode.Generate(remote_prefill=false), tokens 0..n ─► FINISHED
+       ├─► COLOCATED: Decode.Generate(remote_prefill=false), tokens 0..n ─► FINISHED
+       └─► LOCAL_PREFILL: the same on a decode pod (prefill is the bottleneck and
+           the prompt is short: router.routing.local_prefill) ─► FINISHED;
+           the pod refused ─► RESERVING
     any state ─► FAILED (an ApiError for the client, or the client left)
 
-Each try on a pod pair (or a colocated pod) is one `Attempt`
-(router.flow.attempt); this module decides what happens after one fails.
+Each try on a pod pair (or a colocated pod, or a decode pod that prefills
+the prompt itself) is one `Attempt` (router.flow.attempt; its subclass
+`LocalAttempt`, router.flow.local_attempt, adds the last); this module
+decides what happens after one fails.
 
 Failure handling:
 
@@ -58,12 +63,13 @@ import time
 from collections.abc import AsyncIterator
 
 from router.api_error import ApiError
-from router.flow.attempt import Attempt
 from router.flow.deps import FlowDeps
+from router.flow.local_attempt import LocalAttempt
 from router.flow.output import Detokenizer, OutputAssembler
 from router.flow.pod_calls import AttemptFailed, choose_path
 from router.flow.state import FlowState, check_transition
 from router.generation import Delta, GenerationRequest
+from router.routing.local_prefill import LocalChoice
 
 log = logging.getLogger(__name__)
 
@@ -179,16 +185,38 @@ class RequestFlow:
         return f"{self.request.request_id}-{self._attempt}"
 
     async def _one_attempt(self) -> AsyncIterator[Delta]:
-        if choose_path(self._deps.pool, self._left_out) == "colocated":
-            self._to(FlowState.COLOCATED)
-            colocated = True
-        else:
-            self._to(FlowState.RESERVING)
-            colocated = False
-        attempt = Attempt(self.request, self._next_request_id(), deps=self._deps, out=self._out,
-                          left_out=frozenset(self._left_out), deadline=self._deadline,
-                          to_state=self._to)
-        stream = attempt.colocated() if colocated else attempt.disaggregated()
-        async with contextlib.aclosing(stream) as deltas:
-            async for delta in deltas:
-                yield delta
+        path = choose_path(self._deps.pool, self._left_out)
+        local = self._choose_local() if path == "disaggregated" else None
+        attempt = self._new_attempt()
+        with contextlib.ExitStack() as stack:
+            if local is not None:
+                self._to(FlowState.LOCAL_PREFILL)
+                log.debug("request %s: decode pod %s prefills its %d new tokens itself "
+                          "(%d tokens ahead on the prefill path)", self.request.request_id,
+                          local.address, local.new_tokens, local.tokens_ahead)
+                first_token = stack.enter_context(self._deps.local_prefill.computing(local))
+                stream = attempt.local_prefill(local.address, first_token)
+            elif path == "colocated":
+                self._to(FlowState.COLOCATED)
+                stream = attempt.colocated()
+            else:
+                self._to(FlowState.RESERVING)
+                stream = attempt.disaggregated()
+            async with contextlib.aclosing(stream) as deltas:
+                async for delta in deltas:
+                    yield delta
+
+    def _new_attempt(self) -> LocalAttempt:
+        return LocalAttempt(self.request, self._next_request_id(), deps=self._deps,
+                            out=self._out, left_out=frozenset(self._left_out),
+                            deadline=self._deadline, to_state=self._to)
+
+    def _choose_local(self) -> LocalChoice | None:
+        """The decode pod that prefills this attempt itself, or None (the P/D path)."""
+        rule = self._deps.local_prefill
+        if rule is None or not rule.settings.max_tokens:
+            return None
+        return rule.choose(
+            (*self.request.prompt_token_ids, *self._out.output_ids),
+            max_context=len(self.request.prompt_token_ids) + self.request.sampling.max_tokens,
+            exclude=frozenset(self._left_out))

@@ -3,8 +3,10 @@ transitions written down and checked (see router.flow.request_flow for the life 
 
     ROUTING -> RESERVING -> PREFILLING -> DECODING -> FINISHED
     ROUTING -> COLOCATED -> FINISHED
+    ROUTING -> LOCAL_PREFILL -> FINISHED    (a decode pod prefills the prompt itself)
+    LOCAL_PREFILL (the pod refused) -> RESERVING
     RESERVING (no Reserved answer) -> MIGRATING
-    PREFILLING | DECODING | COLOCATED -> MIGRATING -> ROUTING
+    PREFILLING | DECODING | COLOCATED | LOCAL_PREFILL -> MIGRATING -> ROUTING
     any state -> FAILED
 """
 
@@ -19,6 +21,7 @@ class FlowState(enum.Enum):
     PREFILLING = "prefilling"
     DECODING = "decoding"
     COLOCATED = "colocated"
+    LOCAL_PREFILL = "local_prefill"
     MIGRATING = "migrating"
     FINISHED = "finished"
     FAILED = "failed"
@@ -26,11 +29,12 @@ class FlowState(enum.Enum):
 
 _S = FlowState
 _TRANSITIONS: dict[FlowState, frozenset[FlowState]] = {
-    _S.ROUTING: frozenset({_S.RESERVING, _S.COLOCATED}),
+    _S.ROUTING: frozenset({_S.RESERVING, _S.COLOCATED, _S.LOCAL_PREFILL}),
     _S.RESERVING: frozenset({_S.PREFILLING, _S.MIGRATING}),
     _S.PREFILLING: frozenset({_S.DECODING, _S.MIGRATING}),
     _S.DECODING: frozenset({_S.MIGRATING, _S.FINISHED}),
     _S.COLOCATED: frozenset({_S.MIGRATING, _S.FINISHED}),
+    _S.LOCAL_PREFILL: frozenset({_S.RESERVING, _S.MIGRATING, _S.FINISHED}),
     _S.MIGRATING: frozenset({_S.ROUTING}),
     _S.FINISHED: frozenset(),
     _S.FAILED: frozenset(),

@@ -164,6 +164,20 @@ class PrefillAdmission:
             return 0.0
         return None if rate is None else ahead / rate
 
+    def least_tokens_ahead(self, exclude: frozenset[str]) -> int:
+        """Prompt tokens this router has queued for or dispatched to the healthy
+        prefill pod (not in `exclude`) with the fewest, and not yet seen
+        finish; 0 without one. Read by the local-prefill rule
+        (router/routing/local_prefill.py). Only this router's own traffic:
+        with the pods' reported queues the rule once saw tokens ahead on an
+        idle stack, and a false "busy" sends prompts away from an idle pod."""
+        ahead = []
+        for pod in self._pool.pods("prefill"):
+            if pod.address not in exclude:
+                queue = self._queues.get(pod.address)
+                ahead.append(0 if queue is None else queue.tokens_ahead(0))
+        return min(ahead, default=0)
+
     async def admit(self, request: GenerationRequest, *, exclude: frozenset[str],
                     timeout: float) -> AdmissionSlot:
         """Wait for this request's turn at a prefill pod. ApiError 429 when the

@@ -96,3 +96,14 @@ print(torch.get_num_threads())
     assert out[1] == "3"
     with pytest.raises(ValueError, match="--threads must be >= 1, got 0"):
         _cpus.pin_process(None, 0)
+
+
+def test_up_passes_router_args_to_the_router():
+    parser = argparse.ArgumentParser()
+    up.add_arguments(parser)
+    config = up.config_from_args(parser.parse_args(
+        ["--router-arg=--local-prefill-max-tokens=128", "--router-arg=--max-queue-wait=5"]))
+    argv = up.router_argv(Path("/m"), config, [])
+    assert argv[-2:] == ["--local-prefill-max-tokens=128", "--max-queue-wait=5"]
+    assert "--local-prefill-max-tokens=128" not in up.pod_argv("decode", Path("/m"), config,
+                                                               Path("/r"))

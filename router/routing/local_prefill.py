@@ -1,0 +1,143 @@
+"""`LocalPrefill`: when a decode pod prefills a prompt itself (conditional
+disaggregation), instead of the P/D path.
+
+Consulted by `router.flow.request_flow` once per attempt, on the router's
+event loop, after `choose_path` picked the P/D path. A request goes to a
+decode pod with `remote_prefill=false` (the pod computes the prompt in its
+own batch, no KV transfer) when every condition holds:
+
+1. the rule is on: `--local-prefill-max-tokens` N > 0;
+2. the prompt is short: its new tokens (prompt + output so far, less the
+   prefix the decode pod already caches) are at most N;
+3. prefill is the bottleneck: the prefill path has at least
+   `--local-prefill-queue-ratio` R x the new tokens ahead of this prompt
+   (the least over the healthy prefill pods of the prompt tokens this
+   router has queued for them or dispatched to them, not yet finished:
+   `PrefillAdmission.least_tokens_ahead`). The wait at a prefill pod is
+   tokens ahead / its prefill rate and the local prefill takes new tokens /
+   the decode pod's rate, so with both pods on equal hardware R = 1 means:
+   the decode pod finishes the prompt before the prefill pod would even
+   start it;
+4. a decode pod has spare capacity: healthy and not failed for this
+   request; no waiting queue in its last report (its scheduler queues what
+   it cannot run, so none waiting means it ran fewer than max_num_seqs and
+   had blocks); free KV for prompt + max_tokens; and this router's local
+   prefills still computing there (sent, first token not back) plus this
+   one are at most N tokens, so its running batch stalls for at most one
+   N-token prefill at a time. Among such pods: the fewest running +
+   in-flight sequences, then the most free blocks.
+
+The cached prefix is a hook (`cached_prefix(address, token_ids)`, 0 for
+every pod until the router keeps a prefix index): with it, a long prompt
+that is mostly cached on a decode pod counts only its uncached tail.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+from router.routing.base import PodLoad, PodPool
+
+# Tokens of `token_ids` decode pod `address` already caches (a prefix).
+CachedPrefix = Callable[[str, Sequence[int]], int]
+# Prompt tokens ahead of a new prompt on the prefill path, given the pods to leave out.
+TokensAhead = Callable[[frozenset[str]], int]
+
+
+def no_cached_prefix(address: str, token_ids: Sequence[int]) -> int:
+    """The hook until a router-side prefix index exists: nothing is known cached."""
+    return 0
+
+
+@dataclass(frozen=True, slots=True)
+class LocalPrefillSettings:
+    """`max_tokens`: N above (0 = off). `queue_ratio`: R above."""
+
+    max_tokens: int = 0
+    queue_ratio: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.max_tokens <= 1 << 20:
+            raise ValueError(f"local prefill max tokens must be in [0, {1 << 20}], "
+                             f"got {self.max_tokens}")
+        if not 0.0 <= self.queue_ratio <= 1000.0:
+            raise ValueError(f"local prefill queue ratio must be in [0, 1000], "
+                             f"got {self.queue_ratio}")
+
+
+@dataclass(frozen=True, slots=True)
+class LocalChoice:
+    """A decode pod that prefills the request itself, and why."""
+
+    address: str
+    new_tokens: int
+    tokens_ahead: int  # on the prefill path, when it was chosen
+
+
+class LocalPrefill:
+    """The rule above plus this router's local prefills still computing per
+    decode pod; one per router, used on its event loop only."""
+
+    def __init__(self, pool: PodPool, tokens_ahead: TokensAhead, settings: LocalPrefillSettings,
+                 cached_prefix: CachedPrefix = no_cached_prefix) -> None:
+        self._pool = pool
+        self._tokens_ahead = tokens_ahead
+        self._cached_prefix = cached_prefix
+        self.settings = settings
+        self._computing: dict[str, int] = {}  # address -> prompt tokens sent, no first token
+
+    def choose(self, token_ids: Sequence[int], *, max_context: int,
+               exclude: frozenset[str]) -> LocalChoice | None:
+        """The decode pod to prefill `token_ids` (prompt + output so far)
+        itself, or None for the P/D path. `max_context`: prompt + max_tokens,
+        the KV the pod must have room for; `exclude`: pods that failed."""
+        limit = self.settings.max_tokens
+        if limit == 0:
+            return None
+        ahead: int | None = None
+        best: tuple[tuple[int, int], LocalChoice] | None = None
+        for pod in self._pool.pods("decode"):
+            if pod.address in exclude or not self._has_room(pod, max_context):
+                continue
+            cached = min(len(token_ids), self._cached_prefix(pod.address, token_ids))
+            new = len(token_ids) - cached
+            if self._computing.get(pod.address, 0) + new > limit:
+                continue
+            if ahead is None:
+                ahead = self._tokens_ahead(exclude)
+            if ahead <= 0 or ahead < self.settings.queue_ratio * new:
+                continue
+            rank = (pod.num_running + pod.in_flight, -pod.num_free_blocks)
+            if best is None or rank < best[0]:
+                best = (rank, LocalChoice(pod.address, new, ahead))
+        return None if best is None else best[1]
+
+    @contextlib.contextmanager
+    def computing(self, choice: LocalChoice) -> Iterator[Callable[[], None]]:
+        """Count `choice`'s prompt as computing on its pod until the returned
+        release is called (at the first token) or the block ends."""
+        self._computing[choice.address] = self._computing.get(choice.address, 0) + choice.new_tokens
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                left = self._computing[choice.address] - choice.new_tokens
+                if left:
+                    self._computing[choice.address] = left
+                else:
+                    del self._computing[choice.address]
+
+        try:
+            yield release
+        finally:
+            release()
+
+    @staticmethod
+    def _has_room(pod: PodLoad, max_context: int) -> bool:
+        blocks = math.ceil(max_context / pod.block_size) if pod.block_size else math.inf
+        return pod.num_waiting == 0 and pod.num_free_blocks >= blocks

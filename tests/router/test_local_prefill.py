@@ -1,0 +1,190 @@
+"""The local-prefill rule (router/routing/local_prefill.py): each condition
+flips the decision, the pods are ranked, prompts still computing on a pod
+count against it, and a cached prefix (the hook) counts only the tail."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+
+from router.config import RouterConfig
+from router.generation import GenerationRequest
+from router.metrics import RouterMetrics
+from router.routing.admission import AdmissionSettings, PrefillAdmission
+from router.routing.base import PodLoad, PodPool
+from router.routing.local_prefill import LocalPrefill, LocalPrefillSettings
+from router.routing.policy import RoutingPolicy
+from router.sampling import SamplingSpec
+from router.sessions import InMemorySessionStore
+
+PREFILL = "127.0.0.1:7001"
+DECODE_A = "127.0.0.1:7101"
+DECODE_B = "127.0.0.1:7102"
+BLOCK = 16
+
+
+def _load(address: str, role: str, **report) -> PodLoad:
+    fields = dict(address=address, role=role, healthy=True, generation=1, num_waiting=0,
+                  num_waiting_tokens=0, num_running=0, num_free_blocks=100,
+                  num_total_blocks=100, block_size=BLOCK, prefix_hit_rate=0.0, in_flight=0)
+    return PodLoad(**{**fields, **report})
+
+
+class _Pool(PodPool):
+    """Pods whose reports the test sets."""
+
+    def __init__(self, *loads: PodLoad) -> None:
+        super().__init__()
+        self.loads = {load.address: load for load in loads}
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    def pods(self, role: str) -> list[PodLoad]:
+        return sorted((p for p in self.loads.values() if p.role == role),
+                      key=lambda p: p.address)
+
+    def known(self, role: str) -> list[str]:
+        return [p.address for p in self.pods(role)]
+
+    def mark_unhealthy(self, address: str, reason: str) -> None: ...
+
+    def report(self, address: str, **fields) -> None:
+        self.loads[address] = dataclasses.replace(self.loads[address], **fields)
+
+
+def _rule(pool: _Pool, ahead: int = 1000, **settings) -> LocalPrefill:
+    return LocalPrefill(pool, lambda exclude: ahead,
+                        LocalPrefillSettings(**{"max_tokens": 64, **settings}))
+
+
+def _pool() -> _Pool:
+    return _Pool(_load(PREFILL, "prefill"), _load(DECODE_A, "decode"))
+
+
+def _choose(rule: LocalPrefill, num_tokens: int = 40, *, max_context: int = 100,
+            exclude: frozenset[str] = frozenset()):
+    return rule.choose(list(range(num_tokens)), max_context=max_context, exclude=exclude)
+
+
+def test_all_conditions_hold_the_decode_pod_prefills():
+    choice = _choose(_rule(_pool(), ahead=500))
+    assert (choice.address, choice.new_tokens, choice.tokens_ahead) == (DECODE_A, 40, 500)
+
+
+def test_off_when_max_tokens_is_zero():
+    assert _choose(_rule(_pool(), max_tokens=0)) is None
+
+
+def test_prompt_longer_than_max_tokens_takes_the_pd_path():
+    rule = _rule(_pool(), max_tokens=64)
+    assert _choose(rule, 64) is not None
+    assert _choose(rule, 65) is None
+
+
+def test_prefill_path_must_have_the_ratio_of_tokens_ahead():
+    pool = _pool()
+    assert _choose(_rule(pool, ahead=0, queue_ratio=0.0)) is None  # nothing queued at all
+    assert _choose(_rule(pool, ahead=39)) is None
+    assert _choose(_rule(pool, ahead=40)) is not None
+    assert _choose(_rule(pool, ahead=79, queue_ratio=2.0)) is None
+    assert _choose(_rule(pool, ahead=80, queue_ratio=2.0)) is not None
+
+
+def test_a_decode_pod_with_a_waiting_queue_is_not_used():
+    pool = _pool()
+    pool.report(DECODE_A, num_waiting=1)
+    assert _choose(_rule(pool)) is None
+
+
+def test_the_decode_pod_needs_free_blocks_for_prompt_and_max_tokens():
+    pool = _pool()
+    pool.report(DECODE_A, num_free_blocks=7)  # 112 tokens
+    rule = _rule(pool)
+    assert _choose(rule, max_context=112) is not None
+    assert _choose(rule, max_context=113) is None
+
+
+def test_a_decode_pod_that_failed_the_request_is_left_out():
+    assert _choose(_rule(_pool()), exclude=frozenset({DECODE_A})) is None
+
+
+def test_prompts_still_computing_count_against_the_pod_until_the_first_token():
+    rule = _rule(_pool(), max_tokens=64)
+    first = _choose(rule, 40)
+    with rule.computing(first) as first_token:
+        assert _choose(rule, 24) is not None  # 40 + 24 <= 64
+        assert _choose(rule, 25) is None
+        first_token()
+        assert _choose(rule, 64) is not None
+        first_token()  # a second call changes nothing
+        with rule.computing(_choose(rule, 64)):
+            assert _choose(rule, 1) is None
+    assert _choose(rule, 64) is not None  # leaving the block releases too
+
+
+def test_the_least_busy_decode_pod_wins_then_the_most_free_blocks():
+    pool = _Pool(_load(PREFILL, "prefill"), _load(DECODE_A, "decode", num_running=3),
+                 _load(DECODE_B, "decode", num_running=1, in_flight=1))
+    rule = _rule(pool)
+    assert _choose(rule).address == DECODE_B
+    pool.report(DECODE_B, in_flight=2)
+    assert _choose(rule).address == DECODE_A  # tie on 3: A has as many free blocks, first
+    pool.report(DECODE_B, num_free_blocks=101)
+    assert _choose(rule).address == DECODE_B
+
+
+def test_a_cached_prefix_counts_only_the_tail():
+    pool = _Pool(_load(PREFILL, "prefill"), _load(DECODE_A, "decode"),
+                 _load(DECODE_B, "decode"))
+    rule = LocalPrefill(pool, lambda exclude: 1000, LocalPrefillSettings(max_tokens=64),
+                        cached_prefix=lambda address, ids: 960 if address == DECODE_B else 0)
+    choice = rule.choose(list(range(1000)), max_context=1100, exclude=frozenset())
+    assert (choice.address, choice.new_tokens) == (DECODE_B, 40)
+
+
+def test_tokens_ahead_are_what_this_router_queued_or_dispatched(run_async):
+    other = "127.0.0.1:7002"
+    # the pods' own reports are not used: one was seen reporting tokens waiting when idle
+    pool = _Pool(_load(PREFILL, "prefill", num_waiting_tokens=10),
+                 _load(other, "prefill", num_waiting_tokens=20))
+    admission = PrefillAdmission(pool, RoutingPolicy(pool, InMemorySessionStore()),
+                                 RouterMetrics(), AdmissionSettings(dispatch_tokens=600))
+
+    async def scenario():
+        def request(rid: str, n: int) -> GenerationRequest:
+            return GenerationRequest(rid, tuple(range(5, 5 + n)), SamplingSpec(max_tokens=4))
+
+        assert admission.least_tokens_ahead(frozenset()) == 0
+        first = await admission.admit(request("a", 500), exclude=frozenset({other}), timeout=5)
+        assert admission.least_tokens_ahead(frozenset()) == 0  # the other pod has nothing
+        assert admission.least_tokens_ahead(frozenset({other})) == 500
+        queued = asyncio.ensure_future(
+            admission.admit(request("b", 300), exclude=frozenset({other}), timeout=5))
+        await asyncio.sleep(0.01)
+        assert admission.least_tokens_ahead(frozenset({other})) == 800
+        first.release(finished_tokens=500)
+        (await queued).release(finished_tokens=300)
+        assert admission.least_tokens_ahead(frozenset({other})) == 0
+        assert admission.least_tokens_ahead(frozenset({PREFILL, other})) == 0
+
+    run_async(scenario())
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("max_tokens", -1, "local prefill max tokens must be in [0, 1048576], got -1"),
+    ("queue_ratio", -0.5, "local prefill queue ratio must be in [0, 1000], got -0.5"),
+])
+def test_bad_settings_say_what_and_the_limit(field, value, message):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        LocalPrefillSettings(**{field: value})
+
+
+def test_router_config_checks_the_flags(tmp_path):
+    with pytest.raises(ValueError, match="local_prefill_max_tokens must be in"):
+        RouterConfig(model_dir=str(tmp_path), local_prefill_max_tokens=-1)
+    with pytest.raises(ValueError, match="local_prefill_queue_ratio must be in"):
+        RouterConfig(model_dir=str(tmp_path), local_prefill_queue_ratio=1001.0)
