@@ -134,7 +134,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--router-cpus", default=None, metavar="LIST",
                         help="the router's CPUs (default: unpinned)")
     parser.add_argument("--workloads", default=",".join(WORKLOADS),
-                        help=f"comma-separated, of {', '.join(WORKLOADS)}")
+                        help=f"comma-separated, of {', '.join(WORKLOADS)} (or heavy-RATE: "
+                             "the prefill-heavy mix at any rate in req/s, e.g. heavy-0.8)")
     parser.add_argument("--topologies", default=",".join(TOPOLOGIES),
                         help="comma-separated, run in this order")
     parser.add_argument("--num-requests", type=int, default=16,
@@ -159,10 +160,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true")
 
 
+def _heavy_rate(name: str) -> float | None:
+    """The arrival rate of a `heavy-RATE` workload name (any rate > 0, e.g.
+    heavy-0.8 for overload), else None."""
+    if not name.startswith("heavy-"):
+        return None
+    try:
+        rate = float(name.removeprefix("heavy-"))
+    except ValueError:
+        return None
+    return rate if 0 < rate <= 100 else None
+
+
 def _names(text: str, allowed: tuple[str, ...], flag: str) -> tuple[str, ...]:
     names = tuple(x.strip() for x in text.split(",") if x.strip())
     for name in names:
-        if name not in allowed:
+        if name not in allowed and not (allowed is WORKLOADS and _heavy_rate(name)):
             raise ValueError(f"{flag}: {name!r} is not one of {', '.join(allowed)}")
     if not names:
         raise ValueError(f"{flag} needs at least one entry")

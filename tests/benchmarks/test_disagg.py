@@ -37,6 +37,8 @@ def test_workloads_have_the_issue_shapes(tmp_path):
                              for i in range(5)))
     args = _args(["--num-requests", "50", "--light-requests", "8", "--trace", str(trace),
                   "--trace-requests", "3"])
+    assert disagg._names("heavy-0.8,light-c8", disagg.WORKLOADS, "--workloads") == (
+        "heavy-0.8", "light-c8")
     heavy, light, scaled = disagg.build_workloads(("heavy-0.4", "light-c8", "trace"), args,
                                                   Vocabulary(1000))
     prompts = [s.turns[0] for s in heavy.sessions]
@@ -68,7 +70,8 @@ def test_ratios_are_disaggregated_over_colocated():
 
 @pytest.mark.parametrize("argv, message", [
     (["--prefill-cpus", "0", "--decode-cpus", "0"], "overlap; the comparison needs disjoint"),
-    (["--workloads", "heavy-0.3"], "--workloads: 'heavy-0.3' is not one of"),
+    (["--workloads", "heavy-x"], "--workloads: 'heavy-x' is not one of"),
+    (["--workloads", "heavy-0"], "--workloads: 'heavy-0' is not one of"),
     (["--topologies", ""], "--topologies needs at least one entry"),
     (["--num-requests", "0"], "--num-requests must be >= 1"),
     (["--prefill-cpus", "9999"], "CPU list '9999': CPU 9999 is not available"),
