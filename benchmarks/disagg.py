@@ -154,6 +154,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--pod-arg", action="append", default=["--kv-cache-memory=2GiB"],
                         metavar="ARG", help="extra flag for every pod")
+    parser.add_argument("--router-arg", action="append", default=[], metavar="ARG",
+                        help="extra flag for the router, e.g. "
+                             "--router-arg=--local-prefill-max-tokens=1152")
     parser.add_argument("--startup-timeout", type=float, default=600.0, metavar="SECONDS")
     parser.add_argument("--out-dir", default=None, metavar="DIR",
                         help="results, comparison and charts (default: a new temporary dir)")
@@ -221,7 +224,8 @@ def run_topology(topology: str, up_args: list[str], model_dir: Path,
     ready = out_dir / f"up-{topology}.json"
     ready.unlink(missing_ok=True)
     argv = [*up_args, "--ready-file", str(ready), "--startup-timeout",
-            str(args.startup_timeout), *[f"--pod-arg={a}" for a in args.pod_arg]]
+            str(args.startup_timeout), *[f"--pod-arg={a}" for a in args.pod_arg],
+            *[f"--router-arg={a}" for a in args.router_arg]]
     log = out_dir / f"{topology}.log"
     print(f"[{topology}] starting pdserve up {' '.join(argv)} (log {log})", file=sys.stderr,
           flush=True)
