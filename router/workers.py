@@ -59,7 +59,7 @@ def _reserve_port(host: str, port: int) -> socket.socket:
 def _worker(config: RouterConfig, index: int, log_level: str,
             ready: multiprocessing.Queue) -> None:
     """One worker process: a RouterServer until SIGTERM."""
-    _die_with_parent()
+    die_with_parent()
     logging.basicConfig(level=log_level.upper(),
                         format=f"%(asctime)s %(levelname)s [worker {index}] %(name)s: %(message)s")
     from router.server import RouterServer
@@ -70,8 +70,9 @@ def _worker(config: RouterConfig, index: int, log_level: str,
     asyncio.run(RouterServer(config).run_until_signal(started))
 
 
-def _die_with_parent() -> None:
-    """Linux: SIGTERM this worker if the supervisor dies, even by SIGKILL."""
+def die_with_parent() -> None:
+    """Linux: SIGTERM this process when its parent dies, even by SIGKILL (a
+    router worker, and the children of `pdserve up`, which run it before exec)."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG

@@ -3,15 +3,15 @@ its output relayed (pdserve/commands/up.py runs the life cycle)."""
 
 from __future__ import annotations
 
-import ctypes
 import os
-import signal
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from router.workers import die_with_parent
 
 
 class StartupError(RuntimeError):
@@ -33,15 +33,6 @@ class Child:
         return self.process.poll() is None
 
 
-def _die_with_parent() -> None:
-    """Runs in the child before exec: SIGTERM it if `up` dies, even by SIGKILL (Linux)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 def _pump(name: str, stream) -> None:
     """Reader thread: copy a child's output to ours, one prefixed line at a time."""
     for raw in iter(stream.readline, b""):
@@ -57,7 +48,7 @@ def spawn(name: str, argv: list[str], workdir: Path) -> Child:
     process = subprocess.Popen(
         [sys.executable, "-m", "pdserve", *argv], stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-        start_new_session=True, preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+        start_new_session=True, preexec_fn=die_with_parent if sys.platform == "linux" else None,
     )
     threading.Thread(target=_pump, args=(name, process.stdout), name=f"log-{name}",
                      daemon=True).start()
