@@ -6,8 +6,8 @@ decode pod, which first needs the KV's last layers, END, the injection and a
 commit into its batch: any step the decode pod wastes there shows as a gap
 longer than the usual ITL. Run against `pdserve up` (or any endpoint):
 
-    pdserve up --model <base dir> &        # 1 prefill + 1 decode
-    python -m benchmarks.first_gap --url http://127.0.0.1:8000 --requests 12
+    pdserve up --model base &        # 1 prefill + 1 decode
+    pdserve bench first-gap --url http://127.0.0.1:8000 --requests 12
 
 Requests go one after another at `--concurrency` (1 by default: the gap of
 an otherwise idle pair) and, with `--background N`, while N long requests
@@ -60,8 +60,11 @@ def measure(url: str, *, requests: int, prompt_len: int, max_tokens: int, concur
             "ttft_ms_p50": result["ttft_ms"]["p50"]}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+HELP = ("Token-0-to-token-1 gap of a running endpoint against its median inter-token "
+        "latency (the decode pod's join of a transferred request).")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", default="http://127.0.0.1:8000")
     parser.add_argument("--requests", type=int, default=12)
     parser.add_argument("--prompt-len", type=int, default=256)
@@ -69,13 +72,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=1)
     parser.add_argument("--background", type=int, default=0,
                         help="long requests decoding beside the measured ones")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="prompts' seed: use a fresh one per run (the prefix cache keeps "
+                             "earlier prompts)")
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.max_tokens < 3 or args.requests < 1:
+        raise SystemExit(f"--max-tokens must be >= 3 (got {args.max_tokens}) and --requests "
+                         f">= 1 (got {args.requests}): a gap needs tokens 0, 1 and 2")
     print(json.dumps(measure(args.url, requests=args.requests, prompt_len=args.prompt_len,
                              max_tokens=args.max_tokens, concurrency=args.concurrency,
                              background=args.background, seed=args.seed)))
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

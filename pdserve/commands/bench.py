@@ -9,7 +9,8 @@ from __future__ import annotations
 import argparse
 import importlib
 
-HELP = ("Benchmarks: engine, kernels, transfer, transfer-split, ttft, router, peer, disagg "
+HELP = ("Benchmarks: engine, kernels, transfer, transfer-split, ttft, router, peer, disagg, "
+        "first-gap "
         "(each against its baseline); serve (a load generator) and serve-plot.")
 
 BENCHMARKS: dict[str, str] = {
@@ -22,6 +23,7 @@ BENCHMARKS: dict[str, str] = {
     "peer": "benchmarks.peer",
     "serve": "benchmarks.serve",
     "disagg": "benchmarks.disagg",
+    "first-gap": "benchmarks.first_gap",
     "serve-plot": "benchmarks.serve_plot",
 }
 

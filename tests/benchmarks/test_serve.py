@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import peer_servers, serve, serve_plot
+from benchmarks import first_gap, peer_servers, serve, serve_plot
 from pdserve.commands._cpus import allowed_cpus
 
 pytestmark = pytest.mark.timeout(240)
@@ -186,3 +186,16 @@ def test_bad_flags_are_refused_by_name(capsys):
     assert "--request-rate and --trace exclude each other" in capsys.readouterr().err
     assert serve.main(_bench(["--slo-itl", "0", "--model", "m", "--vocab-from", "tiny"])) == 2
     assert "--slo-itl must be > 0 ms" in capsys.readouterr().err
+
+
+def test_first_gap_against_the_live_stack(stack, capsys):
+    base_url, _ = stack
+    parser = argparse.ArgumentParser()
+    first_gap.add_arguments(parser)
+    args = parser.parse_args(["--url", base_url, "--requests", "2", "--prompt-len", "32",
+                              "--max-tokens", "5", "--seed", "77"])
+    assert first_gap.main(args) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["requests"] == 2
+    assert 0 < result["gap_ms_p50"] <= result["gap_ms_max"]
+    assert result["itl_ms_p50"] > 0 and result["gap_over_itl_p50"] > 0
