@@ -265,12 +265,10 @@ class Attempt:
                 except BaseException:
                     call.cancel()  # we leave early: frees the prefill pod, tells the decode pod
                     raise
-            if address == slot.address:
-                first_token = not isinstance(message, grpc.aio.AioRpcError) and (
-                    message is not grpc.aio.EOF and message.WhichOneof("kind") == "first_token")
-                slot.release(finished_tokens=len(request.prompt_token_ids) if first_token
-                             else None)
+            # Only the first try runs on the slot's pod; its release counts, and
+            # every later one is a no-op.
             if isinstance(message, grpc.aio.AioRpcError):
+                slot.release()
                 failures.append(f"{address} {describe(message)}")
                 tried.add(address)
                 if message.code() in _BROKEN_POD:
@@ -280,10 +278,12 @@ class Attempt:
                 continue
             if message is grpc.aio.EOF or message.WhichOneof("kind") != "first_token":
                 call.cancel()  # a pod that breaks the contract counts as broken
+                slot.release()
                 failures.append(f"{address} did not stream the first token first")
                 tried.add(address)
                 broken.add(address)
                 continue
+            slot.release(finished_tokens=len(request.prompt_token_ids))
             return address, call, message.first_token
         raise AttemptFailed(
             f"prefill failed on {len(failures)} pod(s) for decode pod {decode_address}: "

@@ -17,7 +17,7 @@ Life of one attempt's admission (all on the router's event loop):
         │ still runs, alone)
         v
     DISPATCHED       the attempt reserves on a decode pod and calls P's Prefill
-        │ slot.release(num_tokens)   Prefill answered: P's throughput learns
+        │ slot.release(num_tokens)   P streamed the first token: its throughput learns
         │ slot.release()             the attempt failed or ended early
         v
     (the next waiter at P is dispatched)
@@ -38,10 +38,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import math
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from router.api_error import ApiError
@@ -195,7 +193,9 @@ class PrefillAdmission:
         queue.queued_tokens += num_tokens
         queued_at = time.monotonic()
         try:
-            with self._counted(address, num_tokens):
+            # a queued request counts toward its pod's routing load until
+            # dispatched (from then on the Prefill call's own tracking counts it)
+            with self._pool.track(address, num_tokens=num_tokens):
                 await asyncio.wait_for(asyncio.shield(waiter.turn), timeout)
         except BaseException as exc:  # timeout, or the client left (cancelled)
             if waiter.turn.done():  # dispatched just as it left: give the turn back
@@ -255,13 +255,6 @@ class PrefillAdmission:
         budget = self.settings.dispatch_tokens
         return (budget == 0 or queue.dispatched == 0
                 or queue.dispatched_tokens + num_tokens <= budget)
-
-    @contextlib.contextmanager
-    def _counted(self, address: str, num_tokens: int) -> Iterator[None]:
-        """A queued request counts toward its pod's routing load until dispatched
-        (from then on the Prefill call's own tracking counts it)."""
-        with self._pool.track(address, num_tokens=num_tokens):
-            yield
 
     def _dispatch(self, address: str, queue: _PodQueue, num_tokens: int) -> None:
         queue.dispatched += 1
