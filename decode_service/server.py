@@ -41,11 +41,17 @@ def make_receiver(config: DecodeConfig, injector: KVInjector) -> KVReceiver:
     """The receiver for --kv-transport, listening on --kv-port."""
     rc = ReceiverConfig(
         capacity_bytes=config.landing_memory, host=config.server.host, port=config.kv_port,
-        advertise_host=config.server.public_host(),
+        advertise_host=config.server.public_host(), security=config.server.security,
     )
     if config.kv_transport == "tcp":
         from kv_transfer.tcp import TcpKVReceiver
 
+        if config.server.security.enabled:
+            # By design (docs/deploy.md, Security): the TCP KV channel is
+            # cluster-internal, ticket-checked, and fenced by the chart's
+            # NetworkPolicy; --kv-transport grpc carries KV over pod TLS.
+            log.info("KV transport tcp: plaintext on the cluster network (only prefill "
+                     "pods may reach it); --kv-transport grpc encrypts it with pod TLS")
         return TcpKVReceiver(rc, injector)
     from kv_transfer.grpc import GrpcKVReceiver
 
@@ -80,7 +86,7 @@ async def _serve(role: PodRole, engine_config: EngineConfig, server_config: Serv
         limits=ModelLimits(model_config.vocab_size, loop.max_model_len),
         model=model_name, generation=secrets.randbits(63), remote=remote,
     )
-    server = PodServer.new_grpc_server()
+    server = PodServer.new_grpc_server(server_config.security)
     pdserve_pb2_grpc.add_DecodeServicer_to_server(servicer, server)
     pod = PodServer(
         role=role, model=model_name, config=server_config, gate=gate, server=server,

@@ -3,10 +3,11 @@ command modules fill them from flags, kv_transfer never sees argparse)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kv_transfer.checksum import CHECKSUMS
 from kv_transfer.wire import MAX_DATA_BYTES
+from proto.tls import PodSecurity
 
 
 def _positive(name: str, value: float, high: float) -> None:
@@ -36,6 +37,9 @@ class SenderConfig:
     verdict_grace_s: float = 2.0  # after the target's deadline, before giving up locally
     sweep_interval_s: float = 0.2
     checksum: str = "xxh3"
+    # TLS + token of the gRPC connector's channels (the pods' own; the TCP
+    # connector is cluster-internal and ignores it, docs/deploy.md, Security)
+    security: PodSecurity = field(default_factory=PodSecurity)
 
     def __post_init__(self) -> None:
         if self.checksum not in CHECKSUMS:
@@ -78,6 +82,8 @@ class ReceiverConfig:
     generation: int | None = None
     pin_memory: bool | None = None
     prefault_landing: bool = False  # touch the whole landing slab at start (see landing.py)
+    # TLS + token of the gRPC connector's own port (ignored by the TCP connector)
+    security: PodSecurity = field(default_factory=PodSecurity)
 
     def __post_init__(self) -> None:
         if not isinstance(self.capacity_bytes, int) or self.capacity_bytes <= 0:

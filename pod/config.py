@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import re
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from proto.tls import PodSecurity
 
 _WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 _SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
@@ -39,8 +41,17 @@ class ServerConfig:
     redis_url: str | None = None
     grace_period_s: float = 30.0
     ready_file: str | None = None
+    # TLS and token of the pod's gRPC port (and of the channels it opens to
+    # other pods, and of a decode pod's gRPC KV port); docs/deploy.md, Security.
+    security: PodSecurity = field(default_factory=PodSecurity)
+    # A plaintext port serving only the gRPC health service, for probes that
+    # cannot speak TLS (kubelet); None: not served.
+    health_port: int | None = None
 
     def __post_init__(self) -> None:
+        if self.health_port is not None and not 0 <= self.health_port <= 65535:
+            raise ValueError(f"health_port must be in [0, 65535] (0 = any free port), "
+                             f"got {self.health_port}")
         for name in ("port", "metrics_port"):
             value = getattr(self, name)
             if not 0 <= value <= 65535:

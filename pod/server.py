@@ -35,6 +35,7 @@ from pod.config import ServerConfig
 from pod.drain import DrainGate, DrainState
 from proto.limits import GRPC_MESSAGE_OPTIONS
 from proto.roles import PodRole
+from proto.tls import PodSecurity, add_port, server_interceptors
 
 log = logging.getLogger(__name__)
 
@@ -70,17 +71,25 @@ class PodServer:
     _health: health_aio.HealthServicer = field(default_factory=health_aio.HealthServicer)
 
     @staticmethod
-    def new_grpc_server() -> grpc.aio.Server:
-        return grpc.aio.server(options=list(GRPC_MESSAGE_OPTIONS))
+    def new_grpc_server(security: PodSecurity | None = None) -> grpc.aio.Server:
+        """The pod's gRPC server; with a pod token every call but health checks
+        must carry it (proto/tls.py)."""
+        return grpc.aio.server(options=list(GRPC_MESSAGE_OPTIONS),
+                               interceptors=server_interceptors(security or PodSecurity()))
 
     async def run(self, stop: asyncio.Event | None = None) -> int:
         """Serve until SIGTERM/SIGINT (or `stop` is set), drain, stop; returns 0."""
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self.server)
-        port = self.server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        security = self.config.security
+        port = add_port(self.server, f"{self.config.host}:{self.config.port}", security.tls)
         await self.server.start()
+        log.info("%s pod gRPC: %s", self.role, security.describe())
+        health_server = await self._start_health_server()
         for name in ("", *self.services):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         ports = {"grpc": port, **self.extra_ports}
+        if health_server is not None:
+            ports["health"] = health_server[1]
         if self.metrics_start is not None:
             ports["metrics"] = self.metrics_start(self.config.host, self.config.metrics_port)
         log.info("%s pod serving: %s", self.role,
@@ -99,12 +108,26 @@ class PodServer:
         watchdog.cancel()
         failed = not self.alive()
         await self._drain(heartbeat)
+        if health_server is not None:
+            await health_server[0].stop(grace=None)
         # Already shutting down: a repeated SIGTERM after the event loop (and
         # its handlers) is gone must not turn the clean exit into a kill.
         for signum in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(ValueError):  # not the main thread (tests)
                 signal.signal(signum, signal.SIG_IGN)
         return 1 if failed else 0
+
+    async def _start_health_server(self) -> tuple[grpc.aio.Server, int] | None:
+        """With --health-port: the health service alone, in plaintext, for
+        probes that cannot speak TLS (kubelet's gRPC probe). It says SERVING
+        or NOT_SERVING, nothing else, so it needs no authentication."""
+        if self.config.health_port is None:
+            return None
+        server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        port = add_port(server, f"{self.config.host}:{self.config.health_port}", None)
+        await server.start()
+        return server, port
 
     async def _watch(self, stop: asyncio.Event) -> None:
         while not stop.is_set():

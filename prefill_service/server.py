@@ -29,13 +29,16 @@ from prefill_service.kv_export import KVExport
 from prefill_service.servicer import PrefillServicer
 from proto import pdserve_pb2_grpc
 from proto.roles import PodRole
+from proto.tls import PodSecurity
 
 log = logging.getLogger(__name__)
 
 
-def make_senders(kv_streams: int) -> dict[str, KVSender]:
-    """One sender per transport this build has; the target picks per request."""
-    config = SenderConfig(num_streams=kv_streams)
+def make_senders(kv_streams: int, security: PodSecurity | None = None) -> dict[str, KVSender]:
+    """One sender per transport this build has; the target picks per request.
+    `security` secures the gRPC transport's channels (the TCP one is
+    cluster-internal, docs/deploy.md, Security)."""
+    config = SenderConfig(num_streams=kv_streams, security=security or PodSecurity())
     senders: dict[str, KVSender] = {"tcp": TcpKVSender(config)}
     try:
         from kv_transfer.grpc import GrpcKVSender
@@ -49,7 +52,7 @@ def make_senders(kv_streams: int) -> dict[str, KVSender]:
 async def run_prefill_pod(config: PrefillConfig, stop: asyncio.Event | None = None) -> int:
     """Serve until SIGTERM/SIGINT or `stop`; returns the exit status."""
     metrics = PodMetrics.create(PodRole.PREFILL)
-    export = KVExport(make_senders(config.kv_streams),
+    export = KVExport(make_senders(config.kv_streams, config.server.security),
                       kernel_backend=config.engine.kernel_backend)
     engine = LLMEngine(config.engine, layer_kv_hook=export)
     loop = EngineLoop(engine, metrics)
@@ -62,7 +65,7 @@ async def run_prefill_pod(config: PrefillConfig, stop: asyncio.Event | None = No
         kv_shape=kv_shape_of(config.engine.model_dir, config.engine.dtype),
         model=model_name, generation=secrets.randbits(63),
     )
-    server = PodServer.new_grpc_server()
+    server = PodServer.new_grpc_server(config.server.security)
     pdserve_pb2_grpc.add_PrefillServicer_to_server(servicer, server)
     pod = PodServer(
         role=PodRole.PREFILL, model=model_name, config=config.server, gate=gate, server=server,

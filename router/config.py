@@ -9,11 +9,12 @@ task or thread may read it.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from proto.address import MAX_PORT, split_host_port
 from proto.roles import PodRole
+from proto.tls import PodSecurity, TlsFiles
 
 RELAYS = ("session", "stream")
 
@@ -81,6 +82,10 @@ class RouterConfig:
     # at least queue_ratio x as many tokens queued ahead of it.
     local_prefill_max_tokens: int = 0
     local_prefill_queue_ratio: float = 1.0
+    # TLS of the public HTTP and gRPC listeners (with a CA: client certificates
+    # required), and how the router reaches its pods (docs/deploy.md, Security).
+    tls: TlsFiles | None = None
+    pod_security: PodSecurity = field(default_factory=PodSecurity)
 
     def __post_init__(self) -> None:
         if not self.model_dir:
@@ -132,6 +137,8 @@ class RouterConfig:
         if not 0.0 <= self.local_prefill_queue_ratio <= 1000.0:
             raise ValueError(f"local_prefill_queue_ratio must be in [0, 1000], "
                              f"got {self.local_prefill_queue_ratio}")
+        if self.tls is not None and self.tls.cert_file is None:
+            raise ValueError("tls needs a certificate and key file for the router's listeners")
         if self.shutdown_grace < 0:
             raise ValueError(f"shutdown_grace must be >= 0 seconds, got {self.shutdown_grace}")
 

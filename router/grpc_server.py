@@ -26,6 +26,7 @@ from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc
 from proto.limits import GRPC_MESSAGE_OPTIONS
 from proto.status import ServiceError, grpc_errors
+from proto.tls import TlsFiles, add_port
 from router.api_error import ApiError, bad_request
 from router.auth import ApiKeyCheck
 from router.frontend import Frontend
@@ -127,21 +128,21 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
 
 
 def build_grpc_server(
-    frontend: Frontend, auth: ApiKeyCheck, address: str, *, reuse_port: bool = False
+    frontend: Frontend, auth: ApiKeyCheck, address: str, *, reuse_port: bool = False,
+    tls: TlsFiles | None = None,
 ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """A started-later server with Router + health bound to `address`;
     returns (server, bound port, health servicer — the router server sets
     it SERVING / NOT_SERVING as the pool's readiness changes). `reuse_port`:
     other router workers bind the same port (SO_REUSEPORT); off, a port
-    already taken is an error rather than silently shared."""
+    already taken is an error rather than silently shared. `tls`: serve TLS
+    (mutual with its CA file)."""
     options = [*GRPC_MESSAGE_OPTIONS, ("grpc.so_reuseport", 1 if reuse_port else 0)]
     server = grpc.aio.server(options=options)
     pdserve_pb2_grpc.add_RouterServicer_to_server(RouterServicer(frontend, auth), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port(address)
-    if port == 0:
-        raise ValueError(f"cannot bind the router's gRPC port at {address}")
+    port = add_port(server, address, tls)
     return server, port, health_servicer
 
 

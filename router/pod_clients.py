@@ -17,6 +17,7 @@ import grpc
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc
 from proto.limits import GRPC_MESSAGE_OPTIONS
+from proto.tls import PodSecurity, pod_channel
 from router.decode_session import DecodeSession
 
 log = logging.getLogger(__name__)
@@ -38,9 +39,10 @@ _OPTIONS = [
 class PodChannels:
     """Lazily opened channels and stubs keyed by address."""
 
-    def __init__(self, *, sessions: bool = True) -> None:
+    def __init__(self, *, sessions: bool = True, security: PodSecurity | None = None) -> None:
         # False: every request gets its own Decode.Generate (RouterConfig.relay "stream")
         self._use_sessions = sessions
+        self._security = security or PodSecurity()  # TLS + token (proto/tls.py)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._prefill: dict[str, pdserve_pb2_grpc.PrefillStub] = {}
         self._decode: dict[str, pdserve_pb2_grpc.DecodeStub] = {}
@@ -50,7 +52,7 @@ class PodChannels:
     def _channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            channel = grpc.aio.insecure_channel(address, options=_OPTIONS)
+            channel = pod_channel(address, self._security, _OPTIONS)
             self._channels[address] = channel
         return channel
 

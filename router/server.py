@@ -78,7 +78,8 @@ class RouterServer:
         self._ready_task: asyncio.Task[None] | None = None
         self.pool: PolledPodPool | None = None
         self._sessions: SessionStore | None = None
-        self._channels = PodChannels(sessions=config.relay == "session")
+        self._channels = PodChannels(sessions=config.relay == "session",
+                                     security=config.pod_security)
 
     def _pod_source(self) -> PodSource:
         c = self.config
@@ -99,7 +100,8 @@ class RouterServer:
         c = self.config
         max_model_len = c.resolve_max_model_len()
         tokenizer = Tokenizer.from_pretrained(c.model_dir)
-        self.pool = PolledPodPool(self._pod_source(), poll_interval=c.load_poll_interval)
+        self.pool = PolledPodPool(self._pod_source(), poll_interval=c.load_poll_interval,
+                                  security=c.pod_security)
         await self.pool.start()
         self._sessions = RedisSessionStore(c.redis_url) if c.redis_url else InMemorySessionStore()
         policy = RoutingPolicy(self.pool, self._sessions, epsilon=c.session_epsilon)
@@ -126,15 +128,17 @@ class RouterServer:
                                      shutdown_timeout=c.shutdown_grace)
         await self._runner.setup()
         # several workers share the ports (router/workers.py)
-        site = web.TCPSite(self._runner, c.host, c.port, reuse_port=c.workers > 1)
+        site = web.TCPSite(self._runner, c.host, c.port, reuse_port=c.workers > 1,
+                           ssl_context=c.tls.ssl_context() if c.tls else None)
         await site.start()
         self.http_port = self._runner.addresses[0][1]
         self._grpc, self.grpc_port, self._health = build_grpc_server(
-            frontend, auth, f"{c.host}:{c.grpc_port}", reuse_port=c.workers > 1)
+            frontend, auth, f"{c.host}:{c.grpc_port}", reuse_port=c.workers > 1, tls=c.tls)
         await self._grpc.start()
         self._ready_task = asyncio.create_task(self._mirror_readiness(), name="router-ready")
-        log.info("router serving %s: HTTP on %s:%d, gRPC on %s:%d",
-                 c.model_name, c.host, self.http_port, c.host, self.grpc_port)
+        log.info("router serving %s: HTTP%s on %s:%d, gRPC on %s:%d (%s); pods: %s",
+                 c.model_name, "S" if c.tls else "", c.host, self.http_port, c.host,
+                 self.grpc_port, "TLS" if c.tls else "plaintext", c.pod_security.describe())
 
     async def _mirror_readiness(self) -> None:
         """Keep the gRPC health status equal to the pool's readiness."""

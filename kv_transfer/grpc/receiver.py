@@ -20,6 +20,7 @@ from kv_transfer.base import (
 from kv_transfer.config import ReceiverConfig
 from kv_transfer.connector_receiver import ConnectorReceiver
 from kv_transfer.grpc.servicer import SERVER_OPTIONS, KVTransferServicer
+from proto.tls import add_port, server_interceptors
 
 DEFAULT_SERVER_THREADS = 64  # one per open stream: N streams x transfers in flight
 
@@ -42,13 +43,16 @@ class GrpcKVReceiver(ConnectorReceiver):
 
     def start(self) -> None:
         if not self._endpoints:
+            security = self.config.security  # the pod's TLS and token (proto/tls.py)
             server = grpc.server(ThreadPoolExecutor(self._server_threads,
                                                     thread_name_prefix="kv-grpc"),
-                                 options=SERVER_OPTIONS)  # fmt: skip
+                                 options=SERVER_OPTIONS,
+                                 interceptors=server_interceptors(security, aio=False))
             self.servicer.add_to_server(server)
-            port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
-            if port == 0:
-                raise OSError(f"cannot bind {self.config.host}:{self.config.port}")
+            try:
+                port = add_port(server, f"{self.config.host}:{self.config.port}", security.tls)
+            except ValueError as exc:
+                raise OSError(str(exc)) from None
             server.start()
             self._server = server
             self._endpoints = (f"{self.config.advertise_host or self.config.host}:{port}",)

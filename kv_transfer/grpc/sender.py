@@ -37,6 +37,7 @@ from kv_transfer.outgoing import Outgoing, Piece, plan_pieces
 from kv_transfer.sweeper import Sweeper
 from kv_transfer.wire import MAX_DATA_BYTES, VERSION
 from proto import pdserve_pb2
+from proto.tls import pod_channel
 
 _KIND = pdserve_pb2.FrameKind
 _PUSH = f"/{SERVICE}/Push"
@@ -189,7 +190,7 @@ class GrpcKVSender(KVSender):
             pool = self._channels.setdefault(endpoint, [])
             while len(pool) < -(-n // len(endpoints)):
                 options = [*_CHANNEL_OPTIONS, ("pdserve.kv_stream", len(pool))]
-                pool.append(grpc.insecure_channel(endpoint, options=options))
+                pool.append(pod_channel(endpoint, self.config.security, options, aio=False))
         return [self._channels[endpoints[i % len(endpoints)]][i // len(endpoints)]
                 for i in range(n)]  # fmt: skip
 

@@ -15,6 +15,7 @@ import os
 
 from engine.config import SCHEDULING_POLICIES, EngineConfig
 from pdserve.commands._cpus import add_pinning_arguments, pin_process
+from pdserve.commands._security_flags import add_pod_security_arguments, pod_security_from_args
 from pod.config import ServerConfig, parse_size
 
 # Step token budget (docs/engine.md, Configuration: why 2,048 on CPU too).
@@ -84,6 +85,7 @@ def add_server_arguments(parser: argparse.ArgumentParser, *, port: int,
     g.add_argument("--ready-file", default=None, metavar="PATH",
                    help='Write {"grpc": port, "metrics": port, "kv": port} here once serving.')
     g.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    add_pod_security_arguments(parser)
 
 
 def resolve_device(device: str) -> str:
@@ -132,6 +134,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         host=args.host, port=args.port, metrics_port=args.metrics_port,
         advertise_host=args.advertise_host, redis_url=args.redis_url,
         grace_period_s=args.grace_period, ready_file=args.ready_file,
+        security=pod_security_from_args(args), health_port=args.health_port,
     )
 
 

@@ -1,6 +1,7 @@
 """`pdserve router`: the OpenAI-compatible front door (HTTP + gRPC) over
 prefill/decode (and colocated) pods. Flags become a `RouterConfig`; the
-environment is read here only (PDSERVE_API_KEY)."""
+environment is read here only (PDSERVE_API_KEY; PDSERVE_POD_TOKEN in
+_security_flags)."""
 
 from __future__ import annotations
 
@@ -69,9 +70,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help='written once serving: {"http": port, "grpc": port}')
     parser.add_argument("--log-level", default="INFO")
     add_pinning_arguments(parser, threads=False)
+    from pdserve.commands._security_flags import add_router_security_arguments
+
+    add_router_security_arguments(parser)
 
 
 def config_from_args(args: argparse.Namespace):
+    from pdserve.commands._security_flags import (
+        router_pod_security_from_args,
+        router_tls_from_args,
+    )
     from router.config import RouterConfig
 
     return RouterConfig(
@@ -98,6 +106,8 @@ def config_from_args(args: argparse.Namespace):
         workers=args.workers,
         local_prefill_max_tokens=args.local_prefill_max_tokens,
         local_prefill_queue_ratio=args.local_prefill_queue_ratio,
+        tls=router_tls_from_args(args),
+        pod_security=router_pod_security_from_args(args),
     )
 
 

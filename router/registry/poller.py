@@ -30,6 +30,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from proto import pdserve_pb2, pdserve_pb2_grpc
+from proto.tls import PodSecurity, pod_channel
 from router.registry.base import PodEntry, PodSource
 from router.routing.base import PodLoad, PodPool, check_role
 
@@ -82,6 +83,7 @@ class PolledPodPool(PodPool):
         *,
         poll_interval: float = 0.5,
         poll_timeout: float | None = None,
+        security: PodSecurity | None = None,
     ) -> None:
         super().__init__()
         if not 0.01 <= poll_interval <= 60:
@@ -91,6 +93,7 @@ class PolledPodPool(PodPool):
         if self.poll_timeout <= 0:
             raise ValueError(f"poll_timeout must be > 0; got {self.poll_timeout}")
         self._source = source
+        self._security = security or PodSecurity()  # TLS + token of the poll channels
         self._pods: dict[str, _Pod] = {}
         self._task: asyncio.Task[None] | None = None
         self._closing: set[asyncio.Task[None]] = set()  # channels of pods that left
@@ -174,7 +177,7 @@ class PolledPodPool(PodPool):
         for address, entry in wanted.items():
             if address not in self._pods:
                 log.info("%s pod %s joined the registry", entry.role, address)
-                self._pods[address] = _Pod(entry, grpc.aio.insecure_channel(address))
+                self._pods[address] = _Pod(entry, pod_channel(address, self._security))
 
     async def _poll(self, pod: _Pod) -> None:
         try:

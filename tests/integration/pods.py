@@ -142,7 +142,8 @@ def start_pod(role: str, model_dir: str | Path, *, timeout: float = DEFAULT_STAR
         pod.kill()
         raise
     pod.grpc_port, pod.metrics_port, pod.kv_port = ports["grpc"], ports["metrics"], ports["kv"]
-    _wait_serving(pod, time.monotonic() + timeout)
+    # a pod serving TLS is watched on its plaintext --health-port
+    _wait_serving(pod, time.monotonic() + timeout, ports.get("health", pod.grpc_port))
     return pod
 
 
@@ -176,8 +177,8 @@ def _wait_ready(pod: PodProcess, ready_file: Path, deadline: float) -> dict[str,
     raise TimeoutError(f"{pod.role} pod wrote no ready file in time; log tail:\n{pod.log_tail()}")
 
 
-def _wait_serving(pod: PodProcess, deadline: float) -> None:
-    with grpc.insecure_channel(pod.address) as channel:
+def _wait_serving(pod: PodProcess, deadline: float, port: int) -> None:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             try:

@@ -31,17 +31,18 @@ class RouterProcess:
     log_path: Path
     http_port: int
     grpc_port: int
+    scheme: str = "http"  # "https" with --tls-cert-file
 
     @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}/v1"
+        return f"{self.scheme}://127.0.0.1:{self.http_port}/v1"
 
     @property
     def grpc_address(self) -> str:
         return f"127.0.0.1:{self.grpc_port}"
 
     def url(self, path: str) -> str:
-        return f"http://127.0.0.1:{self.http_port}{path}"
+        return f"{self.scheme}://127.0.0.1:{self.http_port}{path}"
 
     def log_tail(self, num_chars: int = 6000) -> str:
         return self.log_path.read_text(errors="replace")[-num_chars:]
@@ -89,15 +90,18 @@ def start_router(model_dir: str | Path, *, timeout: float = 60.0, **flags) -> Ro
             raise RuntimeError(f"router did not start; log:\n{log_path.read_text()[-6000:]}")
         time.sleep(0.05)
     ports = json.loads(ready.read_text())
-    return RouterProcess(process, log_path, ports["http"], ports["grpc"])
+    return RouterProcess(process, log_path, ports["http"], ports["grpc"],
+                         "https" if flags.get("tls_cert_file") else "http")
 
 
-def wait_ready(router: RouterProcess, timeout: float = 30.0) -> None:
-    """Until /ready answers 200 (every configured role has a healthy pod)."""
+def wait_ready(router: RouterProcess, timeout: float = 30.0, context=None) -> None:
+    """Until /ready answers 200 (every configured role has a healthy pod);
+    `context`: the ssl.SSLContext that trusts an HTTPS router's certificate."""
     deadline = time.monotonic() + timeout
     while True:
         try:
-            if urllib.request.urlopen(router.url("/ready"), timeout=5).status == 200:
+            if urllib.request.urlopen(router.url("/ready"), timeout=5,
+                                      context=context).status == 200:
                 return
         except OSError:
             pass
