@@ -27,21 +27,28 @@ PREFIX = "demo-pdserve"
 
 # The CLI contract of each `pdserve` subcommand the chart runs (owned by the
 # command modules; the chart must not pass anything else).
+POD_SECURITY_FLAGS = frozenset({
+    "--tls-cert-file", "--tls-key-file", "--tls-ca-file", "--tls-server-name",
+    "--no-tls-client-cert", "--pod-token-file", "--health-port",
+})
 CLI_FLAGS: dict[str, frozenset[str]] = {
     "router": frozenset({
         "--model", "--served-model-name", "--host", "--port", "--grpc-port", "--prefill",
         "--decode", "--redis-url", "--api-key", "--session-epsilon", "--load-poll-interval",
         "--workers", "--prefill-dispatch-tokens", "--max-queue-wait",
+        "--tls-cert-file", "--tls-key-file", "--pod-tls-ca-file", "--pod-tls-server-name",
+        "--pod-tls-cert-file", "--pod-tls-key-file", "--pod-token-file",
     }),
     "prefill": frozenset({
         "--model", "--host", "--port", "--metrics-port", "--block-size", "--kv-cache-memory",
         "--device", "--dtype", "--kv-streams", "--redis-url", "--advertise-host",
-        "--grace-period",
+        "--grace-period", *POD_SECURITY_FLAGS,
     }),
     "decode": frozenset({
         "--model", "--host", "--port", "--kv-port", "--metrics-port", "--block-size",
         "--kv-transport", "--kv-cache-memory", "--landing-memory", "--transfer-timeout",
         "--reservation-timeout", "--redis-url", "--advertise-host", "--grace-period",
+        *POD_SECURITY_FLAGS,
     }),
     "make-model": frozenset({"--size"}),
 }
@@ -117,11 +124,15 @@ def container(deployment: dict[str, Any], name: str) -> dict[str, Any]:
     return matches[0]
 
 
+SWITCHES = frozenset({"--no-tls-client-cert"})  # the only flags passed without a value
+
+
 def flag_values(args: list[str]) -> dict[str, str]:
-    """`--flag=value` arguments as a dict (the chart passes every flag that way)."""
+    """`--flag=value` arguments as a dict (the chart passes every flag that way,
+    but the `SWITCHES`, which map to "")."""
     out = {}
     for arg in args[1:]:
         flag, sep, value = arg.partition("=")
-        assert sep, f"argument {arg!r} is not --flag=value"
+        assert sep or flag in SWITCHES, f"argument {arg!r} is not --flag=value"
         out[flag] = value
     return out

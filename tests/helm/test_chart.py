@@ -120,6 +120,12 @@ def test_default_values_satisfy_schema() -> None:
         ({"model": {"source": "hostPath"}}, ["model", "hostPath", "path"]),
         ({"model": {"demo": {"size": "huge"}}}, ["model", "demo", "size"]),
         ({"redis": {"externalUrl": "my-redis:6379"}}, ["redis", "externalUrl"]),
+        ({"tls": {"pods": {"healthPort": 0}}}, ["tls", "pods", "healthPort"]),
+        ({"tls": {"pods": {"serverName": "Not A Name"}}}, ["tls", "pods", "serverName"]),
+        ({"tls": {"router": {"secretName": "Bad_Name"}}}, ["tls", "router", "secretName"]),
+        ({"tls": {"router": {"ca": "x"}}}, ["tls", "router"]),
+        ({"podToken": {"value": "two words"}}, ["podToken", "value"]),
+        ({"networkPolicy": {"metricsFrom": "monitoring"}}, ["networkPolicy", "metricsFrom"]),
         ({"metrics": {"serviceMonitor": {"interval": "often"}}},
          ["metrics", "serviceMonitor", "interval"]),
         ({"decode": {"autoscaling": {"maxReplicas": 0}}}, ["decode", "autoscaling", "maxReplicas"]),
@@ -221,9 +227,12 @@ def test_probe_ports_are_container_ports(template: str) -> None:
                              text)
     assert probe_ports, "no probes found"
     assert set(probe_ports) <= container_ports
-    serve_port = re.search(r'"--port=({{[^}]*}})"', text)
-    if serve_port:  # pdserve pods: every probe targets the --port the server binds
-        assert set(probe_ports) == {serve_port.group(1)}
+    if "pdserve.probePort" in text:
+        # pdserve pods: every probe targets the port their health service is
+        # on, the --port, or with pod TLS the plaintext --health-port
+        # (pdserve.probePort; tests/helm/test_render.py checks the numbers)
+        assert set(probe_ports) == {"{{ $probePort }}"}
+        assert '"--health-port={{ .Values.tls.pods.healthPort }}"' in text
 
 
 @pytest.mark.parametrize(("template", "command"), sorted(COMMAND_OF_TEMPLATE.items()))

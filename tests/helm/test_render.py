@@ -49,6 +49,8 @@ def test_default_render_objects() -> None:
         ("Deployment", f"{PREFIX}-decode"),
         ("Deployment", f"{PREFIX}-prefill"),
         ("Deployment", f"{PREFIX}-router"),
+        ("NetworkPolicy", f"{PREFIX}-decode"),
+        ("NetworkPolicy", f"{PREFIX}-prefill"),
         ("PodDisruptionBudget", f"{PREFIX}-decode"),
         ("PodDisruptionBudget", f"{PREFIX}-prefill"),
         ("PodDisruptionBudget", f"{PREFIX}-router"),
@@ -107,6 +109,11 @@ def test_default_prefill_and_decode_args() -> None:
         ({**REDIS, "decode": {"autoscaling": {"enabled": True, "minReplicas": 5}}},
          "decode.autoscaling.maxReplicas (4) is below minReplicas (5)"),
         ({"decode": {"kvTransport": "udp"}}, "/decode/kvTransport"),
+        ({"tls": {"router": {"enabled": True}}}, "tls.router.enabled needs tls.router.secretName"),
+        ({"tls": {"pods": {"enabled": True}}}, "tls.pods.enabled needs tls.pods.secretName"),
+        ({"podToken": {"value": "t"}}, "podToken needs tls.pods.enabled"),
+        ({"tls": {"pods": {"enabled": True, "secretName": "pods", "clientAuth": False}}},
+         "tls.pods.clientAuth=false leaves pod gRPC unauthenticated"),
     ],
 )
 def test_render_refuses(values: dict[str, Any], message: str) -> None:
@@ -310,6 +317,11 @@ FULL_VALUES: dict[str, Any] = {
     "router": {"apiKey": {"value": "x"}, "extraEnv": [{"name": "LOG", "value": "1"}],
                "service": {"type": "LoadBalancer"}},
     "model": {"source": "hostPath", "hostPath": {"path": "/models"}},
+    "tls": {"router": {"enabled": True, "secretName": "router-tls"},
+            "pods": {"enabled": True, "secretName": "pod-tls"}},
+    "podToken": {"value": "t0k"},
+    "networkPolicy": {"metricsFrom": [{"namespaceSelector": {"matchLabels": {
+        "kubernetes.io/metadata.name": "monitoring"}}}]},
 }
 
 
@@ -322,4 +334,127 @@ def test_objects_match_kubernetes_schemas(values: dict[str, Any]) -> None:
     for doc in checked:
         # strict: unknown fields (typos in a template) fail too.
         kubernetes_validate.validate(doc, "1.30", strict=True)
-    assert len(checked) == (9 if not values else 14)
+    assert len(checked) == (11 if not values else 18)
+
+
+TLS = {"tls": {"router": {"enabled": True, "secretName": "router-tls"},
+               "pods": {"enabled": True, "secretName": "pod-tls"}},
+       "podToken": {"value": "t0k3n"}}
+POD_TLS_DIR = "/etc/pdserve/pod-tls"
+
+
+def _pod_spec(docs: list[dict[str, Any]], role: str) -> dict[str, Any]:
+    return find(docs, "Deployment", f"{PREFIX}-{role}")["spec"]["template"]["spec"]
+
+
+def test_tls_and_pod_token_mount_secrets_and_pass_flags() -> None:
+    docs = render(TLS)
+    pod_flags = {"--tls-cert-file": f"{POD_TLS_DIR}/tls.crt",
+                 "--tls-key-file": f"{POD_TLS_DIR}/tls.key",
+                 "--tls-ca-file": f"{POD_TLS_DIR}/ca.crt", "--tls-server-name": "pdserve-pod",
+                 "--health-port": "50070",
+                 "--pod-token-file": "/etc/pdserve/pod-token/pod-token"}
+    for role in ("prefill", "decode"):
+        flags = _args(docs, role)
+        assert {k: flags.get(k) for k in pod_flags} == pod_flags
+        assert "--no-tls-client-cert" not in flags
+        main = container(find(docs, "Deployment", f"{PREFIX}-{role}"), role)
+        # kubelet's gRPC probes cannot speak TLS: they go to the health-only port
+        assert set(_probe_ports(main)) == {50070}
+        assert {"name": "health", "containerPort": 50070, "protocol": "TCP"} in main["ports"]
+    router = _args(docs, "router")
+    assert {k: v for k, v in router.items() if "tls" in k or "-token-" in k} == {
+        "--tls-cert-file": "/etc/pdserve/router-tls/tls.crt",
+        "--tls-key-file": "/etc/pdserve/router-tls/tls.key",
+        "--pod-tls-ca-file": f"{POD_TLS_DIR}/ca.crt",
+        "--pod-tls-cert-file": f"{POD_TLS_DIR}/tls.crt",
+        "--pod-tls-key-file": f"{POD_TLS_DIR}/tls.key",
+        "--pod-tls-server-name": "pdserve-pod",
+        "--pod-token-file": "/etc/pdserve/pod-token/pod-token",
+    }
+    main = container(find(docs, "Deployment", f"{PREFIX}-router"), "router")
+    assert {main[p]["httpGet"]["scheme"] for p in ("livenessProbe", "readinessProbe")} == {
+        "HTTPS"}
+    # Secrets as volumes, mounted read-only where the flags point
+    secret = find(docs, "Secret", f"{PREFIX}-pod-token")
+    assert base64.b64decode(secret["data"]["pod-token"]) == b"t0k3n"
+    expected = {"router": {"router-tls": "router-tls", "pod-tls": "pod-tls",
+                           "pod-token": f"{PREFIX}-pod-token"},
+                "prefill": {"pod-tls": "pod-tls", "pod-token": f"{PREFIX}-pod-token"},
+                "decode": {"pod-tls": "pod-tls", "pod-token": f"{PREFIX}-pod-token"}}
+    for role, secrets in expected.items():
+        spec = _pod_spec(docs, role)
+        assert {v["name"]: v["secret"]["secretName"] for v in spec["volumes"]
+                if "secret" in v} == secrets
+        mounts = container({"spec": {"template": {"spec": spec}}}, role)["volumeMounts"]
+        assert {m["name"]: (m["mountPath"], m.get("readOnly")) for m in mounts
+                if m["name"] in secrets} == {
+            name: (f"/etc/pdserve/{name}", True) for name in secrets}
+        annotations = find(docs, "Deployment", f"{PREFIX}-{role}")["spec"]["template"][
+            "metadata"]["annotations"]
+        assert "checksum/pod-token" in annotations
+    assert _pod_spec(docs, "router") and "t0k3n" not in str(
+        [d for d in docs if d["kind"] != "Secret"])
+    assert find(docs, "Deployment", f"{PREFIX}-router")["spec"]["template"]["metadata"][
+        "annotations"]["prometheus.io/scheme"] == "https"
+
+
+def test_pod_token_instead_of_client_certificates() -> None:
+    docs = render({"tls": {"pods": {"enabled": True, "secretName": "pod-tls",
+                                    "clientAuth": False}},
+                   "podToken": {"existingSecret": "tokens", "secretKey": "pods"}})
+    for role in ("prefill", "decode"):
+        flags = _args(docs, role)
+        assert flags["--no-tls-client-cert"] == ""
+        assert flags["--pod-token-file"] == "/etc/pdserve/pod-token/pods"
+    router = _args(docs, "router")
+    assert "--pod-tls-cert-file" not in router and "--pod-tls-key-file" not in router
+    assert router["--pod-tls-ca-file"] == f"{POD_TLS_DIR}/ca.crt"
+    assert [d for d in docs if d["kind"] == "Secret"] == []
+    assert {v["name"]: v["secret"]["secretName"] for v in _pod_spec(docs, "router")["volumes"]
+            if "secret" in v} == {"pod-tls": "pod-tls", "pod-token": "tokens"}
+
+
+def _ingress(docs: list[dict[str, Any]], component: str) -> list[tuple[int, Any]]:
+    """(port, the components allowed in, or the raw `from`, None = anyone) per rule."""
+    policy = find(docs, "NetworkPolicy", f"{PREFIX}-{component}")["spec"]
+    assert policy["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == component
+    assert policy["policyTypes"] == ["Ingress"]
+    rules = []
+    for rule in policy["ingress"]:
+        peers = rule.get("from")
+        allowed = None if peers is None else [
+            p["podSelector"]["matchLabels"].get("app.kubernetes.io/component")
+            if "podSelector" in p else p for p in peers]
+        rules += [(port["port"], allowed) for port in rule["ports"]]
+    return rules
+
+
+def test_network_policies_fence_pod_grpc_and_the_kv_port() -> None:
+    docs = render()
+    assert _ingress(docs, "prefill") == [(50051, ["router"]), (9101, None)]
+    assert _ingress(docs, "decode") == [(50061, ["router"]), (50062, ["prefill"]),
+                                        (9102, None)]
+    # same-release pods only: the selectors name this release
+    rule = find(docs, "NetworkPolicy", f"{PREFIX}-decode")["spec"]["ingress"][1]
+    assert rule["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/instance"] == (
+        "demo")
+    monitoring = {"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}
+    docs = render({**REDIS, "networkPolicy": {"metricsFrom": [monitoring]}})
+    assert _ingress(docs, "decode")[2] == (9102, [monitoring])
+    redis = find(docs, "NetworkPolicy", f"{PREFIX}-redis")["spec"]["ingress"]
+    assert redis[0]["from"][0]["podSelector"]["matchExpressions"] == [{
+        "key": "app.kubernetes.io/component", "operator": "In",
+        "values": ["router", "prefill", "decode"]}]
+    assert [d for d in render({"networkPolicy": {"enabled": False}})
+            if d["kind"] == "NetworkPolicy"] == []
+
+
+def test_service_monitor_scrapes_an_https_router() -> None:
+    tls_config = {"ca": {"secret": {"name": "router-tls", "key": "ca.crt"}}}
+    docs = render({**TLS, "metrics": {"serviceMonitor": {
+        "enabled": True, "routerTlsConfig": tls_config}}})
+    router, pods = find(docs, "ServiceMonitor", PREFIX)["spec"]["endpoints"]
+    assert (router["port"], router["scheme"], router["tlsConfig"]) == (
+        "http", "https", tls_config)
+    assert "scheme" not in pods  # pod metrics stay plain HTTP

@@ -95,6 +95,18 @@ breaks sticky sessions and per-pod load tracking).
 {{- if and (eq .Values.model.source "pvc") (not .Values.model.pvc.claimName) }}
 {{- fail "model.source is pvc but model.pvc.claimName is empty: name an existing PersistentVolumeClaim" }}
 {{- end }}
+{{- if and .Values.tls.router.enabled (not .Values.tls.router.secretName) }}
+{{- fail "tls.router.enabled needs tls.router.secretName: a Secret with tls.crt and tls.key" }}
+{{- end }}
+{{- if and .Values.tls.pods.enabled (not .Values.tls.pods.secretName) }}
+{{- fail "tls.pods.enabled needs tls.pods.secretName: a Secret with tls.crt, tls.key and ca.crt" }}
+{{- end }}
+{{- if and (include "pdserve.podTokenSecretName" .) (not .Values.tls.pods.enabled) }}
+{{- fail "podToken needs tls.pods.enabled: the token is only sent over TLS" }}
+{{- end }}
+{{- if and .Values.tls.pods.enabled (not .Values.tls.pods.clientAuth) (not (include "pdserve.podTokenSecretName" .)) }}
+{{- fail "tls.pods.clientAuth=false leaves pod gRPC unauthenticated: set podToken.value or podToken.existingSecret" }}
+{{- end }}
 {{- if and (eq .Values.model.source "hostPath") (not .Values.model.hostPath.path) }}
 {{- fail "model.source is hostPath but model.hostPath.path is empty: name a directory on the nodes" }}
 {{- end }}
@@ -109,12 +121,15 @@ breaks sticky sessions and per-pod load tracking).
 {{- end }}
 {{- end }}
 
-{{/* Prometheus scrape annotations: (dict "root" $ "port" 9101). */}}
+{{/* Prometheus scrape annotations: (dict "root" $ "port" 9101 "https" false). */}}
 {{- define "pdserve.scrapeAnnotations" -}}
 {{- if .root.Values.metrics.podAnnotations -}}
 prometheus.io/scrape: "true"
 prometheus.io/port: {{ .port | quote }}
 prometheus.io/path: /metrics
+{{- if .https }}
+prometheus.io/scheme: https
+{{- end }}
 {{- end }}
 {{- end }}
 
@@ -153,33 +168,103 @@ initContainers:
 {{- end }}
 {{- end }}
 
-{{/* Volumes of every pdserve pod: the model source and a writable /tmp. */}}
+{{/*
+Volumes of every pdserve pod: the model source, a writable /tmp, and the
+Secrets of docs/deploy.md's Security section (see pdserve.volumeMounts):
+(dict "root" $ "component" "router").
+*/}}
 {{- define "pdserve.volumes" -}}
+{{- $v := .root.Values }}
 volumes:
   - name: models
-    {{- if eq .Values.model.source "pvc" }}
+    {{- if eq $v.model.source "pvc" }}
     persistentVolumeClaim:
-      claimName: {{ .Values.model.pvc.claimName }}
+      claimName: {{ $v.model.pvc.claimName }}
       readOnly: true
-    {{- else if eq .Values.model.source "hostPath" }}
+    {{- else if eq $v.model.source "hostPath" }}
     hostPath:
-      path: {{ .Values.model.hostPath.path }}
+      path: {{ $v.model.hostPath.path }}
       type: Directory
     {{- else }}
     emptyDir: {}
     {{- end }}
   - name: tmp
     emptyDir: {}
+  {{- if and (eq .component "router") $v.tls.router.enabled }}
+  - name: router-tls
+    secret:
+      secretName: {{ $v.tls.router.secretName }}
+  {{- end }}
+  {{- if $v.tls.pods.enabled }}
+  - name: pod-tls
+    secret:
+      secretName: {{ $v.tls.pods.secretName }}
+  {{- end }}
+  {{- with include "pdserve.podTokenSecretName" .root }}
+  - name: pod-token
+    secret:
+      secretName: {{ . }}
+  {{- end }}
 {{- end }}
 
-{{/* Mounts of every pdserve main container: models read-only, /tmp writable. */}}
+{{/*
+Mounts of every pdserve main container: models read-only, /tmp writable,
+and the security Secrets read-only: /etc/pdserve/router-tls (the router's
+listeners), /etc/pdserve/pod-tls (pod gRPC, for pods and the router alike),
+/etc/pdserve/pod-token. (dict "root" $ "component" "router")
+*/}}
 {{- define "pdserve.volumeMounts" -}}
+{{- $v := .root.Values }}
 volumeMounts:
   - name: models
     mountPath: /models
     readOnly: true
   - name: tmp
     mountPath: /tmp
+  {{- if and (eq .component "router") $v.tls.router.enabled }}
+  - name: router-tls
+    mountPath: /etc/pdserve/router-tls
+    readOnly: true
+  {{- end }}
+  {{- if $v.tls.pods.enabled }}
+  - name: pod-tls
+    mountPath: /etc/pdserve/pod-tls
+    readOnly: true
+  {{- end }}
+  {{- if include "pdserve.podTokenSecretName" .root }}
+  - name: pod-token
+    mountPath: /etc/pdserve/pod-token
+    readOnly: true
+  {{- end }}
+{{- end }}
+
+{{/* Name of the Secret holding the pod token, or "" when there is none. */}}
+{{- define "pdserve.podTokenSecretName" -}}
+{{- if .Values.podToken.existingSecret }}
+{{- .Values.podToken.existingSecret }}
+{{- else if .Values.podToken.value }}
+{{- printf "%s-pod-token" (include "pdserve.fullname" .) }}
+{{- end }}
+{{- end }}
+
+{{/* Restart pods when an inline pod token changes: a Secret file is read once, at start. */}}
+{{- define "pdserve.podTokenChecksum" -}}
+{{- if and .Values.podToken.value (not .Values.podToken.existingSecret) }}
+checksum/pod-token: {{ .Values.podToken.value | sha256sum }}
+{{- end }}
+{{- end }}
+
+{{/*
+The port kubelet's gRPC probes target on a pod: its gRPC port, or with pod
+TLS the plaintext health-only port (kubelet's probes cannot speak TLS):
+(dict "root" $ "component" "prefill").
+*/}}
+{{- define "pdserve.probePort" -}}
+{{- if .root.Values.tls.pods.enabled }}
+{{- .root.Values.tls.pods.healthPort }}
+{{- else }}
+{{- get (get .root.Values .component) "port" }}
+{{- end }}
 {{- end }}
 
 {{/*
