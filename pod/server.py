@@ -13,6 +13,11 @@ Shutdown (SIGTERM or SIGINT):
             --in-flight done or grace period over--> STOPPED (server stopped, exit 0)
 
 A pod whose engine loop died takes the same path on its own and exits 1.
+
+The gRPC port serves TLS and requires the pod token as `config.security`
+says (proto/tls.py; the server is built with `new_grpc_server(security)`);
+with `config.health_port` the health service is also served alone, in
+plaintext, for probes that cannot speak TLS.
 """
 
 from __future__ import annotations

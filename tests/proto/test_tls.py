@@ -172,3 +172,50 @@ def test_synchronous_server_and_channel(certs):
         assert call(_client(certs)) == grpc.StatusCode.OK
     finally:
         server.stop(None).wait(10)
+
+
+def test_https_context_requires_client_certificates_with_a_ca(certs):
+    """The router's HTTPS listener with --tls-ca-file: a client without a
+    certificate is refused, one with a certificate the CA signed is served,
+    and the listener keeps accepting."""
+    import socket
+    import ssl
+    import threading
+
+    server_context = TlsFiles(certs.pod_cert, certs.pod_key, certs.ca).ssl_context()
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(10)
+    outcomes: list[str] = []
+
+    def serve(connections: int) -> None:
+        for _ in range(connections):
+            sock, _ = listener.accept()
+            try:
+                with server_context.wrap_socket(sock, server_side=True) as tls:
+                    tls.sendall(b"hello " + tls.recv(5))
+                    outcomes.append("served")
+            except (ssl.SSLError, OSError) as exc:
+                outcomes.append(type(exc).__name__)
+
+    def client(with_cert: bool) -> bytes | None:
+        context = ssl.create_default_context(cafile=certs.ca)
+        if with_cert:
+            context.load_cert_chain(certs.client_cert, certs.client_key)
+        with socket.create_connection(listener.getsockname(), timeout=10) as sock, \
+                context.wrap_socket(sock, server_hostname="localhost") as tls:
+            try:
+                tls.sendall(b"there")
+                return tls.recv(64)
+            except (ssl.SSLError, OSError):
+                return None  # TLS 1.3: the refusal arrives with the first read
+
+    thread = threading.Thread(target=serve, args=(3,), daemon=True)
+    thread.start()
+    try:
+        assert client(with_cert=False) is None
+        assert client(with_cert=True) == b"hello there"
+        assert client(with_cert=True) == b"hello there"
+    finally:
+        thread.join(10)
+        listener.close()
+    assert outcomes[0] != "served" and outcomes[1:] == ["served", "served"]
