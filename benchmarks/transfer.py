@@ -11,6 +11,9 @@ In one run, for each stream count N (default 1, 2, 4, 8):
 - **tcp-xxh64**: the same with `SenderConfig(checksum="xxh64")`;
 - **grpc**: `GrpcKVSender` -> `GrpcKVReceiver` with N concurrent Push calls
   (XXH3-64 checksums, the default);
+- **grpc-tls** (only when named in --connectors, with --tls-dir): the gRPC
+  connector with the pods' mutual TLS and a pod token (proto/tls.py), what
+  `--kv-transport grpc` costs with `--tls-*` set (docs/deploy.md, Security);
 - **tcp-no-checksum** (only when named in --connectors; a diagnostic, not a
   product mode): the TCP connector with `data_checksum` replaced by a
   constant on both sides, to show what the checksums cost apart from framing;
@@ -51,7 +54,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--streams", default="1,2,4,8", help="comma-separated stream counts")
     parser.add_argument("--connectors", default="tcp,tcp-xxh64,grpc",
                         help="comma-separated: tcp, tcp-xxh64 (XXH64 checksums), grpc, "
-                             "tcp-no-checksum (diagnostic)")
+                             "grpc-tls (needs --tls-dir), tcp-no-checksum (diagnostic)")
+    parser.add_argument("--tls-dir", default=None, metavar="DIR",
+                        help="for grpc-tls: ca.crt, and tls.crt/tls.key valid for the name "
+                             "pdserve-pod with server and client usage (as a pod Secret)")
     parser.add_argument("--chunk-mib", type=float, default=4.0, help="max DATA payload (MiB)")
     parser.add_argument("--min-chunk-mib", type=float, default=2.0,
                         help="smallest DATA payload a layer is cut into (MiB; SenderConfig"
@@ -79,7 +85,8 @@ def main(args: argparse.Namespace) -> int:
     print(f"# {args.requests} requests x {layout}: {total / 2**20:.1f} MiB per measurement, "
           f"best of {args.repeats}, chunk {args.min_chunk_mib}-{args.chunk_mib} MiB")  # fmt: skip
     rows = []
-    baselines = ["ceiling"] + (["grpc-plain"] if "grpc" in connectors else [])
+    baselines = ["ceiling"] + (
+        ["grpc-plain"] if any(c.startswith("grpc") for c in connectors) else [])
     for n in streams:
         # repeats interleave every path, baselines included, so that a burst of load
         # on the machine hits them all alike; each group has its own baselines
@@ -89,11 +96,12 @@ def main(args: argparse.Namespace) -> int:
             if "grpc-plain" in runs:
                 runs["grpc-plain"].append(_plain_grpc(kvs, chunk))
             for connector in connectors:
-                runs[connector].append(_connector(connector, kvs, layout, n, chunk, min_chunk))
+                runs[connector].append(_connector(connector, kvs, layout, n, chunk, min_chunk,
+                                                  args.tls_dir))
         best = {path: _best(results) for path, results in runs.items()}
         median = {path: _median_seconds(results) for path, results in runs.items()}
         for path in (*baselines, *connectors):
-            base_path = "grpc-plain" if path == "grpc" else "ceiling"
+            base_path = "grpc-plain" if path.startswith("grpc") else "ceiling"
             if path in baselines:
                 rows.append((path, n, total, best[path], None, None))
             else:
@@ -138,7 +146,7 @@ def _print(rows) -> None:
         gbps = total / seconds / 1e9
         ratio = median = "-"
         if base is not None:
-            name = "grpc-plain" if path == "grpc" else "ceiling"
+            name = "grpc-plain" if path.startswith("grpc") else "ceiling"
             ratio = f"{base[0] / seconds:.0%} of {name}"
             median = f"{median_ratio:.0%}"
         lat = "- | -"
@@ -213,11 +221,27 @@ def _recv_exact(conn: socket.socket, n: int) -> bytes:
     return buf
 
 
+def _pod_security(tls_dir: str | None):
+    """(server, client) `PodSecurity` of grpc-tls: mutual TLS + a pod token."""
+    from proto.tls import PodSecurity, TlsFiles
+
+    if tls_dir is None:
+        raise ValueError("the grpc-tls connector needs --tls-dir")
+    files = TlsFiles(f"{tls_dir}/tls.crt", f"{tls_dir}/tls.key", f"{tls_dir}/ca.crt",
+                     server_name="pdserve-pod")
+    return PodSecurity(tls=files, token="bench"), PodSecurity(tls=files, token="bench")
+
+
 def _connector(name: str, kvs, layout, num_streams: int, chunk: int,
-               min_chunk: int = 2 << 20) -> tuple[float, float, list[float]]:  # fmt: skip
+               min_chunk: int = 2 << 20, tls_dir: str | None = None,
+               ) -> tuple[float, float, list[float]]:  # fmt: skip
     """K requests through a real connector; (seconds, per-layer BEGIN->ready latencies)."""
     from kv_transfer.base import KVReceiveListener
     from kv_transfer.config import ReceiverConfig, SenderConfig
+    from proto.tls import PodSecurity
+
+    server_security, client_security = (
+        _pod_security(tls_dir) if name == "grpc-tls" else (PodSecurity(), PodSecurity()))
 
     if name.startswith("tcp"):
         from kv_transfer.tcp import TcpKVReceiver as Receiver
@@ -240,11 +264,13 @@ def _connector(name: str, kvs, layout, num_streams: int, chunk: int,
 
     capacity = layout.total_bytes * len(kvs)
     # prefaulted: a pod's long-lived landing slab is resident after its first requests
-    receiver = Receiver(ReceiverConfig(capacity_bytes=capacity, prefault_landing=True), Timing())
+    receiver = Receiver(ReceiverConfig(capacity_bytes=capacity, prefault_landing=True,
+                                       security=server_security), Timing())
     receiver.start()
     checksum = "xxh64" if name == "tcp-xxh64" else "xxh3"
     config = SenderConfig(num_streams=num_streams, max_chunk_bytes=chunk,
-                          min_chunk_bytes=min(min_chunk, chunk), checksum=checksum)  # fmt: skip
+                          min_chunk_bytes=min(min_chunk, chunk), checksum=checksum,
+                          security=client_security)  # fmt: skip
     sender = Sender(config)
     if name == "tcp-no-checksum":
         from benchmarks.transfer_split import _constant, _set_checksum
