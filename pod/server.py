@@ -89,6 +89,9 @@ class PodServer:
         port = add_port(self.server, f"{self.config.host}:{self.config.port}", security.tls)
         await self.server.start()
         log.info("%s pod gRPC: %s", self.role, security.describe())
+        if security.tls is not None and not security.tls.mutual and security.token is None:
+            log.warning("%s pod gRPC is encrypted but authenticates no caller: add "
+                        "--tls-ca-file (client certificates) or --pod-token-file", self.role)
         health_server = await self._start_health_server()
         for name in ("", *self.services):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -53,6 +53,30 @@ def test_transfer_benchmark_no_checksum_diagnostic_leaves_checksums_on_after(cap
     assert stream.data_checksum is data_checksum and receiver.data_checksum is data_checksum
 
 
+def test_transfer_benchmark_grpc_over_mutual_tls(capsys, tmp_path):
+    import shutil
+
+    from tests.tls_certs import make_certs
+
+    certs = make_certs(tmp_path / "certs")
+    secret = tmp_path / "secret"  # laid out as the pods' Secret is mounted
+    secret.mkdir()
+    for source, name in ((certs.pod_cert, "tls.crt"), (certs.pod_key, "tls.key"),
+                         (certs.ca, "ca.crt")):
+        shutil.copy(source, secret / name)
+    args = _args(transfer, ["--requests", "1", "--layers", "2", "--tokens", "64",
+                            "--streams", "2", "--repeats", "1", "--connectors", "grpc-tls",
+                            "--tls-dir", str(secret)])  # fmt: skip
+    assert transfer.main(args) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert [row.split("|")[1].strip() for row in rows[1:]] == [
+        "ceiling", "grpc-plain", "grpc-tls"]
+    assert "of grpc-plain" in rows[-1]
+    with pytest.raises(ValueError, match="needs --tls-dir"):
+        transfer.main(_args(transfer, ["--requests", "1", "--layers", "2", "--tokens", "64",
+                                       "--streams", "1", "--connectors", "grpc-tls"]))
+
+
 def test_transfer_split_benchmark_prints_every_path(capsys):
     args = _args(transfer_split, ["--requests", "1", "--layers", "2", "--tokens", "64",
                                   "--streams", "2", "--rounds", "2"])  # fmt: skip
