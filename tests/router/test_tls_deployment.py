@@ -4,9 +4,11 @@
                                       prefill --mutual TLS + token--> decode's gRPC KV port
 
 The router's HTTP and gRPC listeners serve TLS; the pods require client
-certificates signed by the CA and the pod token; the KV travels over the
-gRPC connector, which uses the same channel helper. Strangers are refused
-(TLS handshake failure, UNAUTHENTICATED) and the deployment keeps serving.
+certificates signed by the CA and the pod token. The module runs twice: the
+KV over the gRPC connector, which uses the same channel helper, and over the
+default TCP connector, plaintext and cluster-internal by design
+(docs/deploy.md, Security). Strangers are refused (TLS handshake failure,
+UNAUTHENTICATED) and the deployment keeps serving.
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 PROMPT = "The quick brown fox"
 
 
-@pytest.fixture(scope="module")
-def deployment(tiny_model_dir, tmp_path_factory):
+@pytest.fixture(scope="module", params=["grpc", "tcp"])
+def deployment(request, tiny_model_dir, tmp_path_factory):
     directory = tmp_path_factory.mktemp("tls")
     certs = make_certs(directory / "certs")
     token_file = directory / "pod-token"
@@ -38,7 +40,7 @@ def deployment(tiny_model_dir, tmp_path_factory):
                  "tls_ca_file": certs.ca, "tls_server_name": SERVER_NAME,
                  "pod_token_file": str(token_file), "health_port": 0}
     pods = start_pods({"prefill": ("prefill", pod_flags),
-                       "decode": ("decode", {**pod_flags, "kv_transport": "grpc"})},
+                       "decode": ("decode", {**pod_flags, "kv_transport": request.param})},
                       tiny_model_dir)
     router = None
     try:
@@ -49,7 +51,7 @@ def deployment(tiny_model_dir, tmp_path_factory):
             pod_tls_key_file=certs.client_key, pod_tls_server_name=SERVER_NAME,
             pod_token_file=str(token_file))
         wait_ready(router, context=ssl.create_default_context(cafile=certs.ca))
-        yield {"certs": certs, "router": router, **pods}
+        yield {"certs": certs, "router": router, "kv_transport": request.param, **pods}
     finally:
         if router is not None:
             router.terminate()
@@ -123,13 +125,15 @@ def test_pods_refuse_callers_without_certificate_or_token_and_keep_serving(deplo
         pdserve_pb2_grpc.KVTransferStub(channel).Push(iter(()), timeout=10)
 
     decode, prefill = deployment["decode"], deployment["prefill"]
-    kv_address = f"127.0.0.1:{decode.kv_port}"
-    codes = [_refusal(address, security, call)
-             for address, call in ((decode.address, get_load), (prefill.address, get_load),
-                                   (kv_address, push))
+    ports = [(decode.address, get_load), (prefill.address, get_load)]
+    if deployment["kv_transport"] == "grpc":
+        ports.append((f"127.0.0.1:{decode.kv_port}", push))
+    else:  # the TCP KV channel stays plaintext, and the pod says so
+        assert "KV transport tcp: plaintext on the cluster network" in decode.log_tail(10**6)
+    codes = [_refusal(address, security, call) for address, call in ports
              for security in (stranger, wrong_token, PodSecurity())]
     unavailable, unauthenticated = grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAUTHENTICATED
-    assert codes == [unavailable, unauthenticated, unavailable] * 3
+    assert codes == [unavailable, unauthenticated, unavailable] * len(ports)
     # the deployment still serves, and its answer did not change
     assert _complete(deployment) == _complete(deployment)
     assert decode.alive() and prefill.alive()
