@@ -189,6 +189,8 @@ class LLMEngine:
         request = self._new_request(request_id, prompt_token_ids, sampling_params,
                                     output_token_ids,
                                     status=RequestStatus.WAITING_FOR_REMOTE_KV)
+        if local_prefill_below < 0:
+            raise ValueError(f"local_prefill_below must be >= 0, got {local_prefill_below}")
         if local_prefill_below > 0:
             new_tokens = (request.num_context_tokens
                           - self.block_manager.num_cached_prefix_tokens(request))
