@@ -81,6 +81,9 @@ class RouterConfig:
     # at least queue_ratio x as many tokens queued ahead of it.
     local_prefill_max_tokens: int = 0
     local_prefill_queue_ratio: float = 1.0
+    # Conditional disaggregation: fewer new tokens than this (after the decode
+    # pod's cached prefix) are prefilled on the decode pod, whatever the queue.
+    local_prefill_below: int = 0
 
     def __post_init__(self) -> None:
         if not self.model_dir:
@@ -132,6 +135,9 @@ class RouterConfig:
         if not 0.0 <= self.local_prefill_queue_ratio <= 1000.0:
             raise ValueError(f"local_prefill_queue_ratio must be in [0, 1000], "
                              f"got {self.local_prefill_queue_ratio}")
+        if not 0 <= self.local_prefill_below <= 1 << 20:
+            raise ValueError(f"local_prefill_below must be in [0, {1 << 20}], "
+                             f"got {self.local_prefill_below}")
         if self.shutdown_grace < 0:
             raise ValueError(f"shutdown_grace must be >= 0 seconds, got {self.shutdown_grace}")
 
