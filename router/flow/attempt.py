@@ -78,6 +78,8 @@ class Attempt:
         self._left_out = left_out
         self._deadline = deadline
         self._to_state = to_state
+        # local_prefill_below of the last generate built: the stream that opened
+        self._local_below = 0
 
     def _remaining(self) -> float:
         left = self._deadline - time.monotonic()
@@ -106,6 +108,7 @@ class Attempt:
         rule = self._deps.local_prefill
         below = 0 if rule is None or not remote_prefill else rule.below_at(
             address, len(self._request.prompt_token_ids) + self._request.sampling.max_tokens)
+        self._local_below = below
         return pb.DecodeGenerateRequest(
             request_id=self._request_id,
             prompt_token_ids=self._request.prompt_token_ids,
@@ -185,7 +188,8 @@ class Attempt:
                 self._request, exclude=frozenset(self._left_out), timeout=self._remaining())
             stack.callback(slot.release)  # a no-op once the prefill released it
             address, call, first = await self._open_stream("decode", stack)
-            if first is not grpc.aio.EOF and first.WhichOneof("kind") == "tokens":
+            if (self._local_below and first is not grpc.aio.EOF
+                    and first.WhichOneof("kind") == "tokens"):
                 # local_prefill_below: the pod's cached prefix left so few new
                 # tokens that it computed them itself (no prefill pod, no transfer)
                 slot.release()
