@@ -13,6 +13,15 @@ the built-in `base` model by default:
   reservation round trip; the tail of the transfer now overlaps the client's
   wait for token 1 instead.
 
+With `--local`, a third mode: **decode-local** (conditional disaggregation,
+`pdserve router --local-prefill-below`): `Decode.Generate(remote_prefill,
+local_prefill_below)` on the decode pod, which computes the prompt itself
+and answers with tokens instead of Reserved; TTFT = until its first tokens
+message. Against disaggregated, per prompt length, it shows where local
+prefill stops paying (the crossover the router's threshold is set from).
+`--decode-load N` keeps N sequences decoding on the decode pod meanwhile
+(as in service: a local prefill shares the pod's steps with its batch).
+
 Both run at low load (one request at a time), interleaved so drift hits
 both alike, over fresh random prompts (prefix cache off on the prefill pod,
 so every request computes its whole prompt). Reports the median and the
@@ -32,6 +41,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -50,6 +60,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-block-size", type=int, default=16)
     parser.add_argument("--decode-block-size", type=int, default=128)
     parser.add_argument("--kv-cache-memory", default="2GiB", help="per pod")
+    parser.add_argument("--local", action="store_true",
+                        help="also time the decode pod prefilling the prompt itself "
+                             "(conditional disaggregation) against disaggregated")
+    parser.add_argument("--decode-load", type=int, default=0, metavar="N",
+                        help="sequences kept decoding on the decode pod meanwhile (default 0)")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write results here")
 
 
@@ -121,6 +136,46 @@ def _measure_disaggregated(prefill, decode, pb, rid: str, prompt: list[int]) -> 
     return ttft, done.transfer_done.kv_bytes_sent
 
 
+def _measure_local(decode, pb, rid: str, prompt: list[int]) -> float:
+    """The decode pod prefills the prompt itself (local_prefill_below above its length)."""
+    sampling = pb.SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    start = time.perf_counter()
+    call = decode.Generate(pb.DecodeGenerateRequest(
+        request_id=rid, prompt_token_ids=prompt, sampling=sampling, remote_prefill=True,
+        local_prefill_below=len(prompt) + 1), timeout=600)
+    first = next(call)
+    ttft = time.perf_counter() - start
+    if first.WhichOneof("kind") != "tokens":
+        call.cancel()
+        raise RuntimeError(f"the decode pod answered {first.WhichOneof('kind')}, not tokens")
+    for _ in call:
+        pass
+    return ttft
+
+
+def _decode_load(decode, pb, num_seqs: int, stop: threading.Event) -> list[threading.Thread]:
+    """`num_seqs` threads, each keeping one long sequence decoding on the decode pod."""
+    def run(i: int) -> None:
+        rng = random.Random(1000 + i)
+        n = 0
+        while not stop.is_set():
+            n += 1
+            call = decode.Generate(pb.DecodeGenerateRequest(
+                request_id=f"load-{i}-{n}", prompt_token_ids=[rng.randrange(5, 1000)
+                                                              for _ in range(64)],
+                sampling=pb.SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True)),
+                timeout=600)
+            for _ in call:
+                if stop.is_set():
+                    call.cancel()
+                    break
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(num_seqs)]
+    for thread in threads:
+        thread.start()
+    return threads
+
+
 def main(args: argparse.Namespace) -> int:
     import grpc
 
@@ -144,6 +199,8 @@ def main(args: argparse.Namespace) -> int:
         decode = pbg.DecodeStub(grpc.insecure_channel(decode_pod.address))
         rng = random.Random(0)
         results = []
+        stop_load = threading.Event()
+        load = _decode_load(decode, pb, args.decode_load, stop_load)
         # warm up both paths (first calls pay for lazy initialisation)
         for i in range(2):
             warm = [rng.randrange(5, 1000) for _ in range(min(lengths))]
@@ -151,6 +208,7 @@ def main(args: argparse.Namespace) -> int:
             _measure_disaggregated(prefill, decode, pb, f"warm-d-{i}", warm)
         for length in lengths:
             base, disagg, kv_bytes = [], [], 0
+            local: list[float] = []
             for r in range(args.repeats):
                 prompt = [rng.randrange(5, 1000) for _ in range(length)]
                 other = [rng.randrange(5, 1000) for _ in range(length)]
@@ -158,13 +216,23 @@ def main(args: argparse.Namespace) -> int:
                 ttft, kv_bytes = _measure_disaggregated(prefill, decode, pb,
                                                         f"d-{length}-{r}", other)
                 disagg.append(ttft)
-                print(f"prompt {length} #{r}: prefill-only {base[-1] * 1e3:.1f} ms, "
-                      f"disaggregated {ttft * 1e3:.1f} ms", file=sys.stderr, flush=True)
-            results.append({"prompt_len": length, "prefill_only_ms": statistics.median(base) * 1e3,
-                            "disaggregated_ms": statistics.median(disagg) * 1e3,
-                            "prefill_only_min_ms": min(base) * 1e3,
-                            "disaggregated_min_ms": min(disagg) * 1e3,
-                            "kv_bytes": kv_bytes})
+                line = (f"prompt {length} #{r}: prefill-only {base[-1] * 1e3:.1f} ms, "
+                        f"disaggregated {ttft * 1e3:.1f} ms")
+                if args.local:
+                    third = [rng.randrange(5, 1000) for _ in range(length)]
+                    local.append(_measure_local(decode, pb, f"l-{length}-{r}", third))
+                    line += f", decode-local {local[-1] * 1e3:.1f} ms"
+                print(line, file=sys.stderr, flush=True)
+            row = {"prompt_len": length, "prefill_only_ms": statistics.median(base) * 1e3,
+                   "disaggregated_ms": statistics.median(disagg) * 1e3,
+                   "prefill_only_min_ms": min(base) * 1e3,
+                   "disaggregated_min_ms": min(disagg) * 1e3, "kv_bytes": kv_bytes}
+            if local:
+                row.update(local_ms=statistics.median(local) * 1e3, local_min_ms=min(local) * 1e3)
+            results.append(row)
+        stop_load.set()
+        for thread in load:
+            thread.join(60)
     finally:
         for pod in (decode_pod, prefill_pod):
             if pod is not None:
@@ -189,3 +257,12 @@ def _print_table(args: argparse.Namespace, results: list[dict]) -> None:
               f"{row['prefill_only_min_ms']:.1f} | {row['disaggregated_ms']:.1f} / "
               f"{row['disaggregated_min_ms']:.1f} | {ratio:.3f} | {ratio_min:.3f} | "
               f"{row['kv_bytes']:,} |")
+    if any("local_ms" in row for row in results):
+        print(f"\ndecode-local vs disaggregated (decode load {args.decode_load} sequences)")
+        print("| prompt tokens | decode-local TTFT median / min (ms) | disaggregated TTFT "
+              "median / min (ms) | local / disaggregated (medians) |")
+        print("|---:|---:|---:|---:|")
+        for row in results:
+            print(f"| {row['prompt_len']} | {row['local_ms']:.1f} / {row['local_min_ms']:.1f} | "
+                  f"{row['disaggregated_ms']:.1f} / {row['disaggregated_min_ms']:.1f} | "
+                  f"{row['local_ms'] / row['disaggregated_ms']:.3f} |")

@@ -12,9 +12,13 @@ the pod's event loop unless another caller is named:
 
     NEW
      │ reserve()      engine loop: reserve_remote(R); blocks for context +
-     v                max_tokens held, R in WAITING_FOR_REMOTE_KV
+     v                max_tokens held, R in WAITING_FOR_REMOTE_KV; with the pod's
+     │                prefix cache on, its cached prefix (whole blocks) is held too
+     │                and only the rest is expected (cache-miss-only transfer)
     RESERVING ─ CapacityError / ValueError ─> (nothing held; the error propagates)
-     v
+     │        ─ fewer new tokens than local_prefill_below ─> LOCAL: the engine
+     │          computes R itself (conditional disaggregation); R's tokens come
+     v          on `stream` from index 0, and nothing is held here
     RESERVED
      │ open()         injector.expect(R) (before any ticket exists, so no layer
      v                arrives unannounced), then receiver.expect(R) -> landing
@@ -96,6 +100,7 @@ class ImportState(enum.Enum):
     NEW = "new"
     RESERVING = "reserving"
     RESERVED = "reserved"
+    LOCAL = "local"
     OPEN = "open"
     INJECTED = "injected"
     COMMITTED = "committed"
@@ -104,11 +109,12 @@ class ImportState(enum.Enum):
 
 _IMPORT_TRANSITIONS = {
     ImportState.NEW: frozenset({ImportState.RESERVING}),
-    ImportState.RESERVING: frozenset({ImportState.RESERVED}),
+    ImportState.RESERVING: frozenset({ImportState.RESERVED, ImportState.LOCAL}),
     ImportState.RESERVED: frozenset({ImportState.OPEN, ImportState.FREED}),
     ImportState.OPEN: frozenset({ImportState.INJECTED, ImportState.FREED}),
     ImportState.INJECTED: frozenset({ImportState.COMMITTED, ImportState.FREED}),
     ImportState.COMMITTED: frozenset(),
+    ImportState.LOCAL: frozenset(),
     ImportState.FREED: frozenset(),
 }
 
@@ -145,13 +151,30 @@ class KVImport:
         self._state = new
 
     async def reserve(self, prompt: Sequence[int], params: SamplingParams,
-                      outputs: Sequence[int]) -> RemoteReservation:
-        """Hold R's blocks; CapacityError / ValueError propagate (nothing held)."""
+                      outputs: Sequence[int], local_prefill_below: int = 0
+                      ) -> RemoteReservation | None:
+        """Hold R's blocks; CapacityError / ValueError propagate (nothing held).
+        None: fewer than `local_prefill_below` context tokens were left after
+        the pod's cached prefix, so the engine computes R itself (LOCAL; its
+        tokens arrive on `stream` from index 0)."""
         self._to(ImportState.RESERVING)
         self._reservation, self._stream = await self._loop.reserve_remote(
-            self.request_id, prompt, params, output_token_ids=outputs)
-        self._to(ImportState.RESERVED)
+            self.request_id, prompt, params, output_token_ids=outputs,
+            local_prefill_below=local_prefill_below)
+        self._to(ImportState.LOCAL if self._reservation is None else ImportState.RESERVED)
         return self._reservation
+
+    @property
+    def stream(self) -> RequestStream:
+        """R's output stream (after `reserve`)."""
+        assert self._stream is not None
+        return self._stream
+
+    @property
+    def held_bytes(self) -> int:
+        """KV bytes of the cached prefix the pod holds, which nobody sends."""
+        held = 0 if self._reservation is None else self._reservation.num_held_tokens
+        return self._remote.kv_shape.bytes_of(held)
 
     def open(self) -> TransferTarget:
         """Announce R to the injector, then open its landing buffer; returns the
@@ -159,7 +182,8 @@ class KVImport:
         is full (R is still RESERVED then: `free` it)."""
         assert self._reservation is not None
         remote = self._remote
-        layout = remote.kv_shape.layout(self._reservation.num_context_tokens)
+        reservation = self._reservation
+        layout = remote.kv_shape.layout(reservation.num_new_tokens, reservation.num_held_tokens)
         event_loop = asyncio.get_running_loop()
         self._ready = remote.injector.expect(
             self.request_id, self._reservation.slot_mapping, layout.num_layers,

@@ -30,7 +30,12 @@ receiver, injector) is a `KVImport` (decode_service/kv_import.py):
     yield DecodeTokens(first_index=1..), the last one with finish_reason
 
 With `remote_prefill=false` (colocated pod, or a decode pod asked to compute
-locally): add_request -> WAITING -> RUNNING -> tokens from index 0.
+locally): add_request -> WAITING -> RUNNING -> tokens from index 0. The same
+happens with `remote_prefill=true` when `local_prefill_below` is set and the
+pod's prefix cache leaves fewer new tokens than that (conditional
+disaggregation, decided in `kv.reserve()`): no Reserved, tokens from index 0.
+With the prefix cache on, Reserved's `target.num_held_tokens` says how much
+of the context the pod already holds; the prefill pod sends only the rest.
 
 Cancel (client goes away, or `Abort`) in any state: before commit
 `kv.free()` cancels the transfer at the receiver and lets the injector forget
@@ -117,7 +122,7 @@ class DecodeServicer(pdserve_pb2_grpc.DecodeServicer):
                     raise ValueError("remote_prefill=true needs a decode pod; this "
                                      f"{self._role} pod computes prompts locally")
                 messages = self._generate_remote(request.request_id, prompt, outputs, params,
-                                                 arrived)
+                                                 arrived, request.local_prefill_below)
             else:
                 messages = self._generate_local(request.request_id, prompt, outputs, params,
                                                 arrived)
@@ -167,27 +172,34 @@ class DecodeServicer(pdserve_pb2_grpc.DecodeServicer):
                 await asyncio.shield(self._loop.abort(rid, "client"))
 
     async def _generate_remote(self, rid: str, prompt: list[int], outputs: list[int],
-                               params: SamplingParams, arrived: float
+                               params: SamplingParams, arrived: float,
+                               local_prefill_below: int = 0,
                                ) -> AsyncIterator[pdserve_pb2.DecodeGenerateResponse]:
         remote = self._remote
         assert remote is not None
         kv = KVImport(rid, self._loop, remote)
         outcome = "client"  # how R ends if it never reaches commit
         try:
-            reservation = await kv.reserve(prompt, params, outputs)
+            reservation = await kv.reserve(prompt, params, outputs, local_prefill_below)
+            if reservation is None:  # few new tokens: computed here (KVImport LOCAL)
+                async for message in self._stream_tokens(rid, kv.stream, len(outputs), arrived):
+                    yield message
+                return
             target = kv.open()
             self._importing[rid] = kv
             yield pdserve_pb2.DecodeGenerateResponse(reserved=pdserve_pb2.Reserved(
                 target=pdserve_pb2.KVTarget(
                     endpoints=list(target.endpoints), ticket=target.ticket,
                     transport=target.transport, generation=target.generation,
-                    deadline_unix_ms=int(target.deadline * 1000)),
+                    deadline_unix_ms=int(target.deadline * 1000),
+                    num_held_tokens=reservation.num_held_tokens),
                 block_size=reservation.block_size,
                 num_reserved_blocks=len(reservation.block_ids)))
             reserved_at = time.monotonic()
             await kv.wait()  # the injector thread queued R's commit already
             # Reserved -> every layer injected and END accepted, as this pod saw it
             self._metrics.kv_transfer_seconds.observe(time.monotonic() - reserved_at)
+            self._metrics.kv_transfer_saved_bytes.inc(kv.held_bytes)
             stream = await kv.commit()
             first_token_at = time.monotonic()
             self._metrics.time_to_first_token.observe(first_token_at - arrived)

@@ -77,6 +77,15 @@ class BlockManager:
         request.num_computed_tokens = len(block_ids) * self.block_size
         return request.num_computed_tokens
 
+    def num_cached_prefix_tokens(self, request: Request) -> int:
+        """Tokens `match_prefix` would map into `request` now (same cap), without
+        taking references or counting a query: a look before deciding."""
+        if not self.prefix_cache.enabled:
+            return 0
+        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        return self.prefix_cache.num_cached(request.block_hashes[:max_blocks]) * self.block_size
+
     def cache_computed_blocks(self, request: Request, num_computed: int | None = None) -> None:
         """Insert the request's newly completed full blocks into the prefix cache.
         `num_computed`: tokens whose KV is in the cache (default

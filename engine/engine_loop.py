@@ -191,14 +191,17 @@ class EngineLoop:
         sampling_params: Any,
         *,
         output_token_ids: Sequence[int] = (),
-    ) -> tuple[RemoteReservation, RequestStream]:
+        local_prefill_below: int = 0,
+    ) -> tuple[RemoteReservation | None, RequestStream]:
         """Reserve blocks for a request whose KV a prefill pod will send;
         returns the engine's `RemoteReservation` and the stream its tokens
         will arrive on after `commit_remote`. CapacityError / ValueError
-        propagate."""
+        propagate. The reservation is None when `local_prefill_below` made
+        the engine compute the request itself (`LLMEngine.reserve_remote`):
+        its tokens then arrive on the stream from index 0."""
         stream = RequestStream(request_id, asyncio.get_running_loop())
 
-        def reserve(engine: Any) -> RemoteReservation:
+        def reserve(engine: Any) -> RemoteReservation | None:
             self._streams.add(stream)
             try:
                 return engine.reserve_remote(
@@ -206,6 +209,7 @@ class EngineLoop:
                     list(prompt_token_ids),
                     sampling_params,
                     output_token_ids=list(output_token_ids),
+                    local_prefill_below=local_prefill_below,
                 )
             except BaseException:
                 self._streams.discard(stream)

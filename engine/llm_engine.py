@@ -10,8 +10,9 @@ A request's life (states in `engine.request`):
     add_request ─> waiting ─> running (chunked prefill, then decode) ─> finished
                       ^           │ preempted (blocks freed, recompute later)
                       └───────────┘
-    reserve_remote ─> reserved (blocks for context + max_tokens held; the
-                      injector fills them) ─ commit_remote ─> running ─> finished
+    reserve_remote ─> reserved (blocks for context + max_tokens held, a cached
+                      prefix pinned; the injector fills the rest) ─ commit_remote
+                      ─> running ─> finished
     abort_request: any state ─> finished ("abort"), blocks freed at once
 
 `step()` schedules one batch, runs one forward pass, samples, and returns
@@ -58,6 +59,7 @@ from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.step_pipeline import CompletedStep, StepPipeline
+from engine.text_stream import TextStream
 from kernels import native
 from kernels.dispatch import Backend
 
@@ -169,27 +171,50 @@ class LLMEngine:
 
     def reserve_remote(self, request_id: str, prompt_token_ids: Sequence[int],
                        sampling_params: SamplingParams, *,
-                       output_token_ids: Sequence[int] = ()) -> RemoteReservation:
+                       output_token_ids: Sequence[int] = (),
+                       local_prefill_below: int = 0) -> RemoteReservation | None:
         """Decode pod: hold blocks for all context tokens plus the remaining
         max_tokens, so the request never needs more. Raises CapacityError
-        when the blocks or a batch slot are not free now."""
+        when the blocks or a batch slot are not free now.
+
+        With the prefix cache on, the longest cached prefix of whole blocks
+        (leaving at least one context token) is mapped in first and pinned
+        until the request ends: the reservation's `num_held_tokens`, which
+        the prefill pod does not send (cache-miss-only transfer). A cached
+        prefix that ends inside a block shares only the blocks before it.
+
+        `local_prefill_below` > 0 (conditional disaggregation): when fewer
+        context tokens than that are left after the cached prefix, the
+        request is queued to be computed here instead, as `add_request`
+        would, and None is returned."""
         request = self._new_request(request_id, prompt_token_ids, sampling_params,
                                     output_token_ids,
                                     status=RequestStatus.WAITING_FOR_REMOTE_KV)
+        if local_prefill_below < 0:
+            raise ValueError(f"local_prefill_below must be >= 0, got {local_prefill_below}")
+        if local_prefill_below > 0:
+            new_tokens = (request.num_context_tokens
+                          - self.block_manager.num_cached_prefix_tokens(request))
+            if new_tokens < local_prefill_below:
+                self.add_request(request_id, prompt_token_ids, sampling_params,
+                                 output_token_ids=output_token_ids)
+                return None
         total = request.num_prompt_tokens + sampling_params.max_tokens
-        needed = cdiv(total, self.config.block_size)
         if self.scheduler.num_seqs >= self.config.max_num_seqs:
             raise CapacityError(f"all {self.config.max_num_seqs} sequence slots are taken")
-        if needed > self.block_manager.num_free_blocks:
-            raise CapacityError(f"request needs {needed} KV blocks, "
-                                f"{self.block_manager.num_free_blocks} are free")
+        held = self.block_manager.match_prefix(request)  # pinned: counted in block_ids
+        needed = cdiv(total, self.config.block_size) - len(request.block_ids)
+        free = self.block_manager.num_free_blocks
+        if needed > free:
+            self.block_manager.free(request)  # lets go of the held prefix
+            raise CapacityError(f"request needs {needed} KV blocks, {free} are free")
         self.block_manager.allocate_slots(request, total)
         self._requests[request_id] = request
         self.scheduler.add_reserved(request)
-        slots = slots_for(request.block_ids, self.config.block_size, 0,
+        slots = slots_for(request.block_ids, self.config.block_size, held,
                           request.num_context_tokens, self.config.device)
         return RemoteReservation(request_id, tuple(request.block_ids), self.config.block_size,
-                                 request.num_context_tokens, slots)
+                                 request.num_context_tokens, slots, num_held_tokens=held)
 
     def commit_remote(self, request_id: str, first_token_id: int) -> None:
         """Decode pod: all layers of the reservation's KV are injected and the
@@ -311,11 +336,11 @@ class LLMEngine:
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
         tokenizer = self._load_tokenizer()
-        streams: dict[str, _TextStream] = {}
+        streams: dict[str, TextStream] = {}
         for prompt, p in zip(prompts, params, strict=True):
             request_id = f"generate-{next(self._generate_ids)}"
             self.add_request(request_id, prompt, p)
-            streams[request_id] = _TextStream(request_id, tuple(prompt), p, tokenizer)
+            streams[request_id] = TextStream(request_id, tuple(prompt), p, tokenizer)
         while self.has_unfinished_requests():  # also drains a step still in flight
             for output in self.step():
                 stream = streams.get(output.request_id)
@@ -331,53 +356,6 @@ class LLMEngine:
 
             self._tokenizer = Tokenizer.from_pretrained(self.config.model_dir)
         return self._tokenizer
-
-
-class _TextStream:
-    """One `generate()` request's accumulated tokens, logprobs and text."""
-
-    def __init__(self, request_id: str, prompt: tuple[int, ...], params: SamplingParams,
-                 tokenizer) -> None:
-        from engine.detokenizer import IncrementalDetokenizer
-
-        self.request_id = request_id
-        self.prompt = prompt
-        self.params = params
-        self.detokenizer = None if tokenizer is None else IncrementalDetokenizer(tokenizer)
-        self.token_ids: list[int] = []
-        self.logprobs: list[TokenLogprobs] = []
-        self.text = ""
-        self.finish_reason: str | None = None
-        self.num_cached_tokens = 0
-
-    def add(self, output: RequestOutput) -> bool:
-        """Take one step's output; True when a stop string just ended the request."""
-        self.token_ids.extend(output.new_token_ids)
-        self.logprobs.extend(output.new_logprobs)
-        self.num_cached_tokens = output.num_cached_tokens
-        self.finish_reason = output.finish_reason
-        if self.detokenizer is None:
-            return False
-        self.text += self.detokenizer.add(output.new_token_ids)
-        if output.finished:
-            self.text += self.detokenizer.flush()
-        cut = min((i for i in (self.text.find(s) for s in self.params.stop) if i >= 0),
-                  default=-1)
-        if cut < 0:
-            return False
-        self.text = self.text[:cut]
-        stopped_early = self.finish_reason is None
-        self.finish_reason = "stop"
-        return stopped_early
-
-    def result(self) -> GenerationResult:
-        assert self.finish_reason is not None
-        return GenerationResult(
-            request_id=self.request_id, prompt_token_ids=self.prompt,
-            token_ids=tuple(self.token_ids),
-            text=None if self.detokenizer is None else self.text,
-            finish_reason=self.finish_reason, logprobs=tuple(self.logprobs),
-            num_cached_tokens=self.num_cached_tokens)
 
 
 def _output(request: Request, new_token_ids: tuple[int, ...],

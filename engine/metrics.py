@@ -49,6 +49,7 @@ class PodMetrics:
     prefix_cache_queries: Counter
     prefix_cache_hits: Counter
     kv_transfer_bytes: Counter
+    kv_transfer_saved_bytes: Counter
     kv_transfer_seconds: Histogram
     kv_landing_bytes_in_use: Gauge
     kv_injection_seconds: Histogram
@@ -102,6 +103,11 @@ class PodMetrics:
             ),
             kv_transfer_bytes=counter(
                 "pdserve_kv_transfer_bytes_total", "KV bytes sent (prefill) or received (decode)."
+            ),
+            kv_transfer_saved_bytes=counter(
+                "pdserve_kv_transfer_saved_bytes_total",
+                "KV bytes a decode pod did not receive because its prefix cache held "
+                "them (cache-miss-only transfer).",
             ),
             kv_transfer_seconds=hist(
                 "pdserve_kv_transfer_seconds", "One request's KV transfer, BEGIN to END."

@@ -77,9 +77,12 @@ class GenerationResult:
 class RemoteReservation:
     """Blocks a decode pod holds for a request whose KV a prefill pod sends.
 
-    `slot_mapping[i]` (int64, on the cache device) is the slot of context
-    token i (prompt + output_token_ids): the injector writes the received
-    `[2, num_context_tokens, Hkv, D]` layer with
+    The first `num_held_tokens` context tokens (prompt + output_token_ids)
+    are already in the cache: whole blocks of the prefix cache, pinned by
+    the request (0 without the prefix cache). `slot_mapping[i]` (int64, on
+    the cache device) is the slot of context token `num_held_tokens + i`:
+    the injector writes the received `[2, num_context_tokens -
+    num_held_tokens, Hkv, D]` layer with
     `kernels.inject_kv(kv_cache_layer, src, slot_mapping)`. `block_ids` also
     cover the remaining max_tokens, so the request never needs more blocks.
     """
@@ -89,18 +92,27 @@ class RemoteReservation:
     block_size: int
     num_context_tokens: int
     slot_mapping: torch.Tensor
+    num_held_tokens: int = 0
 
     def __post_init__(self) -> None:
-        if tuple(self.slot_mapping.shape) != (self.num_context_tokens,):
+        if not 0 <= self.num_held_tokens < self.num_context_tokens:
+            raise ValueError(f"num_held_tokens {self.num_held_tokens} must be in "
+                             f"[0, {self.num_context_tokens}) (at least one token is sent)")
+        if tuple(self.slot_mapping.shape) != (self.num_new_tokens,):
             raise ValueError(
                 f"slot_mapping shape {tuple(self.slot_mapping.shape)} must be "
-                f"[{self.num_context_tokens}]"
+                f"[{self.num_new_tokens}]"
             )
         if len(self.block_ids) * self.block_size < self.num_context_tokens:
             raise ValueError(
                 f"{len(self.block_ids)} blocks of {self.block_size} cannot hold "
                 f"{self.num_context_tokens} context tokens"
             )
+
+    @property
+    def num_new_tokens(self) -> int:
+        """Context tokens whose KV the prefill pod sends."""
+        return self.num_context_tokens - self.num_held_tokens
 
 
 @dataclass(frozen=True, slots=True)

@@ -82,6 +82,18 @@ class PrefixCache:
         self.num_hits += len(block_ids)
         return block_ids
 
+    def num_cached(self, block_hashes: Sequence[int]) -> int:
+        """Length in blocks of the longest cached prefix of `block_hashes`,
+        like `match` but not counted as a query."""
+        if not self.enabled:
+            return 0
+        n = 0
+        for block_hash in block_hashes:
+            if block_hash not in self._block_of_hash:
+                break
+            n += 1
+        return n
+
     def acquire(self, block_ids: Iterable[int]) -> None:
         """Take a reference on matched blocks, reviving those in the free queue."""
         self._pool.touch(block_ids)

@@ -73,17 +73,25 @@ def check_request_id(request_id: str) -> None:
 
 @dataclass(frozen=True, slots=True)
 class KVLayout:
-    """Shape of one request's KV in transfer layout (all layers, all context tokens)."""
+    """Shape of one request's KV in transfer layout: all layers, context tokens
+    `[token_offset, token_offset + num_tokens)`.
+
+    `token_offset` > 0 is a cache-miss-only transfer: the decode pod already
+    holds the first `token_offset` context tokens (whole blocks of its prefix
+    cache), so row 0 of each layer is context token `token_offset`. Both ends
+    must agree on it (BEGIN carries it; a mismatch is `layout_mismatch`)."""
 
     num_layers: int
     num_tokens: int
     num_kv_heads: int
     head_dim: int
     dtype: str
+    token_offset: int = 0
 
     def __post_init__(self) -> None:
         _check_int("num_layers", self.num_layers, 1, MAX_LAYERS)
         _check_int("num_tokens", self.num_tokens, 1, MAX_TOKENS)
+        _check_int("token_offset", self.token_offset, 0, MAX_TOKENS)
         _check_int("num_kv_heads", self.num_kv_heads, 1, MAX_KV_HEADS)
         _check_int("head_dim", self.head_dim, 1, MAX_HEAD_DIM)
         if self.dtype not in DTYPES:

@@ -19,8 +19,14 @@ class KVShape:
     head_dim: int
     dtype: str
 
-    def layout(self, num_tokens: int) -> KVLayout:
-        return KVLayout(self.num_layers, num_tokens, self.num_kv_heads, self.head_dim, self.dtype)
+    def layout(self, num_tokens: int, token_offset: int = 0) -> KVLayout:
+        """The layout of context tokens `[token_offset, token_offset + num_tokens)`."""
+        return KVLayout(self.num_layers, num_tokens, self.num_kv_heads, self.head_dim, self.dtype,
+                        token_offset)
+
+    def bytes_of(self, num_tokens: int) -> int:
+        """KV bytes of `num_tokens` tokens over all layers, in transfer layout."""
+        return num_tokens * self.layout(1).total_bytes
 
 
 def kv_shape_of(model_dir: str, dtype: str) -> KVShape:

@@ -8,6 +8,8 @@ Life of one exported request (R):
     on_layer_kv(layer, cache, spans) engine loop thread, inside step(), per layer:
       first span of R: sender.begin  -> SENDING
       every span: extract_kv(cache, span.slot_mapping) -> sender.send_layer
+      (only the span's tokens from the layout's token offset on: the decode
+       pod holds the ones before, a cache-miss-only transfer)
       (the sender only queues: its own threads, and on CUDA its own stream,
        move the bytes, so the engine never waits on the network)
     finish(R, first_token)           servicer, after R's first token arrived
@@ -116,12 +118,18 @@ class KVExport:
             try:
                 if first:
                     export.sender.begin(span.request_id, export.target, export.layout)
+                # The decode pod holds the context tokens before the layout's
+                # offset (cache-miss-only transfer): send only the span's rest.
+                offset = export.layout.token_offset
+                if span.end <= offset:
+                    continue
+                slots = span.slot_mapping[max(0, offset - span.start):]
                 # The cache slots may be overwritten by a later step: the
                 # gather copies them out now (on CUDA, on the current stream;
                 # the sender orders its D2H copy after it with an event).
-                kv = kernels.extract_kv(kv_cache_layer, span.slot_mapping,
-                                        backend=self._kernel_backend)
-                export.sender.send_layer(span.request_id, layer_idx, kv, span.start)
+                kv = kernels.extract_kv(kv_cache_layer, slots, backend=self._kernel_backend)
+                export.sender.send_layer(span.request_id, layer_idx, kv,
+                                         max(span.start, offset) - offset)
             except Exception as exc:  # noqa: BLE001 - never kill the engine loop
                 self._fail(span.request_id, export, f"{type(exc).__name__}: {exc}")
 

@@ -28,6 +28,11 @@ except where the engine loop thread is named:
         or the stream ends ABORTED "KV transfer to <endpoints> failed: <reason>"
         (after the first token: the router moves R on with that token as output)
 
+A target whose `num_held_tokens` is n > 0 (the decode pod's prefix cache
+holds the first n context tokens) gets only tokens [n, context): the layout
+starts at that token offset, and `kv_bytes_sent` and
+`pdserve_kv_transfer_bytes_total` count what was sent.
+
 Without a target (prefill only, the TTFT baseline) `transfer_done` (0 bytes)
 follows the first token at once. A failure before the first token ends the
 stream with its status and no message.
@@ -101,7 +106,7 @@ class PrefillServicer(pdserve_pb2_grpc.PrefillServicer):
         rid, params = checked.request_id, checked.params
         prompt, outputs = checked.prompt_token_ids, checked.output_token_ids
         target = target_from_proto(request.target) if request.target.endpoints else None
-        layout = self._kv_shape.layout(len(prompt) + len(outputs))
+        layout = self._transfer_layout(len(prompt) + len(outputs), request.target.num_held_tokens)
         if target is not None:
             self._export.register(rid, target, layout)
         finished = settled = False
@@ -142,6 +147,15 @@ class PrefillServicer(pdserve_pb2_grpc.PrefillServicer):
             raise
         finally:
             self._export.forget(rid)
+
+    def _transfer_layout(self, num_context: int, num_held: int) -> KVLayout:
+        """The tokens to send: all context tokens after the `num_held` the decode
+        pod already holds (cache-miss-only transfer)."""
+        if not 0 <= num_held < num_context:
+            raise ValueError(f"target.num_held_tokens {num_held} must be in [0, {num_context}): "
+                             f"the decode pod must be sent at least one of the {num_context} "
+                             f"context tokens")
+        return self._kv_shape.layout(num_context - num_held, num_held)
 
     async def _await_verdict(self, rid: str, target: TransferTarget, layout: KVLayout,
                              started: float, verdict: asyncio.Future[TransferOutcome]) -> int:

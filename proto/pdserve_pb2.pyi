@@ -101,32 +101,36 @@ class AbortResponse(_message.Message):
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class KVTarget(_message.Message):
-    __slots__ = ("endpoints", "ticket", "transport", "generation", "deadline_unix_ms")
+    __slots__ = ("endpoints", "ticket", "transport", "generation", "deadline_unix_ms", "num_held_tokens")
     ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
     TICKET_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HELD_TOKENS_FIELD_NUMBER: _ClassVar[int]
     endpoints: _containers.RepeatedScalarFieldContainer[str]
     ticket: bytes
     transport: str
     generation: int
     deadline_unix_ms: int
-    def __init__(self, endpoints: _Optional[_Iterable[str]] = ..., ticket: _Optional[bytes] = ..., transport: _Optional[str] = ..., generation: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ...) -> None: ...
+    num_held_tokens: int
+    def __init__(self, endpoints: _Optional[_Iterable[str]] = ..., ticket: _Optional[bytes] = ..., transport: _Optional[str] = ..., generation: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., num_held_tokens: _Optional[int] = ...) -> None: ...
 
 class DecodeGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "output_token_ids", "remote_prefill")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "output_token_ids", "remote_prefill", "local_prefill_below")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     REMOTE_PREFILL_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_PREFILL_BELOW_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     output_token_ids: _containers.RepeatedScalarFieldContainer[int]
     remote_prefill: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., remote_prefill: _Optional[bool] = ...) -> None: ...
+    local_prefill_below: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., remote_prefill: _Optional[bool] = ..., local_prefill_below: _Optional[int] = ...) -> None: ...
 
 class Reserved(_message.Message):
     __slots__ = ("target", "block_size", "num_reserved_blocks")
@@ -239,7 +243,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[_Union[PrefillFirstToken, _Mapping]] = ..., transfer_done: _Optional[_Union[PrefillTransferDone, _Mapping]] = ...) -> None: ...
 
 class KVFrame(_message.Message):
-    __slots__ = ("version", "kind", "request_id", "layer", "offset", "payload", "checksum", "ticket", "num_layers", "num_tokens", "num_kv_heads", "head_dim", "dtype", "first_token_id", "total_bytes", "reason", "flags")
+    __slots__ = ("version", "kind", "request_id", "layer", "offset", "payload", "checksum", "ticket", "num_layers", "num_tokens", "num_kv_heads", "head_dim", "dtype", "first_token_id", "total_bytes", "reason", "flags", "token_offset")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -257,6 +261,7 @@ class KVFrame(_message.Message):
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     FLAGS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_OFFSET_FIELD_NUMBER: _ClassVar[int]
     version: int
     kind: FrameKind
     request_id: str
@@ -274,7 +279,8 @@ class KVFrame(_message.Message):
     total_bytes: int
     reason: str
     flags: int
-    def __init__(self, version: _Optional[int] = ..., kind: _Optional[_Union[FrameKind, str]] = ..., request_id: _Optional[str] = ..., layer: _Optional[int] = ..., offset: _Optional[int] = ..., payload: _Optional[bytes] = ..., checksum: _Optional[int] = ..., ticket: _Optional[bytes] = ..., num_layers: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., first_token_id: _Optional[int] = ..., total_bytes: _Optional[int] = ..., reason: _Optional[str] = ..., flags: _Optional[int] = ...) -> None: ...
+    token_offset: int
+    def __init__(self, version: _Optional[int] = ..., kind: _Optional[_Union[FrameKind, str]] = ..., request_id: _Optional[str] = ..., layer: _Optional[int] = ..., offset: _Optional[int] = ..., payload: _Optional[bytes] = ..., checksum: _Optional[int] = ..., ticket: _Optional[bytes] = ..., num_layers: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., first_token_id: _Optional[int] = ..., total_bytes: _Optional[int] = ..., reason: _Optional[str] = ..., flags: _Optional[int] = ..., token_offset: _Optional[int] = ...) -> None: ...
 
 class PushResult(_message.Message):
     __slots__ = ("ok", "reason")

@@ -86,6 +86,9 @@ class RouterConfig:
     # required), and how the router reaches its pods (docs/deploy.md, Security).
     tls: TlsFiles | None = None
     pod_security: PodSecurity = field(default_factory=PodSecurity)
+    # Conditional disaggregation: fewer new tokens than this (after the decode
+    # pod's cached prefix) are prefilled on the decode pod, whatever the queue.
+    local_prefill_below: int = 0
 
     def __post_init__(self) -> None:
         if not self.model_dir:
@@ -139,6 +142,9 @@ class RouterConfig:
                              f"got {self.local_prefill_queue_ratio}")
         if self.tls is not None and self.tls.cert_file is None:
             raise ValueError("tls needs a certificate and key file for the router's listeners")
+        if not 0 <= self.local_prefill_below <= 1 << 20:
+            raise ValueError(f"local_prefill_below must be in [0, {1 << 20}], "
+                             f"got {self.local_prefill_below}")
         if self.shutdown_grace < 0:
             raise ValueError(f"shutdown_grace must be >= 0 seconds, got {self.shutdown_grace}")
 

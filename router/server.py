@@ -118,7 +118,8 @@ class RouterServer:
             local_prefill=LocalPrefill(
                 self.pool, admission.least_tokens_ahead,
                 LocalPrefillSettings(max_tokens=c.local_prefill_max_tokens,
-                                     queue_ratio=c.local_prefill_queue_ratio)),
+                                     queue_ratio=c.local_prefill_queue_ratio,
+                                     below=c.local_prefill_below)),
         )
         frontend = Frontend(model_name=c.model_name, max_model_len=max_model_len,
                             tokenizer=tokenizer, deps=deps)

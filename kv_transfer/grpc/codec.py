@@ -44,6 +44,7 @@ _FIELDS = {
     15: ("total_bytes", _VARINT, "u64"),
     16: ("reason", _LEN, "text"),
     17: ("flags", _VARINT, "u32"),
+    18: ("token_offset", _VARINT, "u32"),
 }
 
 
@@ -69,6 +70,7 @@ class WireFrame:
     total_bytes: int = 0
     reason: str = ""
     flags: int = 0
+    token_offset: int = 0
 
 
 class Malformed:

@@ -126,6 +126,7 @@ class GrpcKVSender(KVSender):
             ticket=target.ticket, num_layers=layout.num_layers, num_tokens=layout.num_tokens,
             num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim, dtype=layout.dtype,
             payload=t.out.attempt, checksum=checksum(t.out.attempt),
+            token_offset=layout.token_offset,
         ).SerializeToString()  # fmt: skip
         remaining = target.deadline + self.config.verdict_grace_s - time.time()
         timeout = min(max(0.1, remaining), 86400.0)  # gRPC rejects absurd deadlines

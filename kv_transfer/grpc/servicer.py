@@ -145,7 +145,7 @@ class KVTransferServicer(pdserve_pb2_grpc.KVTransferServicer):
             raise TransferRefused(Reason.BAD_CHECKSUM, "BEGIN payload")
         try:
             layout = KVLayout(frame.num_layers, frame.num_tokens, frame.num_kv_heads,
-                              frame.head_dim, frame.dtype)  # fmt: skip
+                              frame.head_dim, frame.dtype, frame.token_offset)  # fmt: skip
         except ValueError as exc:
             raise TransferRefused(Reason.BAD_FRAME, str(exc)) from None
         attempt = bytes(frame.payload)

@@ -6,7 +6,8 @@ Header, little-endian, 104 bytes (`HEADER.size`):
     0      4    magic  b"PDKV"
     4      2    version (1)
     6      1    kind   (FrameKind)
-    7      1    flags  (STATUS: bit 0 = ok; DATA: bit 1 = checksum is XXH3-64)
+    7      1    flags  (STATUS: bit 0 = ok; DATA: bit 1 = checksum is XXH3-64;
+                        BEGIN: bit 2 = the payload ends with a token offset)
     8      2    request id length in bytes (1..64)
     10     2    reserved, 0
     12     4    layer
@@ -19,7 +20,10 @@ Payloads:
     BEGIN   layers u32, tokens u32, kv heads u32, head dim u32, dtype code u8,
             ticket length u16, ticket bytes, attempt id (the rest, 0..16 bytes:
             the sender's random id of this sending attempt; every stream of one
-            attempt carries the same id, a retry from another pod a new one)
+            attempt carries the same id, a retry from another pod a new one);
+            with BEGIN flag bit 2 (FLAG_TOKEN_OFFSET) the last 4 bytes are instead
+            the layout's token offset u32 (cache-miss-only transfer: row 0 is that
+            context token; without the flag it is 0, as in every earlier sender)
     DATA    raw bytes of the layer's transfer layout at [offset, offset + length)
     END     first token i32, total byte count u64
     ABORT   reason, UTF-8
@@ -48,9 +52,13 @@ MAGIC = b"PDKV"
 HEADER = struct.Struct(f"<4sHBBHHIQQQ{MAX_REQUEST_ID_BYTES}s")
 MAX_CONTROL_BYTES = 4096  # BEGIN, END, ABORT, STATUS payloads
 FLAG_OK = 1  # STATUS only; DATA's checksum flag is checksum.FLAG_XXH3
+# BEGIN only: a u32 token offset ends the payload. Set only when the offset is
+# not 0, so a whole-context BEGIN is byte for byte what version-1 senders send.
+FLAG_TOKEN_OFFSET = 4
 
 _BEGIN = struct.Struct("<IIIIBH")
 _END = struct.Struct("<iQ")
+_TOKEN_OFFSET = struct.Struct("<I")
 _DTYPE_NAMES = {code: name for name, code in DTYPE_CODES.items()}
 
 
@@ -116,7 +124,13 @@ def control_frame(kind: FrameKind, request_id: str, payload: bytes, flags: int =
     return header.pack() + payload
 
 
+def begin_flags(layout: KVLayout) -> int:
+    """The header flags of `layout`'s BEGIN frame (see `encode_begin`)."""
+    return FLAG_TOKEN_OFFSET if layout.token_offset else 0
+
+
 def encode_begin(layout: KVLayout, ticket: bytes, attempt: bytes) -> bytes:
+    """BEGIN's payload; send it with `begin_flags(layout)`."""
     if len(attempt) > MAX_ATTEMPT_BYTES:
         raise ValueError(f"attempt id is {len(attempt)} bytes, the limit is {MAX_ATTEMPT_BYTES}")
     return (
@@ -126,11 +140,19 @@ def encode_begin(layout: KVLayout, ticket: bytes, attempt: bytes) -> bytes:
         )
         + ticket
         + attempt
+        + (_TOKEN_OFFSET.pack(layout.token_offset) if layout.token_offset else b"")
     )  # fmt: skip
 
 
-def decode_begin(payload: bytes) -> tuple[KVLayout, bytes, bytes]:
-    """BEGIN payload -> (layout, ticket, attempt); raises TransferRefused(bad_frame)."""
+def decode_begin(payload: bytes, flags: int = 0) -> tuple[KVLayout, bytes, bytes]:
+    """BEGIN payload (and its header's flags) -> (layout, ticket, attempt);
+    raises TransferRefused(bad_frame)."""
+    token_offset = 0
+    if flags & FLAG_TOKEN_OFFSET:
+        if len(payload) < _BEGIN.size + _TOKEN_OFFSET.size:
+            raise TransferRefused(Reason.BAD_FRAME, "BEGIN payload too short for its token offset")
+        (token_offset,) = _TOKEN_OFFSET.unpack_from(payload, len(payload) - _TOKEN_OFFSET.size)
+        payload = payload[: len(payload) - _TOKEN_OFFSET.size]
     if len(payload) < _BEGIN.size:
         raise TransferRefused(Reason.BAD_FRAME, "BEGIN payload too short")
     layers, tokens, heads, head_dim, dtype_code, ticket_len = _BEGIN.unpack_from(payload)
@@ -140,7 +162,8 @@ def decode_begin(payload: bytes) -> tuple[KVLayout, bytes, bytes]:
     if dtype_code not in _DTYPE_NAMES:
         raise TransferRefused(Reason.BAD_FRAME, f"unknown dtype code {dtype_code}")
     try:
-        layout = KVLayout(layers, tokens, heads, head_dim, _DTYPE_NAMES[dtype_code])
+        layout = KVLayout(layers, tokens, heads, head_dim, _DTYPE_NAMES[dtype_code],
+                          token_offset)
     except ValueError as exc:
         raise TransferRefused(Reason.BAD_FRAME, str(exc)) from None
     end = _BEGIN.size + ticket_len

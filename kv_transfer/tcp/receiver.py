@@ -137,7 +137,7 @@ class _Connection:
             if checksum(payload) != header.checksum:
                 raise TransferRefused(Reason.BAD_CHECKSUM, f"{header.kind.name} payload")
             if header.kind is FrameKind.BEGIN:
-                layout, ticket, attempt = decode_begin(payload)
+                layout, ticket, attempt = decode_begin(payload, header.flags)
                 self.table.begin(rid, ticket, layout, self, attempt)
             elif header.kind is FrameKind.END:
                 first_token_id, total_bytes = decode_end(payload)

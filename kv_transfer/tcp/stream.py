@@ -24,7 +24,14 @@ from kv_transfer.config import SenderConfig
 from kv_transfer.device import HostCopy, byte_view
 from kv_transfer.errors import Reason, make_reason
 from kv_transfer.outgoing import Outgoing, Piece
-from kv_transfer.tcp.frames import FLAG_OK, FrameHeader, FrameKind, HeaderError, control_frame
+from kv_transfer.tcp.frames import (
+    FLAG_OK,
+    FrameHeader,
+    FrameKind,
+    HeaderError,
+    begin_flags,
+    control_frame,
+)
 from kv_transfer.tcp.socket_io import (
     PeerClosed,
     close_quietly,
@@ -137,7 +144,8 @@ class Stream:
                                  data_checksum(view, flags), flags)  # fmt: skip
             send_frame(sock, header.pack(), view)
         else:
-            sock.sendall(control_frame(item.kind, t.request_id, item.payload))
+            flags = begin_flags(t.layout) if item.kind is FrameKind.BEGIN else 0
+            sock.sendall(control_frame(item.kind, t.request_id, item.payload, flags))
         return sock
 
     def _connect(self) -> socket.socket:

@@ -58,6 +58,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--local-prefill-queue-ratio", type=float, default=1.0, metavar="R",
                         help="... when the prefill path has at least R x the prompt's new "
                              "tokens queued ahead of it (default 1)")
+    parser.add_argument("--local-prefill-below", type=int, default=0, metavar="TOKENS",
+                        help="conditional disaggregation: a prompt with fewer new tokens "
+                             "than this (after the decode pod's cached prefix) is prefilled "
+                             "on the decode pod, no transfer (default 0 = off)")
     parser.add_argument("--shutdown-grace", type=float, default=30.0, metavar="SECONDS",
                         help="how long SIGTERM waits for in-flight requests")
     parser.add_argument("--workers", type=int, default=1,
@@ -108,6 +112,7 @@ def config_from_args(args: argparse.Namespace):
         local_prefill_queue_ratio=args.local_prefill_queue_ratio,
         tls=router_tls_from_args(args),
         pod_security=router_pod_security_from_args(args),
+        local_prefill_below=args.local_prefill_below,
     )
 
 

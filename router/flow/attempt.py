@@ -10,6 +10,8 @@ flow's `FlowState` through `to_state`.
                      -> tokens 0..n
     disaggregated(): the prefill pod's turn in the router's queue (admission)
                      -> Decode.Generate(remote_prefill=true) -> Reserved{target}
+                        (or tokens 0..n: the decode pod's cached prefix left fewer
+                        new tokens than local_prefill_below, so it computed them)
                      -> Prefill.Prefill(target) on up to 1 + max_prefill_retries
                         prefill pods, until one streams the first token
                      -> the first token, sent at once (before the transfer's verdict)
@@ -76,6 +78,8 @@ class Attempt:
         self._left_out = left_out
         self._deadline = deadline
         self._to_state = to_state
+        # local_prefill_below of the last generate built: the stream that opened
+        self._local_below = 0
 
     def _remaining(self) -> float:
         left = self._deadline - time.monotonic()
@@ -99,13 +103,19 @@ class Attempt:
         if error.code() == grpc.StatusCode.UNAVAILABLE:
             self._deps.pool.mark_unhealthy(address, describe(error))
 
-    def _generate_request(self, remote_prefill: bool) -> pb.DecodeGenerateRequest:
+    def _generate_request(self, remote_prefill: bool, address: str = ""
+                          ) -> pb.DecodeGenerateRequest:
+        rule = self._deps.local_prefill
+        below = 0 if rule is None or not remote_prefill else rule.below_at(
+            address, len(self._request.prompt_token_ids) + self._request.sampling.max_tokens)
+        self._local_below = below
         return pb.DecodeGenerateRequest(
             request_id=self._request_id,
             prompt_token_ids=self._request.prompt_token_ids,
             sampling=sampling_to_proto(self._request.sampling),
             output_token_ids=self._out.output_ids,
             remote_prefill=remote_prefill,
+            local_prefill_below=below,
         )
 
     async def _open_stream(self, role: str, stack: contextlib.ExitStack):
@@ -141,7 +151,7 @@ class Attempt:
                 candidate.enter_context(policy.track(address, num_tokens=num_prompt))
                 try:
                     call, first = await self._deps.channels.open_generate(
-                        address, self._generate_request(remote), self._remaining())
+                        address, self._generate_request(remote, address), self._remaining())
                 except grpc.aio.AioRpcError as error:
                     self._pod_failed(error, address)
                     refusals.append(f"{address} {describe(error)}")
@@ -178,6 +188,17 @@ class Attempt:
                 self._request, exclude=frozenset(self._left_out), timeout=self._remaining())
             stack.callback(slot.release)  # a no-op once the prefill released it
             address, call, first = await self._open_stream("decode", stack)
+            if (self._local_below and first is not grpc.aio.EOF
+                    and first.WhichOneof("kind") == "tokens"):
+                # local_prefill_below: the pod's cached prefix left so few new
+                # tokens that it computed them itself (no prefill pod, no transfer)
+                slot.release()
+                self._to_state(FlowState.LOCAL_PREFILL)
+                self._deps.metrics.local_prefills.inc()
+                async with contextlib.aclosing(self._read_tokens(address, call, first)) as deltas:
+                    async for delta in deltas:
+                        yield delta
+                return
             if first is grpc.aio.EOF or first.WhichOneof("kind") != "reserved":
                 raise AttemptFailed(f"decode pod {address} did not answer Reserved first",
                                     addresses=frozenset({address}), migrate=True)

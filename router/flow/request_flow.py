@@ -16,8 +16,11 @@ Life cycle (`FlowState`, transitions checked):
        │  └─── MIGRATING ◄── decode pod failed / every prefill try failed
        ├─► COLOCATED: Decode.Generate(remote_prefill=false), tokens 0..n ─► FINISHED
        └─► LOCAL_PREFILL: the same on a decode pod (prefill is the bottleneck and
-           the prompt is short: router.routing.local_prefill) ─► FINISHED;
-           the pod refused ─► RESERVING
+           the prompt is short, or it is below --local-prefill-below:
+           router.routing.local_prefill) ─► FINISHED; the pod refused ─► RESERVING
+    RESERVING ─► LOCAL_PREFILL: the decode pod's cached prefix left fewer new
+           tokens than --local-prefill-below, so it computed the prompt itself
+           and answered tokens instead of Reserved ─► FINISHED
     any state ─► FAILED (an ApiError for the client, or the client left)
 
 Each try on a pod pair (or a colocated pod, or a decode pod that prefills
@@ -214,7 +217,7 @@ class RequestFlow:
     def _choose_local(self) -> LocalChoice | None:
         """The decode pod that prefills this attempt itself, or None (the P/D path)."""
         rule = self._deps.local_prefill
-        if rule is None or not rule.settings.max_tokens:
+        if rule is None or not rule.settings.enabled:
             return None
         return rule.choose(
             (*self.request.prompt_token_ids, *self._out.output_ids),

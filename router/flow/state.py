@@ -5,6 +5,8 @@ transitions written down and checked (see router.flow.request_flow for the life 
     ROUTING -> COLOCATED -> FINISHED
     ROUTING -> LOCAL_PREFILL -> FINISHED    (a decode pod prefills the prompt itself)
     LOCAL_PREFILL (the pod refused) -> RESERVING
+    RESERVING -> LOCAL_PREFILL      (the decode pod's cache left few new tokens: it
+                                     computed the prompt instead of reserving)
     RESERVING (no Reserved answer) -> MIGRATING
     PREFILLING | DECODING | COLOCATED | LOCAL_PREFILL -> MIGRATING -> ROUTING
     any state -> FAILED
@@ -30,7 +32,7 @@ class FlowState(enum.Enum):
 _S = FlowState
 _TRANSITIONS: dict[FlowState, frozenset[FlowState]] = {
     _S.ROUTING: frozenset({_S.RESERVING, _S.COLOCATED, _S.LOCAL_PREFILL}),
-    _S.RESERVING: frozenset({_S.PREFILLING, _S.MIGRATING}),
+    _S.RESERVING: frozenset({_S.PREFILLING, _S.MIGRATING, _S.LOCAL_PREFILL}),
     _S.PREFILLING: frozenset({_S.DECODING, _S.MIGRATING}),
     _S.DECODING: frozenset({_S.MIGRATING, _S.FINISHED}),
     _S.COLOCATED: frozenset({_S.MIGRATING, _S.FINISHED}),

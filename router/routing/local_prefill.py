@@ -27,9 +27,21 @@ own batch, no KV transfer) when every condition holds:
    N-token prefill at a time. Among such pods: the fewest running +
    in-flight sequences, then the most free blocks.
 
+Conditional disaggregation (`--local-prefill-below` T > 0): a prompt with
+fewer than T new tokens goes to a decode pod that meets condition 4
+whatever the prefill queue (condition 3 is skipped): below the measured
+crossover, the decode pod's own prefill is faster than the P/D path's
+hops and transfer even with an idle prefill pod. The per-pod budget of
+condition 4 is then max(N, T) tokens.
+
 The cached prefix is a hook (`cached_prefix(address, token_ids)`, 0 for
 every pod until the router keeps a prefix index): with it, a long prompt
-that is mostly cached on a decode pod counts only its uncached tail.
+that is mostly cached on a decode pod counts only its uncached tail. The
+decode pod itself knows its cache exactly: a request on the P/D path
+carries `local_prefill_below(address)` to the decode pod it reserves on
+(`DecodeGenerateRequest.local_prefill_below`), which computes the prompt
+itself instead of reserving when its cached prefix leaves fewer new tokens
+than that (the reservation reply is then tokens, not Reserved).
 """
 
 from __future__ import annotations
@@ -54,10 +66,12 @@ def no_cached_prefix(address: str, token_ids: Sequence[int]) -> int:
 
 @dataclass(frozen=True, slots=True)
 class LocalPrefillSettings:
-    """`max_tokens`: N above (0 = off). `queue_ratio`: R above."""
+    """`max_tokens`: N above (0 = off). `queue_ratio`: R above. `below`: T
+    above (0 = off)."""
 
     max_tokens: int = 0
     queue_ratio: float = 1.0
+    below: int = 0
 
     def __post_init__(self) -> None:
         if not 0 <= self.max_tokens <= 1 << 20:
@@ -66,6 +80,17 @@ class LocalPrefillSettings:
         if not 0.0 <= self.queue_ratio <= 1000.0:
             raise ValueError(f"local prefill queue ratio must be in [0, 1000], "
                              f"got {self.queue_ratio}")
+        if not 0 <= self.below <= 1 << 20:
+            raise ValueError(f"local prefill below must be in [0, {1 << 20}], got {self.below}")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.max_tokens or self.below)
+
+    @property
+    def budget(self) -> int:
+        """Tokens of local prefills at most computing on one decode pod at a time."""
+        return max(self.max_tokens, self.below)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +99,7 @@ class LocalChoice:
 
     address: str
     new_tokens: int
-    tokens_ahead: int  # on the prefill path, when it was chosen
+    tokens_ahead: int  # on the prefill path, when it was chosen (-1: not looked at)
 
 
 class LocalPrefill:
@@ -94,8 +119,8 @@ class LocalPrefill:
         """The decode pod to prefill `token_ids` (prompt + output so far)
         itself, or None for the P/D path. `max_context`: prompt + max_tokens,
         the KV the pod must have room for; `exclude`: pods that failed."""
-        limit = self.settings.max_tokens
-        if limit == 0:
+        settings = self.settings
+        if not settings.enabled:
             return None
         ahead: int | None = None
         best: tuple[tuple[int, int], LocalChoice] | None = None
@@ -104,16 +129,37 @@ class LocalPrefill:
                 continue
             cached = min(len(token_ids), self._cached_prefix(pod.address, token_ids))
             new = len(token_ids) - cached
-            if self._computing.get(pod.address, 0) + new > limit:
+            if self._computing.get(pod.address, 0) + new > settings.budget:
                 continue
-            if ahead is None:
-                ahead = self._tokens_ahead(exclude)
-            if ahead <= 0 or ahead < self.settings.queue_ratio * new:
-                continue
+            if new >= settings.below:  # not below the crossover: only when P is the bottleneck
+                if new > settings.max_tokens:
+                    continue
+                if ahead is None:
+                    ahead = self._tokens_ahead(exclude)
+                if ahead <= 0 or ahead < settings.queue_ratio * new:
+                    continue
+                tokens_ahead = ahead
+            else:
+                tokens_ahead = -1 if ahead is None else ahead
             rank = (pod.num_running + pod.in_flight, -pod.num_free_blocks)
             if best is None or rank < best[0]:
-                best = (rank, LocalChoice(pod.address, new, ahead))
+                best = (rank, LocalChoice(pod.address, new, tokens_ahead))
         return None if best is None else best[1]
+
+    def below_at(self, address: str, max_context: int) -> int:
+        """What a request reserving on decode pod `address` carries as
+        `local_prefill_below`: T, less what this router's local prefills
+        computing there leave of the pod's budget (condition 4); 0 when the
+        pod has no room for a local prefill (a waiting queue, too few free
+        blocks for `max_context` tokens) or T is off."""
+        below = self.settings.below
+        if not below:
+            return 0
+        pod = next((p for p in self._pool.pods("decode") if p.address == address), None)
+        if pod is None or not self._has_room(pod, max_context):
+            return 0
+        left = self.settings.budget - self._computing.get(address, 0)
+        return max(0, min(below, left + 1))  # new < result  <=>  new <= left
 
     @contextlib.contextmanager
     def computing(self, choice: LocalChoice) -> Iterator[Callable[[], None]]:

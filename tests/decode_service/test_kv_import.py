@@ -49,7 +49,8 @@ class _Receiver(KVReceiver):
 
     def expect(self, request_id: str, layout: KVLayout, deadline: float,
                transfer_timeout_s: float | None = None) -> TransferTarget:
-        self.log.append(f"receiver.expect {request_id} {layout.num_tokens}")
+        self.log.append(f"receiver.expect {request_id} {layout.num_tokens}"
+                        + (f" from {layout.token_offset}" if layout.token_offset else ""))
         if self.full:
             raise BufferPoolExhausted("landing pool has 0 of 64 bytes free")
         return TransferTarget(self.endpoints, b"t", "tcp", 1, deadline)
@@ -138,6 +139,35 @@ def test_reserve_open_wait_commit_then_tokens_stream(tiny_model_dir):
     assert reservation.num_context_tokens == 20 and len(reservation.block_ids) == 2  # 20 + 4
     assert target.transport == "tcp" and target.ticket == b"t"
     assert len(tokens) == 3  # the first of max_tokens=4 came from the prefill pod
+    assert stats.num_free_blocks == stats.num_total_blocks
+
+
+def test_a_held_prefix_is_not_expected_and_few_new_tokens_run_locally(tiny_model_dir):
+    async def scenario(loop, remote, log):
+        first = KVImport("a", loop, remote)
+        await first.reserve(PROMPT, PARAMS, [])
+        first.open()
+        _send_all_layers(remote, "a", 7)
+        await first.wait()
+        [_ async for _ in await first.commit()]  # done: blocks 0 (full) cached
+        longer = PROMPT + [40, 41, 42]  # 23 tokens, 16 held, 7 new
+        held = KVImport("b", loop, remote)
+        reservation = await held.reserve(longer, PARAMS, [], local_prefill_below=7)
+        held.open()
+        assert held.held_bytes == remote.kv_shape.bytes_of(16)
+        await held.free("client")
+        local = KVImport("c", loop, remote)
+        assert await local.reserve(longer, PARAMS, [], local_prefill_below=8) is None
+        assert local.state is ImportState.LOCAL and not local.holds_resources
+        outputs = [output async for output in local.stream]
+        return reservation, outputs, log, loop.stats
+
+    reservation, outputs, log, stats = _run(tiny_model_dir, scenario)
+    assert (reservation.num_held_tokens, reservation.num_new_tokens) == (16, 7)
+    assert "receiver.expect b 7 from 16" in log
+    assert not any(line.startswith("receiver.expect c") for line in log)
+    assert sum(len(o.new_token_ids) for o in outputs) == 4  # all of max_tokens, here
+    assert outputs[0].num_cached_tokens == 16
     assert stats.num_free_blocks == stats.num_total_blocks
 
 

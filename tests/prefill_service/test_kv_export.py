@@ -58,8 +58,9 @@ def _layout(engine: LLMEngine, num_tokens: int) -> KVLayout:
                     "float32")
 
 
-def _prefill(engine, export, target, request_id, prompt) -> tuple[int, int, object]:
-    layout = _layout(engine, len(prompt))
+def _prefill(engine, export, target, request_id, prompt,
+             layout: KVLayout | None = None) -> tuple[int, int, object]:
+    layout = layout or _layout(engine, len(prompt))
     if target is not None:
         export.register(request_id, target, layout)
     engine.add_request(request_id, prompt, SamplingParams(temperature=0.0, max_tokens=4),
@@ -103,6 +104,34 @@ def test_layers_stream_in_order_and_prefix_hits_are_sent(setup):
         assert a.abs().sum() > 0
     receiver.release("fresh")
     receiver.release("cached")
+
+
+def test_only_tokens_after_the_layout_offset_are_sent(setup):
+    """The decode pod holds a prefix: offsets inside a 32-token chunk, at a
+    chunk's edge and in the last chunk of a fresh (4-chunk) prefill; the rows
+    that land are the whole context's rows (sent next, from the prefix
+    cache, which the test above shows is bit for bit) from the offset on."""
+    engine, export, receiver, recorder = setup
+    deadline = time.time() + 30
+    num_layers = engine.model_config.num_hidden_layers
+    for offset in (40, 64, 99):
+        prompt = [(13 * i + offset) % 1000 + 5 for i in range(100)]
+        tail, whole = f"tail-{offset}", f"whole-{offset}"
+        layout = _layout(engine, 100 - offset)
+        layout = KVLayout(layout.num_layers, layout.num_tokens, layout.num_kv_heads,
+                          layout.head_dim, layout.dtype, token_offset=offset)
+        steps, _, outcome = _prefill(engine, export, receiver.expect(tail, layout, deadline),
+                                     tail, prompt, layout)
+        assert steps == 4 and outcome.ok, outcome
+        target = receiver.expect(whole, _layout(engine, 100), deadline)
+        assert _prefill(engine, export, target, whole, prompt)[2].ok
+        assert [layer for layer, _ in recorder.layers[tail]] == list(range(num_layers))
+        for (_, all_rows), (_, rows) in zip(recorder.layers[whole], recorder.layers[tail],
+                                            strict=True):
+            assert rows.shape == (2, 100 - offset, 2, 64)
+            assert torch.equal(rows, all_rows[:, offset:])
+        receiver.release(tail)
+        receiver.release(whole)
 
 
 def test_unreachable_target_fails_the_outcome_not_the_engine(setup):

@@ -1,6 +1,8 @@
 """The local-prefill rule (router/routing/local_prefill.py): each condition
 flips the decision, the pods are ranked, prompts still computing on a pod
-count against it, and a cached prefix (the hook) counts only the tail."""
+count against it, a cached prefix (the hook) counts only the tail, and
+below --local-prefill-below a prompt goes local whatever the queue (and a
+reservation carries that threshold to the decode pod)."""
 
 from __future__ import annotations
 
@@ -174,9 +176,44 @@ def test_tokens_ahead_are_what_this_router_queued_or_dispatched(run_async):
     run_async(scenario())
 
 
+def test_below_the_threshold_a_prompt_goes_local_whatever_the_queue():
+    rule = _rule(_pool(), ahead=0, max_tokens=0, below=41)
+    choice = _choose(rule, 40)
+    assert (choice.address, choice.new_tokens, choice.tokens_ahead) == (DECODE_A, 40, -1)
+    assert _choose(rule, 41) is None  # not fewer than 41, and N = 0
+    # with N as well, a prompt at or above T still needs the queue condition
+    rule = _rule(_pool(), ahead=0, max_tokens=64, below=41)
+    assert _choose(rule, 41) is None
+    assert _choose(_rule(_pool(), ahead=100, max_tokens=64, below=41), 41) is not None
+
+
+def test_below_the_threshold_the_decode_pod_still_needs_room():
+    pool = _pool()
+    pool.report(DECODE_A, num_waiting=1)
+    assert _choose(_rule(pool, max_tokens=0, below=64)) is None
+    rule = _rule(_pool(), max_tokens=0, below=64)
+    with rule.computing(_choose(rule, 40)):
+        assert _choose(rule, 24) is not None  # 40 + 24 within the budget of max(N, T) = 64
+        assert _choose(rule, 25) is None
+
+
+def test_a_reservation_carries_the_threshold_less_what_computes_there():
+    pool = _pool()
+    assert _rule(pool, max_tokens=64).below_at(DECODE_A, 100) == 0  # T off
+    rule = _rule(pool, max_tokens=0, below=64)
+    assert rule.below_at(DECODE_A, 100) == 64
+    with rule.computing(_choose(rule, 40)):
+        assert rule.below_at(DECODE_A, 100) == 25  # new < 25 <=> 40 + new <= 64
+    assert rule.below_at(DECODE_A, 1601) == 0  # no free blocks for it
+    assert rule.below_at("127.0.0.1:9", 100) == 0  # not a known decode pod
+    pool.report(DECODE_A, num_waiting=2)
+    assert rule.below_at(DECODE_A, 100) == 0
+
+
 @pytest.mark.parametrize(("field", "value", "message"), [
     ("max_tokens", -1, "local prefill max tokens must be in [0, 1048576], got -1"),
     ("queue_ratio", -0.5, "local prefill queue ratio must be in [0, 1000], got -0.5"),
+    ("below", -1, "local prefill below must be in [0, 1048576], got -1"),
 ])
 def test_bad_settings_say_what_and_the_limit(field, value, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
@@ -188,3 +225,5 @@ def test_router_config_checks_the_flags(tmp_path):
         RouterConfig(model_dir=str(tmp_path), local_prefill_max_tokens=-1)
     with pytest.raises(ValueError, match="local_prefill_queue_ratio must be in"):
         RouterConfig(model_dir=str(tmp_path), local_prefill_queue_ratio=1001.0)
+    with pytest.raises(ValueError, match="local_prefill_below must be in"):
+        RouterConfig(model_dir=str(tmp_path), local_prefill_below=-5)

@@ -6,13 +6,18 @@ prompts keeps it busy for a while. Short prompts sent meanwhile, all at once:
 
 * with `--local-prefill-max-tokens 256`, go to the decode pod with
   remote_prefill=false: the router counts them, the decode pod looks their
-  prompt blocks up in its prefix cache (it does so only for prompts it
-  computes itself; KV that arrives by transfer is not looked up), and the
-  prefill pod sees only the long prompts;
-* with the rule off, take the P/D path (nothing counted, the decode pod
-  looks up no prompt block);
+  prompt blocks up in its prefix cache, and the prefill pod sees only the
+  long prompts;
+* with the rule off, take the P/D path (nothing counted, the prefill pod
+  computes every prompt; the decode pod's reservations hold what its
+  prefix cache has of them, the cache-miss-only transfer);
 * either way every output (short and long, greedy, float32) equals the
   undisturbed run, each request alone.
+
+With `--local-prefill-below 64`, a prompt of fewer new tokens goes local
+however idle the prefill pod is: a short one by the router's rule, and a
+long one whose prefix the decode pod caches by the decode pod's own answer
+to the reservation (tokens instead of Reserved).
 """
 
 from __future__ import annotations
@@ -140,15 +145,41 @@ def test_short_prompts_are_prefilled_on_the_decode_pod_while_prefill_is_busy(
 
 def test_with_the_rule_off_nothing_is_prefilled_locally(tiny_model_dir, pods, undisturbed):
     router = _router(tiny_model_dir, pods, local_prefill_max_tokens=0)
-    decode, prefill = pods["decode"], pods["prefill"]
+    prefill = pods["prefill"]
     try:
-        decode_before = decode.metric_value(LOOKUPS, role="decode")
         prefill_before = prefill.metric_value(TTFT_COUNT, role="prefill")
         longs, shorts = _while_prefill_is_busy(router, pods)
         assert (longs, shorts) == undisturbed
         assert router.metric("pdserve_router_local_prefills_total") == 0
-        assert decode.metric_value(LOOKUPS, role="decode") == decode_before
         assert (prefill.metric_value(TTFT_COUNT, role="prefill") - prefill_before
                 == NUM_LONG + NUM_SHORT)
+    finally:
+        router.terminate()
+
+
+def test_below_the_threshold_prompts_go_local_also_after_a_cached_prefix(tiny_model_dir, pods):
+    short = _prompt(500, 20, 21)
+    base = _prompt(501, 100, 101)
+    follow = base + _prompt(502, 10, 11)  # 110 tokens, 96 of them in whole blocks of base
+    reference = _router(tiny_model_dir, pods, local_prefill_max_tokens=0)
+    try:
+        # the P/D path; the decode pod's prefix cache keeps base's blocks
+        expected = [_complete(reference, p) for p in (short, base, follow)]
+    finally:
+        reference.terminate()
+    router = _router(tiny_model_dir, pods, local_prefill_below=64)
+    prefill = pods["prefill"]
+    try:
+        before = prefill.metric_value(TTFT_COUNT, role="prefill")
+        assert _complete(router, short) == expected[0]  # 20 new tokens: the router's rule
+        assert router.metric("pdserve_router_local_prefills_total") == 1
+        # 110 tokens to the router, 14 new after the decode pod's cached 96: its answer
+        assert _complete(router, follow) == expected[2]
+        assert router.metric("pdserve_router_local_prefills_total") == 2
+        assert prefill.metric_value(TTFT_COUNT, role="prefill") == before
+        _complete(router, _prompt(504, 100, 101))  # nothing cached: the P/D path
+        assert prefill.metric_value(TTFT_COUNT, role="prefill") == before + 1
+        assert router.metric("pdserve_router_local_prefills_total") == 2
+        assert "moves to a new pod pair" not in router.log_tail(200_000)
     finally:
         router.terminate()

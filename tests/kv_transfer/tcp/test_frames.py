@@ -4,11 +4,13 @@ from kv_transfer.base import KVLayout
 from kv_transfer.checksum import checksum
 from kv_transfer.errors import Reason, TransferRefused
 from kv_transfer.tcp.frames import (
+    FLAG_TOKEN_OFFSET,
     HEADER,
     MAX_CONTROL_BYTES,
     FrameHeader,
     FrameKind,
     HeaderError,
+    begin_flags,
     control_frame,
     decode_begin,
     decode_end,
@@ -58,6 +60,25 @@ def test_begin_and_end_payloads():
         decode_begin(encode_begin(layout, b"ticket", b"")[:-1])
     with pytest.raises(TransferRefused):
         decode_end(b"\x00" * 11)
+
+
+def test_begin_with_a_token_offset_carries_it_behind_the_attempt_id():
+    whole = KVLayout(3, 17, 2, 64, "float16")
+    tail = KVLayout(3, 17, 2, 64, "float16", token_offset=48)
+    # a whole-context BEGIN is what version-1 senders send: no flag, no trailer
+    assert begin_flags(whole) == 0
+    assert encode_begin(whole, b"ticket", b"attempt1") == encode_begin(
+        KVLayout(3, 17, 2, 64, "float16"), b"ticket", b"attempt1")
+    assert begin_flags(tail) == FLAG_TOKEN_OFFSET
+    payload = encode_begin(tail, b"ticket", b"attempt1")
+    assert payload[-4:] == (48).to_bytes(4, "little")
+    assert decode_begin(payload, FLAG_TOKEN_OFFSET) == (tail, b"ticket", b"attempt1")
+    # read without the flag, the trailer is part of the attempt id and the offset 0:
+    # the receiver then refuses the layout (layout_mismatch), never misplaces rows
+    layout, _, attempt = decode_begin(payload)
+    assert layout == whole and attempt == b"attempt1" + (48).to_bytes(4, "little")
+    with pytest.raises(TransferRefused, match="too short for its token offset"):
+        decode_begin(payload[:10], FLAG_TOKEN_OFFSET)
 
 
 def test_control_frame_checksum():

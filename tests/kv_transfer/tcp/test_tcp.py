@@ -29,6 +29,7 @@ ODD_LAYOUTS = [
     KVLayout(5, 1, 1, 8, "bfloat16"),
     KVLayout(2, 129, 3, 24, "bfloat16"),
     KVLayout(4, 65, 2, 64, "float32"),
+    KVLayout(3, 21, 2, 16, "float32", token_offset=32),  # cache-miss-only: context [32, 53)
     KVLayout(1, 300, 1, 40, "float16"),
     KVLayout(6, 11, 4, 32, "bfloat16"),
 ]
@@ -220,3 +221,21 @@ def test_restarted_receiver_refuses_old_generation(listener):
     finally:
         sender.close()
         second.close()
+
+
+def test_a_sender_that_disagrees_on_the_token_offset_is_refused(receiver, listener):
+    """A decode pod that holds the first 32 tokens expects only the rest; a sender
+    that sends the whole context (an older prefill pod) is refused, never misplaced."""
+    held = KVLayout(2, 8, 1, 8, "float32", token_offset=32)
+    whole = KVLayout(2, 8, 1, 8, "float32")
+    sender = make_sender(2, verdict_grace_s=60.0)
+    try:
+        target = receiver.expect("offset", held, time.time() + 30)
+        sender.begin("offset", target, whole)
+        kv = random_kv(whole, torch.Generator().manual_seed(5))
+        outcome = send_all(sender, "offset", kv, [], 3).result(30)
+        assert reason_code(outcome.reason) == "layout_mismatch"
+        assert "token_offset=32" in outcome.reason
+        assert listener.wait_final("offset")[0] == "failed"
+    finally:
+        sender.close()
