@@ -16,6 +16,8 @@ from proto.address import MAX_PORT, split_host_port
 from proto.roles import PodRole
 
 RELAYS = ("session", "stream")
+# router/routing/cache_aware.py's modes (repeated here: the config imports no routing code)
+ROUTING_POLICIES = ("first-tokens", "session-sticky", "cache-aware", "round-robin")
 
 
 def _check_port(name: str, port: int, *, allow_zero: bool = True) -> None:
@@ -81,6 +83,11 @@ class RouterConfig:
     # at least queue_ratio x as many tokens queued ahead of it.
     local_prefill_max_tokens: int = 0
     local_prefill_queue_ratio: float = 1.0
+    # Where a request no session mapping decides goes (router/routing/cache_aware.py):
+    # first-tokens | session-sticky | cache-aware | round-robin; and the prefix
+    # index's bound, in block hashes per pod (router/cache_index/index.py).
+    routing_policy: str = "first-tokens"
+    cache_index_blocks: int = 262_144
 
     def __post_init__(self) -> None:
         if not self.model_dir:
@@ -132,6 +139,12 @@ class RouterConfig:
         if not 0.0 <= self.local_prefill_queue_ratio <= 1000.0:
             raise ValueError(f"local_prefill_queue_ratio must be in [0, 1000], "
                              f"got {self.local_prefill_queue_ratio}")
+        if self.routing_policy not in ROUTING_POLICIES:
+            raise ValueError(f"routing_policy must be one of {', '.join(ROUTING_POLICIES)}, "
+                             f"got {self.routing_policy!r}")
+        if not 1 <= self.cache_index_blocks <= 1 << 26:
+            raise ValueError(f"cache_index_blocks must be in [1, {1 << 26}], "
+                             f"got {self.cache_index_blocks}")
         if self.shutdown_grace < 0:
             raise ValueError(f"shutdown_grace must be >= 0 seconds, got {self.shutdown_grace}")
 

@@ -57,6 +57,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--local-prefill-queue-ratio", type=float, default=1.0, metavar="R",
                         help="... when the prefill path has at least R x the prompt's new "
                              "tokens queued ahead of it (default 1)")
+    parser.add_argument("--routing-policy", default="first-tokens",
+                        choices=("first-tokens", "session-sticky", "cache-aware", "round-robin"),
+                        help="where a request no session mapping decides goes: rendezvous on "
+                             "the session or first 64 prompt tokens (default), on the session "
+                             "else the least-loaded pod, by cached prefix against load, or "
+                             "round-robin (docs/routing.md)")
+    parser.add_argument("--cache-index-blocks", type=int, default=262_144, metavar="N",
+                        help="prefix index bound: block hashes kept per pod (default 262144, "
+                             "about 26 MB per pod at most)")
     parser.add_argument("--shutdown-grace", type=float, default=30.0, metavar="SECONDS",
                         help="how long SIGTERM waits for in-flight requests")
     parser.add_argument("--workers", type=int, default=1,
@@ -98,6 +107,8 @@ def config_from_args(args: argparse.Namespace):
         workers=args.workers,
         local_prefill_max_tokens=args.local_prefill_max_tokens,
         local_prefill_queue_ratio=args.local_prefill_queue_ratio,
+        routing_policy=args.routing_policy,
+        cache_index_blocks=args.cache_index_blocks,
     )
 
 
