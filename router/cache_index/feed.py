@@ -55,6 +55,7 @@ class CacheEventFeed:
         self._streams: dict[str, asyncio.Task[None]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._known: set[str] = set()
+        self._gauged: set[str] = set()  # pod labels of blocks_gauge
         self._blocks_gauge = blocks_gauge
         self._missed_gauge = missed_gauge
 
@@ -82,12 +83,12 @@ class CacheEventFeed:
         self._known = {a for role in ROLES for a in self.pool.known(role)}
         for address in [a for a in self._streams if a not in self._known]:
             self._streams.pop(address).cancel()
-        for address in self.index.addresses():
+        for address in set(self.index.addresses()) | set(self._gauged):
             if address not in self._known:
                 self.index.forget(address)
-                if self._blocks_gauge is not None:
-                    with contextlib.suppress(KeyError):
-                        self._blocks_gauge.remove(address)
+                if self._blocks_gauge is not None and address in self._gauged:
+                    self._blocks_gauge.remove(address)
+        self._gauged = set(self._known)
         for role in ROLES:
             for pod in self.pool.pods(role):
                 self.index.observe_generation(pod.address, pod.generation)
@@ -98,7 +99,7 @@ class CacheEventFeed:
                     self._streams[pod.address] = asyncio.create_task(
                         self._stream(pod.address), name=f"cache-events-{pod.address}")
         if self._blocks_gauge is not None:
-            for address in self.index.addresses():
+            for address in self._known:
                 self._blocks_gauge.labels(pod=address).set(self.index.num_blocks(address))
         if self._missed_gauge is not None:
             self._missed_gauge.set(self.index.missed_batches)
