@@ -86,3 +86,19 @@ def test_bad_mode_is_refused_by_name():
         RoutingPolicy(pool, InMemorySessionStore(), mode="random")
     with pytest.raises(ValueError, match="cache-aware routing policy needs a prefix index"):
         RoutingPolicy(pool, InMemorySessionStore(), mode="cache-aware")
+
+
+def test_local_prefill_counts_only_what_the_decode_pods_index_lacks():
+    """The `cached_prefix` hook of router/routing/local_prefill.py, from the index:
+    a 200-token prompt whose first 192 tokens decode pod B holds needs 8 new
+    tokens there, under a 64-token limit; on A it needs all 200."""
+    from router.routing.local_prefill import LocalPrefill, LocalPrefillSettings
+
+    pool = SnapshotPool([load(a, "decode") for a in DECODE])
+    index = PrefixIndex()
+    rule = LocalPrefill(pool, lambda exclude: 10_000, LocalPrefillSettings(max_tokens=64),
+                        cached_prefix=index.cached_prefix)
+    assert rule.choose(PROMPT, max_context=300, exclude=frozenset()) is None
+    holds(index, DECODE[1], PROMPT)
+    choice = rule.choose(PROMPT, max_context=300, exclude=frozenset())
+    assert (choice.address, choice.new_tokens) == (DECODE[1], 200 - 192)
