@@ -81,6 +81,13 @@ def test_bad_flags_are_refused_by_name(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_a_start_past_the_trace_is_refused(tmp_path, capsys):
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text(json.dumps({"timestamp": 0, "input_length": 10, "output_length": 1}))
+    assert routing.main(_args(["--trace", str(trace), "--trace-start", "5"])) == 2
+    assert "--trace-start 5: the trace has fewer lines" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_a_few_trace_lines_on_a_live_stack(tiny_model_dir, tmp_path, capsys):
     trace = tmp_path / "trace.jsonl"
@@ -89,7 +96,7 @@ def test_a_few_trace_lines_on_a_live_stack(tiny_model_dir, tmp_path, capsys):
                              for t, n, ids in LINES))
     out = tmp_path / "out"
     args = _args(["--model", str(tiny_model_dir), "--prefill-counts", "2",
-                  "--policies", "cache-aware", "--trace", str(trace),
+                  "--policies", "cache-aware", "--trace", str(trace), "--trace-start", "0",
                   "--pod-arg=--kv-cache-memory=64MiB", "--out-dir", str(out),
                   "--no-progress"])
     assert routing.main(args) == 0
