@@ -81,10 +81,11 @@ def test_bad_flags_are_refused_by_name(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_a_start_past_the_trace_is_refused(tmp_path, capsys):
+def test_a_start_past_the_trace_is_refused(tiny_model_dir, tmp_path, capsys):
     trace = tmp_path / "trace.jsonl"
     trace.write_text(json.dumps({"timestamp": 0, "input_length": 10, "output_length": 1}))
-    assert routing.main(_args(["--trace", str(trace), "--trace-start", "5"])) == 2
+    assert routing.main(_args(["--model", str(tiny_model_dir), "--trace", str(trace),
+                               "--trace-start", "5"])) == 2
     assert "--trace-start 5: the trace has fewer lines" in capsys.readouterr().err
 
 
