@@ -42,10 +42,19 @@ def extend_block_hashes(block_hashes: list[int], token_ids: Sequence[int], block
     num_full = len(token_ids) // block_size
     if max_blocks is not None:
         num_full = min(num_full, max_blocks)
-    for i in range(len(block_hashes), num_full):
-        parent = block_hashes[i - 1] if i else None
-        block = token_ids[i * block_size : (i + 1) * block_size]
-        block_hashes.append(hash_block_tokens(parent, block))
+    first = len(block_hashes)
+    if first >= num_full:
+        return
+    # One pack for every new block, then one digest per block over (parent, block):
+    # the same bytes `hash_block_tokens` hashes, at a fraction of the cost.
+    data = memoryview(struct.pack(f"<{(num_full - first) * block_size}q",
+                                  *token_ids[first * block_size : num_full * block_size]))
+    width = 8 * block_size
+    parent = block_hashes[first - 1] if first else None
+    for i in range(num_full - first):
+        head = _ROOT_PARENT if parent is None else struct.pack("<Q", parent)
+        parent = xxhash.xxh64_intdigest(head + data[i * width : (i + 1) * width])
+        block_hashes.append(parent)
 
 
 def reusable_blocks(num_tokens: int, block_size: int) -> int:

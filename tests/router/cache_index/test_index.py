@@ -11,7 +11,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from proto import pdserve_pb2
-from proto.block_hash import hash_block_tokens
+from proto.block_hash import extend_block_hashes, hash_block_tokens
 from router.cache_index.index import PrefixIndex, PromptBlocks
 
 POD = "127.0.0.1:6001"
@@ -124,3 +124,17 @@ def test_router_hash_equals_the_engines_for_the_same_tokens(tiny_model_dir, bloc
     engine.add_request("again", prompt, SamplingParams(temperature=0.0, max_tokens=1))
     (out,) = [o for o in engine.step() if o.request_id == "again"]
     assert out.num_cached_tokens == index.cached_prefix(POD, prompt)
+
+
+@pytest.mark.parametrize("length", [0, 15, 16, 17, 100, 1000])
+def test_batched_hashing_equals_block_by_block(length):
+    """`extend_block_hashes` packs many blocks at once; the result is the
+    chain of `hash_block_tokens`, also when extended in two steps."""
+    import random
+
+    rng = random.Random(length)
+    tokens = [rng.randrange(-5, 1 << 40) for _ in range(length)]
+    hashes: list[int] = []
+    extend_block_hashes(hashes, tokens[:length // 2], 16)
+    extend_block_hashes(hashes, tokens, 16)
+    assert hashes == chain(tokens, 16)
