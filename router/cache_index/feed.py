@@ -5,7 +5,10 @@ Per pod, one of two ways (chosen from its `LoadReport.cache_events_channel`):
 
 * **Redis** — the pod publishes to the pub/sub channel its report names and
   this router has `--redis-url`: one subscription (`CACHE_EVENTS_CHANNEL`)
-  serves every such pod; batches carry the pod's address.
+  serves every such pod; batches carry the pod's address. Pub/sub keeps no
+  history, so for each such pod (and each new generation of it) the router
+  also takes one snapshot from its `Subscribe` stream and closes it: a router
+  that starts after the pods (or restarts) knows what they hold at once.
 * **direct** — otherwise: a `CacheEvents.Subscribe` server stream to the pod,
   which opens with a snapshot of everything the pod caches, so a router that
   (re)connects starts from the truth.
@@ -55,6 +58,7 @@ class CacheEventFeed:
         self._streams: dict[str, asyncio.Task[None]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._known: set[str] = set()
+        self._snapshotted: dict[str, int] = {}  # Redis-fed pod -> generation snapshotted
         self._gauged: set[str] = set()  # pod labels of blocks_gauge
         self._blocks_gauge = blocks_gauge
         self._missed_gauge = missed_gauge
@@ -83,6 +87,7 @@ class CacheEventFeed:
         self._known = {a for role in ROLES for a in self.pool.known(role)}
         for address in [a for a in self._streams if a not in self._known]:
             self._streams.pop(address).cancel()
+            self._snapshotted.pop(address, None)
         for address in set(self.index.addresses()) | set(self._gauged):
             if address not in self._known:
                 self.index.forget(address)
@@ -92,12 +97,16 @@ class CacheEventFeed:
         for role in ROLES:
             for pod in self.pool.pods(role):
                 self.index.observe_generation(pod.address, pod.generation)
-                if pod.cache_events_channel and self._redis_url:
-                    continue  # its batches come through the Redis subscription
+                # a Redis-fed pod: one snapshot per generation, then its batches
+                # come through the Redis subscription
+                once = bool(pod.cache_events_channel and self._redis_url)
+                if once and self._snapshotted.get(pod.address) == pod.generation:
+                    continue
                 task = self._streams.get(pod.address)
                 if task is None or task.done():
                     self._streams[pod.address] = asyncio.create_task(
-                        self._stream(pod.address), name=f"cache-events-{pod.address}")
+                        self._stream(pod.address, once=once),
+                        name=f"cache-events-{pod.address}")
         if self._blocks_gauge is not None:
             for address in self._known:
                 self._blocks_gauge.labels(pod=address).set(self.index.num_blocks(address))
@@ -112,13 +121,17 @@ class CacheEventFeed:
             except Exception:  # never let one bad sync stop the feed
                 log.exception("cache event sync failed")
 
-    async def _stream(self, address: str) -> None:
-        """One pod's direct subscription, until it ends or fails."""
+    async def _stream(self, address: str, *, once: bool = False) -> None:
+        """One pod's direct subscription, until it ends or fails (`once`: its
+        snapshot only)."""
         channel = grpc.aio.insecure_channel(address, options=list(GRPC_MESSAGE_OPTIONS))
         try:
             stub = pdserve_pb2_grpc.CacheEventsStub(channel)
             async for batch in stub.Subscribe(pdserve_pb2.CacheEventsRequest()):
                 self.index.apply(batch, address)
+                if once:
+                    self._snapshotted[address] = batch.generation
+                    break
         except grpc.aio.AioRpcError as exc:
             log.info("cache events from %s stopped (%s %s); resubscribing at a later sync",
                      address, exc.code().name, exc.details())
