@@ -102,3 +102,25 @@ def test_local_prefill_counts_only_what_the_decode_pods_index_lacks():
     holds(index, DECODE[1], PROMPT)
     choice = rule.choose(PROMPT, max_context=300, exclude=frozenset())
     assert (choice.address, choice.new_tokens) == (DECODE[1], 200 - 192)
+
+
+def test_router_config_and_flags_name_the_same_policies():
+    import argparse
+
+    from pdserve.commands import router as router_command
+    from router import config
+    from router.routing import cache_aware
+
+    assert config.ROUTING_POLICIES == cache_aware.ROUTING_POLICIES
+    parser = argparse.ArgumentParser()
+    router_command.add_arguments(parser)
+    (action,) = [a for a in parser._actions if a.dest == "routing_policy"]
+    assert tuple(action.choices) == cache_aware.ROUTING_POLICIES
+    args = parser.parse_args(["--model", "m", "--routing-policy", "cache-aware",
+                              "--cache-index-blocks", "1000"])
+    made = router_command.config_from_args(args)
+    assert (made.routing_policy, made.cache_index_blocks) == ("cache-aware", 1000)
+    with pytest.raises(ValueError, match="routing_policy must be one of first-tokens"):
+        config.RouterConfig(model_dir="m", routing_policy="random")
+    with pytest.raises(ValueError, match=r"cache_index_blocks must be in \[1, 67108864\]"):
+        config.RouterConfig(model_dir="m", cache_index_blocks=0)
