@@ -19,7 +19,9 @@
     figures     hit ratio = prompt tokens the prefill pods took from their
                 prefix caches (each response's usage.cached_tokens) / prompt
                 tokens, beside the trace's oracle (one unbounded cache
-                shared by all pods); p90 TTFT and round-robin's p90 / it;
+                shared by all pods) and the part of it the engine can reach
+                (full prompt blocks only, never the last token's); p90 TTFT
+                and round-robin's p90 / it;
                 KV bytes the prefill pods sent / the bytes of every prompt's
                 full context (layers x 2 x kv heads x head dim x dtype size
                 per token)
@@ -39,7 +41,12 @@ import time
 from pathlib import Path
 
 from benchmarks import disagg, peer_servers
-from benchmarks.routing_trace import conversation_ids, oracle_hit_ratio, with_sessions
+from benchmarks.routing_trace import (
+    conversation_ids,
+    oracle_hit_ratio,
+    reachable_hit_ratio,
+    with_sessions,
+)
 from benchmarks.serve_trace import TraceScaling, load_trace, trace_sessions
 from benchmarks.serve_workload import Vocabulary
 
@@ -127,7 +134,8 @@ def kv_bytes_per_token(model_dir: Path, kv_dtype: str | None, pod_args: list[str
     return shape.num_layers * 2 * shape.num_kv_heads * shape.head_dim * DTYPE_BYTES[dtype]
 
 
-def figures(result: dict, oracle: float, bytes_per_token: int) -> dict:
+def figures(result: dict, oracle: float, bytes_per_token: int,
+            reachable: float | None = None) -> dict:
     """One run's hit ratio, p90 TTFT and KV bytes (module docstring)."""
     ok = [r for r in result["requests"] if r["error"] is None]
     prompt_tokens = sum(r["prompt_len"] for r in ok)
@@ -136,7 +144,7 @@ def figures(result: dict, oracle: float, bytes_per_token: int) -> dict:
     sent = result["server_metrics"]["kv_bytes_sent"]
     full = prompt_tokens * bytes_per_token
     return {"prompt_tokens": prompt_tokens, "cached_tokens": cached, "hit_ratio": hit,
-            "oracle_hit_ratio": oracle,
+            "oracle_hit_ratio": oracle, "reachable_hit_ratio": reachable,
             "hit_vs_oracle": hit / oracle if hit is not None and oracle else None,
             "ttft_p90_ms": result["ttft_ms"]["p90"], "ttft_p50_ms": result["ttft_ms"]["p50"],
             "kv_bytes_sent": sent, "kv_bytes_full_context": full,
@@ -157,13 +165,14 @@ def print_table(rows: dict[int, dict[str, dict]]) -> None:
     def cell(value: float | None, fmt: str, unit: str = "") -> str:
         return "—" if value is None else format(value, fmt) + unit
 
-    print("\n| prefill pods | policy | hit ratio | oracle | vs oracle | p90 TTFT ms | "
-          "RR p90 / p90 | KV sent / full |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|")
+    print("\n| prefill pods | policy | hit ratio | oracle | vs oracle | reachable | "
+          "p90 TTFT ms | RR p90 / p90 | KV sent / full |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     for count, per_policy in rows.items():
         for policy, r in per_policy.items():
             print(f"| {count} | {policy} | {cell(r['hit_ratio'], '.3f')} | "
                   f"{r['oracle_hit_ratio']:.3f} | {cell(r['hit_vs_oracle'], '.2f', 'x')} | "
+                  f"{cell(r['reachable_hit_ratio'], '.3f')} | "
                   f"{cell(r['ttft_p90_ms'], ',.0f')} | "
                   f"{cell(r['ttft_p90_gain_vs_round_robin'], '.2f', 'x')} | "
                   f"{cell(r['kv_sent_vs_full'], '.2f')} |")
@@ -188,6 +197,7 @@ def main(args: argparse.Namespace) -> int:
                                   args.seed)
         conversations = with_sessions(sessions, conversation_ids(requests))
         oracle = oracle_hit_ratio(requests, scaling)
+        reachable = reachable_hit_ratio(requests, scaling)
         bytes_per_token = kv_bytes_per_token(model_dir, args.kv_dtype, args.pod_arg)
     except ValueError as exc:
         print(f"pdserve bench routing: error: {exc}", file=sys.stderr)
@@ -216,12 +226,13 @@ def main(args: argparse.Namespace) -> int:
             except RuntimeError as exc:
                 print(f"pdserve bench routing: error: {exc}", file=sys.stderr)
                 return 1
-            rows[count][policy] = figures(result, oracle, bytes_per_token)
+            rows[count][policy] = figures(result, oracle, bytes_per_token, reachable)
     add_ttft_gains(rows)
     print_table(rows)
     (out_dir / "comparison.json").write_text(json.dumps(
         {"model": str(model_dir), "started_unix": started, "wall_s": time.time() - started,
          "workload": description, "oracle_hit_ratio": oracle,
+         "reachable_hit_ratio": reachable,
          "kv_bytes_per_token": bytes_per_token,
          "rows": {str(c): p for c, p in rows.items()},
          "runs": {str(c): {p: f"trace-prefill{c}-{p}.json" for p in per}

@@ -6,6 +6,12 @@
                    (0.651 over the whole synthetic trace, its README says).
                    Computed on the scaled prompts: block i of a prompt of L
                    tokens counts min(B, L - i*B) tokens, B the scaled block size
+    reachable      the same cache as the engine can use it: a prefill pod
+                   caches the full blocks of the prompts it computed, and a
+                   prompt reuses its leading cached blocks but never the one
+                   holding its last token (proto/block_hash.py,
+                   `reusable_blocks`); the best any routing can do with
+                   unbounded caches, below the oracle by the partial blocks
     conversations  the trace has no session ids; a line whose hash ids start
                    with every full block of an earlier line (all its ids but
                    the last, which is partial and grows in the next turn)
@@ -40,6 +46,24 @@ def oracle_hit_ratio(requests: list[TraceRequest], scaling: TraceScaling) -> flo
             if hash_id in seen:
                 hits += tokens
         seen.update(request.hash_ids)
+    return hits / total if total else 0.0
+
+
+def reachable_hit_ratio(requests: list[TraceRequest], scaling: TraceScaling) -> float:
+    """Prompt tokens an unbounded shared prefix cache could serve as the
+    engine uses it (module docstring) / prompt tokens."""
+    block = scaling.scaled_block_size
+    cached: set[int] = set()
+    hits = total = 0
+    for request in requests:
+        length = scaling.input_length(request)
+        total += length
+        full = request.hash_ids[:length // block]
+        for hash_id in full[:max(0, length - 1) // block]:
+            if hash_id not in cached:
+                break
+            hits += block
+        cached.update(full)
     return hits / total if total else 0.0
 
 

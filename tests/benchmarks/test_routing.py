@@ -11,7 +11,12 @@ import json
 import pytest
 
 from benchmarks import routing
-from benchmarks.routing_trace import conversation_ids, oracle_hit_ratio, with_sessions
+from benchmarks.routing_trace import (
+    conversation_ids,
+    oracle_hit_ratio,
+    reachable_hit_ratio,
+    with_sessions,
+)
 from benchmarks.serve_trace import TraceRequest, TraceScaling, trace_sessions
 from benchmarks.serve_workload import Vocabulary
 
@@ -38,6 +43,9 @@ def test_oracle_counts_tokens_of_blocks_seen_before():
     lengths = [scaled.input_length(r) for r in requests()]
     assert lengths == [47, 62, 32, 19]
     assert oracle_hit_ratio(requests(), scaled) == pytest.approx((48 + 16) / sum(lengths))
+    # as the engine caches: line 0 leaves 2 full blocks (47 tokens), line 1 reuses
+    # them (its third block was partial in line 0), line 2 reuses block 0
+    assert reachable_hit_ratio(requests(), scaled) == pytest.approx((32 + 16) / sum(lengths))
 
 
 def test_conversations_continue_an_earlier_lines_full_blocks():
@@ -108,6 +116,7 @@ def test_a_few_trace_lines_on_a_live_stack(tiny_model_dir, tmp_path, capsys):
     # left, and line 2 (32 tokens: one reusable block) the first
     assert row["cached_tokens"] == 32 + 16
     assert row["oracle_hit_ratio"] == pytest.approx(64 / 160)
+    assert row["reachable_hit_ratio"] == pytest.approx(48 / 160)
     assert row["kv_sent_vs_full"] == pytest.approx(1.0)  # every request sends its whole KV
     assert (out / "trace-prefill2-cache-aware.json").is_file()
     assert "| 2 | cache-aware |" in capsys.readouterr().out
