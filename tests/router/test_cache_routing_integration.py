@@ -128,7 +128,8 @@ def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
 def test_events_through_redis_reach_both_routers_and_steer_a_repeated_prefix(cluster):
     prefill, routers = cluster["prefill"], cluster["routers"]
     client = redis.Redis.from_url(cluster["redis"].url)
-    assert client.pubsub_numsub(CACHE_EVENTS_CHANNEL)[0][1] == 2  # both routers listen
+    wait_for(lambda: client.pubsub_numsub(CACHE_EVENTS_CHANNEL)[0][1] == 2,
+             "both routers never subscribed to the events channel")
     client.close()
     shared = prompt(1)
     holder = not_first_choice(shared, prefill)
