@@ -76,8 +76,9 @@ def test_snapshot_then_ordered_batches_of_stores_and_evictions(tiny_model_dir, m
         stuck = hub.subscribe(loop)
         await anext(stuck)
         for seed in (6, 7):
+            # each computes and evicts blocks: a flush is queued on this loop
+            # during the step, before the step's outputs are
             await compute(loop, f"more-{seed}", prompt(seed))
-        await asyncio.sleep(0.05)
         assert hub._subscribers == []
         assert len([batch async for batch in stuck]) == 1
         await hub.close()
