@@ -95,6 +95,7 @@ class RequestRecord:
     chunks: int = 0
     itl_s: list[float] = field(default_factory=list)
     error: str | None = None
+    cached_tokens: int = 0  # prompt tokens the server took from its prefix cache (usage)
 
 
 def random_prompts(num: int, length: int, vocab_size: int, *, seed: int = 0,
@@ -153,6 +154,8 @@ async def _one_request(session, url: str, model: str, request: BenchRequest, spe
                 raise RuntimeError(f"error event: {json.dumps(event['error'])[:300]}")
             if event.get("usage"):
                 usage_tokens = event["usage"].get("completion_tokens")
+                details = event["usage"].get("prompt_tokens_details") or {}
+                record.cached_tokens = int(details.get("cached_tokens") or 0)
             if not event.get("choices"):
                 continue
             tokens = _chunk_tokens(event["choices"][0], spec.token_count)

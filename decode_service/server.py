@@ -25,6 +25,7 @@ from engine.metrics import PodMetrics, serve_metrics
 from engine.model_config import ModelConfig
 from kv_transfer.base import KVReceiver
 from kv_transfer.config import ReceiverConfig
+from pod.cache_events import add_cache_events
 from pod.config import ServerConfig
 from pod.drain import DrainGate
 from pod.kv_shape import kv_shape_of
@@ -81,20 +82,25 @@ async def _serve(role: PodRole, engine_config: EngineConfig, server_config: Serv
                           decode.transfer_timeout_s, decode.reservation_timeout_s)
         on_stopped = [receiver.close, injector.close, loop.stop]
     gate = DrainGate()
+    generation = secrets.randbits(63)
+    server = PodServer.new_grpc_server(server_config.security)
+    cache_events = add_cache_events(server, role=role, generation=generation, engine_loop=loop,
+                                    redis_url=server_config.redis_url)
     servicer = DecodeServicer(
         role=role, loop=loop, metrics=metrics, gate=gate,
         limits=ModelLimits(model_config.vocab_size, loop.max_model_len),
-        model=model_name, generation=secrets.randbits(63), remote=remote,
+        model=model_name, generation=generation, remote=remote,
+        cache_events_channel=cache_events.channel,
     )
-    server = PodServer.new_grpc_server(server_config.security)
     pdserve_pb2_grpc.add_DecodeServicer_to_server(servicer, server)
     pod = PodServer(
         role=role, model=model_name, config=server_config, gate=gate, server=server,
         services=("pdserve.v1.Decode",), extra_ports=extra_ports, on_stopped=on_stopped,
         metrics_start=lambda host, port: serve_metrics(metrics, host, port),
-        alive=lambda: loop.state is LoopState.RUNNING,
+        alive=lambda: loop.state is LoopState.RUNNING, cache_events=cache_events,
     )
     loop.start()
+    await cache_events.attach(loop)
     return await pod.run(stop)
 
 

@@ -82,7 +82,7 @@ class DecodeServicer(pdserve_pb2_grpc.DecodeServicer):
 
     def __init__(self, *, role: str, loop: EngineLoop, metrics: PodMetrics, gate: DrainGate,
                  limits: ModelLimits, model: str, generation: int,
-                 remote: RemoteKV | None) -> None:
+                 remote: RemoteKV | None, cache_events_channel: str = "") -> None:
         self._role = role
         self._loop = loop
         self._metrics = metrics
@@ -90,6 +90,7 @@ class DecodeServicer(pdserve_pb2_grpc.DecodeServicer):
         self._limits = limits
         self._model = model
         self._generation = generation
+        self._cache_events_channel = cache_events_channel
         self._remote = remote
         # R -> its import, from open until commit or free (Abort fails its wait)
         self._importing: dict[str, KVImport] = {}
@@ -249,4 +250,5 @@ class DecodeServicer(pdserve_pb2_grpc.DecodeServicer):
     @decode_errors
     async def GetLoad(self, request: pdserve_pb2.LoadRequest,
                       context: grpc.aio.ServicerContext) -> pdserve_pb2.LoadReport:
-        return load_report(self._role, self._model, self._generation, self._loop, self._gate)
+        return load_report(self._role, self._model, self._generation, self._loop, self._gate,
+                           self._cache_events_channel)

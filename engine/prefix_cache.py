@@ -12,46 +12,37 @@ Counters are in blocks: `num_queries` full blocks looked up, `num_hits`
 found. With caching off, `match` finds nothing and counts nothing.
 
 Only the engine loop thread calls this (via `engine.block_manager`).
+A `CacheListener` (set with `set_listener`) hears every hash that enters
+(`stored`) or leaves (`evicted`) the map, in order, so a pod can tell the
+routers what it holds (pod/cache_events.py).
 """
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Iterable, Sequence
-
-import xxhash
+from typing import Protocol
 
 from engine.block_pool import BlockPool
+from proto.block_hash import extend_block_hashes, hash_block_tokens
 
-_ROOT_PARENT = b"pdserve-prefix-root\x00"
-
-
-def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:
-    """xxhash64 of (parent block hash, this block's token ids)."""
-    h = xxhash.xxh64()
-    h.update(_ROOT_PARENT if parent_hash is None else struct.pack("<Q", parent_hash))
-    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
-    return h.intdigest()
+__all__ = ["CacheListener", "PrefixCache", "extend_block_hashes", "hash_block_tokens"]
 
 
-def extend_block_hashes(
-    block_hashes: list[int], token_ids: Sequence[int], block_size: int
-) -> None:
-    """Append the hashes of full blocks of `token_ids` not yet in `block_hashes`.
+class CacheListener(Protocol):
+    """Told of every change to the set of cached prefixes (pod/cache_events.py
+    publishes them to the routers). Called on the engine loop thread, inside
+    `insert` / `allocate`: it must only record, never block."""
 
-    Token lists are append-only, so hashes already computed stay valid.
-    """
-    for i in range(len(block_hashes), len(token_ids) // block_size):
-        parent = block_hashes[i - 1] if i else None
-        block = token_ids[i * block_size : (i + 1) * block_size]
-        block_hashes.append(hash_block_tokens(parent, block))
+    def stored(self, block_hash: int) -> None: ...
+
+    def evicted(self, block_hash: int) -> None: ...
 
 
 class PrefixCache:
     """Hash -> block id map over a `BlockPool`, with LRU eviction via its free queue."""
 
     __slots__ = ("enabled", "num_hits", "num_queries", "_block_of_hash", "_hash_of_block",
-                 "_pool")
+                 "_listener", "_pool")
 
     def __init__(self, pool: BlockPool, *, enabled: bool = True) -> None:
         self._pool = pool
@@ -60,6 +51,16 @@ class PrefixCache:
         self._hash_of_block: dict[int, int] = {}
         self.num_queries = 0
         self.num_hits = 0
+        self._listener: CacheListener | None = None
+
+    def set_listener(self, listener: CacheListener | None) -> None:
+        """Tell `listener` of every stored and evicted hash from now on (engine
+        loop thread; `cached_hashes` gives the state to start from)."""
+        self._listener = listener
+
+    def cached_hashes(self) -> list[int]:
+        """Every hash cached now (the snapshot a new subscriber starts from)."""
+        return list(self._block_of_hash)
 
     @property
     def num_cached_blocks(self) -> int:
@@ -105,6 +106,8 @@ class PrefixCache:
             block_hash = self._hash_of_block.pop(block_id, None)
             if block_hash is not None:
                 del self._block_of_hash[block_hash]
+                if self._listener is not None:
+                    self._listener.evicted(block_hash)
         return block_ids
 
     def insert(self, block_hash: int, block_id: int) -> None:
@@ -119,6 +122,8 @@ class PrefixCache:
             return  # already caches this (immutable) prefix
         self._block_of_hash[block_hash] = block_id
         self._hash_of_block[block_id] = block_hash
+        if self._listener is not None:
+            self._listener.stored(block_hash)
 
     def release(self, block_ids: Sequence[int]) -> None:
         """Drop a request's references, last block first so its tail is evicted first."""

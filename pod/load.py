@@ -10,8 +10,9 @@ from proto import pdserve_pb2
 
 
 def load_report(role: str, model: str, generation: int, loop: EngineLoop,
-                gate: DrainGate) -> pdserve_pb2.LoadReport:
-    """A snapshot of `loop.stats` plus who this pod is; called on the pod's event loop."""
+                gate: DrainGate, cache_events_channel: str = "") -> pdserve_pb2.LoadReport:
+    """A snapshot of `loop.stats` plus who this pod is; called on the pod's event loop.
+    `cache_events_channel`: the Redis channel of pod/cache_events.py ("" = none)."""
     stats = loop.stats
     return pdserve_pb2.LoadReport(
         role=role,
@@ -27,4 +28,5 @@ def load_report(role: str, model: str, generation: int, loop: EngineLoop,
         model=model,
         max_model_len=loop.max_model_len,
         draining=gate.draining,
+        cache_events_channel=cache_events_channel,
     )

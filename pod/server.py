@@ -36,6 +36,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
+from pod.cache_events import CacheEventHub
 from pod.config import ServerConfig
 from pod.drain import DrainGate, DrainState
 from proto.limits import GRPC_MESSAGE_OPTIONS
@@ -73,6 +74,9 @@ class PodServer:
     # False once the pod cannot serve any more (its engine loop died): the
     # pod then reports NOT_SERVING, stops, and exits 1 so it is restarted.
     alive: Callable[[], bool] = lambda: True
+    # The pod's prefix-cache events (pod/cache_events.py), told the pod's
+    # address once it serves and closed when it stops.
+    cache_events: CacheEventHub | None = None
     _health: health_aio.HealthServicer = field(default_factory=health_aio.HealthServicer)
 
     @staticmethod
@@ -103,6 +107,9 @@ class PodServer:
         log.info("%s pod serving: %s", self.role,
                  ", ".join(f"{k}={v}" for k, v in ports.items()))
         heartbeat = self._start_heartbeat(port)
+        if self.cache_events is not None:
+            self.cache_events.start(
+                f"{self.config.public_host()}:{port}" if self.config.redis_url else "")
         if self.config.ready_file:
             write_ready_file(self.config.ready_file, {"kv": 0, **ports})
 
@@ -156,6 +163,8 @@ class PodServer:
         if not await self.gate.wait_idle(self.config.grace_period_s):
             log.warning("%s pod: grace period over with %d request(s) in flight",
                         self.role, self.gate.in_flight)
+        if self.cache_events is not None:
+            await self.cache_events.close()  # ends the subscriptions before the stop
         await self.server.stop(grace=1.0)
         self.gate.transition(DrainState.STOPPED)
         for callback in self.on_stopped:

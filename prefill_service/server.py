@@ -20,6 +20,7 @@ from engine.model_config import ModelConfig
 from kv_transfer.base import KVSender
 from kv_transfer.config import SenderConfig
 from kv_transfer.tcp import TcpKVSender
+from pod.cache_events import add_cache_events
 from pod.drain import DrainGate
 from pod.kv_shape import kv_shape_of
 from pod.messages import ModelLimits
@@ -59,20 +60,24 @@ async def run_prefill_pod(config: PrefillConfig, stop: asyncio.Event | None = No
     model_config = ModelConfig.from_pretrained(config.engine.model_dir)
     gate = DrainGate()
     model_name = Path(config.engine.model_dir).name
+    generation = secrets.randbits(63)
+    server = PodServer.new_grpc_server(config.server.security)
+    cache_events = add_cache_events(server, role=PodRole.PREFILL, generation=generation,
+                                    engine_loop=loop, redis_url=config.server.redis_url)
     servicer = PrefillServicer(
         loop=loop, export=export, metrics=metrics, gate=gate,
         limits=ModelLimits(model_config.vocab_size, loop.max_model_len),
         kv_shape=kv_shape_of(config.engine.model_dir, config.engine.dtype),
-        model=model_name, generation=secrets.randbits(63),
+        model=model_name, generation=generation, cache_events_channel=cache_events.channel,
     )
-    server = PodServer.new_grpc_server(config.server.security)
     pdserve_pb2_grpc.add_PrefillServicer_to_server(servicer, server)
     pod = PodServer(
         role=PodRole.PREFILL, model=model_name, config=config.server, gate=gate, server=server,
         services=("pdserve.v1.Prefill",),
         on_stopped=[loop.stop, export.close],
         metrics_start=lambda host, port: serve_metrics(metrics, host, port),
-        alive=lambda: loop.state is LoopState.RUNNING,
+        alive=lambda: loop.state is LoopState.RUNNING, cache_events=cache_events,
     )
     loop.start()
+    await cache_events.attach(loop)
     return await pod.run(stop)

@@ -81,7 +81,7 @@ class PrefillServicer(pdserve_pb2_grpc.PrefillServicer):
 
     def __init__(self, *, loop: EngineLoop, export: KVExport, metrics: PodMetrics,
                  gate: DrainGate, limits: ModelLimits, kv_shape: KVShape, model: str,
-                 generation: int) -> None:
+                 generation: int, cache_events_channel: str = "") -> None:
         self._loop = loop
         self._export = export
         self._metrics = metrics
@@ -90,6 +90,7 @@ class PrefillServicer(pdserve_pb2_grpc.PrefillServicer):
         self._kv_shape = kv_shape
         self._model = model
         self._generation = generation
+        self._cache_events_channel = cache_events_channel
 
     @pod_errors
     async def Prefill(self, request: pdserve_pb2.PrefillRequest,
@@ -182,7 +183,8 @@ class PrefillServicer(pdserve_pb2_grpc.PrefillServicer):
     @pod_errors
     async def GetLoad(self, request: pdserve_pb2.LoadRequest,
                       context: grpc.aio.ServicerContext) -> pdserve_pb2.LoadReport:
-        return load_report(PodRole.PREFILL, self._model, self._generation, self._loop, self._gate)
+        return load_report(PodRole.PREFILL, self._model, self._generation, self._loop, self._gate,
+                           self._cache_events_channel)
 
 
 def _first_token(first: RequestOutput) -> pdserve_pb2.PrefillFirstToken:

@@ -59,7 +59,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("role", "generation", "num_waiting", "num_waiting_tokens", "num_running", "num_free_blocks", "num_total_blocks", "block_size", "prefix_hit_rate", "model", "max_model_len", "draining")
+    __slots__ = ("role", "generation", "num_waiting", "num_waiting_tokens", "num_running", "num_free_blocks", "num_total_blocks", "block_size", "prefix_hit_rate", "model", "max_model_len", "draining", "cache_events_channel")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +72,7 @@ class LoadReport(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    CACHE_EVENTS_CHANNEL_FIELD_NUMBER: _ClassVar[int]
     role: str
     generation: int
     num_waiting: int
@@ -84,7 +85,8 @@ class LoadReport(_message.Message):
     model: str
     max_model_len: int
     draining: bool
-    def __init__(self, role: _Optional[str] = ..., generation: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_waiting_tokens: _Optional[int] = ..., num_running: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
+    cache_events_channel: str
+    def __init__(self, role: _Optional[str] = ..., generation: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_waiting_tokens: _Optional[int] = ..., num_running: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., draining: _Optional[bool] = ..., cache_events_channel: _Optional[str] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id", "reason")
@@ -361,3 +363,27 @@ class ListModelsResponse(_message.Message):
     MODELS_FIELD_NUMBER: _ClassVar[int]
     models: _containers.RepeatedCompositeFieldContainer[ModelInfo]
     def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
+
+class CacheEventsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CacheEventBatch(_message.Message):
+    __slots__ = ("address", "role", "generation", "block_size", "sequence", "snapshot", "stored", "evicted")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    role: str
+    generation: int
+    block_size: int
+    sequence: int
+    snapshot: bool
+    stored: _containers.RepeatedScalarFieldContainer[int]
+    evicted: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, address: _Optional[str] = ..., role: _Optional[str] = ..., generation: _Optional[int] = ..., block_size: _Optional[int] = ..., sequence: _Optional[int] = ..., snapshot: _Optional[bool] = ..., stored: _Optional[_Iterable[int]] = ..., evicted: _Optional[_Iterable[int]] = ...) -> None: ...

@@ -571,3 +571,76 @@ class Router:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class CacheEventsStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Subscribe = channel.unary_stream(
+                '/pdserve.v1.CacheEvents/Subscribe',
+                request_serializer=proto_dot_pdserve__pb2.CacheEventsRequest.SerializeToString,
+                response_deserializer=proto_dot_pdserve__pb2.CacheEventBatch.FromString,
+                _registered_method=True)
+
+
+class CacheEventsServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def Subscribe(self, request, context):
+        """A snapshot of the pod's cached hashes, then a batch whenever the cache changed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_CacheEventsServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Subscribe': grpc.unary_stream_rpc_method_handler(
+                    servicer.Subscribe,
+                    request_deserializer=proto_dot_pdserve__pb2.CacheEventsRequest.FromString,
+                    response_serializer=proto_dot_pdserve__pb2.CacheEventBatch.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'pdserve.v1.CacheEvents', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('pdserve.v1.CacheEvents', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class CacheEvents:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Subscribe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.v1.CacheEvents/Subscribe',
+            proto_dot_pdserve__pb2.CacheEventsRequest.SerializeToString,
+            proto_dot_pdserve__pb2.CacheEventBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

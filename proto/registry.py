@@ -7,6 +7,11 @@ Key schema (also in docs/routing.md):
 
     pdserve:pods:{role}:{address}  ->  JSON {"address", "role", "model", "started_at"}
                                        with a TTL the pod keeps refreshing
+
+Pub/sub channel (pod/cache_events.py publishes, router/cache_index/feed.py
+subscribes):
+
+    pdserve:cache-events  <-  serialized pdserve.v1.CacheEventBatch messages
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from proto.address import split_host_port
 from proto.roles import PodRole
 
 POD_KEY_PREFIX = "pdserve:pods:"
+CACHE_EVENTS_CHANNEL = "pdserve:cache-events"
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,6 +17,8 @@ from proto.roles import PodRole
 from proto.tls import PodSecurity, TlsFiles
 
 RELAYS = ("session", "stream")
+# router/routing/cache_aware.py's modes (repeated here: the config imports no routing code)
+ROUTING_POLICIES = ("first-tokens", "session-sticky", "cache-aware", "round-robin")
 
 
 def _check_port(name: str, port: int, *, allow_zero: bool = True) -> None:
@@ -89,6 +91,11 @@ class RouterConfig:
     # Conditional disaggregation: fewer new tokens than this (after the decode
     # pod's cached prefix) are prefilled on the decode pod, whatever the queue.
     local_prefill_below: int = 0
+    # Where a request no session mapping decides goes (router/routing/cache_aware.py):
+    # first-tokens | session-sticky | cache-aware | round-robin; and the prefix
+    # index's bound, in block hashes per pod (router/cache_index/index.py).
+    routing_policy: str = "first-tokens"
+    cache_index_blocks: int = 262_144
 
     def __post_init__(self) -> None:
         if not self.model_dir:
@@ -145,6 +152,12 @@ class RouterConfig:
         if not 0 <= self.local_prefill_below <= 1 << 20:
             raise ValueError(f"local_prefill_below must be in [0, {1 << 20}], "
                              f"got {self.local_prefill_below}")
+        if self.routing_policy not in ROUTING_POLICIES:
+            raise ValueError(f"routing_policy must be one of {', '.join(ROUTING_POLICIES)}, "
+                             f"got {self.routing_policy!r}")
+        if not 1 <= self.cache_index_blocks <= 1 << 26:
+            raise ValueError(f"cache_index_blocks must be in [1, {1 << 26}], "
+                             f"got {self.cache_index_blocks}")
         if self.shutdown_grace < 0:
             raise ValueError(f"shutdown_grace must be >= 0 seconds, got {self.shutdown_grace}")
 

@@ -104,6 +104,18 @@ class RouterMetrics:
             "--max-queue-wait", registry=r,
         )
 
+        # the prefix index (router/cache_index/): refreshed at every feed sync
+        self.cache_index_blocks = Gauge(
+            "pdserve_router_cache_index_blocks",
+            "Prefix blocks a pod caches as far as its cache events told this router",
+            ["pod"], registry=r,
+        )
+        self.cache_events_missed = Gauge(
+            "pdserve_router_cache_events_missed_batches",
+            "Cache-event batches this router missed (gaps in the pods' batch numbers)",
+            registry=r,
+        )
+
     def render(self) -> bytes:
         """The text exposition format for GET /metrics."""
         if self._multiprocess_dir is None:

@@ -28,6 +28,8 @@ from aiohttp import web
 
 from engine.tokenizer import Tokenizer
 from router.auth import ApiKeyCheck
+from router.cache_index.feed import CacheEventFeed
+from router.cache_index.index import PrefixIndex
 from router.config import RouterConfig
 from router.flow.deps import FlowDeps, FlowSettings
 from router.frontend import Frontend
@@ -78,6 +80,7 @@ class RouterServer:
         self._ready_task: asyncio.Task[None] | None = None
         self.pool: PolledPodPool | None = None
         self._sessions: SessionStore | None = None
+        self._feed: CacheEventFeed | None = None
         self._channels = PodChannels(sessions=config.relay == "session",
                                      security=config.pod_security)
 
@@ -104,7 +107,17 @@ class RouterServer:
                                   security=c.pod_security)
         await self.pool.start()
         self._sessions = RedisSessionStore(c.redis_url) if c.redis_url else InMemorySessionStore()
-        policy = RoutingPolicy(self.pool, self._sessions, epsilon=c.session_epsilon)
+        index = PrefixIndex(c.cache_index_blocks)
+        if (c.routing_policy == "cache-aware" or c.local_prefill_max_tokens > 0
+                or c.local_prefill_below > 0):
+            # the pods' cache events, for the policy and LocalPrefill's cached prefix
+            self._feed = CacheEventFeed(
+                self.pool, index, redis_url=c.redis_url, interval=c.load_poll_interval,
+                blocks_gauge=self.metrics.cache_index_blocks,
+                missed_gauge=self.metrics.cache_events_missed, security=c.pod_security)
+            await self._feed.start()
+        policy = RoutingPolicy(self.pool, self._sessions, epsilon=c.session_epsilon,
+                               mode=c.routing_policy, index=index)
         admission = PrefillAdmission(
             self.pool, policy, self.metrics,
             AdmissionSettings(dispatch_tokens=c.prefill_dispatch_tokens,
@@ -119,7 +132,8 @@ class RouterServer:
                 self.pool, admission.least_tokens_ahead,
                 LocalPrefillSettings(max_tokens=c.local_prefill_max_tokens,
                                      queue_ratio=c.local_prefill_queue_ratio,
-                                     below=c.local_prefill_below)),
+                                     below=c.local_prefill_below),
+                cached_prefix=index.cached_prefix),
         )
         frontend = Frontend(model_name=c.model_name, max_model_len=max_model_len,
                             tokenizer=tokenizer, deps=deps)
@@ -171,6 +185,8 @@ class RouterServer:
             waits.append(self._runner.cleanup())
         await asyncio.gather(*waits)
         await self._channels.close()
+        if self._feed is not None:
+            await self._feed.close()
         if self.pool is not None:
             await self.pool.close()
         if self._sessions is not None:

@@ -10,7 +10,7 @@ import argparse
 import importlib
 
 HELP = ("Benchmarks: engine, kernels, transfer, transfer-split, ttft, router, peer, disagg, "
-        "first-gap "
+        "first-gap, routing "
         "(each against its baseline); serve (a load generator) and serve-plot.")
 
 BENCHMARKS: dict[str, str] = {
@@ -24,6 +24,7 @@ BENCHMARKS: dict[str, str] = {
     "serve": "benchmarks.serve",
     "disagg": "benchmarks.disagg",
     "first-gap": "benchmarks.first_gap",
+    "routing": "benchmarks.routing",
     "serve-plot": "benchmarks.serve_plot",
 }
 

@@ -62,6 +62,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="conditional disaggregation: a prompt with fewer new tokens "
                              "than this (after the decode pod's cached prefix) is prefilled "
                              "on the decode pod, no transfer (default 0 = off)")
+    parser.add_argument("--routing-policy", default="first-tokens",
+                        choices=("first-tokens", "session-sticky", "cache-aware", "round-robin"),
+                        help="where a request no session mapping decides goes: rendezvous on "
+                             "the session or first 64 prompt tokens (default), on the session "
+                             "else the least-loaded pod, by cached prefix against load, or "
+                             "round-robin (docs/routing.md)")
+    parser.add_argument("--cache-index-blocks", type=int, default=262_144, metavar="N",
+                        help="prefix index bound: block hashes kept per pod (default 262144, "
+                             "about 26 MB per pod at most)")
     parser.add_argument("--shutdown-grace", type=float, default=30.0, metavar="SECONDS",
                         help="how long SIGTERM waits for in-flight requests")
     parser.add_argument("--workers", type=int, default=1,
@@ -113,6 +122,8 @@ def config_from_args(args: argparse.Namespace):
         tls=router_tls_from_args(args),
         pod_security=router_pod_security_from_args(args),
         local_prefill_below=args.local_prefill_below,
+        routing_policy=args.routing_policy,
+        cache_index_blocks=args.cache_index_blocks,
     )
 
 

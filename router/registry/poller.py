@@ -236,4 +236,5 @@ class PolledPodPool(PodPool):
             prefix_hit_rate=min(1.0, max(0.0, report.prefix_hit_rate)),
             in_flight=requests,
             in_flight_tokens=tokens,
+            cache_events_channel=report.cache_events_channel,
         )

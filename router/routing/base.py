@@ -76,6 +76,8 @@ class PodLoad:
     prefix_hit_rate: float  # blocks hit / blocks queried since the pod started
     in_flight: int  # requests this router has sent there and not yet finished
     in_flight_tokens: int = 0  # prompt tokens of those requests (passed to track())
+    # where the pod publishes its prefix-cache events ("" = CacheEvents.Subscribe only)
+    cache_events_channel: str = ""
 
     def __post_init__(self) -> None:
         check_address(self.address)

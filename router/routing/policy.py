@@ -14,11 +14,14 @@ Prefill / colocated choice, in order:
 
 * a session id that is mapped (session store) to a healthy, not-overloaded
   pod goes there;
-* otherwise the key (the session id, or — without a session — the first
-  `affinity_tokens` prompt tokens) ranks the pods by rendezvous hashing and the
-  first pod within the load bound wins (router/routing/rendezvous.py). A
-  session's new pod is written back with compare-and-set, so it sticks and
-  all router replicas sharing the store agree.
+* otherwise the `mode` (`--routing-policy`, router/routing/cache_aware.py)
+  places it: by default the key (the session id, or — without a session —
+  the first `affinity_tokens` prompt tokens) ranks the pods by rendezvous
+  hashing and the first pod within the load bound wins
+  (router/routing/rendezvous.py); `cache-aware` weighs each pod's cached
+  prefix of the prompt against its load. A session's new pod is written back
+  with compare-and-set, so it sticks and all router replicas sharing the
+  store agree. (`round-robin` ignores sessions: the A/B baseline.)
 
 Loads: prefill = queued prompt tokens reported by the pod + prompt tokens this
 router has in flight there (one request's slack = this prompt's length);
@@ -35,8 +38,10 @@ import math
 import time
 from collections.abc import Iterator, Sequence
 
+from router.cache_index.index import PrefixIndex, PromptBlocks
 from router.routing.base import NoPodAvailable, PodLoad, PodPool
-from router.routing.rendezvous import choose_bounded, prefix_key, session_key
+from router.routing.cache_aware import RoundRobin, check_routing_policy, choose_cache_aware
+from router.routing.rendezvous import choose_bounded, overload_bound, prefix_key, session_key
 from router.sessions import SessionStore, SessionStoreError
 
 log = logging.getLogger(__name__)
@@ -54,6 +59,8 @@ class RoutingPolicy:
         *,
         epsilon: float = 0.25,
         block_size_for_affinity: int = 64,
+        mode: str = "first-tokens",
+        index: PrefixIndex | None = None,
     ) -> None:
         if not 0.0 <= epsilon <= 10.0:
             raise ValueError(f"session epsilon must be in [0, 10]; got {epsilon}")
@@ -61,6 +68,11 @@ class RoutingPolicy:
             raise ValueError(
                 f"block_size_for_affinity must be > 0 tokens; got {block_size_for_affinity}"
             )
+        if check_routing_policy(mode) == "cache-aware" and index is None:
+            raise ValueError("the cache-aware routing policy needs a prefix index")
+        self.mode = mode
+        self.index = index
+        self._turns = RoundRobin()
         self.pool = pool
         self.sessions = session_store
         self.epsilon = epsilon
@@ -143,17 +155,17 @@ class RoutingPolicy:
         prompt_token_ids: Sequence[int],
         slack: float,
     ) -> str:
+        if self.mode == "round-robin":
+            return self._turns.next(role, list(loads))
         if not session_id:
-            key = prefix_key(prompt_token_ids, self.affinity_tokens)
-            return choose_bounded(key, loads, epsilon=self.epsilon, slack=slack)
-        key = session_key(session_id)
+            return self._place(role, loads, None, prompt_token_ids, slack)
         try:
             mapped = await self.sessions.get(role, session_id)
         except SessionStoreError as exc:
             # Ranking alone still sends the session where its mapping most likely points.
             self._warn_store_down(exc)
-            return choose_bounded(key, loads, epsilon=self.epsilon, slack=slack)
-        chosen = choose_bounded(key, loads, epsilon=self.epsilon, slack=slack, preferred=mapped)
+            return self._place(role, loads, session_id, prompt_token_ids, slack)
+        chosen = self._place(role, loads, session_id, prompt_token_ids, slack, preferred=mapped)
         if chosen == mapped:
             return chosen
         try:
@@ -163,6 +175,23 @@ class RoutingPolicy:
             return chosen
         # Another router replica may have placed the session first; follow it when we can.
         return winner if winner in loads else chosen
+
+    def _place(self, role: str, loads: dict[str, float], session_id: str | None,
+               prompt_token_ids: Sequence[int], slack: float,
+               preferred: str | None = None) -> str:
+        """`preferred` while within the load bound, else the mode's placement."""
+        bound = overload_bound(loads, epsilon=self.epsilon, slack=slack)
+        if preferred is not None and preferred in loads and loads[preferred] <= bound:
+            return preferred
+        if self.mode == "session-sticky" and not session_id:
+            return self._turns.least_loaded(role, loads)
+        key = (session_key(session_id) if session_id
+               else prefix_key(prompt_token_ids, self.affinity_tokens))
+        if self.mode == "cache-aware":
+            assert self.index is not None
+            return choose_cache_aware(key, loads, bound, PromptBlocks(prompt_token_ids),
+                                      self.index, tokens_load=role == "prefill")
+        return choose_bounded(key, loads, epsilon=self.epsilon, slack=slack)
 
     def _warn_store_down(self, exc: SessionStoreError) -> None:
         now = time.monotonic()

@@ -59,3 +59,29 @@ def test_duplicate_prefix_keeps_first_block_and_disabled_cache_is_inert():
     (c,) = off.allocate(1)
     off.insert(7, c)
     assert off.match([7]) == [] and (off.num_queries, off.num_hits) == (0, 0)
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.events: list[tuple[str, int]] = []
+
+    def stored(self, block_hash: int) -> None:
+        self.events.append(("stored", block_hash))
+
+    def evicted(self, block_hash: int) -> None:
+        self.events.append(("evicted", block_hash))
+
+
+def test_listener_hears_stores_and_evictions_in_order():
+    pool, cache = _cache(num_blocks=2)
+    recorder = _Recorder()
+    cache.set_listener(recorder)
+    a, b = cache.allocate(2)
+    cache.insert(100, a)
+    cache.insert(100, b)  # same prefix twice: the first copy stays, no event
+    cache.insert(101, b)
+    cache.release([a, b])  # b first in the free queue (last-first)
+    assert cache.cached_hashes() == [100, 101]
+    cache.allocate(1)  # evicts b's hash 101
+    assert recorder.events == [("stored", 100), ("stored", 101), ("evicted", 101)]
+    assert cache.cached_hashes() == [100]

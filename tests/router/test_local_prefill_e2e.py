@@ -12,12 +12,17 @@ prompts keeps it busy for a while. Short prompts sent meanwhile, all at once:
   computes every prompt; the decode pod's reservations hold what its
   prefix cache has of them, the cache-miss-only transfer);
 * either way every output (short and long, greedy, float32) equals the
-  undisturbed run, each request alone.
+  undisturbed run: each request alone on an in-process engine of the same
+  checkpoint. (Not through these pods: the decode pod's prefix cache would
+  then hold the long prompts, whose KV it caches as it arrives, and the
+  router, which learns that from the pod's cache events, would rightly
+  prefill a mostly cached long prompt on the decode pod too.)
 
 With `--local-prefill-below 64`, a prompt of fewer new tokens goes local
 however idle the prefill pod is: a short one by the router's rule, and a
-long one whose prefix the decode pod caches by the decode pod's own answer
-to the reservation (tokens instead of Reserved).
+long one whose prefix the decode pod caches by the router's prefix index or
+by the decode pod's own answer to the reservation (tokens instead of
+Reserved).
 """
 
 from __future__ import annotations
@@ -30,6 +35,9 @@ from collections.abc import Iterator
 import openai
 import pytest
 
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
 from tests.integration.pods import start_pods
 from tests.router.router_process import RouterProcess, start_router, wait_ready
 
@@ -80,12 +88,12 @@ def _complete(router: RouterProcess, prompt: list[int]) -> str:
 
 
 @pytest.fixture(scope="module")
-def undisturbed(tiny_model_dir, pods) -> tuple[list[str], list[str]]:
-    router = _router(tiny_model_dir, pods, local_prefill_max_tokens=0)
-    try:
-        return ([_complete(router, p) for p in LONG], [_complete(router, p) for p in SHORT])
-    finally:
-        router.terminate()
+def undisturbed(tiny_model_dir) -> tuple[list[str], list[str]]:
+    engine = LLMEngine(EngineConfig(model_dir=str(tiny_model_dir), dtype="float32",
+                                    num_blocks=256))
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    return ([engine.generate([p], greedy)[0].text for p in LONG],
+            [engine.generate([p], greedy)[0].text for p in SHORT])
 
 
 def _all_at_once(router: RouterProcess, prompts: list[list[int]]

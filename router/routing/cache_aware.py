@@ -1,0 +1,77 @@
+"""How a request without a sticky pod is placed: the `--routing-policy` modes.
+
+`RoutingPolicy` (router/routing/policy.py) keeps a session on its mapped pod
+while that pod is within the load bound, in every mode but round-robin; what
+differs is where a request goes when no mapping decides (no session, a new
+session, or its pod overloaded):
+
+    first-tokens    rendezvous ranking of the session id, else of the first 64
+    (default)       prompt tokens; the first pod within the load bound
+    session-sticky  rendezvous ranking of the session id; without a session
+                    the least-loaded pod (ties: in turn)
+    cache-aware     among pods within the load bound, the least
+                    `load + tokens to compute` (below); ties by the rendezvous
+                    ranking of the session id or first 64 prompt tokens
+    round-robin     the next pod in turn, whatever the session, prefix or load
+
+Cache-aware cost of a prefill pod: its load (prompt tokens queued or in
+flight, `RoutingPolicy` module docstring) plus the prompt tokens it would
+compute, the prompt less the prefix its prefix cache holds as far as its
+events tell (router/cache_index/index.py). Both are tokens of prefill work
+ahead of this request's first token, so a long cached prefix on a busy pod
+wins over an idle pod exactly when it saves more than the queue costs. For
+colocated pods (loads in requests) the cost is the tokens to compute alone;
+the load bound keeps them balanced.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping
+
+from router.cache_index.index import PrefixIndex, PromptBlocks
+from router.routing.rendezvous import rank
+
+ROUTING_POLICIES = ("first-tokens", "session-sticky", "cache-aware", "round-robin")
+
+
+def check_routing_policy(name: str) -> str:
+    if name not in ROUTING_POLICIES:
+        raise ValueError(f"routing policy must be one of {', '.join(ROUTING_POLICIES)}, "
+                         f"got {name!r}")
+    return name
+
+
+def choose_cache_aware(key: bytes, loads: Mapping[str, float], bound: float,
+                       prompt: PromptBlocks, index: PrefixIndex, *, tokens_load: bool) -> str:
+    """The pod within `bound` with the least cost (module docstring); ties
+    go to the first in `key`'s rendezvous ranking."""
+    candidates = [a for a in rank(key, loads) if loads[a] <= bound]
+
+    def cost(address: str) -> float:
+        new_tokens = len(prompt) - index.cached_tokens(address, prompt)
+        return (loads[address] if tokens_load else 0.0) + new_tokens
+
+    return min(candidates, key=cost)  # min keeps the first of equal costs
+
+
+class RoundRobin:
+    """Turns per role; `next` takes the pod after the previous one's turn."""
+
+    def __init__(self) -> None:
+        self._counters: dict[str, itertools.count[int]] = {}
+
+    def turn(self, role: str) -> int:
+        counter = self._counters.setdefault(role, itertools.count())
+        return next(counter)
+
+    def next(self, role: str, addresses: list[str]) -> str:
+        ordered = sorted(addresses)
+        return ordered[self.turn(role) % len(ordered)]
+
+    def least_loaded(self, role: str, loads: Mapping[str, float]) -> str:
+        """The least-loaded pod; among equals, the one whose turn it is."""
+        ordered = sorted(loads)
+        start = self.turn(role) % len(ordered)
+        rotated = ordered[start:] + ordered[:start]
+        return min(rotated, key=lambda a: loads[a])
