@@ -99,7 +99,8 @@ class RouterServer:
         c = self.config
         max_model_len = c.resolve_max_model_len()
         tokenizer = Tokenizer.from_pretrained(c.model_dir)
-        self.pool = PolledPodPool(self._pod_source(), poll_interval=c.load_poll_interval)
+        self.pool = PolledPodPool(self._pod_source(), poll_interval=c.load_poll_interval,
+                                  absent_grace=c.registry_absent_grace)
         await self.pool.start()
         self._sessions = RedisSessionStore(c.redis_url) if c.redis_url else InMemorySessionStore()
         policy = RoutingPolicy(self.pool, self._sessions, epsilon=c.session_epsilon)
