@@ -91,6 +91,11 @@ class _Connection:
     def _frame_started(self) -> None:
         self.frame_deadline = time.monotonic() + self.frame_timeout_s
 
+    def _frame_read(self) -> None:
+        """All of the frame's bytes are in: what follows (table, listener) is our own
+        time, never the peer's, so the watchdog stops counting here."""
+        self.frame_deadline = None
+
     def cut_if_stalled(self, now: float) -> None:
         """Watchdog (accept thread): shut the socket down if the current frame is past
         its deadline (counted); the reader thread then fails and cleans up."""
@@ -158,7 +163,6 @@ class _Connection:
         try:
             while not self.stop.is_set():
                 self._handle(recv_header(self.sock, header_buf, self.stop, self._frame_started))
-                self.frame_deadline = None
         except PeerClosed:
             pass
         except HeaderError as exc:
@@ -190,6 +194,7 @@ class _Connection:
         if header.kind is FrameKind.STATUS:
             raise HeaderError(PortRefusal.BAD_KIND, "STATUS frames only travel receiver -> sender")
         payload = recv_bytes(self.sock, header.length)
+        self._frame_read()
         try:
             if checksum(payload) != header.checksum:
                 raise TransferRefused(Reason.BAD_CHECKSUM, f"{header.kind.name} payload")
@@ -211,6 +216,7 @@ class _Connection:
             )
         except TransferRefused as refused:
             skip(self.sock, header.length)
+            self._frame_read()
             self._refused(header.request_id, refused)
             return
         try:
@@ -221,6 +227,7 @@ class _Connection:
             self.table.commit(claim, self._stalled_reason() if self.stalled else make_reason(
                 Reason.CONNECTION_LOST, f"mid-payload: {exc}"))  # fmt: skip
             raise
+        self._frame_read()
         ok = data_checksum(claim.view, header.flags) == header.checksum
         if not ok:
             self.refusals.add(Reason.BAD_CHECKSUM.value)

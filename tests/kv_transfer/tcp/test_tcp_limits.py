@@ -17,7 +17,13 @@ from decode_service.receiver_metrics import ReceiverCollector
 from kv_transfer.base import KVLayout
 from kv_transfer.config import ReceiverConfig
 from kv_transfer.tcp import TcpKVReceiver
-from kv_transfer.tcp.frames import FrameHeader, FrameKind, control_frame, encode_begin
+from kv_transfer.tcp.frames import (
+    FrameHeader,
+    FrameKind,
+    control_frame,
+    encode_begin,
+    encode_end,
+)
 from kv_transfer.wire import MAX_DATA_BYTES
 from tests.kv_transfer.helpers import RecordingListener, wait_until
 from tests.kv_transfer.tcp.raw import RawClient, data_frame
@@ -88,6 +94,31 @@ def test_a_trickling_peer_is_cut_off_within_the_frame_deadline(where: str) -> No
             restart = listener.wait_event("t", "restart")
             assert "stalled: frame not complete within 1 s" in restart[1]
         assert wait_until(lambda: rx.open_connections() == 0)
+        client.close()
+    finally:
+        rx.close()
+
+
+class SlowListener(RecordingListener):
+    """Takes longer than the frame deadline to consume a layer (a busy injector)."""
+
+    def on_layer_ready(self, request_id, layer, kv_view) -> None:
+        time.sleep(FRAME_TIMEOUT_S + 0.5)
+        super().on_layer_ready(request_id, layer, kv_view)
+
+
+def test_the_frame_deadline_does_not_count_the_receivers_own_work() -> None:
+    listener = SlowListener()
+    rx = make_receiver(listener, io_timeout_s=FRAME_TIMEOUT_S)
+    try:
+        target = rx.expect("s", LAYOUT, time.time() + 30)
+        client = RawClient(rx.endpoints[0])
+        client.send(control_frame(FrameKind.BEGIN, "s", encode_begin(LAYOUT, target.ticket, b"a")))
+        client.send(data_frame("s", 0, 0, bytes(LAYOUT.bytes_per_layer)))
+        client.send(control_frame(FrameKind.END, "s", encode_end(7, LAYOUT.bytes_per_layer)))
+        assert client.status() == ("s", True, "")
+        assert listener.wait_event("s", "complete") == ("complete", 7)
+        assert rx.stats().refusals == {}
         client.close()
     finally:
         rx.close()
