@@ -58,6 +58,18 @@ def serving(address: str) -> bool:
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
+def healthy_decode_pods(port: int) -> int:
+    """The router's own view, from GET /ready (a 503 carries the counts too)."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=5) as response:
+            return json.loads(response.read())["healthy_pods"]["decode"]
+    except urllib.error.HTTPError as exc:
+        return json.loads(exc.read())["healthy_pods"]["decode"]
+
+
 def pid_of(parent: int, marker: str) -> int:
     for pid in children_of(parent):
         if marker in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
@@ -81,7 +93,7 @@ def test_up_keeps_serving_when_a_pod_is_killed_and_restarts_it(
         stderr=subprocess.STDOUT, text=True)
     out = Output(proc)
     try:
-        out.wait_for("router ready on", 120)
+        out.wait_for("pdserve is serving", 120)  # printed after the ready file is written
         pods = {p["name"]: p for p in json.loads(ready_file.read_text())["pods"]}
         address = pods["decode-0"]["grpc"]
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-",
@@ -109,7 +121,14 @@ def test_up_keeps_serving_when_a_pod_is_killed_and_restarts_it(
                "0.5 s" in out.text()
         assert serving(address)  # the same port serves again
         assert pid_of(proc.pid, "decode-0") != old_pid
-        for j in range(3):
+        # ... and it serves through the router again: once the router sees both decode
+        # pods, kill the other one; the restarted pod carries every request
+        deadline = time.monotonic() + 30
+        while healthy_decode_pods(port) < 2:
+            assert time.monotonic() < deadline, "the router never saw decode-0 again"
+            time.sleep(0.1)
+        os.kill(pid_of(proc.pid, "decode-1"), signal.SIGKILL)
+        for j in range(5):
             complete(1000 + j)
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 0, out.text()[-4000:]
