@@ -10,8 +10,8 @@ main thread:
     STARTING --exited, or not ready within the startup timeout (killed)-->  BACKOFF
 
 Backoff: `initial_backoff_s` after the first exit, doubling with every exit
-still inside the `window_s`, capped at `max_backoff_s`. The
-`max_restarts`-th restart within `window_s` is refused instead: the child keeps
+still inside the `window_s`, capped at `max_backoff_s`. An exit
+beyond `max_restarts` within `window_s` is not restarted: the child keeps
 failing fast, so `up` says so and stops everything (`GiveUp`). Every step is
 logged ("pdserve up: prefill-0 exited with status -9; restarting it in 0.5 s").
 """
