@@ -35,6 +35,8 @@ class DecodeConfig:
     landing_memory: int = 1 << 30
     transfer_timeout_s: float = 30.0
     reservation_timeout_s: float = 600.0
+    kv_max_connections: int = 256
+    kv_frame_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.kv_port <= 65535:
@@ -51,6 +53,12 @@ class DecodeConfig:
         if not 0 < self.reservation_timeout_s <= MAX_RESERVATION_TIMEOUT_S:
             raise ValueError(f"reservation_timeout must be in (0, {MAX_RESERVATION_TIMEOUT_S}] "
                              f"seconds, got {self.reservation_timeout_s}")
+        if not 1 <= self.kv_max_connections <= 65536:
+            raise ValueError(f"kv_max_connections must be in [1, 65536], "
+                             f"got {self.kv_max_connections}")
+        if not 0 < self.kv_frame_timeout_s <= 3600:
+            raise ValueError(f"kv_frame_timeout must be in (0, 3600] seconds, "
+                             f"got {self.kv_frame_timeout_s}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,6 +1,6 @@
 """Receiver counters on the decode pod's /metrics, read from `KVReceiver.stats()`.
 
-`PodMetrics` (engine/metrics.py) holds what every pod exports; these two only
+`PodMetrics` (engine/metrics.py) holds what every pod exports; these only
 exist on a decode pod with a KV receiver, so they are a scrape-time collector
 on the same registry instead of metric objects someone has to keep in sync:
 
@@ -9,6 +9,10 @@ on the same registry instead of metric objects someone has to keep in sync:
   retry's BEGIN against the same reservation.
 * `pdserve_kv_received_bytes_total{role}`: verified KV bytes that landed, counted
   as they land (a retried transfer counts both attempts' bytes).
+* `pdserve_kv_port_refusals_total{role, reason}`: frames and connections the KV
+  port refused (bad magic, bad ticket, bad checksum, oversized length, a stalled
+  frame, over the connection limit, ...; the reasons are in kv_transfer/refusals.py).
+* `pdserve_kv_port_connections{role}` (gauge): sender connections open now (TCP).
 
 Called by prometheus_client on the metrics server's thread at every scrape;
 `stats()` is thread-safe.
@@ -18,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from kv_transfer.base import KVReceiver
@@ -31,7 +35,7 @@ class ReceiverCollector(Collector):
         self._receiver = receiver
         self._role = role
 
-    def collect(self) -> Iterator[CounterMetricFamily]:
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         stats = self._receiver.stats()
         for name, doc, value in (
             ("pdserve_kv_senders_lost", "KV sending attempts that went away before END.",
@@ -42,6 +46,17 @@ class ReceiverCollector(Collector):
             family = CounterMetricFamily(name, doc, labels=["role"])
             family.add_metric([self._role], value)
             yield family
+        refusals = CounterMetricFamily(
+            "pdserve_kv_port_refusals", "Frames and connections the KV port refused.",
+            labels=["role", "reason"])
+        for reason, count in sorted(stats.refusals.items()):
+            refusals.add_metric([self._role, reason], count)
+        yield refusals
+        connections = GaugeMetricFamily(
+            "pdserve_kv_port_connections", "Sender connections open on the KV port.",
+            labels=["role"])
+        connections.add_metric([self._role], stats.open_connections)
+        yield connections
 
     def register(self, registry: CollectorRegistry) -> None:
         registry.register(self)

@@ -43,6 +43,7 @@ def make_receiver(config: DecodeConfig, injector: KVInjector) -> KVReceiver:
     rc = ReceiverConfig(
         capacity_bytes=config.landing_memory, host=config.server.host, port=config.kv_port,
         advertise_host=config.server.public_host(), security=config.server.security,
+        max_connections=config.kv_max_connections, io_timeout_s=config.kv_frame_timeout_s,
     )
     if config.kv_transport == "tcp":
         from kv_transfer.tcp import TcpKVReceiver

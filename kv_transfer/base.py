@@ -31,7 +31,7 @@ import abc
 import enum
 import math
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -351,6 +351,10 @@ class ReceiverStats:
     senders_lost: int = 0
     # frames refused because their stream belongs to a superseded attempt
     stale_frames: int = 0
+    # frames and connections the port refused, by reason (kv_transfer/refusals.py)
+    refusals: dict[str, int] = field(default_factory=dict)
+    # sender connections open now (TCP; 0 for gRPC, whose server owns them)
+    open_connections: int = 0
 
 
 class KVReceiver(abc.ABC):

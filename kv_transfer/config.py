@@ -69,7 +69,13 @@ class ReceiverConfig:
     """capacity_bytes: landing pool budget. claim_grace_s: how long a finished
     transfer's buffer waits for `release` before the collector frees it.
     secret: shared HMAC secret (None: random per receiver). generation: this
-    incarnation (None: random)."""
+    incarnation (None: random).
+    io_timeout_s: once a frame's first byte has arrived, the whole frame
+    (header and payload, up to 64 MiB) must arrive within this; a peer that
+    trickles bytes is cut off (TCP; it also bounds each send).
+    max_connections: sender connections the TCP port serves at once (each is
+    a thread); more are accepted and closed at once, and counted. A prefill pod
+    keeps `num_streams` (4) connections to each decode pod it sends to."""
 
     capacity_bytes: int
     host: str = "127.0.0.1"
@@ -78,6 +84,7 @@ class ReceiverConfig:
     claim_grace_s: float = 30.0
     sweep_interval_s: float = 0.2
     io_timeout_s: float = 10.0
+    max_connections: int = 256
     secret: bytes | None = None
     generation: int | None = None
     pin_memory: bool | None = None
@@ -95,3 +102,6 @@ class ReceiverConfig:
         _positive("claim_grace_s", self.claim_grace_s, 3600)
         _positive("sweep_interval_s", self.sweep_interval_s, 60)
         _positive("io_timeout_s", self.io_timeout_s, 3600)
+        if not isinstance(self.max_connections, int) or not 1 <= self.max_connections <= 65536:
+            raise ValueError(f"max_connections must be an int in [1, 65536], "
+                             f"got {self.max_connections!r}")

@@ -11,6 +11,8 @@ subclasses implement `start()` (binding `_endpoints`, then starting
 
 from __future__ import annotations
 
+import dataclasses
+
 from kv_transfer.base import (
     KVLayout,
     KVReceiveListener,
@@ -21,6 +23,7 @@ from kv_transfer.base import (
 from kv_transfer.config import ReceiverConfig
 from kv_transfer.landing import LandingBufferPool
 from kv_transfer.receive_table import ReceiveTable
+from kv_transfer.refusals import RefusalCounts
 from kv_transfer.sweeper import Sweeper
 from kv_transfer.tickets import TicketAuthority
 
@@ -41,6 +44,8 @@ class ConnectorReceiver(KVReceiver):
         self._endpoints: tuple[str, ...] = ()
         self.sweeper = Sweeper(self.table.sweep, config.sweep_interval_s,
                                f"kv-{transport}-gc")  # fmt: skip
+        # What the port refused, by reason; the subclass's I/O threads add to it.
+        self.refusals = RefusalCounts()
 
     @property
     def generation(self) -> int:
@@ -64,4 +69,9 @@ class ConnectorReceiver(KVReceiver):
         return self.table.cancel(request_id, reason)
 
     def stats(self) -> ReceiverStats:
-        return self.table.stats()
+        return dataclasses.replace(self.table.stats(), refusals=self.refusals.snapshot(),
+                                   open_connections=self.open_connections())
+
+    def open_connections(self) -> int:
+        """Sender connections open now; 0 unless the subclass owns its connections."""
+        return 0

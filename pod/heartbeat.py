@@ -51,9 +51,14 @@ class PodHeartbeat:
     def key(self) -> str:
         return self.record.key
 
-    def beat(self) -> None:
-        """Write the key once with its TTL (the thread calls this every ttl_s / 3)."""
-        self._redis.set(self.key, self.record.to_json(), px=int(self.ttl_s * 1000))
+    def beat(self) -> bool:
+        """Write the key once with its TTL (the thread calls this every ttl_s / 3).
+        Returns whether the key was still there (False: it had vanished, or first beat)."""
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.exists(self.key)
+        pipe.set(self.key, self.record.to_json(), px=int(self.ttl_s * 1000))
+        existed, _ = pipe.execute()
+        return bool(existed)
 
     def start(self) -> None:
         """Register now (raising if Redis is unreachable, so a typo in --redis-url fails
@@ -83,6 +88,8 @@ class PodHeartbeat:
         interval = self.ttl_s / 3
         while not self._stop.wait(interval):
             try:
-                self.beat()
+                if not self.beat():
+                    log.warning("registry key %s had vanished (Redis restarted or flushed?); "
+                                "registered again", self.key)
             except redis.RedisError as exc:
                 log.warning("heartbeat to Redis failed for %s: %s", self.key, exc)

@@ -56,6 +56,9 @@ class RouterConfig:
     api_key: str | None = None
     session_epsilon: float = 0.25
     load_poll_interval: float = 0.5
+    # A pod missing from the Redis registry but still answering its polls stays
+    # routable this long (router/registry/poller.py; a registry restored empty).
+    registry_absent_grace: float = 10.0
     max_prefill_retries: int = 2
     # How many times one request may move to a new pod pair after its decode
     # pod failed; each move re-prefills prompt + output so far.
@@ -118,6 +121,9 @@ class RouterConfig:
             raise ValueError(
                 f"load_poll_interval must be in [0.01, 60] seconds, got {self.load_poll_interval}"
             )
+        if not 0.0 <= self.registry_absent_grace <= 3600.0:
+            raise ValueError(f"registry_absent_grace must be in [0, 3600] seconds, "
+                             f"got {self.registry_absent_grace}")
         if not 0 <= self.max_prefill_retries <= 16:
             raise ValueError(
                 f"max_prefill_retries must be in [0, 16], got {self.max_prefill_retries}"

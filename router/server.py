@@ -104,7 +104,8 @@ class RouterServer:
         max_model_len = c.resolve_max_model_len()
         tokenizer = Tokenizer.from_pretrained(c.model_dir)
         self.pool = PolledPodPool(self._pod_source(), poll_interval=c.load_poll_interval,
-                                  security=c.pod_security)
+                                  security=c.pod_security,
+                                  absent_grace=c.registry_absent_grace)
         await self.pool.start()
         self._sessions = RedisSessionStore(c.redis_url) if c.redis_url else InMemorySessionStore()
         index = PrefixIndex(c.cache_index_blocks)

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from kv_transfer.base import DTYPE_CODES, MAX_REQUEST_ID_BYTES, MAX_TICKET_BYTES, KVLayout
 from kv_transfer.checksum import checksum
 from kv_transfer.errors import Reason, TransferRefused
+from kv_transfer.refusals import PortRefusal
 from kv_transfer.wire import MAX_ATTEMPT_BYTES, MAX_DATA_BYTES, VERSION
 
 MAGIC = b"PDKV"
@@ -89,7 +90,12 @@ class FrameHeader:
 
 
 class HeaderError(Exception):
-    """The header cannot be trusted; the connection must be closed (no resync possible)."""
+    """The header cannot be trusted; the connection must be closed (no resync possible).
+    `reason` is the refusal counted on /metrics (kv_transfer/refusals.py)."""
+
+    def __init__(self, reason: PortRefusal, detail: str) -> None:
+        self.reason = reason
+        super().__init__(detail)
 
 
 def decode_header(raw: bytes | memoryview) -> FrameHeader:
@@ -98,22 +104,25 @@ def decode_header(raw: bytes | memoryview) -> FrameHeader:
         HEADER.unpack(raw)
     )
     if magic != MAGIC:
-        raise HeaderError(f"bad magic {magic!r}")
+        raise HeaderError(PortRefusal.BAD_MAGIC, f"bad magic {magic!r}")
     if version != VERSION:
-        raise HeaderError(f"frame version {version}, this receiver speaks {VERSION}")
+        raise HeaderError(PortRefusal.BAD_VERSION,
+                          f"frame version {version}, this receiver speaks {VERSION}")
     try:
         kind = FrameKind(kind)
     except ValueError:
-        raise HeaderError(f"unknown frame kind {kind}") from None
+        raise HeaderError(PortRefusal.BAD_KIND, f"unknown frame kind {kind}") from None
     limit = MAX_DATA_BYTES if kind is FrameKind.DATA else MAX_CONTROL_BYTES
     if length > limit:
-        raise HeaderError(f"{kind.name} payload of {length} bytes exceeds {limit}")
+        raise HeaderError(PortRefusal.OVERSIZED_LENGTH,
+                          f"{kind.name} payload of {length} bytes exceeds {limit}")
     if not 0 < rid_len <= MAX_REQUEST_ID_BYTES:
-        raise HeaderError(f"request id length {rid_len} outside 1..{MAX_REQUEST_ID_BYTES}")
+        raise HeaderError(PortRefusal.BAD_REQUEST_ID,
+                          f"request id length {rid_len} outside 1..{MAX_REQUEST_ID_BYTES}")
     try:
         request_id = bytes(rid[:rid_len]).decode()
     except UnicodeDecodeError:
-        raise HeaderError("request id is not UTF-8") from None
+        raise HeaderError(PortRefusal.BAD_REQUEST_ID, "request id is not UTF-8") from None
     return FrameHeader(kind, request_id, layer, offset, length, checksum, flags)
 
 

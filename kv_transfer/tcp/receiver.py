@@ -1,6 +1,7 @@
 """TCP receiver: a listening socket, one thread per sender connection.
 
-Life of a connection (one thread, `_Connection.run`): read a 104-byte header;
+Life of a connection (one thread, `_Connection.run`): wait (idle allowed) for
+the first bytes of a frame, which starts its deadline; read the 104-byte header;
 BEGIN/END/ABORT payloads are small and read into memory; a DATA payload is
 read with `recv_into` straight into the landing buffer region the table
 granted (`ReceiveTable.claim`), then its xxhash64 is checked and the region
@@ -9,8 +10,18 @@ per connection) and its payload skipped, so the connection stays in sync and
 other transfers on it continue; an untrustworthy header closes the connection
 and fails the transfers it carried.
 
-Threads: the accept thread, one per connection, and the sweeper. The
-listener is called from connection threads and the sweeper.
+Limits, each refusal counted by reason (kv_transfer/refusals.py):
+* a frame must be complete within `io_timeout_s` of its first byte: the
+  accept thread, waking at least every 0.2 s, shuts down the socket of a
+  connection past its frame deadline (a peer trickling one byte every few
+  seconds makes progress on every recv, so a per-recv timeout never fires);
+* at most `max_connections` connections: more are closed as they are accepted;
+* nothing is allocated per connection up front beyond the 104-byte header
+  buffer: a refused DATA payload is skipped through a scratch buffer that
+  lives for that frame only (socket_io.skip).
+
+Threads: the accept thread (also the frame watchdog), one per connection, and
+the sweeper. The listener is called from connection threads and the sweeper.
 """
 
 from __future__ import annotations
@@ -19,6 +30,7 @@ import logging
 import select
 import socket
 import threading
+import time
 from collections import OrderedDict
 
 from kv_transfer.base import (
@@ -30,6 +42,7 @@ from kv_transfer.config import ReceiverConfig
 from kv_transfer.connector_receiver import ConnectorReceiver
 from kv_transfer.errors import Reason, TransferRefused, make_reason
 from kv_transfer.receive_table import ReceiveTable
+from kv_transfer.refusals import PortRefusal, RefusalCounts
 from kv_transfer.tcp.frames import (
     FLAG_OK,
     MAX_CONTROL_BYTES,
@@ -53,19 +66,56 @@ from kv_transfer.tcp.socket_io import (
 
 log = logging.getLogger(__name__)
 _TOLD_LIMIT = 1024  # request ids a connection remembers having refused
+_ACCEPT_TICK_S = 0.2  # the accept loop's wake-up: stop flag and frame deadlines
+_LIMIT_LOG_EVERY_S = 10.0  # "connection limit reached" at most this often
 
 
 class _Connection:
     """One accepted sender connection; also the table's `Peer` for it."""
 
-    def __init__(self, sock: socket.socket, table: ReceiveTable, stop: threading.Event) -> None:
+    def __init__(self, sock: socket.socket, table: ReceiveTable, stop: threading.Event,
+                 refusals: RefusalCounts, frame_timeout_s: float) -> None:  # fmt: skip
         self.sock = sock
         self.table = table
         self.stop = stop
+        self.refusals = refusals
+        self.frame_timeout_s = frame_timeout_s
         self._send_lock = threading.Lock()
         self._told: OrderedDict[str, None] = OrderedDict()
-        self._scratch = memoryview(bytearray(1 << 20))
         self.closed = False
+        # monotonic deadline of the frame being read (None between frames): written by
+        # this connection's thread, read by the accept thread's watchdog
+        self.frame_deadline: float | None = None
+        self.stalled = False
+
+    def _frame_started(self) -> None:
+        self.frame_deadline = time.monotonic() + self.frame_timeout_s
+
+    def _frame_read(self) -> None:
+        """All of the frame's bytes are in: what follows (table, listener) is our own
+        time, never the peer's, so the watchdog stops counting here."""
+        self.frame_deadline = None
+
+    def cut_if_stalled(self, now: float) -> None:
+        """Watchdog (accept thread): shut the socket down if the current frame is past
+        its deadline (counted); the reader thread then fails and cleans up."""
+        deadline = self.frame_deadline
+        if deadline is None or now < deadline or not self._mark_stalled():
+            return
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes the reader; it closes the socket
+        except OSError:
+            pass
+
+    def _mark_stalled(self) -> bool:
+        """Count this connection's stall once, whoever sees it first: the watchdog, or
+        the reader's recv making no progress within io_timeout_s mid-frame."""
+        with self._send_lock:
+            if self.stalled:
+                return False
+            self.stalled = True
+        self.refusals.add(PortRefusal.STALLED)
+        return True
 
     def notify(self, request_id: str, outcome: TransferOutcome) -> None:
         """Back channel (any thread): a STATUS frame with the verdict."""
@@ -103,6 +153,7 @@ class _Connection:
             return True
 
     def _refused(self, request_id: str, refused: TransferRefused) -> None:
+        self.refusals.add(refused.code.value)
         if request_id not in self._told:
             self.notify(request_id, TransferOutcome.failed(refused.reason))
 
@@ -111,19 +162,29 @@ class _Connection:
         reason = make_reason(Reason.CONNECTION_LOST)
         try:
             while not self.stop.is_set():
-                self._handle(recv_header(self.sock, header_buf, self.stop))
+                self._handle(recv_header(self.sock, header_buf, self.stop, self._frame_started))
         except PeerClosed:
             pass
         except HeaderError as exc:
+            self.refusals.add(exc.reason)
             reason = make_reason(Reason.BAD_FRAME, str(exc))
             log.warning("kv receiver closing connection: %s", exc)
-        except OSError as exc:  # includes timeouts mid-frame and resets
+        except (TimeoutError, BlockingIOError):  # a recv made no progress mid-frame
+            self._mark_stalled()
+        except OSError as exc:  # resets
             reason = make_reason(Reason.CONNECTION_LOST, str(exc))
         finally:
+            if self.stalled:
+                reason = self._stalled_reason()
+                log.warning("kv receiver cut off a stalled sender: %s", reason)
             with self._send_lock:
                 self.closed = True
             close_quietly(self.sock)
             self.table.peer_lost(self, reason)
+
+    def _stalled_reason(self) -> str:
+        return make_reason(Reason.CONNECTION_LOST, f"{PortRefusal.STALLED.value}: frame not "
+                                                   f"complete within {self.frame_timeout_s:g} s")
 
     def _handle(self, header: FrameHeader) -> None:
         rid = header.request_id
@@ -131,8 +192,9 @@ class _Connection:
             self._data(header)
             return
         if header.kind is FrameKind.STATUS:
-            raise HeaderError("STATUS frames only travel receiver -> sender")
+            raise HeaderError(PortRefusal.BAD_KIND, "STATUS frames only travel receiver -> sender")
         payload = recv_bytes(self.sock, header.length)
+        self._frame_read()
         try:
             if checksum(payload) != header.checksum:
                 raise TransferRefused(Reason.BAD_CHECKSUM, f"{header.kind.name} payload")
@@ -153,15 +215,22 @@ class _Connection:
                 header.request_id, self, header.layer, header.offset, header.length
             )
         except TransferRefused as refused:
-            skip(self.sock, header.length, self._scratch)
+            skip(self.sock, header.length)
+            self._frame_read()
             self._refused(header.request_id, refused)
             return
         try:
             recv_exact_into(self.sock, claim.view)
         except BaseException as exc:
-            self.table.commit(claim, make_reason(Reason.CONNECTION_LOST, f"mid-payload: {exc}"))
+            if isinstance(exc, (TimeoutError, BlockingIOError)):
+                self._mark_stalled()
+            self.table.commit(claim, self._stalled_reason() if self.stalled else make_reason(
+                Reason.CONNECTION_LOST, f"mid-payload: {exc}"))  # fmt: skip
             raise
+        self._frame_read()
         ok = data_checksum(claim.view, header.flags) == header.checksum
+        if not ok:
+            self.refusals.add(Reason.BAD_CHECKSUM.value)
         self.table.commit(claim, None if ok else make_reason(
             Reason.BAD_CHECKSUM, f"layer {header.layer} offset {header.offset}"))  # fmt: skip
 
@@ -176,10 +245,15 @@ class TcpKVReceiver(ConnectorReceiver):
         self._connections: set[_Connection] = set()
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
+        self._limit_logged_at = -_LIMIT_LOG_EVERY_S
+
+    def open_connections(self) -> int:
+        with self._lock:
+            return len(self._connections)
 
     def start(self) -> None:
         server = socket.create_server((self.config.host, self.config.port), backlog=128)
-        server.settimeout(0.2)  # the accept loop polls the stop flag
+        server.settimeout(_ACCEPT_TICK_S)  # the accept loop polls the stop flag and deadlines
         self._server = server
         host = self.config.advertise_host or self.config.host
         self._endpoints = (f"{host}:{server.getsockname()[1]}",)
@@ -191,6 +265,7 @@ class TcpKVReceiver(ConnectorReceiver):
     def _accept_loop(self) -> None:
         assert self._server is not None
         while not self._stop.is_set():
+            self._cut_stalled()
             try:
                 sock, _ = self._server.accept()
             except TimeoutError:
@@ -199,16 +274,39 @@ class TcpKVReceiver(ConnectorReceiver):
                 return
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             set_io_timeout(sock, self.config.io_timeout_s)
-            conn = _Connection(sock, self.table, self._stop)
+            conn = _Connection(sock, self.table, self._stop, self.refusals,
+                               self.config.io_timeout_s)  # fmt: skip
             thread = threading.Thread(target=self._serve, args=(conn,), daemon=True,
                                       name="kv-tcp-conn")  # fmt: skip
             with self._lock:
                 if self._stop.is_set():
                     close_quietly(sock)
                     return
-                self._connections.add(conn)
-                self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+                full = len(self._connections) >= self.config.max_connections
+                if not full:
+                    self._connections.add(conn)
+                    self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+            if full:
+                self._refuse_over_limit(sock)
+                continue
             thread.start()
+
+    def _cut_stalled(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            connections = list(self._connections)
+        for conn in connections:
+            conn.cut_if_stalled(now)
+
+    def _refuse_over_limit(self, sock: socket.socket) -> None:
+        self.refusals.add(PortRefusal.CONNECTION_LIMIT)  # counted before the peer sees EOF
+        close_quietly(sock)
+        now = time.monotonic()
+        if now - self._limit_logged_at >= _LIMIT_LOG_EVERY_S:
+            self._limit_logged_at = now
+            log.warning("kv receiver at its limit of %d connections: refusing new ones "
+                        "(counted in pdserve_kv_port_refusals_total)",
+                        self.config.max_connections)
 
     def _serve(self, conn: _Connection) -> None:
         try:

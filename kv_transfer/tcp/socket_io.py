@@ -6,7 +6,8 @@ Sockets stay in blocking mode and get their timeout from the kernel
 send/recv, doubling the syscalls of the data path. A timed-out call raises
 BlockingIOError (or TimeoutError); between frames that is idleness and is
 tolerated, inside a frame it means the peer stalled and the connection is
-given up.
+given up. A peer trickling a byte now and then makes progress on every recv,
+so the receiver also bounds each whole frame (its watchdog, receiver.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import socket
 import struct
 import threading
+from collections.abc import Callable
 
 from kv_transfer.tcp.frames import HEADER, FrameHeader, decode_header
 
@@ -31,23 +33,17 @@ class PeerClosed(Exception):
     """The peer closed the connection cleanly between frames."""
 
 
-def recv_exact_into(sock: socket.socket, view: memoryview, *, idle_ok: bool = False,
-                    stop: threading.Event | None = None) -> None:  # fmt: skip
+def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
     """Fill `view` from `sock` (GIL released in recv_into; MSG_WAITALL makes it one
     call per payload unless a timeout splits it).
 
     Raises PeerClosed on EOF before the first byte, ConnectionError on EOF
-    mid-way, TimeoutError on a timeout mid-way (or at the start unless idle_ok).
+    mid-way, TimeoutError when a recv makes no progress within the socket's timeout.
     """
     got = 0
     size = len(view)
     while got < size:
-        try:
-            n = sock.recv_into(view[got:], 0, socket.MSG_WAITALL)
-        except (TimeoutError, BlockingIOError):
-            if got == 0 and idle_ok and not (stop is not None and stop.is_set()):
-                continue
-            raise
+        n = sock.recv_into(view[got:], 0, socket.MSG_WAITALL)
         if n == 0:
             if got == 0:
                 raise PeerClosed()
@@ -67,9 +63,28 @@ def send_frame(sock: socket.socket, header: bytes, payload: memoryview) -> None:
         sock.sendall(payload[sent - len(header) :])
 
 
-def recv_header(sock: socket.socket, buf: bytearray, stop: threading.Event) -> FrameHeader:
-    """Wait (idle allowed) for the next header; raises HeaderError if untrustworthy."""
-    recv_exact_into(sock, memoryview(buf), idle_ok=True, stop=stop)
+def recv_header(sock: socket.socket, buf: bytearray, stop: threading.Event,
+                on_first_bytes: Callable[[], None] | None = None) -> FrameHeader:  # fmt: skip
+    """Wait (idle allowed) for the next header; raises HeaderError if untrustworthy.
+
+    The first recv returns as soon as any bytes are there (no MSG_WAITALL), so
+    `on_first_bytes` runs when the frame has started: the receiver starts the
+    frame's deadline there, however slowly the rest arrives."""
+    view = memoryview(buf)
+    while True:
+        try:
+            got = sock.recv_into(view)
+        except (TimeoutError, BlockingIOError):
+            if stop.is_set():
+                raise
+            continue  # idle between frames
+        if got == 0:
+            raise PeerClosed()
+        break
+    if on_first_bytes is not None:
+        on_first_bytes()
+    if got < len(view):
+        recv_exact_into(sock, view[got:])
     return decode_header(buf)
 
 
@@ -77,8 +92,13 @@ def new_header_buffer() -> bytearray:
     return bytearray(HEADER.size)
 
 
-def skip(sock: socket.socket, length: int, scratch: memoryview) -> None:
-    """Read and drop `length` payload bytes to stay in sync after a refused frame."""
+_SKIP_CHUNK = 256 << 10
+
+
+def skip(sock: socket.socket, length: int) -> None:
+    """Read and drop `length` payload bytes to stay in sync after a refused frame.
+    The scratch buffer lives only as long as the call: an idle connection holds none."""
+    scratch = memoryview(bytearray(min(length, _SKIP_CHUNK)))
     while length > 0:
         n = min(length, len(scratch))
         recv_exact_into(sock, scratch[:n])

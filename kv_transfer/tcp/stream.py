@@ -24,6 +24,7 @@ from kv_transfer.config import SenderConfig
 from kv_transfer.device import HostCopy, byte_view
 from kv_transfer.errors import Reason, make_reason
 from kv_transfer.outgoing import Outgoing, Piece
+from kv_transfer.refusals import PortRefusal
 from kv_transfer.tcp.frames import (
     FLAG_OK,
     FrameHeader,
@@ -185,7 +186,8 @@ class Stream:
                 header = recv_header(sock, buf, self._stop)
                 payload = recv_bytes(sock, header.length)
                 if header.kind is not FrameKind.STATUS or checksum(payload) != header.checksum:
-                    raise HeaderError(f"unexpected {header.kind.name} frame from receiver")
+                    raise HeaderError(PortRefusal.BAD_KIND,
+                                      f"unexpected {header.kind.name} frame from receiver")
                 self._on_status(header.request_id, bool(header.flags & FLAG_OK),
                                 payload.decode(errors="replace"))  # fmt: skip
         except PeerClosed:

@@ -26,6 +26,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--reservation-timeout", type=float, default=600.0, metavar="SECONDS",
                    help="How long a reserved request waits for a prefill pod to begin "
                         "sending its KV, e.g. while its prefill is queued (default 600).")
+    g.add_argument("--kv-max-connections", type=int, default=256, metavar="N",
+                   help="Sender connections the TCP KV port serves at once; more are refused "
+                        "and counted (a prefill pod keeps 4 per decode pod; default 256).")
+    g.add_argument("--kv-frame-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="How long one KV frame may take from its first byte to its last; a "
+                        "sender trickling bytes is cut off (default 10).")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -45,5 +51,6 @@ def main(args: argparse.Namespace) -> int:
         kv_port=args.kv_port, kv_transport=args.kv_transport,
         landing_memory=args.landing_memory, transfer_timeout_s=args.transfer_timeout,
         reservation_timeout_s=args.reservation_timeout,
+        kv_max_connections=args.kv_max_connections, kv_frame_timeout_s=args.kv_frame_timeout,
     )
     return asyncio.run(run_decode_pod(config))

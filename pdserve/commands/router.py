@@ -38,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--session-epsilon", type=float, default=0.25,
                         help="a session moves off its pod above (1 + eps) x average load")
     parser.add_argument("--load-poll-interval", type=float, default=0.5, metavar="SECONDS")
+    parser.add_argument("--registry-absent-grace", type=float, default=10.0, metavar="SECONDS",
+                        help="a pod missing from the Redis registry but still answering its "
+                             "health polls stays routable this long (default 10)")
     parser.add_argument("--max-prefill-retries", type=int, default=2)
     parser.add_argument("--max-migrations", type=int, default=3,
                         help="moves to a new pod pair per request after decode pods fail")
@@ -108,6 +111,7 @@ def config_from_args(args: argparse.Namespace):
         api_key=args.api_key or os.environ.get("PDSERVE_API_KEY") or None,
         session_epsilon=args.session_epsilon,
         load_poll_interval=args.load_poll_interval,
+        registry_absent_grace=args.registry_absent_grace,
         max_prefill_retries=args.max_prefill_retries,
         max_migrations=args.max_migrations,
         request_timeout=args.request_timeout,

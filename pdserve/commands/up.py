@@ -12,12 +12,15 @@ child copies its output to ours, each line prefixed with the child's name):
              when its HTTP /ready answers 200
     serving  writes --ready-file (the pods' addresses and /metrics URLs, for
              benchmarks), prints the URL and a curl example, then watches
-             the children
+             the children: one that exits is restarted on the same ports with
+             a bounded backoff while the others keep serving, and a child
+             failing over and over stops everything (pdserve/commands/_supervisor.py)
     stop     SIGINT/SIGTERM: router first (no new requests), then the pods;
              each gets SIGTERM, then SIGKILL after --grace-period seconds
 
-A child that exits on its own (at startup or later) is a failure: its log tail
-is already on screen, everyone else is stopped, and `up` exits with status 1.
+A child that exits during startup is a failure: its log tail is already on
+screen, everyone else is stopped, and `up` exits with status 1; so does a
+child that exits more than --max-restarts times within --restart-window.
 Children run in their own sessions, so a terminal Ctrl-C reaches only `up`,
 which then stops them in order; on Linux they also get SIGTERM if `up` itself
 dies (PR_SET_PDEATHSIG), so nothing is left behind.
@@ -36,8 +39,9 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.commands._children import Child, StartupError, check_alive, spawn
+from pdserve.commands._children import Child, StartupError, check_alive, pin_ports, spawn
 from pdserve.commands._cpus import format_cpu_list, parse_cpu_list
+from pdserve.commands._supervisor import GiveUp, RestartPolicy, supervise
 from proto.roles import PodRole
 
 HELP = "Run router + prefill + decode pods locally on a built-in model (OpenAI API on :8000)."
@@ -74,6 +78,9 @@ class UpConfig:
     cpus: tuple[tuple[str, str], ...] = ()
     ready_file: str | None = None
     router_workers: int = 1
+    # restarts of one child allowed within restart_window_s (0: an exit stops everything)
+    max_restarts: int = 5
+    restart_window_s: float = 60.0
 
     def __post_init__(self) -> None:
         for name in ("port", "grpc_port"):
@@ -98,6 +105,11 @@ class UpConfig:
                 parse_cpu_list(text)
             except ValueError as exc:
                 raise ValueError(f"--{role}-cpus: {exc}") from None
+        self.restart_policy()  # validates the restart flags
+
+    def restart_policy(self) -> RestartPolicy:
+        return RestartPolicy(max_restarts=self.max_restarts, window_s=self.restart_window_s,
+                             startup_timeout_s=self.startup_timeout_s)
 
     def cpus_of(self, role: str) -> str | None:
         """The canonical CPU list of `role`'s processes, or None (not pinned)."""
@@ -136,6 +148,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(f"--{role}-cpus", default=None, metavar="LIST",
                             help=f"pin the {role} process(es) to these CPUs, e.g. 0 or 0-1 "
                                  "(their --cpus; torch threads follow the count)")
+    parser.add_argument("--max-restarts", type=int, default=5, metavar="N",
+                        help="a child that exits is restarted (same ports, backoff 0.5 s "
+                             "doubling to 10 s); one exiting more than N times within "
+                             "--restart-window stops everything (0: any exit does; default 5)")
+    parser.add_argument("--restart-window", type=float, default=60.0, metavar="SECONDS",
+                        help="the window --max-restarts counts in (default 60)")
     parser.add_argument("--ready-file", default=None, metavar="PATH",
                         help='written once serving: {"http", "grpc", "pods": [{"name", "role", '
                              '"grpc", "metrics", "cpus"}]} (benchmarks read the pods\' '
@@ -152,7 +170,8 @@ def config_from_args(args: argparse.Namespace) -> UpConfig:
         router_args=tuple(args.router_arg),
         cpus=tuple((role, text) for role in CPU_ROLES
                    if (text := getattr(args, f"{role}_cpus")) is not None),
-        ready_file=args.ready_file,
+        ready_file=args.ready_file, max_restarts=args.max_restarts,
+        restart_window_s=args.restart_window,
     )
 
 
@@ -206,7 +225,8 @@ def start_pods(model: Path, config: UpConfig, tmp: Path, children: list[Child]) 
         workdir = tmp / name
         workdir.mkdir()
         ready_file = workdir / "ready.json"
-        children.append(spawn(name, pod_argv(role, model, config, ready_file), workdir))
+        children.append(spawn(name, pod_argv(role, model, config, ready_file), workdir,
+                              ready_file))
         pending.append((children[-1], role, ready_file))
     plural = "pod" if len(roles) == 1 else "pods"
     say(f"starting {len(roles)} {plural} "
@@ -221,6 +241,7 @@ def start_pods(model: Path, config: UpConfig, tmp: Path, children: list[Child]) 
                 ports = json.loads(ready_file.read_text())
                 child.address = f"127.0.0.1:{ports['grpc']}"
                 child.metrics_port = ports["metrics"]
+                child.argv = pin_ports(child.argv, ports)  # a restart reuses them
                 done += 1
                 elapsed = time.monotonic() - child.started_at
                 say(f"[{done}/{total}] {role} pod ready on {child.address} ({elapsed:.1f} s)")
@@ -254,7 +275,9 @@ def router_argv(model: Path, config: UpConfig, children: list[Child]) -> list[st
 def start_router(model: Path, config: UpConfig, tmp: Path, children: list[Child]) -> Child:
     workdir = tmp / "router"
     workdir.mkdir()
-    router = spawn("router", router_argv(model, config, children), workdir)
+    ready_file = workdir / "ready.json"
+    router = spawn("router", [*router_argv(model, config, children), "--ready-file",
+                              str(ready_file)], workdir, ready_file)
     children.append(router)
     url = f"http://{_client_host(config.host)}:{config.port}/ready"
     deadline = time.monotonic() + config.startup_timeout_s
@@ -336,16 +359,13 @@ def run(config: UpConfig) -> int:
             if config.ready_file:
                 write_ready_file(config, children)
             print_banner(config, model.name)
-            while True:
-                for child in children:
-                    check_alive(child)
-                time.sleep(0.2)
+            supervise(children, config.restart_policy(), say)
         except Stopping:
             say("stopping ...")
             stop_all(children, config.grace_period_s)
             say("stopped")
             return 0
-        except StartupError as exc:
+        except (StartupError, GiveUp) as exc:
             say(f"error: {exc}; stopping everything")
             stop_all(children, config.grace_period_s)
             return 1

@@ -5,7 +5,19 @@ Life of a pod in the pool (checked transitions, `PodState`):
     NEW --poll ok--> HEALTHY --poll failed / mark_unhealthy / draining--> UNHEALTHY
      |                  ^                                                    |
      +--poll failed-----|-------------------------> UNHEALTHY --poll ok------+
-    any state --gone from the registry--> (removed, channel closed)
+    NEW / UNHEALTHY --gone from the registry--> (removed, channel closed)
+    HEALTHY --gone from the registry--> kept, `absent_since` set; removed (channel
+            closed) once it is not HEALTHY or `absent_grace` seconds have passed;
+            listed again: `absent_since` cleared
+
+A pod missing from the registry is not dropped while it still answers its
+polls: a registry that comes back empty (Redis restarted without persistence,
+FLUSHALL, failover to an empty replica) would otherwise take every pod out of
+rotation at once until their heartbeats re-register them (issue 11, defect 4).
+It stays routable until a poll fails (a crashed pod; a drained pod reports
+`draining` and is UNHEALTHY at once) or `absent_grace` seconds pass without it
+re-registering (a pod cut off from Redis but not from the router). A pod listed
+under another role is replaced at once.
 
 Every `poll_interval` seconds, on the router's event loop, the pool asks its
 `PodSource` which pods exist, then polls all of them concurrently: the
@@ -24,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import time
 from dataclasses import dataclass
 
 import grpc
@@ -62,6 +75,7 @@ class _Pod:
     report: pdserve_pb2.LoadReport | None = None
     reason: str = "not polled yet"
     failures: int = 0  # consecutive failed polls (in the log line when it goes down)
+    absent_since: float | None = None  # monotonic time it went missing from the registry
 
     def move(self, new: PodState, reason: str) -> None:
         if new not in _TRANSITIONS[self.state]:
@@ -84,10 +98,14 @@ class PolledPodPool(PodPool):
         poll_interval: float = 0.5,
         poll_timeout: float | None = None,
         security: PodSecurity | None = None,
+        absent_grace: float = 10.0,
     ) -> None:
         super().__init__()
         if not 0.01 <= poll_interval <= 60:
             raise ValueError(f"load poll interval must be in [0.01, 60] s; got {poll_interval}")
+        if not 0 <= absent_grace <= 3600:
+            raise ValueError(f"registry absent grace must be in [0, 3600] s; got {absent_grace}")
+        self.absent_grace = absent_grace
         self.poll_interval = poll_interval
         self.poll_timeout = poll_timeout if poll_timeout is not None else max(0.5, poll_interval)
         if self.poll_timeout <= 0:
@@ -170,14 +188,34 @@ class PolledPodPool(PodPool):
 
     def _sync(self, entries: list[PodEntry]) -> None:
         wanted = {e.address: e for e in entries}
-        for address in [a for a, pod in self._pods.items() if wanted.get(a) != pod.entry]:
-            pod = self._pods.pop(address)
+        now = time.monotonic()
+        for address, pod in list(self._pods.items()):
+            entry = wanted.get(address)
+            if entry == pod.entry:
+                if pod.absent_since is not None:
+                    log.info("%s pod %s is back in the registry", entry.role, address)
+                    pod.absent_since = None
+                continue
+            if entry is None and self._keep_absent(pod, now):
+                continue
+            self._pods.pop(address)
             log.info("%s pod %s left the registry", pod.entry.role, address)
             self._close_channel(pod.channel)
         for address, entry in wanted.items():
             if address not in self._pods:
                 log.info("%s pod %s joined the registry", entry.role, address)
                 self._pods[address] = _Pod(entry, pod_channel(address, self._security))
+
+    def _keep_absent(self, pod: _Pod, now: float) -> bool:
+        """Whether a pod missing from the registry stays (see the module docstring)."""
+        if pod.state is not PodState.HEALTHY:
+            return False
+        if pod.absent_since is None:
+            pod.absent_since = now
+            log.warning("%s pod %s is missing from the registry but answers its polls; "
+                        "keeping it for up to %.1f s", pod.entry.role, pod.entry.address,
+                        self.absent_grace)
+        return now - pod.absent_since < self.absent_grace
 
     async def _poll(self, pod: _Pod) -> None:
         try:

@@ -46,3 +46,24 @@ def test_heartbeat_start_fails_loudly_without_redis() -> None:
                         model="m")
     with pytest.raises(redis.ConnectionError):
         beat.start()
+
+
+@pytest.mark.timeout(30)
+def test_a_vanished_key_is_written_back_at_the_next_beat_and_logged(
+    redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    beat = PodHeartbeat(redis_url, role="decode", address="127.0.0.1:5998", model="tiny",
+                        ttl_s=0.9)  # a beat every 0.3 s
+    beat.start()
+    try:
+        client.flushall()  # Redis restored empty
+        flushed_at = time.monotonic()
+        while client.exists(beat.key) == 0:
+            assert time.monotonic() - flushed_at < 3.0, "the key was not written back"
+            time.sleep(0.02)
+        assert time.monotonic() - flushed_at < 1.5  # within one beat (0.3 s) + slack
+        assert f"registry key {beat.key} had vanished" in caplog.text
+    finally:
+        beat.stop()
+        client.close()

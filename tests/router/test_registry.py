@@ -157,7 +157,8 @@ def test_redis_registry_adds_new_pods_and_drops_expired_ones(redis_url: str, run
         d1 = await LoadServer("decode").start()
         client = redis.Redis.from_url(redis_url, decode_responses=True)
         client.set("pdserve:pods:decode:junk", "not json")  # skipped with a warning
-        pool = PolledPodPool(RedisPodSource(redis_url), poll_interval=0.1)
+        # a pod gone from Redis that still answers its polls is kept for absent_grace
+        pool = PolledPodPool(RedisPodSource(redis_url), poll_interval=0.1, absent_grace=0.3)
         await pool.start()
         beats = []
         try:
@@ -176,7 +177,9 @@ def test_redis_registry_adds_new_pods_and_drops_expired_ones(redis_url: str, run
             await asyncio.sleep(0.9)
             assert pool.known("prefill") == []
             assert [p.address for p in pool.pods("decode")] == [d1.address]
-            # a clean stop deletes the key at once
+            # a clean stop (on drain) deletes the key at once; the draining pod leaves
+            # at the next poll
+            d1.servicer.report.draining = True
             beats[1].stop()
             await asyncio.sleep(0.25)
             assert pool.known("decode") == []
@@ -218,3 +221,49 @@ def test_redis_outage_keeps_the_known_pods(tmp_path, run_async) -> None:
         run_async(run())
     finally:
         server.stop()
+
+
+@pytest.mark.timeout(30)
+def test_a_pod_missing_from_redis_stays_while_it_answers_until_the_grace_passes(
+    redis_url: str, run_async
+) -> None:
+    async def run() -> None:
+        p1 = await LoadServer("prefill").start()
+        d1 = await LoadServer("decode").start()
+        client = redis.Redis.from_url(redis_url, decode_responses=True)
+        for server, role in ((p1, "prefill"), (d1, "decode")):
+            client.set(pod_key(role, server.address),
+                       json.dumps({"address": server.address, "role": role, "model": "m"}))
+        pool = PolledPodPool(RedisPodSource(redis_url), poll_interval=0.05, absent_grace=1.0)
+        await pool.start()
+        try:
+            assert [p.address for p in pool.pods("prefill")] == [p1.address]
+            client.flushall()  # Redis restored empty
+            await asyncio.sleep(0.4)  # several polls that find no key
+            assert [p.address for p in pool.pods("prefill")] == [p1.address]
+            assert [p.address for p in pool.pods("decode")] == [d1.address]
+            # the prefill pod re-registers; the decode pod's poll fails: it leaves at once
+            client.set(pod_key("prefill", p1.address),
+                       json.dumps({"address": p1.address, "role": "prefill", "model": "m"}))
+            await d1.stop()
+            await asyncio.sleep(0.3)
+            assert pool.known("decode") == []
+            await asyncio.sleep(0.9)  # past the grace: the re-registered pod is still there
+            assert [p.address for p in pool.pods("prefill")] == [p1.address]
+            # a pod that stays missing leaves once the grace has passed
+            client.flushall()
+            await asyncio.sleep(0.5)
+            assert pool.known("prefill") == [p1.address]
+            await asyncio.sleep(0.8)
+            assert pool.known("prefill") == []
+        finally:
+            await pool.close()
+            client.close()
+            await p1.stop()
+
+    run_async(run())
+
+
+def test_absent_grace_is_validated() -> None:
+    with pytest.raises(ValueError, match=r"registry absent grace must be in \[0, 3600\] s"):
+        PolledPodPool(StaticPodSource(prefill=["h:1"]), absent_grace=-1)

@@ -1,0 +1,54 @@
+"""A real decode pod's KV port limits, seen on its own /metrics: the flags
+(--kv-max-connections, --kv-frame-timeout) reach the receiver, and refusals
+are counted by reason (`pdserve_kv_port_refusals_total`)."""
+
+from __future__ import annotations
+
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.integration.pods import start_pod
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+
+def _closed_by_peer(sock: socket.socket, timeout: float) -> bool:
+    sock.settimeout(timeout)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_kv_port_refusals_and_connections_on_the_pods_metrics(tiny_model_dir: Path) -> None:
+    pod = start_pod("decode", tiny_model_dir, kv_max_connections=1, kv_frame_timeout=0.5)
+    try:
+        def value(name: str, **labels: str) -> float:
+            try:
+                return pod.metric_value(name, **labels)
+            except KeyError:
+                return 0.0
+
+        address = ("127.0.0.1", pod.kv_port)
+        with socket.create_connection(address, timeout=10) as garbage:
+            garbage.sendall(b"GET /metrics HTTP/1.1\r\n\r\n" + bytes(100))
+            assert _closed_by_peer(garbage, 10)
+        with socket.create_connection(address, timeout=10) as trickle:
+            trickle.sendall(b"PD")  # a frame that never completes
+            assert _closed_by_peer(trickle, 10)
+        with socket.create_connection(address, timeout=10):  # held open, idle
+            deadline = time.monotonic() + 10
+            while value("pdserve_kv_port_connections") != 1.0:
+                assert time.monotonic() < deadline, pod.metrics_text()
+                time.sleep(0.05)
+            with socket.create_connection(address, timeout=10) as extra:
+                assert _closed_by_peer(extra, 10)
+        kind = "pdserve_kv_port_refusals_total"
+        assert value(kind, reason="bad_magic") == 1.0
+        assert value(kind, reason="stalled") == 1.0
+        assert value(kind, reason="connection_limit") == 1.0
+    finally:
+        pod.kill()
