@@ -81,6 +81,13 @@ class RouterConfig:
     # at least queue_ratio x as many tokens queued ahead of it.
     local_prefill_max_tokens: int = 0
     local_prefill_queue_ratio: float = 1.0
+    # HTTP connections (router/http/connection.py): seconds from a request's
+    # first byte to the end of its headers, and seconds an open connection may
+    # wait for its next request. Generation requests in flight per client (API
+    # key, else address; router/http/client_limits.py), 0 = no limit.
+    http_header_timeout: float = 30.0
+    http_keepalive_timeout: float = 75.0
+    max_concurrent_per_client: int = 0
 
     def __post_init__(self) -> None:
         if not self.model_dir:
@@ -132,6 +139,12 @@ class RouterConfig:
         if not 0.0 <= self.local_prefill_queue_ratio <= 1000.0:
             raise ValueError(f"local_prefill_queue_ratio must be in [0, 1000], "
                              f"got {self.local_prefill_queue_ratio}")
+        for name in ("http_header_timeout", "http_keepalive_timeout"):
+            if not 0.0 < getattr(self, name) <= 3600.0:
+                raise ValueError(f"{name} must be in (0, 3600] seconds, got {getattr(self, name)}")
+        if not 0 <= self.max_concurrent_per_client <= 1 << 20:
+            raise ValueError(f"max_concurrent_per_client must be in [0, {1 << 20}] (0 = off), "
+                             f"got {self.max_concurrent_per_client}")
         if self.shutdown_grace < 0:
             raise ValueError(f"shutdown_grace must be >= 0 seconds, got {self.shutdown_grace}")
 

@@ -31,7 +31,8 @@ CLI_FLAGS: dict[str, frozenset[str]] = {
     "router": frozenset({
         "--model", "--served-model-name", "--host", "--port", "--grpc-port", "--prefill",
         "--decode", "--redis-url", "--api-key", "--session-epsilon", "--load-poll-interval",
-        "--workers", "--prefill-dispatch-tokens", "--max-queue-wait",
+        "--workers", "--prefill-dispatch-tokens", "--max-queue-wait", "--http-header-timeout",
+        "--http-keepalive-timeout", "--max-concurrent-per-client",
     }),
     "prefill": frozenset({
         "--model", "--host", "--port", "--metrics-port", "--block-size", "--kv-cache-memory",
