@@ -53,11 +53,10 @@ future `abort` sets; the caller never sets any. A commit queued just before an
 `abort` or `free` is harmless: the engine runs commands in order, so the
 abort that `free` queues still finds R and frees it.
 
-Known issue (kept as it was): a `Generate` cancelled while its reserve
-command is still queued leaves R in RESERVING; the command may still reserve
-blocks on the loop thread afterwards and nothing frees them. `free` is the
-place to fix it (abort R once the queued command ran, and only if it reserved:
-a command that failed on a duplicate id must not abort the other request).
+A `Generate` cancelled inside `reserve()` (its command still queued behind
+a step, or run but its answer unread) leaves R in RESERVING and holds
+nothing: `EngineLoop.reserve_remote` skips the command or undoes it on the
+loop thread (engine/engine_loop.py, `_admit`).
 """
 
 from __future__ import annotations
@@ -142,7 +141,8 @@ class KVImport:
 
     @property
     def holds_resources(self) -> bool:
-        """True while R holds what only `free` gives back (see the known issue)."""
+        """True while R holds what only `free` gives back (a cancelled
+        `reserve` is undone by the engine loop itself)."""
         return self._state in _HOLDING
 
     def _to(self, new: ImportState) -> None:

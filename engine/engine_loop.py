@@ -14,7 +14,8 @@ Threads and who calls what:
 * the **asyncio loop** of the gRPC server calls the `async` methods below
   (`add_request`, `abort`, `reserve_remote`, `run`). Each
   queues a command and awaits its result, so a servicer never blocks the
-  event loop on the engine.
+  event loop on the engine. A caller of `add_request` / `reserve_remote`
+  cancelled before its answer leaves nothing held (`_admit`).
 * any other thread may queue a command with `submit` (the decode pod's
   injector commits a request whose KV is in straight from its own thread,
   so the commit joins the next step without a hop through the event loop).
@@ -37,6 +38,7 @@ Commands (`_Command`, one `fn(engine)` call each) wait in a FIFO
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import logging
 import queue
@@ -181,7 +183,7 @@ class EngineLoop:
                 self._streams.discard(stream)
                 raise
 
-        await self.run(add)
+        await self._admit(stream, add)
         return stream
 
     async def reserve_remote(
@@ -215,8 +217,36 @@ class EngineLoop:
                 self._streams.discard(stream)
                 raise
 
-        reservation = await self.run(reserve)
+        reservation = await self._admit(stream, reserve)
         return reservation, stream
+
+    async def _admit(self, stream: RequestStream, admit: Callable[[Any], T]) -> T:
+        """Run `admit(engine)`, a command that registers `stream` and its
+        request. A caller cancelled before the answer arrives (its command
+        may still be queued behind a step) leaves nothing held: the command
+        skips itself if it has not run yet, and an undo queued behind it
+        (commands run in order) aborts the request if it did run. The undo
+        finds the request by its stream, so a command that failed on a
+        duplicate id never aborts the request that owns the id."""
+        cancelled = threading.Event()
+
+        def guarded(engine: Any) -> T:
+            if cancelled.is_set():
+                raise RequestAborted(stream.request_id, "client")
+            return admit(engine)
+
+        def undo(engine: Any) -> None:
+            if self._streams.discard(stream) and engine.abort_request(stream.request_id):
+                self._streams.aborted(stream.request_id)
+                self._metrics.abort("client")
+
+        try:
+            return await self.run(guarded)
+        except asyncio.CancelledError:
+            cancelled.set()
+            with contextlib.suppress(EngineDead):  # a stopped loop holds nothing any more
+                self.submit(undo, asyncio.get_running_loop())
+            raise
 
     async def abort(self, request_id: str, reason: str) -> bool:
         """Abort a request in any engine state and free its blocks; its
@@ -225,7 +255,8 @@ class EngineLoop:
 
         def abort(engine: Any) -> bool:
             stream = self._streams.pop(request_id)
-            engine.abort_request(request_id)
+            if engine.abort_request(request_id):
+                self._streams.aborted(request_id)
             if stream is not None:
                 stream.abort(RequestAborted(request_id, reason))
             return stream is not None
@@ -285,6 +316,8 @@ class EngineLoop:
         m = self._metrics
         m.requests_waiting.set(stats.num_waiting)
         m.requests_running.set(stats.num_running)
+        m.requests_reserved.set(stats.num_reserved)
+        m.kv_blocks_reserved.set(stats.num_reserved_blocks)
         m.kv_blocks_free.set(stats.num_free_blocks)
         m.kv_blocks_total.set(stats.num_total_blocks)
         # The engine keeps cumulative totals; a Counter only goes up by deltas.

@@ -311,6 +311,7 @@ class LLMEngine:
             num_waiting_tokens=sum(r.num_tokens - r.num_computed_tokens for r in waiting),
             num_running=len(self.scheduler.running),
             num_reserved=len(self.scheduler.reserved),
+            num_reserved_blocks=sum(len(r.block_ids) for r in self.scheduler.reserved.values()),
             num_free_blocks=self.block_manager.num_free_blocks,
             num_total_blocks=self.block_manager.num_total_blocks,
             prefix_cache_queries=cache.num_queries,

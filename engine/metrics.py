@@ -45,6 +45,8 @@ class PodMetrics:
     requests_waiting: Gauge
     requests_running: Gauge
     kv_blocks_free: Gauge
+    requests_reserved: Gauge
+    kv_blocks_reserved: Gauge
     kv_blocks_total: Gauge
     prefix_cache_queries: Counter
     prefix_cache_hits: Counter
@@ -94,6 +96,13 @@ class PodMetrics:
                 "pdserve_requests_running", "Sequences in the engine's running batch."
             ),
             kv_blocks_free=gauge("pdserve_kv_blocks_free", "Free KV cache blocks."),
+            requests_reserved=gauge(
+                "pdserve_requests_reserved",
+                "Decode pod: requests holding a reservation, waiting for their remote KV.",
+            ),
+            kv_blocks_reserved=gauge(
+                "pdserve_kv_blocks_reserved", "Decode pod: KV blocks held by reserved requests."
+            ),
             kv_blocks_total=gauge("pdserve_kv_blocks_total", "KV cache blocks in total."),
             prefix_cache_queries=counter(
                 "pdserve_prefix_cache_queries_total", "Prompt blocks looked up in the prefix cache."

@@ -129,3 +129,4 @@ class EngineStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int  # cumulative
+    num_reserved_blocks: int = 0  # blocks held by the num_reserved requests

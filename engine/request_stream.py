@@ -116,6 +116,9 @@ class StreamTable:
 
     def __init__(self) -> None:
         self._streams: dict[str, RequestStream] = {}
+        # Ids aborted in the engine whose "abort" output the next step still
+        # reports: it belongs to no stream, even one that reuses the id by then.
+        self._aborted_ids: set[str] = set()
 
     def add(self, stream: RequestStream) -> None:
         """ValueError when the id already has an open stream on this pod."""
@@ -123,20 +126,31 @@ class StreamTable:
             raise ValueError(f"request_id {stream.request_id!r} is already in use on this pod")
         self._streams[stream.request_id] = stream
 
-    def discard(self, stream: RequestStream) -> None:
-        """Undo `add` (the engine refused the request); no item is queued."""
+    def discard(self, stream: RequestStream) -> bool:
+        """Undo `add` (the engine refused the request, or its caller is gone);
+        no item is queued. Returns whether `stream` was still open here."""
         if self._streams.get(stream.request_id) is stream:
             del self._streams[stream.request_id]
+            return True
+        return False
 
     def pop(self, request_id: str) -> RequestStream | None:
         """Take R's stream out (R is being aborted): no output reaches it after this."""
         return self._streams.pop(request_id, None)
+
+    def aborted(self, request_id: str) -> None:
+        """R was aborted in the engine (after `pop`): drop the "abort" output
+        the next step reports for it."""
+        self._aborted_ids.add(request_id)
 
     def dispatch(self, outputs: Sequence[RequestOutput]) -> None:
         """After a step: each output to its request's stream, in one callback
         per event loop (streams of one servicer share its loop)."""
         per_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
         for output in outputs:
+            if output.finish_reason == "abort" and output.request_id in self._aborted_ids:
+                self._aborted_ids.discard(output.request_id)
+                continue
             stream = self._streams.get(output.request_id)
             if stream is None:  # aborted between the step's start and now
                 continue

@@ -99,6 +99,13 @@ class RouterConfig:
     # index's bound, in block hashes per pod (router/cache_index/index.py).
     routing_policy: str = "first-tokens"
     cache_index_blocks: int = 262_144
+    # HTTP connections (router/http/connection.py): seconds from a request's
+    # first byte to the end of its headers, and seconds an open connection may
+    # wait for its next request. Generation requests in flight per client (API
+    # key, else address; router/http/client_limits.py), 0 = no limit.
+    http_header_timeout: float = 30.0
+    http_keepalive_timeout: float = 75.0
+    max_concurrent_per_client: int = 0
 
     def __post_init__(self) -> None:
         if not self.model_dir:
@@ -164,6 +171,12 @@ class RouterConfig:
         if not 1 <= self.cache_index_blocks <= 1 << 26:
             raise ValueError(f"cache_index_blocks must be in [1, {1 << 26}], "
                              f"got {self.cache_index_blocks}")
+        for name in ("http_header_timeout", "http_keepalive_timeout"):
+            if not 0.0 < getattr(self, name) <= 3600.0:
+                raise ValueError(f"{name} must be in (0, 3600] seconds, got {getattr(self, name)}")
+        if not 0 <= self.max_concurrent_per_client <= 1 << 20:
+            raise ValueError(f"max_concurrent_per_client must be in [0, {1 << 20}] (0 = off), "
+                             f"got {self.max_concurrent_per_client}")
         if self.shutdown_grace < 0:
             raise ValueError(f"shutdown_grace must be >= 0 seconds, got {self.shutdown_grace}")
 

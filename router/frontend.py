@@ -5,12 +5,27 @@ event loop, called by the handlers in router.http.server and
 router.grpc_server. It turns a validated `ParsedRequest` into a tokenized
 `GenerationRequest` (tokenize once — the chat template is applied here — and
 check the context limit), and starts a `RequestFlow` for it.
+
+Tokenizing and rendering the chat template of a long prompt run on the
+frontend's own small thread pool, never on the event loop: a long prompt
+then delays only its own request, not every other client's (the tokenizer
+is immutable and its Rust core thread-safe). A short one (at most
+`INLINE_PROMPT_SIZE` characters or token ids, and `INLINE_MESSAGES`
+messages) is tokenized inline: that takes well under a millisecond, less
+than the hop to a thread and back, and keeps requests that arrive together
+in the order they came. The prompt's length in characters is checked first
+(`router.limits.InputLimits`), so no thread spends long on a prompt that
+cannot fit the context anyway.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.tokenizer import Tokenizer
@@ -18,7 +33,16 @@ from router.api_error import bad_request
 from router.flow.deps import FlowDeps
 from router.flow.request_flow import RequestFlow
 from router.generation import GenerationRequest, ParsedRequest
+from router.limits import InputLimits
 from router.sampling import fit_context
+
+T = TypeVar("T")
+
+# Requests tokenized at once; more wait for a thread (the chat template is
+# Python and holds the GIL, so more threads would not make it faster).
+TOKENIZER_THREADS = 4
+INLINE_PROMPT_SIZE = 4096
+INLINE_MESSAGES = 64
 
 
 class Frontend:
@@ -31,6 +55,7 @@ class Frontend:
         max_model_len: int,
         tokenizer: Tokenizer,
         deps: FlowDeps,
+        limits: InputLimits | None = None,
     ) -> None:
         if max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
@@ -38,10 +63,24 @@ class Frontend:
         self.max_model_len = max_model_len
         self.tokenizer = tokenizer
         self.deps = deps
+        self.limits = limits or InputLimits.for_context(max_model_len)
         self.created = int(time.time())
+        self._tokenizer_pool = ThreadPoolExecutor(TOKENIZER_THREADS,
+                                                  thread_name_prefix="router-tokenize")
+
+    async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on the tokenizer threads (CPU work a front door must keep
+        off the event loop: tokenizing, parsing a large body)."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn, *args)
+
+    def close(self) -> None:
+        """Stop the tokenizer threads (RouterServer.stop, after the servers closed)."""
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
     def tokenize(self, parsed: ParsedRequest) -> list[int]:
-        """The prompt's token ids; ApiError 400 when the template or the ids are bad."""
+        """The prompt's token ids; ApiError 400 when the template or the ids are
+        bad. Blocking: `prepare` runs it inline for a short prompt, else on the
+        tokenizer threads."""
         if parsed.prompt_token_ids is not None:
             vocab = self.tokenizer.vocab_size
             bad = [t for t in parsed.prompt_token_ids if t >= vocab]
@@ -60,9 +99,15 @@ class Frontend:
         assert parsed.prompt is not None
         return self.tokenizer.encode(parsed.prompt)
 
-    def prepare(self, parsed: ParsedRequest, session_id: str | None) -> GenerationRequest:
-        """Tokenize and check limits; raise ApiError 400 on any problem."""
-        token_ids = self.tokenize(parsed)
+    async def prepare(self, parsed: ParsedRequest, session_id: str | None) -> GenerationRequest:
+        """Check the prompt's length, tokenize (a long prompt off the event
+        loop) and check the context limit; raise ApiError 400 on any problem."""
+        size = (self.limits.check_prompt_chars(parsed, self.max_model_len)
+                or len(parsed.prompt_token_ids or ()))
+        if size <= INLINE_PROMPT_SIZE and len(parsed.messages) <= INLINE_MESSAGES:
+            token_ids = self.tokenize(parsed)
+        else:
+            token_ids = await self.run_blocking(self.tokenize, parsed)
         sampling = fit_context(parsed.sampling, chat=parsed.kind == "chat",
                                num_prompt_tokens=len(token_ids),
                                max_model_len=self.max_model_len)

@@ -105,7 +105,7 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
     ) -> AsyncIterator[pb.GenerateResponse]:
         try:
             self._check_auth(context)
-            generation = self._frontend.prepare(self._parse(request), request.session_id)
+            generation = await self._frontend.prepare(self._parse(request), request.session_id)
             request_id = request.request_id or generation.request_id
             async with contextlib.aclosing(self._frontend.flow(generation).run()) as deltas:
                 async for delta in deltas:

@@ -34,6 +34,8 @@ from router.config import RouterConfig
 from router.flow.deps import FlowDeps, FlowSettings
 from router.frontend import Frontend
 from router.grpc_server import NOT_SERVING, SERVING, build_grpc_server
+from router.http.client_limits import ClientConcurrency
+from router.http.connection import HttpTimeouts, TimedAppRunner
 from router.http.server import build_app
 from router.metrics import RouterMetrics
 from router.pod_clients import PodChannels
@@ -75,6 +77,7 @@ class RouterServer:
         self.http_port = 0
         self.grpc_port = 0
         self._runner: web.AppRunner | None = None
+        self._frontend: Frontend | None = None
         self._grpc = None
         self._health = None
         self._ready_task: asyncio.Task[None] | None = None
@@ -136,12 +139,15 @@ class RouterServer:
                                      below=c.local_prefill_below),
                 cached_prefix=index.cached_prefix),
         )
-        frontend = Frontend(model_name=c.model_name, max_model_len=max_model_len,
-                            tokenizer=tokenizer, deps=deps)
+        frontend = self._frontend = Frontend(model_name=c.model_name,
+                                             max_model_len=max_model_len,
+                                             tokenizer=tokenizer, deps=deps)
         auth = ApiKeyCheck(c.api_key)
-        self._runner = web.AppRunner(build_app(frontend, self.pool, auth),
-                                     handler_cancellation=True, access_log=None,
-                                     shutdown_timeout=c.shutdown_grace)
+        app = build_app(frontend, self.pool, auth, ClientConcurrency(c.max_concurrent_per_client))
+        self._runner = TimedAppRunner(
+            app, HttpTimeouts(header_timeout=c.http_header_timeout,
+                              keepalive_timeout=c.http_keepalive_timeout),
+            handler_cancellation=True, access_log=None, shutdown_timeout=c.shutdown_grace)
         await self._runner.setup()
         # several workers share the ports (router/workers.py)
         site = web.TCPSite(self._runner, c.host, c.port, reuse_port=c.workers > 1,
@@ -185,6 +191,8 @@ class RouterServer:
         if self._runner is not None:
             waits.append(self._runner.cleanup())
         await asyncio.gather(*waits)
+        if self._frontend is not None:
+            self._frontend.close()
         await self._channels.close()
         if self._feed is not None:
             await self._feed.close()

@@ -82,6 +82,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--relay", choices=("session", "stream"), default="session",
                         help="tokens from decode pods: one Decode.Session per pod, batched per "
                              "engine step (default), or one Decode.Generate stream per request")
+    parser.add_argument("--http-header-timeout", type=float, default=30.0, metavar="SECONDS",
+                        help="close an HTTP connection whose request line and headers are "
+                             "not complete this long after their first byte (default 30)")
+    parser.add_argument("--http-keepalive-timeout", type=float, default=75.0, metavar="SECONDS",
+                        help="close an HTTP connection that sends no request for this long "
+                             "(after opening, or after its previous response; default 75)")
+    parser.add_argument("--max-concurrent-per-client", type=int, default=0, metavar="N",
+                        help="generation requests in flight per client (its API key, else its "
+                             "address); more get 429 (default 0 = no limit)")
     parser.add_argument("--ready-file", default=None, metavar="PATH",
                         help='written once serving: {"http": port, "grpc": port}')
     parser.add_argument("--log-level", default="INFO")
@@ -128,6 +137,9 @@ def config_from_args(args: argparse.Namespace):
         local_prefill_below=args.local_prefill_below,
         routing_policy=args.routing_policy,
         cache_index_blocks=args.cache_index_blocks,
+        http_header_timeout=args.http_header_timeout,
+        http_keepalive_timeout=args.http_keepalive_timeout,
+        max_concurrent_per_client=args.max_concurrent_per_client,
     )
 
 

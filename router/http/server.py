@@ -7,9 +7,12 @@ GET /ready (503 until the pod pool can serve), GET /metrics (Prometheus).
 Life of one generation request, all on the router's event loop:
 
 1. the middleware checks the API key (/v1/* only) and turns any `ApiError`
-   into OpenAI's error JSON with its status;
-2. the handler parses and validates the body (router.http.requests), checks
-   the model name, tokenizes through the `Frontend` and starts a flow;
+   into OpenAI's error JSON with its status; a second one holds one of the
+   client's concurrency slots for a generation request (router.http.client_limits);
+2. the handler reads the body within the input limits (router.http.body:
+   413 over the size limit, 400 for JSON too deep or not valid text),
+   validates it (router.http.requests), checks the model name, tokenizes
+   through the `Frontend` (a long prompt off the event loop) and starts a flow;
 3. the first delta is awaited *before* the response starts, so routing
    failures (503) and pod refusals (400) get a real status code; after
    that, a streaming response sends one SSE chunk per delta and ends with
@@ -21,7 +24,6 @@ Life of one generation request, all on the router's event loop:
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -29,9 +31,11 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from proto.roles import PodRole
-from router.api_error import ApiError, bad_request
+from router.api_error import ApiError
 from router.auth import OPEN_PATHS, ApiKeyCheck
 from router.frontend import Frontend
+from router.http.body import read_json
+from router.http.client_limits import ClientConcurrency
 from router.http.requests import check_model, parse_chat, parse_completion
 from router.http.responses import DONE_EVENT, ResponseShaper, sse_event
 from router.metrics import CONTENT_TYPE
@@ -42,6 +46,8 @@ log = logging.getLogger(__name__)
 FRONTEND = web.AppKey("frontend", Frontend)
 POOL = web.AppKey("pool", PodPool)
 AUTH = web.AppKey("auth", ApiKeyCheck)
+CLIENT_LIMITS = web.AppKey("client_limits", ClientConcurrency)
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -76,20 +82,28 @@ async def _errors_and_auth(request: web.Request, handler: Handler) -> web.Stream
         return error_response(_internal_error(exc))
 
 
-async def _json_body(request: web.Request) -> object:
-    raw = await request.read()
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise bad_request(f"the request body is not valid JSON: {exc}") from None
+@web.middleware
+async def _client_concurrency(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Inside `_errors_and_auth`: the API key (if any) is already checked."""
+    limits = request.app[CLIENT_LIMITS]
+    if limits.limit == 0 or request.path not in GENERATION_PATHS:
+        return await handler(request)
+    if request.app[AUTH].enabled:
+        token = request.headers.get("Authorization", "").partition(" ")[2].strip()
+        key, kind = ClientConcurrency.client_key(token, None), "API key"
+    else:
+        key, kind = ClientConcurrency.client_key(None, request.remote), "client address"
+    with limits.hold(key, kind):
+        return await handler(request)
 
 
 async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     frontend = request.app[FRONTEND]
-    body = await _json_body(request)
+    body = await read_json(request, frontend.limits, frontend.max_model_len,
+                           frontend.run_blocking)
     parsed = parse_chat(body) if kind == "chat" else parse_completion(body)
     check_model(parsed.model, frontend.model_name)
-    generation = frontend.prepare(parsed, request.headers.get("x-session-id"))
+    generation = await frontend.prepare(parsed, request.headers.get("x-session-id"))
     shaper = ResponseShaper(
         kind=kind,
         response_id=("chatcmpl-" if kind == "chat" else "cmpl-") + generation.request_id,
@@ -184,12 +198,17 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 
-def build_app(frontend: Frontend, pool: PodPool, auth: ApiKeyCheck) -> web.Application:
-    """The aiohttp application; run it with `AppRunner(app, handler_cancellation=True)`."""
-    app = web.Application(middlewares=[_errors_and_auth], client_max_size=64 * 1024 * 1024)
+def build_app(frontend: Frontend, pool: PodPool, auth: ApiKeyCheck,
+              client_limits: ClientConcurrency | None = None) -> web.Application:
+    """The aiohttp application; run it with `TimedAppRunner(app, timeouts,
+    handler_cancellation=True)` (router.http.connection). Bodies over
+    `frontend.limits.max_body_bytes` get 413."""
+    app = web.Application(middlewares=[_errors_and_auth, _client_concurrency],
+                          client_max_size=frontend.limits.max_body_bytes)
     app[FRONTEND] = frontend
     app[POOL] = pool
     app[AUTH] = auth
+    app[CLIENT_LIMITS] = client_limits or ClientConcurrency(0)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)

@@ -73,6 +73,9 @@ def test_static_mode_router_gets_headless_service_addresses() -> None:
         "--workers": "1",
         "--prefill-dispatch-tokens": "4096",
         "--max-queue-wait": "30",
+        "--http-header-timeout": "30",
+        "--http-keepalive-timeout": "75",
+        "--max-concurrent-per-client": "0",
     }
 
 

@@ -1,4 +1,4 @@
-"""RouterConfig's checks of the relay and worker settings."""
+"""RouterConfig's checks of the relay, worker and HTTP limit settings, and the flags."""
 
 from __future__ import annotations
 
@@ -10,13 +10,36 @@ from router.config import RouterConfig
 def test_workers_and_relay_defaults() -> None:
     config = RouterConfig(model_dir="m")
     assert (config.workers, config.relay, config.metrics_dir) == (1, "session", None)
+    assert (config.http_header_timeout, config.http_keepalive_timeout,
+            config.max_concurrent_per_client) == (30.0, 75.0, 0)
 
 
 @pytest.mark.parametrize(("field", "value", "message"), [
     ("workers", 0, "workers must be in [1, 256], got 0"),
     ("workers", 257, "workers must be in [1, 256], got 257"),
     ("relay", "tokens", "relay must be one of session, stream, got 'tokens'"),
+    ("http_header_timeout", 0.0, "http_header_timeout must be in (0, 3600] seconds, got 0.0"),
+    ("http_keepalive_timeout", 4000.0,
+     "http_keepalive_timeout must be in (0, 3600] seconds, got 4000.0"),
+    ("max_concurrent_per_client", -1,
+     "max_concurrent_per_client must be in [0, 1048576] (0 = off), got -1"),
 ])
 def test_bad_values_are_refused(field: str, value: object, message: str) -> None:
-    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(ValueError) as err:
         RouterConfig(model_dir="m", **{field: value})
+    assert str(err.value) == message
+
+
+def test_router_flags_reach_the_config() -> None:
+    import argparse
+
+    from pdserve.commands.router import add_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    config = config_from_args(parser.parse_args([
+        "--model", "m", "--colocated", "127.0.0.1:1", "--http-header-timeout", "5",
+        "--http-keepalive-timeout", "20", "--max-concurrent-per-client", "8"]))
+    assert (config.http_header_timeout, config.http_keepalive_timeout,
+            config.max_concurrent_per_client) == (5.0, 20.0, 8)
+

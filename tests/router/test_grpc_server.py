@@ -57,6 +57,8 @@ def test_generate_streams_tokens_text_and_usage(tiny_model_dir):
          grpc.StatusCode.INVALID_ARGUMENT, "'top_p' must be in (0, 1], got 1.5"),
         ({"prompt": "x", "sampling": pb.SamplingParams(max_tokens=5000)},
          grpc.StatusCode.INVALID_ARGUMENT, "maximum context length is 4096"),
+        ({"prompt": "x" * 131_073}, grpc.StatusCode.INVALID_ARGUMENT,
+         "'prompt' has 131073 characters, over the limit of 131072 (max_model_len 4096 x 32"),
     ],
 )
 def test_generate_refuses_bad_requests(tiny_model_dir, request_fields, code, fragment):

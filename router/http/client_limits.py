@@ -1,0 +1,69 @@
+"""`ClientConcurrency`: at most N generation requests in flight per client,
+so one client cannot take every slot of the router (HTTP front door,
+`--max-concurrent-per-client`, 0 = off).
+
+A client is its API key when the router checks one (the key presented,
+kept only as a hash), else its address as the connection shows it (behind a
+proxy or load balancer that does not preserve addresses, every client
+shares the proxy's address: set the limit with that in mind). A request over
+the limit is answered 429 at once, its body unread, with a message naming the
+limit; a slot is held from the handler's start until its response (a stream:
+its last event) is sent or the client goes away.
+
+One instance per router process, used by the HTTP middleware on the event
+loop only (no lock needed). With several router workers the limit holds per
+worker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from collections.abc import Iterator
+
+from router.api_error import ApiError
+
+
+class ClientConcurrency:
+    """Counts in-flight requests per client key; `limit` 0 turns it off."""
+
+    def __init__(self, limit: int) -> None:
+        if limit < 0:
+            raise ValueError(f"limit must be >= 0 (0 = off), got {limit}")
+        self.limit = limit
+        self._in_flight: dict[str, int] = {}
+
+    @staticmethod
+    def client_key(api_key: str | None, address: str | None) -> str:
+        """The key a request counts under: its API key's hash, else its address."""
+        if api_key:
+            return "key:" + hashlib.sha256(api_key.encode()).hexdigest()[:16]
+        return "addr:" + (address or "unknown")
+
+    def in_flight(self, key: str) -> int:
+        return self._in_flight.get(key, 0)
+
+    @contextlib.contextmanager
+    def hold(self, key: str, kind: str) -> Iterator[None]:
+        """One slot of `key` for the `with` block; ApiError 429 when all are
+        taken. `kind` ("API key" / "client address") words the message."""
+        if self.limit == 0:
+            yield
+            return
+        count = self._in_flight.get(key, 0)
+        if count >= self.limit:
+            raise ApiError(
+                429, f"too many concurrent requests from this {kind}: {count} in flight, "
+                     f"the limit is {self.limit} per {kind} (--max-concurrent-per-client); "
+                     "retry when one has finished",
+                error_type="rate_limit_error", code="concurrency_limit_exceeded",
+                retry_after=1)
+        self._in_flight[key] = count + 1
+        try:
+            yield
+        finally:
+            left = self._in_flight[key] - 1
+            if left:
+                self._in_flight[key] = left
+            else:
+                del self._in_flight[key]
