@@ -38,8 +38,7 @@ CLI_FLAGS: dict[str, frozenset[str]] = {
         "--workers", "--prefill-dispatch-tokens", "--max-queue-wait",
         "--tls-cert-file", "--tls-key-file", "--pod-tls-ca-file", "--pod-tls-server-name",
         "--pod-tls-cert-file", "--pod-tls-key-file", "--pod-token-file",
-        "--workers", "--prefill-dispatch-tokens", "--max-queue-wait", "--http-header-timeout",
-        "--http-keepalive-timeout", "--max-concurrent-per-client",
+        "--http-header-timeout", "--http-keepalive-timeout", "--max-concurrent-per-client",
     }),
     "prefill": frozenset({
         "--model", "--host", "--port", "--metrics-port", "--block-size", "--kv-cache-memory",
