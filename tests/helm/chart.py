@@ -39,6 +39,7 @@ CLI_FLAGS: dict[str, frozenset[str]] = {
         "--tls-cert-file", "--tls-key-file", "--pod-tls-ca-file", "--pod-tls-server-name",
         "--pod-tls-cert-file", "--pod-tls-key-file", "--pod-token-file",
         "--http-header-timeout", "--http-keepalive-timeout", "--max-concurrent-per-client",
+        "--routing-policy", "--local-prefill-below", "--registry-absent-grace",
     }),
     "prefill": frozenset({
         "--model", "--host", "--port", "--metrics-port", "--block-size", "--kv-cache-memory",
@@ -49,7 +50,7 @@ CLI_FLAGS: dict[str, frozenset[str]] = {
         "--model", "--host", "--port", "--kv-port", "--metrics-port", "--block-size",
         "--kv-transport", "--kv-cache-memory", "--landing-memory", "--transfer-timeout",
         "--reservation-timeout", "--redis-url", "--advertise-host", "--grace-period",
-        *POD_SECURITY_FLAGS,
+        "--kv-max-connections", "--kv-frame-timeout", *POD_SECURITY_FLAGS,
     }),
     "make-model": frozenset({"--size"}),
 }

@@ -76,6 +76,9 @@ def test_static_mode_router_gets_headless_service_addresses() -> None:
         "--http-header-timeout": "30",
         "--http-keepalive-timeout": "75",
         "--max-concurrent-per-client": "0",
+        "--routing-policy": "first-tokens",
+        "--local-prefill-below": "0",
+        "--registry-absent-grace": "10",
     }
 
 
@@ -92,6 +95,7 @@ def test_default_prefill_and_decode_args() -> None:
         "--metrics-port": "9102", "--kv-port": "50062", "--block-size": "128",
         "--kv-transport": "tcp", "--landing-memory": "1GiB", "--transfer-timeout": "30",
         "--reservation-timeout": "600", "--advertise-host": "$(POD_IP)", "--grace-period": "30",
+        "--kv-max-connections": "256", "--kv-frame-timeout": "10",
     }
     for role in ("prefill", "decode"):
         env = container(find(docs, "Deployment", f"{PREFIX}-{role}"), role)["env"]
