@@ -29,9 +29,10 @@ connection from its first byte:
 - black_hole: the connection is accepted and everything it sends is read
   and discarded; nothing is forwarded and nothing comes back, ever.
 
-`connections_accepted`, `active_connections()` and `bytes_forwarded` are
-what the tests assert on; `reset_all()` resets every live connection (a
-partition of whatever is connected now).
+`connections_accepted`, `active_connections()`, `bytes_forwarded` and
+`triggered` (drops, truncations, corruptions done) are what the tests
+assert on; `reset_all()` resets every live connection (a
+partition of whatever is connected now); `heal()` ends the fault.
 """
 
 from __future__ import annotations
@@ -150,11 +151,14 @@ class _Link:
         """The chunk at stream `offset` after the fault: (bytes to send, verdict)."""
         fault, end = self.fault, offset + len(data)
         if fault.corrupt_at_byte is not None and offset <= fault.corrupt_at_byte < end:
+            self.proxy.count_trigger()
             i = fault.corrupt_at_byte - offset
             data = data[:i] + bytes([data[i] ^ 0xFF]) + data[i + 1:]
         if fault.drop_after_bytes is not None and end > fault.drop_after_bytes:
+            self.proxy.count_trigger()
             return data[:max(0, fault.drop_after_bytes - offset)], "drop"
         if fault.truncate_after_bytes is not None and end > fault.truncate_after_bytes:
+            self.proxy.count_trigger()
             return data[:max(0, fault.truncate_after_bytes - offset)], "truncate"
         return data, "forward"
 
@@ -191,8 +195,10 @@ class FaultProxy:
     def __init__(self, listen: tuple[str, int], upstream: tuple[str, int]) -> None:
         self.listen, self.upstream = listen, upstream
         self.connections_accepted = 0
+        self.triggered = 0  # drops, truncations and corruptions done
         self.bytes_forwarded = {"up": 0, "down": 0}
         self._fault = Fault()
+        self._fault_left: int | None = None  # connections the fault still applies to
         self._links: set[_Link] = set()
         self._lock = threading.Lock()
         self._server: socket.socket | None = None
@@ -211,10 +217,20 @@ class FaultProxy:
         self._thread.start()
         return self
 
-    def set_fault(self, fault: Fault) -> None:
-        """The fault for connections accepted from now on."""
+    def set_fault(self, fault: Fault, connections: int | None = None) -> None:
+        """The fault for connections accepted from now on: all of them, or only
+        the next `connections`, after which the proxy forwards faithfully again."""
         with self._lock:
-            self._fault = fault
+            self._fault, self._fault_left = fault, connections
+
+    def heal(self) -> None:
+        """No fault from now on; the connections a fault applied to are reset
+        (faithful ones stay up)."""
+        with self._lock:
+            self._fault, self._fault_left = Fault(), None
+            faulty = [link for link in self._links if link.fault != Fault()]
+        for link in faulty:
+            link.close(reset=True)
 
     def active_connections(self) -> int:
         with self._lock:
@@ -230,6 +246,10 @@ class FaultProxy:
         with self._lock:
             self.bytes_forwarded[direction] += num_bytes
 
+    def count_trigger(self) -> None:
+        with self._lock:
+            self.triggered += 1
+
     def forget(self, link: _Link) -> None:
         with self._lock:
             self._links.discard(link)
@@ -243,6 +263,10 @@ class FaultProxy:
                 return
             with self._lock:
                 link = _Link(self, client, self._fault)
+                if self._fault_left is not None:
+                    self._fault_left -= 1
+                    if self._fault_left <= 0:
+                        self._fault, self._fault_left = Fault(), None
                 self._links.add(link)
                 self.connections_accepted += 1
             threading.Thread(target=link.run, daemon=True, name="fault-proxy-link").start()

@@ -141,3 +141,9 @@ def test_bad_fault_is_refused():
         Fault(direction="sideways")
     with pytest.raises(ValueError, match="bytes_per_s must be > 0, got 0"):
         Fault(bytes_per_s=0)
+
+
+def test_fault_for_the_next_connections_only(proxy):
+    proxy.set_fault(Fault(corrupt_at_byte=0), connections=1)
+    assert _exchange(proxy, b"ab") == b"\x9eb"
+    assert _exchange(proxy, b"ab") == b"ab"
