@@ -80,13 +80,19 @@ def idle_report(pod: PodProcess) -> tuple[int, int, int, int, float]:
 def assert_back_to_baseline(stack: FaultStack, timeout: float = 20.0) -> None:
     """Wait (bounded) until every pod holds nothing and uses no more threads
     or sockets than at baseline; fail with what is still held."""
+    assert_pods_at_baseline(stack.pods(), stack.baseline, timeout)
+
+
+def assert_pods_at_baseline(pods: dict[str, PodProcess], baseline: dict[str, Usage],
+                            timeout: float = 20.0) -> None:
+    """`assert_back_to_baseline` for any pods, against `baseline` (from `usage`)."""
     deadline = time.monotonic() + timeout
     while True:
         held = {}
-        for name, pod in stack.pods().items():
+        for name, pod in pods.items():
             free, total, running, waiting, landing = idle_report(pod)
             now = usage(pod.process.pid)
-            base = stack.baseline[name]
+            base = baseline[name]
             if (free, running, waiting, landing) != (total, 0, 0, 0) or (
                     now.threads > base.threads or now.sockets > base.sockets):
                 held[name] = dict(free=free, total=total, running=running, waiting=waiting,
