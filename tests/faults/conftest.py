@@ -28,6 +28,11 @@ POD_SPECS = {
                           "advertise_host": KV_HOST, "transfer_timeout": TRANSFER_TIMEOUT_S,
                           "reservation_timeout": RESERVATION_TIMEOUT_S,
                           "landing_memory": "16MiB"}),
+    # not behind the router: the gRPC KV connector's KVTransfer service, for fuzzing
+    "grpc_decode": ("decode", {"block_size": 16, "num_blocks": 64, "kv_transport": "grpc",
+                               "transfer_timeout": TRANSFER_TIMEOUT_S,
+                               "reservation_timeout": RESERVATION_TIMEOUT_S,
+                               "landing_memory": "16MiB"}),
 }
 
 
@@ -49,7 +54,8 @@ def stack(tiny_model_dir) -> Iterator[FaultStack]:
                               decode=[decode_grpc.address],
                               request_timeout=REQUEST_TIMEOUT_S, max_migrations=2)
         wait_ready(router)
-        faults = FaultStack(prefill, decode, router, kv, prefill_grpc, decode_grpc, {})
+        faults = FaultStack(prefill, decode, router, kv, prefill_grpc, decode_grpc, {},
+                            pods["grpc_decode"])
         yield faults
     finally:
         if router is not None:

@@ -52,13 +52,14 @@ class FaultStack:
     prefill_grpc: FaultProxy
     decode_grpc: FaultProxy
     baseline: dict[str, Usage]
+    grpc_decode: PodProcess  # no router or proxy: a decode pod with the gRPC KV connector
 
     @property
     def proxies(self) -> tuple[FaultProxy, ...]:
         return (self.kv, self.prefill_grpc, self.decode_grpc)
 
     def pods(self) -> dict[str, PodProcess]:
-        return {"prefill": self.prefill, "decode": self.decode}
+        return {"prefill": self.prefill, "decode": self.decode, "grpc_decode": self.grpc_decode}
 
     def record_baseline(self) -> None:
         self.baseline = {name: usage(pod.process.pid) for name, pod in self.pods().items()}
