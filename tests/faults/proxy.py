@@ -31,7 +31,8 @@ connection from its first byte:
 
 `connections_accepted`, `active_connections()`, `bytes_forwarded` and
 `triggered` (drops, truncations, corruptions done) are what the tests
-assert on; `reset_all()` resets every live connection (a
+assert on; with `record_limit`, `recordings` keeps the first bytes each
+connection sent upstream (to replay them); `reset_all()` resets every live connection (a
 partition of whatever is connected now); `heal()` ends the fault.
 """
 
@@ -89,6 +90,7 @@ class _Link:
     def __init__(self, proxy: FaultProxy, client: socket.socket, fault: Fault) -> None:
         self.proxy, self.client, self.fault = proxy, client, fault
         self.upstream: socket.socket | None = None
+        self.recording = bytearray()
         self._closed = threading.Event()
         self._lock = threading.Lock()
 
@@ -141,6 +143,8 @@ class _Link:
                         dst.shutdown(socket.SHUT_WR)
                         self._discard(src)
                         return
+                if direction == "up" and len(self.recording) < self.proxy.record_limit:
+                    self.recording += data[:self.proxy.record_limit - len(self.recording)]
                 dst.sendall(data)
                 offset += len(data)
                 self.proxy.count(direction, len(data))
@@ -192,8 +196,12 @@ class FaultProxy:
     """Listens on `listen` (host, port; port 0 = any) and forwards to `upstream`.
     Thread-safe; `set_fault` from any thread."""
 
-    def __init__(self, listen: tuple[str, int], upstream: tuple[str, int]) -> None:
+    def __init__(self, listen: tuple[str, int], upstream: tuple[str, int],
+                 record_limit: int = 0) -> None:
         self.listen, self.upstream = listen, upstream
+        # the first `record_limit` bytes each connection sent upstream, for replays
+        self.record_limit = record_limit
+        self.recordings: list[bytearray] = []
         self.connections_accepted = 0
         self.triggered = 0  # drops, truncations and corruptions done
         self.bytes_forwarded = {"up": 0, "down": 0}
@@ -263,6 +271,8 @@ class FaultProxy:
                 return
             with self._lock:
                 link = _Link(self, client, self._fault)
+                if self.record_limit:
+                    self.recordings.append(link.recording)
                 if self._fault_left is not None:
                     self._fault_left -= 1
                     if self._fault_left <= 0:

@@ -147,3 +147,10 @@ def test_fault_for_the_next_connections_only(proxy):
     proxy.set_fault(Fault(corrupt_at_byte=0), connections=1)
     assert _exchange(proxy, b"ab") == b"\x9eb"
     assert _exchange(proxy, b"ab") == b"ab"
+
+
+def test_recordings_keep_what_each_connection_sent(echo):
+    with FaultProxy(("127.0.0.1", 0), echo, record_limit=1000) as proxy:
+        assert _exchange(proxy, b"abc") == b"abc"
+        assert _exchange(proxy) == PAYLOAD
+        assert [bytes(r) for r in proxy.recordings] == [b"abc", PAYLOAD[:1000]]
