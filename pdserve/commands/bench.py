@@ -11,7 +11,8 @@ import importlib
 
 HELP = ("Benchmarks: engine, kernels, transfer, transfer-split, ttft, router, peer, disagg, "
         "first-gap "
-        "(each against its baseline); serve (a load generator) and serve-plot.")
+        "(each against its baseline); serve (a load generator) and serve-plot; soak "
+        "(mixed load, cancellations and a pod restart).")
 
 BENCHMARKS: dict[str, str] = {
     "engine": "benchmarks.engine",
@@ -25,6 +26,7 @@ BENCHMARKS: dict[str, str] = {
     "disagg": "benchmarks.disagg",
     "first-gap": "benchmarks.first_gap",
     "serve-plot": "benchmarks.serve_plot",
+    "soak": "benchmarks.soak",
 }
 
 
