@@ -28,8 +28,9 @@ POD_SPECS = {
                           "advertise_host": KV_HOST, "transfer_timeout": TRANSFER_TIMEOUT_S,
                           "reservation_timeout": RESERVATION_TIMEOUT_S,
                           "landing_memory": "16MiB"}),
-    # not behind the router: the gRPC KV connector's KVTransfer service, for fuzzing
+    # not behind the router: the gRPC KV connector (its faults, and fuzzing KVTransfer)
     "grpc_decode": ("decode", {"block_size": 16, "num_blocks": 64, "kv_transport": "grpc",
+                               "advertise_host": KV_HOST,
                                "transfer_timeout": TRANSFER_TIMEOUT_S,
                                "reservation_timeout": RESERVATION_TIMEOUT_S,
                                "landing_memory": "16MiB"}),
@@ -46,6 +47,9 @@ def stack(tiny_model_dir) -> Iterator[FaultStack]:
     pods = start_pods(POD_SPECS, tiny_model_dir)
     prefill, decode = pods["prefill"], pods["decode"]
     kv = FaultProxy((KV_HOST, decode.kv_port), ("127.0.0.1", decode.kv_port)).start()
+    grpc_decode = pods["grpc_decode"]
+    grpc_kv = FaultProxy((KV_HOST, grpc_decode.kv_port),
+                         ("127.0.0.1", grpc_decode.kv_port)).start()
     prefill_grpc = FaultProxy(("127.0.0.1", 0), _local(prefill.address)).start()
     decode_grpc = FaultProxy(("127.0.0.1", 0), _local(decode.address)).start()
     router = None
@@ -55,12 +59,12 @@ def stack(tiny_model_dir) -> Iterator[FaultStack]:
                               request_timeout=REQUEST_TIMEOUT_S, max_migrations=2)
         wait_ready(router)
         faults = FaultStack(prefill, decode, router, kv, prefill_grpc, decode_grpc, {},
-                            pods["grpc_decode"])
+                            grpc_decode, grpc_kv)
         yield faults
     finally:
         if router is not None:
             router.terminate()
-        for proxy in (kv, prefill_grpc, decode_grpc):
+        for proxy in (kv, prefill_grpc, decode_grpc, grpc_kv):
             proxy.close()
         for pod in pods.values():
             pod.kill()
@@ -101,5 +105,22 @@ def reference(stack):
         return cache[key]
 
     tokens(WARM_UP, 4)
+    warm_up_grpc_decode(stack)
     stack.record_baseline()
     return tokens
+
+
+def warm_up_grpc_decode(stack: FaultStack) -> list[int]:
+    """One transfer into the gRPC-connector decode pod, driven as the router
+    would (it is outside the router); returns the tokens."""
+    import grpc
+
+    from proto import pdserve_pb2, pdserve_pb2_grpc
+    from tests.integration.flows import disaggregated_generate
+
+    sampling = pdserve_pb2.SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    with grpc.insecure_channel(stack.grpc_decode.address) as dc, \
+            grpc.insecure_channel(stack.prefill.address) as pc:
+        return disaggregated_generate(
+            pdserve_pb2_grpc.PrefillStub(pc), pdserve_pb2_grpc.DecodeStub(dc), "warm-grpc-kv",
+            list(range(5, 69)), sampling).token_ids

@@ -7,6 +7,9 @@ The decode pod binds its KV port on 127.0.0.1 and advertises 127.0.0.2
 (`--advertise-host`), so the prefill pod dials the KV proxy listening on
 127.0.0.2 at the same port; the router is given the gRPC proxies' addresses.
 Every byte between the parts therefore crosses a proxy the test controls.
+A second decode pod with the gRPC KV connector (`grpc_decode`, outside the
+router, tests drive it as the router would) has its own KV proxy
+(`grpc_kv`), for that connector's faults and the fuzzing of KVTransfer.
 
 Baseline: per pod, its KV blocks all free, nothing running or waiting, no
 landing bytes in use (GetLoad and /metrics), and its OS threads and open
@@ -52,11 +55,12 @@ class FaultStack:
     prefill_grpc: FaultProxy
     decode_grpc: FaultProxy
     baseline: dict[str, Usage]
-    grpc_decode: PodProcess  # no router or proxy: a decode pod with the gRPC KV connector
+    grpc_decode: PodProcess  # outside the router: a decode pod with the gRPC KV connector
+    grpc_kv: FaultProxy  # in front of grpc_decode's KV port (it advertises 127.0.0.2 too)
 
     @property
     def proxies(self) -> tuple[FaultProxy, ...]:
-        return (self.kv, self.prefill_grpc, self.decode_grpc)
+        return (self.kv, self.prefill_grpc, self.decode_grpc, self.grpc_kv)
 
     def pods(self) -> dict[str, PodProcess]:
         return {"prefill": self.prefill, "decode": self.decode, "grpc_decode": self.grpc_decode}
