@@ -21,7 +21,8 @@ Each request ends as one of:
                 without a finish reason
     hung        no answer within --request-timeout (client side)
 
-The report (printed, and written to --json-out) gives the counts, p50/p99
+The report (printed, and written to --json-out) gives the counts (and why
+requests were lost), p50/p99
 TTFT and end-to-end latency of the ok requests, the RSS of every process
 after --warm-up and at the end (the restarted pod's two processes are not
 comparable and are left out of the growth target), and each pod's free KV
@@ -91,11 +92,14 @@ class Ledger:
         self.ttft_s: list[float] = []
         self.e2e_s: list[float] = []
         self.first_answer: dict[tuple[int, int], str] = {}
+        self.lost_why: Counter[str] = Counter()
         self._lock = threading.Lock()
 
     def record(self, outcome: str, key: tuple[int, int] | None = None, text: str = "",
-               ttft: float | None = None, e2e: float | None = None) -> None:
+               ttft: float | None = None, e2e: float | None = None, why: str = "") -> None:
         with self._lock:
+            if why:
+                self.lost_why[why] += 1
             if outcome == "ok" and key is not None:
                 if self.first_answer.setdefault(key, text) != text:
                     outcome = "mismatch"
@@ -141,12 +145,17 @@ def _one_request(client, model: str, prompts: list[str], rng: random.Random,
     except openai.APIStatusError as exc:
         ledger.record(f"error:{exc.status_code}")
         return
+    except openai.APIConnectionError as exc:
+        ledger.record("lost", why=type(exc).__name__)
+        return
     except openai.APIError as exc:  # an error event inside a started stream
-        ledger.record("lost" if isinstance(exc, openai.APIConnectionError)
-                      else f"error:stream:{type(exc).__name__}")
+        ledger.record(f"error:stream:{type(exc).__name__}")
+        return
+    except Exception as exc:  # noqa: BLE001 - e.g. the connection broke mid-stream (httpx)
+        ledger.record("lost", why=type(exc).__name__)
         return
     if finish is None:
-        ledger.record("lost")
+        ledger.record("lost", why="no finish_reason")
         return
     ledger.record("ok", (index, max_tokens), "".join(pieces), ttft,
                   time.monotonic() - started)
@@ -243,7 +252,8 @@ def _report(ledger: Ledger, unfinished: int, seconds: float, warm_up: float,
         "duration_s": round(seconds, 1), "warm_up_s": warm_up,
         "requests": {"total": sum(outcomes.values()), "served": outcomes.get("ok", 0),
                      "cancelled": outcomes.get("cancelled", 0),
-                     "lost": outcomes.get("lost", 0), "hung": outcomes.get("hung", 0),
+                     "lost": outcomes.get("lost", 0), "lost_why": dict(ledger.lost_why),
+                     "hung": outcomes.get("hung", 0),
                      "mismatch": outcomes.get("mismatch", 0),
                      "errors": {k: v for k, v in outcomes.items() if k.startswith("error:")}},
         "latency_ms": {"ttft_p50": _percentile(ledger.ttft_s, 50),

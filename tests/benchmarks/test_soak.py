@@ -36,8 +36,8 @@ def test_a_short_soak_loses_nothing(tiny_model_dir, tmp_path):
     report = json.loads(out.read_text())
     assert status == (0 if report["target_met"] else 1)
     requests = report["requests"]
-    assert set(requests) == {"total", "served", "cancelled", "lost", "hung", "mismatch",
-                             "errors"}
+    assert set(requests) == {"total", "served", "cancelled", "lost", "lost_why", "hung",
+                             "mismatch", "errors"}
     assert requests["served"] > 10 and requests["cancelled"] > 0
     assert (requests["lost"], requests["hung"], requests["mismatch"]) == (0, 0, 0), report
     assert requests["total"] == (requests["served"] + requests["cancelled"]
