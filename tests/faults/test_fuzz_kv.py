@@ -1,7 +1,8 @@
 """Hostile bytes on the decode pod's KV port (tests/faults/stack.py's TCP
 decode pod, dialled directly): random bytes, forged frames (any kind, any
 field, a forged ticket, for the request id of a reservation that is waiting
-for its real KV), and a real transfer's recorded bytes replayed.
+for its real KV), and a real transfer's recorded bytes replayed; and forged
+KVTransfer.Push streams for the gRPC connector's pod.
 
 Properties: the pod refuses them and keeps serving; a reservation that was
 attacked while it waited still gets its real KV and decodes exactly what an
@@ -21,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kv_transfer.base import KVLayout
-from kv_transfer.checksum import checksum
+from kv_transfer.checksum import FLAG_XXH3, checksum
 from kv_transfer.tcp.frames import HEADER, MAGIC, FrameHeader, FrameKind, encode_begin, encode_end
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc
@@ -134,5 +135,47 @@ def test_a_recorded_transfer_replayed_is_refused(faults):
                 assert got.token_ids == expected
             else:
                 _send(faults.decode.kv_port, piece)
+
+        check()
+
+
+def test_forged_grpc_kv_frames_for_a_waiting_reservation_do_not_disturb_it(faults):
+    """The gRPC connector's KVTransfer.Push: streams of frames with random
+    fields, aimed at the request id of a reservation waiting for its KV."""
+    from tests.faults.proto_strategies import messages
+
+    frames = messages(pb.KVFrame)
+    with grpc.insecure_channel(faults.grpc_decode.address) as dc, \
+            grpc.insecure_channel(faults.prefill.address) as pc:
+        decode, prefill = pdserve_pb2_grpc.DecodeStub(dc), pdserve_pb2_grpc.PrefillStub(pc)
+        expected = disaggregated_generate(prefill, decode, "gforge-ref", PROMPT, GREEDY).token_ids
+        counter = iter(range(10**6))
+
+        @FUZZ
+        @given(data=st.data())
+        def check(data) -> None:
+            request_id = f"gforge-{next(counter)}"
+            forged = data.draw(st.lists(frames, min_size=1, max_size=4))
+            for frame in forged:  # now and then plausible enough to reach the ticket check
+                if data.draw(st.booleans()):
+                    frame.request_id = request_id
+                if data.draw(st.booleans()):
+                    frame.version, frame.flags = 1, frame.flags & ~FLAG_XXH3
+                    frame.checksum = checksum(frame.payload)
+
+            def push() -> None:
+                with grpc.insecure_channel(f"127.0.0.1:{faults.grpc_decode.kv_port}") as kc:
+                    try:
+                        pdserve_pb2_grpc.KVTransferStub(kc).Push(iter(forged), timeout=5)
+                    except grpc.RpcError as exc:  # a refusal is an answer
+                        assert exc.code() in (grpc.StatusCode.INVALID_ARGUMENT,
+                                              grpc.StatusCode.PERMISSION_DENIED,
+                                              grpc.StatusCode.ABORTED,
+                                              grpc.StatusCode.FAILED_PRECONDITION,
+                                              grpc.StatusCode.UNAUTHENTICATED), exc
+
+            got = disaggregated_generate(prefill, decode, request_id, PROMPT, GREEDY,
+                                         before_prefill=push)
+            assert got.token_ids == expected
 
         check()
