@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import signal
 import socket
+import threading
+import time
 from collections.abc import Callable
 
 import pytest
@@ -28,8 +30,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 PROMPT = " ".join(f"r{i}" for i in range(60))
 LONG = 300  # tokens: streaming for a while on the tiny model
+# prefill in 64-token chunks: a long prompt's KV leaves over many steps, so a
+# kill can land between its first and last layer
 POD_FLAGS = {"prefill": {"block_size": 16, "num_blocks": 256, "kv_streams": 2,
-                         "grace_period": 30},
+                         "max_num_batched_tokens": 64, "grace_period": 30},
              "decode": {"block_size": 16, "num_blocks": 256, "grace_period": 30}}
 
 
@@ -62,9 +66,9 @@ class Roles:
         wait_ready(self.router)
         return self.router
 
-    def generate(self, max_tokens: int, on_tokens=None) -> Outcome:
+    def generate(self, max_tokens: int, on_tokens=None, prompt: str = PROMPT) -> Outcome:
         assert self.router is not None
-        return generate(self.router.grpc_address, PROMPT, max_tokens, timeout=60,
+        return generate(self.router.grpc_address, prompt, max_tokens, timeout=60,
                         on_tokens=on_tokens)
 
     def stop(self) -> None:
@@ -140,6 +144,42 @@ def test_decode_pod_restarted_on_the_same_ports_while_prefill_holds_old_connecti
     # the stale pooled connections cost no failed transfer: none moved the request
     assert roles.router.metric("pdserve_migrations_total") == migrations
     # the prefill pod replaced its pooled connections, it did not add to them
+    assert_pods_at_baseline(roles.pods, {**_usage(roles), "prefill": prefill_before})
+
+
+def _received(pod: PodProcess) -> float:
+    try:
+        return pod.metric_value("pdserve_kv_received_bytes_total")
+    except KeyError:  # nothing received yet
+        return 0.0
+
+
+def test_decode_pod_killed_mid_transfer_then_restarted_on_the_same_ports(roles):
+    prompt = " ".join(f"t{i}" for i in range(500))  # ~1,000 tokens: ~16 prefill chunks
+    expected = roles.generate(4, prompt=prompt)
+    assert expected.error is None, expected.describe()
+    prefill_before = _usage(roles)["prefill"]
+    decode = roles.pods["decode"]
+    received = _received(decode)
+    result: dict[str, Outcome] = {}
+    thread = threading.Thread(target=lambda: result.update(
+        outcome=roles.generate(4, prompt=prompt + " again")))
+    thread.start()
+    deadline = time.monotonic() + 30
+    while _received(decode) == received:  # its first layers landed: mid-transfer
+        assert time.monotonic() < deadline, "no KV ever reached the decode pod"
+    decode.kill()
+    roles.start_pod("decode")  # same ports, new generation
+    thread.join(60)
+    assert not thread.is_alive(), "the request hung after its decode pod died"
+    got = result["outcome"]
+    # the only decode pod failed this request: a clear error, not a hang
+    assert got.error is not None and got.error.code().name == "UNAVAILABLE", got.describe()
+    wait_ready(roles.router, timeout=30)
+    again = roles.generate(4, prompt=prompt)
+    assert again.error is None, again.describe()
+    assert again.tokens == expected.tokens
+    # the prefill pod's cut transfer left nothing behind
     assert_pods_at_baseline(roles.pods, {**_usage(roles), "prefill": prefill_before})
 
 
