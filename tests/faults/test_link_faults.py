@@ -20,6 +20,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 PROMPT = " ".join(f"q{i}" for i in range(100))
 MAX_TOKENS = 48
+LONG = 400  # streams long enough to be cut in the middle
 
 
 @pytest.mark.parametrize("link", ["prefill_grpc", "decode_grpc"])
@@ -36,8 +37,7 @@ def test_a_slow_link_to_a_pod_keeps_the_output_exact(faults, reference, link, fa
     assert got.tokens == expected
 
 
-def test_the_decode_link_cut_mid_stream_fails_clearly_and_frees_the_request(faults, reference):
-    reference(PROMPT, MAX_TOKENS)
+def test_the_decode_link_cut_mid_stream_fails_clearly_and_frees_the_request(faults):
     cut = []
 
     def cut_after_five(num_tokens: int) -> None:
@@ -45,9 +45,9 @@ def test_the_decode_link_cut_mid_stream_fails_clearly_and_frees_the_request(faul
             cut.append(num_tokens)
             faults.decode_grpc.reset_all()
 
-    got = generate(faults.router.grpc_address, PROMPT, MAX_TOKENS, timeout=30,
+    got = generate(faults.router.grpc_address, PROMPT, LONG, timeout=30,
                    on_tokens=cut_after_five)
-    assert cut, "the stream ended before the cut"
+    assert cut and cut[0] < LONG, "the stream ended before the cut"
     # the router does not send the request back to the decode pod whose stream
     # broke, and it is the only one: a clear error, at once (the pod, which lost
     # its caller, frees the request: the fixture checks)
