@@ -1,15 +1,21 @@
-"""The fault suite's stack (tests/faults/stack.py): one prefill pod, one TCP
-decode pod, a router, and a fault proxy on each of the three links, started
-once for the package. Each test ends with `stack.heal()`."""
+"""The fault suite's stack (tests/faults/stack.py), started once for the
+package: a prefill pod, a TCP decode pod and a router with a fault proxy on
+each of their three links, and a gRPC-connector decode pod behind its own KV
+proxy. `faults` (the stack for one test) heals every link after the test and
+checks the pods are back at baseline and serving exactly."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
+import grpc
 import pytest
 
+from proto import pdserve_pb2, pdserve_pb2_grpc
+from tests.faults.client import generate
 from tests.faults.proxy import FaultProxy
 from tests.faults.stack import FaultStack, assert_back_to_baseline
+from tests.integration.flows import disaggregated_generate
 from tests.integration.pods import start_pods
 from tests.router.router_process import start_router, wait_ready
 
@@ -74,8 +80,6 @@ def stack(tiny_model_dir) -> Iterator[FaultStack]:
 def faults(stack, reference) -> Iterator[FaultStack]:
     """The stack; after the test: healed, back at its baseline, and serving
     the warm-up prompt exactly again (the survivors keep serving)."""
-    from tests.faults.client import generate
-
     try:
         yield stack
     finally:
@@ -91,8 +95,6 @@ def faults(stack, reference) -> Iterator[FaultStack]:
 def reference(stack):
     """`reference(prompt, max_tokens)`: the tokens of an undisturbed run (cached).
     The first call also records the pods' baseline, after that warm-up."""
-    from tests.faults.client import generate
-
     cache: dict[tuple[str, int], list[int]] = {}
 
     def tokens(prompt: str, max_tokens: int) -> list[int]:
@@ -113,11 +115,6 @@ def reference(stack):
 def warm_up_grpc_decode(stack: FaultStack) -> list[int]:
     """One transfer into the gRPC-connector decode pod, driven as the router
     would (it is outside the router); returns the tokens."""
-    import grpc
-
-    from proto import pdserve_pb2, pdserve_pb2_grpc
-    from tests.integration.flows import disaggregated_generate
-
     sampling = pdserve_pb2.SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     with grpc.insecure_channel(stack.grpc_decode.address) as dc, \
             grpc.insecure_channel(stack.prefill.address) as pc:
