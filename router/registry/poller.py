@@ -30,6 +30,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from proto import pdserve_pb2, pdserve_pb2_grpc
+from proto.limits import GRPC_RECONNECT_OPTIONS
 from router.registry.base import PodEntry, PodSource
 from router.routing.base import PodLoad, PodPool, check_role
 
@@ -174,7 +175,8 @@ class PolledPodPool(PodPool):
         for address, entry in wanted.items():
             if address not in self._pods:
                 log.info("%s pod %s joined the registry", entry.role, address)
-                self._pods[address] = _Pod(entry, grpc.aio.insecure_channel(address))
+                self._pods[address] = _Pod(entry, grpc.aio.insecure_channel(
+                    address, options=GRPC_RECONNECT_OPTIONS))  # polls a restarted pod at once
 
     async def _poll(self, pod: _Pod) -> None:
         try:

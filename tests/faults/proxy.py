@@ -33,7 +33,9 @@ connection from its first byte:
 `triggered` (drops, truncations, corruptions done) are what the tests
 assert on; with `record_limit`, `recordings` keeps the first bytes each
 connection sent upstream (to replay them); `reset_all()` resets every live connection (a
-partition of whatever is connected now); `heal()` ends the fault.
+partition of whatever is connected now); `refuse()` makes the address
+refuse connections until `start()` listens there again (a pod that is
+gone, then back); `heal()` ends the fault.
 """
 
 from __future__ import annotations
@@ -215,11 +217,13 @@ class FaultProxy:
     @property
     def address(self) -> str:
         assert self._server is not None, "start() first"
-        host, port = self._server.getsockname()[:2]
+        host, port = self.listen
         return f"{host}:{port}"
 
     def start(self) -> FaultProxy:
+        """Listen (again, after `refuse`: on the same address)."""
         self._server = socket.create_server(self.listen, backlog=128)
+        self.listen = self._server.getsockname()[:2]  # port 0 -> the port it got
         self._thread = threading.Thread(target=self._accept_loop, daemon=True,
                                         name="fault-proxy-accept")
         self._thread.start()
@@ -230,6 +234,12 @@ class FaultProxy:
         the next `connections`, after which the proxy forwards faithfully again."""
         with self._lock:
             self._fault, self._fault_left = fault, connections
+
+    def refuse(self) -> None:
+        """Stop listening and reset every connection: dialling the proxy's
+        address is refused (a pod that is gone) until `start()` again."""
+        self._stop_listening()
+        self.reset_all()
 
     def heal(self) -> None:
         """No fault from now on; the connections a fault applied to are reset
@@ -281,7 +291,7 @@ class FaultProxy:
                 self.connections_accepted += 1
             threading.Thread(target=link.run, daemon=True, name="fault-proxy-link").start()
 
-    def close(self) -> None:
+    def _stop_listening(self) -> None:
         if self._server is not None:
             try:
                 self._server.shutdown(socket.SHUT_RDWR)
@@ -290,6 +300,10 @@ class FaultProxy:
             self._server.close()
         if self._thread is not None:
             self._thread.join(5)
+            self._thread = None
+
+    def close(self) -> None:
+        self._stop_listening()
         self.reset_all()
 
     def __enter__(self) -> FaultProxy:

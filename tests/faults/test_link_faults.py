@@ -10,6 +10,8 @@ frame, tests/faults/test_kv_faults.py)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from tests.faults.client import generate
@@ -67,3 +69,29 @@ def test_a_black_holed_prefill_link_fails_at_the_request_timeout(faults, referen
     assert got.error.details() == (
         f"the request did not finish within --request-timeout {REQUEST_TIMEOUT_S:g}s")
     assert REQUEST_TIMEOUT_S - 0.5 < got.seconds < REQUEST_TIMEOUT_S + 3
+
+
+def test_a_pod_unreachable_for_ten_seconds_is_served_again_within_seconds(faults, reference):
+    """While the decode pod's address refuses connections, its requests fail at
+    once; once it accepts again the router reaches it within about a second.
+    (With gRPC's default reconnect backoff, after 10 s refused the router's
+    channels waited ~6 s more before trying again: every request failed
+    "Connection refused" while the pod served.)"""
+    expected = reference(PROMPT, MAX_TOKENS)
+    faults.decode_grpc.refuse()
+    refused_until = time.monotonic() + 10.5
+    while time.monotonic() < refused_until:  # the router's channels back off meanwhile
+        down = generate(faults.router.grpc_address, PROMPT, MAX_TOKENS, timeout=30)
+        assert down.error is not None and down.error.code().name == "UNAVAILABLE", (
+            down.describe())
+        assert down.seconds < 5
+        time.sleep(0.5)
+    faults.decode_grpc.start()
+    back, failures = time.monotonic(), []
+    while (got := generate(faults.router.grpc_address, PROMPT, MAX_TOKENS,
+                           timeout=30)).error is not None:
+        failures.append(got.describe())
+        assert got.error.code().name == "UNAVAILABLE", got.describe()
+        assert time.monotonic() - back < 2.5, f"not served again: {failures[-1]}"
+        time.sleep(0.05)
+    assert got.tokens == expected

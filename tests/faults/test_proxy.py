@@ -154,3 +154,14 @@ def test_recordings_keep_what_each_connection_sent(echo):
         assert _exchange(proxy, b"abc") == b"abc"
         assert _exchange(proxy) == PAYLOAD
         assert [bytes(r) for r in proxy.recordings] == [b"abc", PAYLOAD[:1000]]
+
+
+def test_refuse_then_start_again_on_the_same_address(proxy):
+    address = proxy.address
+    proxy.refuse()
+    host, port = address.rsplit(":", 1)
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection((host, int(port)), timeout=5)
+    proxy.start()
+    assert proxy.address == address
+    assert _exchange(proxy, b"back") == b"back"
