@@ -10,9 +10,11 @@ docs/architecture.md ("Errors") fixes:
     ServiceError(code, ...)          -> that code (the service chose it)
     the table's types (in order)     -> their code (e.g. capacity -> RESOURCE_EXHAUSTED)
     ValueError and subclasses        -> INVALID_ARGUMENT   (the caller's fault)
+    protobuf DecodeError             -> INVALID_ARGUMENT   (a streamed request message
+                                        that does not parse surfaces in the servicer)
     anything else                    -> INTERNAL
 
-This module imports nothing of the project (only grpc), so the router and
+This module imports nothing of the project (only grpc and protobuf), so the router and
 kv_transfer may use it without pulling in the engine.
 
 `asyncio.CancelledError` is never mapped: a cancelled RPC must unwind so the
@@ -29,6 +31,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any, TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +73,8 @@ class StatusMap:
                 return code, str(exc) or type(exc).__name__
         if isinstance(exc, ValueError):
             return grpc.StatusCode.INVALID_ARGUMENT, str(exc) or type(exc).__name__
+        if isinstance(exc, DecodeError):
+            return grpc.StatusCode.INVALID_ARGUMENT, f"a request message does not parse: {exc}"
         return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
 
     def __call__(self, method: F) -> F:

@@ -16,7 +16,7 @@ import grpc
 
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc
-from proto.limits import GRPC_MESSAGE_OPTIONS
+from proto.limits import GRPC_MESSAGE_OPTIONS, GRPC_RECONNECT_OPTIONS
 from proto.tls import PodSecurity, pod_channel
 from router.decode_session import DecodeSession
 
@@ -33,6 +33,8 @@ _OPTIONS = [
     # pings", failing every call on the channel (seen after ~30 s idle between
     # benchmark rounds). Idle pods are watched by the GetLoad poller instead.
     ("grpc.keepalive_permit_without_calls", 0),
+    # a restarted pod is reached again within a second (proto/limits.py)
+    *GRPC_RECONNECT_OPTIONS,
 ]
 
 

@@ -11,7 +11,8 @@ import importlib
 
 HELP = ("Benchmarks: engine, kernels, transfer, transfer-split, ttft, router, peer, disagg, "
         "first-gap, routing "
-        "(each against its baseline); serve (a load generator) and serve-plot.")
+        "(each against its baseline); serve (a load generator) and serve-plot; soak "
+        "(mixed load, cancellations and a pod restart).")
 
 BENCHMARKS: dict[str, str] = {
     "engine": "benchmarks.engine",
@@ -26,6 +27,7 @@ BENCHMARKS: dict[str, str] = {
     "first-gap": "benchmarks.first_gap",
     "routing": "benchmarks.routing",
     "serve-plot": "benchmarks.serve_plot",
+    "soak": "benchmarks.soak",
 }
 
 

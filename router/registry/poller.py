@@ -43,6 +43,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from proto import pdserve_pb2, pdserve_pb2_grpc
+from proto.limits import GRPC_RECONNECT_OPTIONS
 from proto.tls import PodSecurity, pod_channel
 from router.registry.base import PodEntry, PodSource
 from router.routing.base import PodLoad, PodPool, check_role
@@ -204,7 +205,9 @@ class PolledPodPool(PodPool):
         for address, entry in wanted.items():
             if address not in self._pods:
                 log.info("%s pod %s joined the registry", entry.role, address)
-                self._pods[address] = _Pod(entry, pod_channel(address, self._security))
+                # polls a restarted pod at once (GRPC_RECONNECT_OPTIONS)
+                self._pods[address] = _Pod(entry, pod_channel(address, self._security,
+                                                              GRPC_RECONNECT_OPTIONS))
 
     def _keep_absent(self, pod: _Pod, now: float) -> bool:
         """Whether a pod missing from the registry stays (see the module docstring)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -69,17 +70,21 @@ def colocated_generate(stub: pdserve_pb2_grpc.DecodeStub, request_id: str, promp
 def disaggregated_generate(prefill_stub: pdserve_pb2_grpc.PrefillStub,
                            decode: pdserve_pb2_grpc.DecodeStub, request_id: str,
                            prompt: list[int], sampling: pdserve_pb2.SamplingParams,
-                           output_token_ids: tuple[int, ...] = ()) -> Generated:
+                           output_token_ids: tuple[int, ...] = (),
+                           before_prefill: Callable[[], None] | None = None) -> Generated:
     """The router's flow: Decode.Generate(remote_prefill) -> Reserved ->
     Prefill.Prefill(target) -> first token -> tokens 1..n from the decode stream.
     With `output_token_ids` (a migrated request) generation resumes at index
-    len(output_token_ids); the result holds only the new tokens."""
+    len(output_token_ids); the result holds only the new tokens.
+    `before_prefill` runs once the reservation is made (to disturb it)."""
     call = decode.Generate(pdserve_pb2.DecodeGenerateRequest(
         request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
         output_token_ids=output_token_ids, remote_prefill=True), timeout=120)
     try:
         first = next(call)
         assert first.WhichOneof("kind") == "reserved"
+        if before_prefill is not None:
+            before_prefill()
         response = prefill(prefill_stub, pdserve_pb2.PrefillRequest(
             request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
             output_token_ids=output_token_ids, target=first.reserved.target))

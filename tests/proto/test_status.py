@@ -6,6 +6,7 @@ import asyncio
 
 import grpc
 import pytest
+from google.protobuf.message import DecodeError
 
 from proto import pdserve_pb2, pdserve_pb2_grpc
 from proto.status import ServiceError, StatusMap, grpc_errors
@@ -33,6 +34,9 @@ _CAPACITY = StatusMap(((_PoolFull, grpc.StatusCode.RESOURCE_EXHAUSTED),))
         (ServiceError(grpc.StatusCode.ABORTED, "kv transfer failed: deadline"),
          grpc.StatusCode.ABORTED, "kv transfer failed: deadline"),
         (KeyError("x"), grpc.StatusCode.INTERNAL, "internal error: KeyError: 'x'"),
+        # a client-streamed message that does not parse is raised inside the servicer
+        (DecodeError("Wire format was corrupt"), grpc.StatusCode.INVALID_ARGUMENT,
+         "a request message does not parse: Wire format was corrupt"),
     ],
 )
 def test_status_for_maps_each_error_class(exc, code, message):

@@ -1,0 +1,293 @@
+"""`pdserve bench soak`: minutes of mixed load with random cancellations and
+one pod restart, against a P/D stack it starts (benchmarks/soak_stack.py).
+
+    pdserve bench soak --minutes 30 --json-out soak.json
+
+Clients (the openai package, --concurrency threads) send completions in a
+loop: a prompt from a fixed pool of --prompts, greedy with max_tokens drawn
+from --max-tokens, streamed or not; --cancel-fraction of the streamed ones
+are closed by the client after a random number of chunks. At --restart-at
+(a fraction of the run) one decode pod gets --restart-signal, and is started
+again on the same ports (a new generation) once it has exited.
+
+Each request ends as one of:
+    ok          finished; its tokens are compared with the first ok answer to
+                the same prompt and max_tokens (greedy: they must be equal,
+                else it counts as `mismatch`)
+    cancelled   closed by the client on purpose
+    error:KIND  a clear error from the router (KIND: the HTTP status, or the
+                error event of a stream that had started)
+    lost        the connection broke without an answer, or a stream ended
+                without a finish reason
+    hung        no answer within --request-timeout (client side)
+
+The report (printed, and written to --json-out) gives the counts (and why
+requests were lost), p50/p99
+TTFT and end-to-end latency of the ok requests, the RSS of every process
+after --warm-up and at the end (the restarted pod's two processes are not
+comparable and are left out of the growth target), and each pod's free KV
+blocks before and after the load. Target: no lost, hung or mismatched
+request, RSS growth under 5% after warm-up, every block free at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+from benchmarks.soak_stack import SoakStack, kv_blocks, rss_bytes, start_soak_stack
+
+HELP = ("Soak: minutes of mixed load with random cancellations and one decode pod "
+        "restart; counts outcomes, latencies, RSS and free blocks (target: nothing lost)")
+RSS_GROWTH_TARGET = 0.05
+SERVED_NAME = "soak"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="model dir (default: built-in tiny)")
+    parser.add_argument("--minutes", type=float, default=10.0, help="load duration")
+    parser.add_argument("--warm-up", type=float, default=None, metavar="SECONDS",
+                        help="when start RSS is sampled (default: 10%% of the run, <= 60 s)")
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--decode-pods", type=int, default=2)
+    parser.add_argument("--prompts", type=int, default=24, help="size of the prompt pool")
+    parser.add_argument("--max-tokens", default="4,64", metavar="LOW,HIGH")
+    parser.add_argument("--stream-fraction", type=float, default=0.8)
+    parser.add_argument("--cancel-fraction", type=float, default=0.2,
+                        help="of streamed requests, closed early by the client")
+    parser.add_argument("--restart-at", type=float, default=0.5, metavar="FRACTION",
+                        help="when the decode pod restarts, as a fraction of the run "
+                             "(negative: no restart)")
+    parser.add_argument("--restart-signal", choices=("term", "kill"), default="kill")
+    parser.add_argument("--request-timeout", type=float, default=60.0, metavar="SECONDS")
+    parser.add_argument("--pod-arg", action="append", default=[], metavar="ARG",
+                        help="extra flag for every pod (repeatable), "
+                             "e.g. --pod-arg=--num-blocks=512")
+    parser.add_argument("--router-arg", action="append", default=[], metavar="ARG")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json-out", default=None, metavar="PATH")
+
+
+def _range(text: str) -> tuple[int, int]:
+    low, _, high = text.partition(",")
+    lo, hi = int(low), int(high or low)
+    if not 1 <= lo <= hi:
+        raise ValueError(f"--max-tokens must be LOW,HIGH with 1 <= LOW <= HIGH, got {text!r}")
+    return lo, hi
+
+
+class Ledger:
+    """Outcomes and latencies from every client thread (thread-safe)."""
+
+    def __init__(self) -> None:
+        self.outcomes: Counter[str] = Counter()
+        self.ttft_s: list[float] = []
+        self.e2e_s: list[float] = []
+        self.first_answer: dict[tuple[int, int], str] = {}
+        self.lost_why: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    def record(self, outcome: str, key: tuple[int, int] | None = None, text: str = "",
+               ttft: float | None = None, e2e: float | None = None, why: str = "") -> None:
+        with self._lock:
+            if why:
+                self.lost_why[why] += 1
+            if outcome == "ok" and key is not None:
+                if self.first_answer.setdefault(key, text) != text:
+                    outcome = "mismatch"
+                else:
+                    self.e2e_s.append(e2e or 0.0)
+                    if ttft is not None:
+                        self.ttft_s.append(ttft)
+            self.outcomes[outcome] += 1
+
+
+def _one_request(client, model: str, prompts: list[str], rng: random.Random,
+                 args: argparse.Namespace, ledger: Ledger) -> None:
+    import openai
+
+    low, high = _range(args.max_tokens)
+    index, max_tokens = rng.randrange(len(prompts)), rng.randint(low, high)
+    stream = rng.random() < args.stream_fraction
+    cancel_after = (rng.randint(1, max(1, max_tokens // 2))
+                    if stream and rng.random() < args.cancel_fraction else None)
+    started, ttft, pieces = time.monotonic(), None, []
+    body = dict(model=model, prompt=prompts[index], max_tokens=max_tokens, temperature=0,
+                extra_body={"ignore_eos": True})
+    try:
+        if not stream:
+            reply = client.completions.create(**body)
+            finish, pieces = reply.choices[0].finish_reason, [reply.choices[0].text]
+        else:
+            finish, chunks = None, 0
+            response = client.completions.create(**body, stream=True)
+            for chunk in response:
+                ttft = ttft if ttft is not None else time.monotonic() - started
+                chunks += 1
+                if chunk.choices:
+                    pieces.append(chunk.choices[0].text)
+                    finish = chunk.choices[0].finish_reason or finish
+                if cancel_after is not None and chunks >= cancel_after and finish is None:
+                    response.close()
+                    ledger.record("cancelled")
+                    return
+    except openai.APITimeoutError:
+        ledger.record("hung")
+        return
+    except openai.APIStatusError as exc:
+        ledger.record(f"error:{exc.status_code}")
+        return
+    except openai.APIConnectionError as exc:
+        ledger.record("lost", why=type(exc).__name__)
+        return
+    except openai.APIError as exc:  # an error event inside a started stream
+        ledger.record(f"error:stream:{type(exc).__name__}")
+        return
+    except Exception as exc:  # noqa: BLE001 - e.g. the connection broke mid-stream (httpx)
+        ledger.record("lost", why=type(exc).__name__)
+        return
+    if finish is None:
+        ledger.record("lost", why="no finish_reason")
+        return
+    ledger.record("ok", (index, max_tokens), "".join(pieces), ttft,
+                  time.monotonic() - started)
+
+
+def _clients(url: str, model: str, args: argparse.Namespace, ledger: Ledger,
+             stop: threading.Event) -> list[threading.Thread]:
+    import openai
+
+    words = random.Random(args.seed)
+    prompts = [" ".join(f"w{words.randrange(500)}" for _ in range(words.randint(8, 120)))
+               for _ in range(args.prompts)]
+
+    def run(seed: int) -> None:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="soak",
+                               timeout=args.request_timeout, max_retries=0)
+        rng = random.Random(seed)
+        while not stop.is_set():
+            _one_request(client, model, prompts, rng, args, ledger)
+
+    return [threading.Thread(target=run, args=(args.seed * 1000 + i,), daemon=True)
+            for i in range(args.concurrency)]
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return round(ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))] * 1e3, 1)
+
+
+def _snapshot_rss(stack: SoakStack) -> dict[str, int]:
+    return {name: rss_bytes(c.process.pid) for name, c in stack.children.items()
+            if c.process is not None}
+
+
+def _wait_idle(stack: SoakStack, timeout: float = 30) -> dict[str, tuple[int, int]]:
+    """Each pod's (free, total) blocks, once all are free or at `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        blocks = {c.name: kv_blocks(c) for c in stack.pods}
+        if all(f == t for f, t in blocks.values()) or time.monotonic() > deadline:
+            return blocks
+        time.sleep(0.1)
+
+
+def run_soak(stack: SoakStack, args: argparse.Namespace) -> dict:
+    """Drive the load against a started stack; returns the report."""
+    duration = args.minutes * 60
+    warm_up = args.warm_up if args.warm_up is not None else min(60.0, duration / 10)
+    blocks_start = _wait_idle(stack)
+    ledger, stop = Ledger(), threading.Event()
+    threads = _clients(stack.http_url, SERVED_NAME, args, ledger, stop)
+    started = time.monotonic()
+    for thread in threads:
+        thread.start()
+    time.sleep(warm_up)
+    rss_start = _snapshot_rss(stack)
+    restart = None
+    if args.restart_at >= 0:
+        time.sleep(max(0.0, started + args.restart_at * duration - time.monotonic()))
+        sig = signal.SIGKILL if args.restart_signal == "kill" else signal.SIGTERM
+        restart = {"pod": "decode0", "signal": args.restart_signal,
+                   "at_s": round(time.monotonic() - started, 1),
+                   "back_after_s": round(stack.restart("decode0", sig), 2)}
+    time.sleep(max(0.0, started + duration - time.monotonic()))
+    stop.set()
+    for thread in threads:
+        thread.join(args.request_timeout + 10)
+    unfinished = sum(t.is_alive() for t in threads)
+    rss_end = _snapshot_rss(stack)
+    blocks_end = _wait_idle(stack)
+    return _report(ledger, unfinished, time.monotonic() - started, warm_up, restart,
+                   rss_start, rss_end, blocks_start, blocks_end)
+
+
+def _report(ledger: Ledger, unfinished: int, seconds: float, warm_up: float,
+            restart: dict | None, rss_start: dict[str, int], rss_end: dict[str, int],
+            blocks_start: dict, blocks_end: dict) -> dict:
+    outcomes = dict(ledger.outcomes)
+    if unfinished:
+        outcomes["hung"] = outcomes.get("hung", 0) + unfinished
+    rss = {}
+    for name, start in rss_start.items():
+        end = rss_end.get(name, 0)
+        restarted = restart is not None and restart["pod"] == name
+        rss[name] = {"start_mib": round(start / 2**20, 1), "end_mib": round(end / 2**20, 1),
+                     "growth": None if restarted or not start else round(end / start - 1, 4)}
+    growths = [r["growth"] for r in rss.values() if r["growth"] is not None]
+    blocks = {name: {"free_start": blocks_start[name][0], "free_end": free,
+                     "total": total} for name, (free, total) in blocks_end.items()}
+    bad = sum(outcomes.get(k, 0) for k in ("lost", "hung", "mismatch"))
+    return {
+        "duration_s": round(seconds, 1), "warm_up_s": warm_up,
+        "requests": {"total": sum(outcomes.values()), "served": outcomes.get("ok", 0),
+                     "cancelled": outcomes.get("cancelled", 0),
+                     "lost": outcomes.get("lost", 0), "lost_why": dict(ledger.lost_why),
+                     "hung": outcomes.get("hung", 0),
+                     "mismatch": outcomes.get("mismatch", 0),
+                     "errors": {k: v for k, v in outcomes.items() if k.startswith("error:")}},
+        "latency_ms": {"ttft_p50": _percentile(ledger.ttft_s, 50),
+                       "ttft_p99": _percentile(ledger.ttft_s, 99),
+                       "e2e_p50": _percentile(ledger.e2e_s, 50),
+                       "e2e_p99": _percentile(ledger.e2e_s, 99)},
+        "rss": rss, "max_rss_growth": max(growths) if growths else None,
+        "kv_blocks": blocks, "restart": restart,
+        "target_met": bad == 0 and all(g < RSS_GROWTH_TARGET for g in growths)
+        and all(b["free_end"] == b["total"] for b in blocks.values()),
+    }
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        _range(args.max_tokens)
+        import openai  # noqa: F401 - the clients need it
+    except (ValueError, ImportError) as exc:
+        print(f"pdserve bench soak: {exc}", file=sys.stderr)
+        return 2
+    from engine.make_model import ensure_model
+
+    model = Path(args.model) if args.model else ensure_model("tiny")
+    with tempfile.TemporaryDirectory(prefix="pdserve-soak-") as tmp:
+        stack = start_soak_stack(model, Path(tmp), num_decode=args.decode_pods,
+                                 pod_args=args.pod_arg,
+                                 router_args=["--served-model-name", SERVED_NAME,
+                                              *args.router_arg])
+        try:
+            report = run_soak(stack, args)
+        finally:
+            stack.stop()
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.json_out:
+        Path(args.json_out).write_text(text + "\n")
+    return 0 if report["target_met"] else 1

@@ -1,0 +1,53 @@
+"""`pdserve bench soak` for ~20 s against a live stack it starts (tiny model,
+one prefill and two decode pods, a router): the report's fields, and the
+properties the soak exists for — no request lost, hung or answered
+differently from its first answer, every KV block free at the end, one
+decode pod killed and back."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from benchmarks import soak
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+
+def _args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    soak.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_bad_max_tokens_is_refused():
+    assert soak.main(_args(["--max-tokens", "9,3"])) == 2
+
+
+def test_a_short_soak_loses_nothing(tiny_model_dir, tmp_path):
+    out = tmp_path / "soak.json"
+    status = soak.main(_args([
+        "--model", str(tiny_model_dir), "--minutes", "0.33", "--warm-up", "4",
+        "--concurrency", "3", "--max-tokens", "4,24", "--cancel-fraction", "0.3",
+        "--restart-at", "0.4", "--pod-arg=--num-blocks=256", "--pod-arg=--block-size=16",
+        "--json-out", str(out)]))
+    report = json.loads(out.read_text())
+    assert status == (0 if report["target_met"] else 1)
+    requests = report["requests"]
+    assert set(requests) == {"total", "served", "cancelled", "lost", "lost_why", "hung",
+                             "mismatch", "errors"}
+    assert requests["served"] > 10 and requests["cancelled"] > 0
+    assert (requests["lost"], requests["hung"], requests["mismatch"]) == (0, 0, 0), report
+    assert requests["total"] == (requests["served"] + requests["cancelled"]
+                                 + sum(requests["errors"].values()))
+    assert set(report["latency_ms"]) == {"ttft_p50", "ttft_p99", "e2e_p50", "e2e_p99"}
+    assert 0 < report["latency_ms"]["e2e_p50"] <= report["latency_ms"]["e2e_p99"]
+    assert set(report["rss"]) == {"prefill", "decode0", "decode1", "router"}
+    assert all(r["start_mib"] > 0 and r["end_mib"] > 0 for r in report["rss"].values())
+    assert report["rss"]["decode0"]["growth"] is None  # restarted: not comparable
+    assert report["restart"]["pod"] == "decode0" and report["restart"]["signal"] == "kill"
+    assert report["restart"]["back_after_s"] > 0
+    for name, blocks in report["kv_blocks"].items():
+        assert blocks["free_start"] == blocks["free_end"] == blocks["total"] == 256, name

@@ -1,0 +1,72 @@
+"""Hypothesis strategies for any protobuf message, from its descriptor: every
+field may be set, to a value of its type drawn from the edges (0, -1, the
+type's limits) or anywhere, strings and bytes short or odd, nested messages
+recursively (bounded depth), repeated fields a few items long."""
+
+from __future__ import annotations
+
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
+from google.protobuf.message import Message
+from hypothesis import strategies as st
+
+_F = FieldDescriptor
+_INT_RANGES = {
+    _F.TYPE_INT32: (-(2**31), 2**31 - 1), _F.TYPE_SINT32: (-(2**31), 2**31 - 1),
+    _F.TYPE_SFIXED32: (-(2**31), 2**31 - 1), _F.TYPE_UINT32: (0, 2**32 - 1),
+    _F.TYPE_FIXED32: (0, 2**32 - 1), _F.TYPE_INT64: (-(2**63), 2**63 - 1),
+    _F.TYPE_SINT64: (-(2**63), 2**63 - 1), _F.TYPE_SFIXED64: (-(2**63), 2**63 - 1),
+    _F.TYPE_UINT64: (0, 2**64 - 1), _F.TYPE_FIXED64: (0, 2**64 - 1),
+}
+
+
+def _scalar(field: FieldDescriptor) -> st.SearchStrategy:
+    if field.type in _INT_RANGES:
+        low, high = _INT_RANGES[field.type]
+        return st.integers(max(low, -3), min(high, 40)) | st.sampled_from(
+            [low, high, low + 1, high - 1]) | st.integers(low, high)
+    if field.type in (_F.TYPE_FLOAT, _F.TYPE_DOUBLE):
+        return st.floats(width=32 if field.type == _F.TYPE_FLOAT else 64)
+    if field.type == _F.TYPE_BOOL:
+        return st.booleans()
+    if field.type == _F.TYPE_STRING:
+        return st.text(max_size=24)
+    if field.type == _F.TYPE_BYTES:
+        return st.binary(max_size=64)
+    if field.type == _F.TYPE_ENUM:
+        return st.sampled_from([v.number for v in field.enum_type.values] + [99, -1])
+    raise ValueError(f"no strategy for field {field.full_name} of type {field.type}")
+
+
+def _dicts(descriptor: Descriptor, depth: int) -> st.SearchStrategy:
+    optional = {}
+    for field in descriptor.fields:
+        if field.type == _F.TYPE_MESSAGE:
+            if depth <= 0:
+                continue
+            value = _dicts(field.message_type, depth - 1)
+        else:
+            value = _scalar(field)
+        repeated = field.is_repeated
+        optional[field.name] = st.lists(value, max_size=5) if repeated else value
+    return st.fixed_dictionaries({}, optional=optional)
+
+
+def _fill(message: Message, values: dict) -> Message:
+    for name, value in values.items():
+        field = message.DESCRIPTOR.fields_by_name[name]
+        if field.type == _F.TYPE_MESSAGE:
+            if field.is_repeated:
+                for item in value:
+                    _fill(getattr(message, name).add(), item)
+            else:
+                _fill(getattr(message, name), value)
+        elif field.is_repeated:
+            getattr(message, name).extend(value)
+        else:
+            setattr(message, name, value)  # the last member of a oneof wins
+    return message
+
+
+def messages(message_class: type[Message], depth: int = 3) -> st.SearchStrategy[Message]:
+    """Random instances of `message_class`."""
+    return _dicts(message_class.DESCRIPTOR, depth).map(lambda v: _fill(message_class(), v))

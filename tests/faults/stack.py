@@ -1,0 +1,109 @@
+"""A P/D stack with a fault proxy on every link, and what "back to baseline" means.
+
+    router -> [prefill_grpc proxy] -> prefill pod --KV--> [kv proxy] -> decode pod
+           -> [decode_grpc proxy] -> decode pod
+
+The decode pod binds its KV port on 127.0.0.1 and advertises 127.0.0.2
+(`--advertise-host`), so the prefill pod dials the KV proxy listening on
+127.0.0.2 at the same port; the router is given the gRPC proxies' addresses.
+Every byte between the parts therefore crosses a proxy the test controls.
+A second decode pod with the gRPC KV connector (`grpc_decode`, outside the
+router, tests drive it as the router would) has its own KV proxy
+(`grpc_kv`), for that connector's faults and the fuzzing of KVTransfer.
+
+Baseline: per pod, its KV blocks all free, nothing running or waiting, no
+landing bytes in use (GetLoad and /metrics), and its OS threads and open
+sockets (from /proc) no more than after warm-up.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+from tests.faults.proxy import FaultProxy
+from tests.integration.flows import load
+from tests.integration.pods import PodProcess
+from tests.router.router_process import RouterProcess
+
+
+@dataclass(frozen=True)
+class Usage:
+    threads: int
+    sockets: int
+
+
+def usage(pid: int) -> Usage:
+    """OS threads and open sockets of process `pid` (Linux /proc)."""
+    threads = len(os.listdir(f"/proc/{pid}/task"))
+    sockets = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            sockets += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:")
+        except OSError:  # closed while listing
+            pass
+    return Usage(threads, sockets)
+
+
+@dataclass
+class FaultStack:
+    prefill: PodProcess
+    decode: PodProcess
+    router: RouterProcess
+    kv: FaultProxy
+    prefill_grpc: FaultProxy
+    decode_grpc: FaultProxy
+    baseline: dict[str, Usage]
+    grpc_decode: PodProcess  # outside the router: a decode pod with the gRPC KV connector
+    grpc_kv: FaultProxy  # in front of grpc_decode's KV port (it advertises 127.0.0.2 too)
+
+    @property
+    def proxies(self) -> tuple[FaultProxy, ...]:
+        return (self.kv, self.prefill_grpc, self.decode_grpc, self.grpc_kv)
+
+    def pods(self) -> dict[str, PodProcess]:
+        return {"prefill": self.prefill, "decode": self.decode, "grpc_decode": self.grpc_decode}
+
+    def record_baseline(self) -> None:
+        self.baseline = {name: usage(pod.process.pid) for name, pod in self.pods().items()}
+
+    def heal(self) -> None:
+        """No fault on any link, and no connection left from a faulty one."""
+        for proxy in self.proxies:
+            proxy.heal()
+
+
+def idle_report(pod: PodProcess) -> tuple[int, int, int, int, float]:
+    """(free blocks, total blocks, running, waiting, landing bytes) of `pod`."""
+    report = load(pod.address, "Decode" if pod.role == "decode" else "Prefill")
+    landing = pod.metric_value("pdserve_kv_landing_bytes_in_use") if pod.role == "decode" else 0
+    return (report.num_free_blocks, report.num_total_blocks, report.num_running,
+            report.num_waiting, landing)
+
+
+def assert_back_to_baseline(stack: FaultStack, timeout: float = 20.0) -> None:
+    """Wait (bounded) until every pod holds nothing and uses no more threads
+    or sockets than at baseline; fail with what is still held."""
+    assert_pods_at_baseline(stack.pods(), stack.baseline, timeout)
+
+
+def assert_pods_at_baseline(pods: dict[str, PodProcess], baseline: dict[str, Usage],
+                            timeout: float = 20.0) -> None:
+    """`assert_back_to_baseline` for any pods, against `baseline` (from `usage`)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        held = {}
+        for name, pod in pods.items():
+            free, total, running, waiting, landing = idle_report(pod)
+            now = usage(pod.process.pid)
+            base = baseline[name]
+            if (free, running, waiting, landing) != (total, 0, 0, 0) or (
+                    now.threads > base.threads or now.sockets > base.sockets):
+                held[name] = dict(free=free, total=total, running=running, waiting=waiting,
+                                  landing=landing, usage=now, baseline=base)
+        if not held:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not back to baseline after {timeout}s: {held}")
+        time.sleep(0.05)

@@ -1,0 +1,97 @@
+"""Each fault on the KV link (prefill pod -> decode pod's KV port) during a
+transfer, seen by a client of the router (tests/faults/stack.py).
+
+Expected: the request ends with the tokens of an undisturbed run, or with a
+clear error before its deadline; afterwards both pods hold no block, no
+landing byte, and no more threads or sockets than at baseline, and the next
+request is exact again (the `faults` fixture checks both).
+With one decode pod, a transfer that fails after the first token moves the
+request to a new pair (the same pods, fresh connections): a fault that hits
+only the first transfer's connections is survived, one that hits every
+connection fails the request after --max-migrations moves.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.faults.client import generate
+from tests.faults.conftest import REQUEST_TIMEOUT_S, RESERVATION_TIMEOUT_S
+from tests.faults.proxy import Fault
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+# ~600 tokens: 2 layers x 2 x 600 x 2 heads x 64 x 4 B = ~1 MiB of KV over 2 streams
+PROMPT = " ".join(f"w{i}" for i in range(300))
+MAX_TOKENS = 16
+STREAMS = 2  # the prefill pod's --kv-streams: the connections one transfer opens
+
+
+def _failures(pod, reason: str) -> float:
+    try:
+        return pod.metric_value("pdserve_kv_transfer_failures_total", reason=reason)
+    except KeyError:
+        return 0.0
+
+
+def _run_with_kv_fault(faults, fault: Fault, connections: int | None = None):
+    """The request with `fault` on the KV connections opened from now on
+    (the prefill pod's pooled streams are reset, so its transfer opens new ones)."""
+    faults.kv.set_fault(fault, connections)
+    faults.kv.reset_all()
+    return generate(faults.router.grpc_address, PROMPT, MAX_TOKENS, timeout=30)
+
+
+@pytest.mark.parametrize("fault", [Fault(latency_s=0.01), Fault(bytes_per_s=2e6)],
+                         ids=["latency", "bandwidth"])
+def test_a_slow_kv_link_keeps_the_output_exact(faults, reference, fault):
+    expected = reference(PROMPT, MAX_TOKENS)
+    got = _run_with_kv_fault(faults, fault)
+    assert got.error is None, got.describe()
+    assert got.tokens == expected
+
+
+@pytest.mark.parametrize("fault", [Fault(drop_after_bytes=50_000),
+                                   Fault(truncate_after_bytes=50_000)],
+                         ids=["drop", "truncate"])
+def test_a_connection_lost_mid_transfer_moves_the_request_and_keeps_it_exact(
+        faults, reference, fault):
+    expected = reference(PROMPT, MAX_TOKENS)
+    migrations = faults.router.metric("pdserve_migrations_total")
+    got = _run_with_kv_fault(faults, fault, connections=STREAMS)
+    assert got.error is None, got.describe()
+    assert got.tokens == expected
+    assert faults.kv.triggered >= 1
+    # one move per faulty connection the transfer used (one or both streams)
+    moved = faults.router.metric("pdserve_migrations_total") - migrations
+    assert 1 <= moved <= STREAMS
+
+
+def test_a_link_that_always_drops_fails_with_a_clear_error(faults):
+    got = _run_with_kv_fault(faults, Fault(drop_after_bytes=50_000))
+    assert got.error is not None, got.describe()
+    assert got.error.code().name == "UNAVAILABLE"
+    assert "request failed on 3 pod pairs (limit --max-migrations 2)" in got.error.details()
+    assert "connection_lost" in got.error.details()
+    assert got.seconds < REQUEST_TIMEOUT_S
+
+
+def test_corrupted_kv_is_refused_and_the_request_fails_clearly(faults):
+    refused = _failures(faults.decode, "bad_checksum")
+    got = _run_with_kv_fault(faults, Fault(corrupt_at_byte=30_000), connections=STREAMS)
+    assert faults.kv.triggered >= 1
+    # the decode pod that refused the KV is not tried again, and it is the only one
+    assert got.error is not None, got.describe()
+    assert got.error.code().name == "UNAVAILABLE"
+    assert "no healthy decode pod" in got.error.details()
+    assert got.seconds < REQUEST_TIMEOUT_S
+    assert _failures(faults.decode, "bad_checksum") == refused + 1
+
+
+def test_a_black_holed_kv_link_fails_at_the_reservation_deadline(faults):
+    expired = _failures(faults.decode, "deadline")
+    got = _run_with_kv_fault(faults, Fault(black_hole=True))
+    assert got.error is not None, got.describe()
+    assert got.error.code().name == "UNAVAILABLE"
+    assert RESERVATION_TIMEOUT_S - 0.5 < got.seconds < REQUEST_TIMEOUT_S
+    assert _failures(faults.decode, "deadline") == expired + 1
