@@ -39,11 +39,18 @@ def test_kv_port_refusals_and_connections_on_the_pods_metrics(tiny_model_dir: Pa
         with socket.create_connection(address, timeout=10) as trickle:
             trickle.sendall(b"PD")  # a frame that never completes
             assert _closed_by_peer(trickle, 10)
-        with socket.create_connection(address, timeout=10):  # held open, idle
+
+        def wait_connections(n: float) -> None:
             deadline = time.monotonic() + 10
-            while value("pdserve_kv_port_connections") != 1.0:
+            while value("pdserve_kv_port_connections") != n:
                 assert time.monotonic() < deadline, pod.metrics_text()
                 time.sleep(0.05)
+
+        # the cut connection's slot is free once its reader thread has left,
+        # which can trail the peer seeing the close
+        wait_connections(0.0)
+        with socket.create_connection(address, timeout=10):  # held open, idle
+            wait_connections(1.0)
             with socket.create_connection(address, timeout=10) as extra:
                 assert _closed_by_peer(extra, 10)
         kind = "pdserve_kv_port_refusals_total"

@@ -34,9 +34,24 @@ def test_a_slow_link_to_a_pod_keeps_the_output_exact(faults, reference, link, fa
     proxy = getattr(faults, link)
     proxy.set_fault(fault)
     proxy.reset_all()  # the router reconnects through the fault
+    _until_served_again(faults.router.grpc_address)
     got = generate(faults.router.grpc_address, PROMPT, MAX_TOKENS, timeout=30)
     assert got.error is None, got.describe()
     assert got.tokens == expected
+
+
+def _until_served_again(router_grpc: str, timeout: float = 15.0) -> None:
+    """The reset also cut the router's health polls, so the pod may be out of
+    rotation for a poll interval (one failed poll marks it down): wait until a
+    short request is served again, through the faulty link."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = generate(router_grpc, PROMPT, 1, timeout=30)
+        if got.error is None:
+            return
+        assert got.error.code().name == "UNAVAILABLE", got.describe()
+        assert time.monotonic() < deadline, got.describe()
+        time.sleep(0.1)
 
 
 def test_the_decode_link_cut_mid_stream_fails_clearly_and_frees_the_request(faults):

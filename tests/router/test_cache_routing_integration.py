@@ -88,6 +88,18 @@ def prefill_directly(pod: PodProcess, token_ids: list[int], request_id: str) -> 
             sampling=pdserve_pb2.SamplingParams(max_tokens=1, top_p=1.0)), timeout=30))
 
 
+def wait_idle_in_routers_view(pod: PodProcess, poll_interval: float = 0.5) -> None:
+    """The pod has nothing queued or running, and the routers have polled it
+    since: a load left over from a warm-up would put it over the load bound."""
+    def idle() -> bool:
+        with grpc.insecure_channel(pod.address) as channel:
+            load = pdserve_pb2_grpc.PrefillStub(channel).GetLoad(pdserve_pb2.LoadRequest(),
+                                                                 timeout=5)
+        return load.num_waiting == 0 and load.num_running == 0
+    wait_for(idle, f"{pod.address} never went idle")
+    time.sleep(3 * poll_interval)  # three of the routers' load polls
+
+
 def generation(pod: PodProcess) -> int:
     with grpc.insecure_channel(pod.address) as channel:
         return pdserve_pb2_grpc.PrefillStub(channel).GetLoad(pdserve_pb2.LoadRequest(),
@@ -138,6 +150,7 @@ def test_events_through_redis_reach_both_routers_and_steer_a_repeated_prefix(clu
     for router in routers:
         wait_for(lambda r=router: index_blocks(r, holder.address) >= blocks,
                  f"router never learnt the {blocks} blocks of {holder.address}")
+    wait_idle_in_routers_view(holder)
     for i, router in enumerate(routers * 2):
         address, result = served_by(prefill, lambda r=router, i=i: complete(r, shared + [i]))
         assert address == holder.address
