@@ -57,6 +57,12 @@ class DenseCausalContext:
         return out.transpose(0, 1).to(q.dtype)
 
 
+    def attend_qkv(self, layer_idx: int, qkv: torch.Tensor, positions: torch.Tensor,
+                   cos_sin_cache: torch.Tensor) -> None:
+        """Never fused: the reference runs the model's split path."""
+        return None
+
+
 def _as_ids(token_ids: list[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
     ids = torch.as_tensor(token_ids, dtype=torch.long, device=device)
     if ids.dim() != 1 or ids.numel() == 0:
