@@ -34,9 +34,11 @@ def check_ndim(name: str, t: torch.Tensor, ndim: int, layout: str) -> None:
 
 
 def check_same_device(**tensors: torch.Tensor) -> None:
-    devices = {name: t.device for name, t in tensors.items()}
-    if len(set(devices.values())) > 1:
-        raise ValueError(f"tensors must be on one device, got {devices}")
+    # Called on every kernel call: no dict or set unless it fails.
+    devices = [t.device for t in tensors.values()]
+    if devices.count(devices[0]) != len(devices):
+        found = {name: t.device for name, t in tensors.items()}
+        raise ValueError(f"tensors must be on one device, got {found}")
 
 
 def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
@@ -135,10 +137,12 @@ def check_transfer_rows(name: str, rows: torch.Tensor, kv_cache: torch.Tensor) -
 
 
 def check_output(name: str, t: torch.Tensor | None, like: torch.Tensor) -> None:
-    """A preallocated output must be contiguous with `like`'s shape, dtype and device."""
+    """A preallocated output (`like` itself: in place) must be contiguous with
+    `like`'s shape, dtype and device."""
     if t is None:
         return
-    if t.shape != like.shape or t.dtype != like.dtype or t.device != like.device:
+    if t is not like and (t.shape != like.shape or t.dtype != like.dtype
+                          or t.device != like.device):
         raise ValueError(f"{name} {tuple(t.shape)} {t.dtype} on {t.device} must match "
                          f"{tuple(like.shape)} {like.dtype} on {like.device}")
     if not t.is_contiguous():

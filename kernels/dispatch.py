@@ -264,13 +264,14 @@ def rms_norm(
     stream without an allocation.
     """
     checks.check_rms_norm(x, weight, eps, residual, out, residual_out)
+    # The CPU decode step calls this twice per layer: its path is tested first.
+    if (x.device.type == "cpu" and Backend.parse(backend) is Backend.AUTO
+            and native.supports_rms_norm(x, weight, residual)):
+        return native.rms_norm(x, weight, eps, residual, out=out, residual_out=residual_out)
     if _use_triton(x.device, backend):
         from kernels.norm import rms_norm_triton
 
         return rms_norm_triton(x, weight, eps, residual, out=out, residual_out=residual_out)
-    if (Backend.parse(backend) is Backend.AUTO and x.device.type == "cpu"
-            and native.supports_rms_norm(x, weight, residual)):
-        return native.rms_norm(x, weight, eps, residual, out=out, residual_out=residual_out)
     result = reference.rms_norm_reference(x, weight, eps, residual)
     if out is None and residual_out is None:
         return result
