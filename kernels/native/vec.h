@@ -41,15 +41,19 @@ static inline vfloat load_f16(const _Float16 *p) {
  * already below float32's normal range, exp(88.3) near its top). */
 static inline void store_f32(float *p, vfloat v) { memcpy(p, &v, sizeof v); }
 
-/* float32 -> bfloat16 bits, round to nearest even; NaN stays NaN (dtypes.h's rule). */
-static inline vhalfbits to_bf16(vfloat v) {
+/* float32 rounded to bfloat16 (nearest even; NaN stays NaN, dtypes.h's
+ * rule), still in float32 lanes: the low 16 bits of each lane are zero. */
+static inline vbits bf16_rounded_bits(vfloat v) {
   vbits bits;
   memcpy(&bits, &v, sizeof bits);
   const vint nan = (vint)((bits & 0x7fffffffu) > 0x7f800000u);
-  const vbits rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-  const vbits quiet = (bits >> 16) | 0x40u;
-  return __builtin_convertvector((vbits)((nan & (vint)quiet) | (~nan & (vint)rounded)),
-                                 vhalfbits);
+  const vbits rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+  const vbits quiet = (bits | 0x400000u) & 0xffff0000u;
+  return (vbits)((nan & (vint)quiet) | (~nan & (vint)rounded));
+}
+
+static inline vhalfbits to_bf16(vfloat v) {
+  return __builtin_convertvector(bf16_rounded_bits(v) >> 16, vhalfbits);
 }
 
 static inline void store_bf16(uint16_t *p, vfloat v) {
@@ -66,9 +70,9 @@ static inline void store_f16(_Float16 *p, vfloat v) {
 static inline vfloat round_f32(vfloat v) { return v; }
 
 static inline vfloat round_bf16(vfloat v) {
-  const vbits wide = __builtin_convertvector(to_bf16(v), vbits) << 16;
+  const vbits bits = bf16_rounded_bits(v);
   vfloat out;
-  memcpy(&out, &wide, sizeof out);
+  memcpy(&out, &bits, sizeof out);
   return out;
 }
 
