@@ -43,7 +43,7 @@ def silu_and_mul(x: torch.Tensor, *, backend: Backend | str = Backend.AUTO) -> t
     within a few float32 ulp of torch's.
     """
     checks.check_silu_and_mul(x)
-    if _native(x.device, backend) and x.dtype in native.DTYPE_CODES:
+    if _native(x.device, backend):
         return native.silu_and_mul(x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up

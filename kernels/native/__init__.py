@@ -7,8 +7,11 @@ scattered blocks into a contiguous copy, then read it again in SDPA
 place, in the cache's own dtype. RMSNorm and RoPE are 8-10 small torch ops
 each, whose dispatch costs more than their arithmetic, and the KV inject's
 skip of padding slots is a boolean-mask gather and scatter; `elementwise.c`
-does each in one call. Same contracts as the `kernels.dispatch` ops; `dispatch`
-picks these for CPU tensors under backend ``auto`` when `supports_*` says so.
+does each in one call. `fused.c` goes further for the decode step: SwiGLU's
+split/silu/multiply in one call, and split + RoPE + KV write + decode
+attention from the qkv projection's output in one (`kernels.fused`). Same
+contracts as the `kernels.dispatch` / `kernels.fused` ops, which pick these
+for CPU tensors under backend ``auto`` when `supports_*` says so.
 
 Building (kernels/native/loader.py): ~0.3 s with `cc -O3 -march=native` (the
 CPU the pod runs on), cached by content; no compiler or a failed build means
@@ -46,6 +49,16 @@ class NativeKernelError(RuntimeError):
 def _check(code: int, what: str) -> None:
     if code:
         raise NativeKernelError(f"{what} failed: {_ERRORS.get(code, f'error {code}')}")
+
+
+_NO_LABEL = contextlib.nullcontext()
+
+
+def _profiled(name: str) -> contextlib.AbstractContextManager:
+    """A profiler label for a ctypes call (the step breakdown of `pdserve
+    bench engine` cannot see inside one) when a profiler is on: entering
+    `record_function` costs microseconds per call even with none running."""
+    return torch.profiler.record_function(name) if torch.autograd._profiler_enabled() else _NO_LABEL
 
 
 def _rows_ok(t: torch.Tensor) -> bool:
@@ -198,16 +211,6 @@ def supports_qkv(qkv: torch.Tensor, kv_cache: torch.Tensor) -> bool:
             and qkv.dtype == kv_cache.dtype and qkv.dtype in DTYPE_CODES
             and qkv.stride(-1) == 1 and kv_cache.shape[-1] % 16 == 0
             and kv_cache.is_contiguous() and library() is not None)
-
-
-_NO_LABEL = contextlib.nullcontext()
-
-
-def _profiled(name: str) -> contextlib.AbstractContextManager:
-    """A profiler label for a ctypes call (the step breakdown of `pdserve
-    bench engine` cannot see inside one) when a profiler is on: entering
-    `record_function` costs microseconds per call even with none running."""
-    return torch.profiler.record_function(name) if torch.autograd._profiler_enabled() else _NO_LABEL
 
 
 class DecodeQKVCall:
