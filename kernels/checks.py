@@ -277,6 +277,8 @@ def check_decode_qkv_attention(
                          f"{head_dim} for the cache's {num_kv_heads} kv heads of {head_dim}")
     q = qkv[:, : num_q_heads * head_dim].unflatten(1, (num_q_heads, head_dim))
     check_decode_attention(q, kv_cache, block_tables, context_lens, scale, sliding_window)
+    # k is q's sibling in the same rows (same dtype, strides, head_dim): a
+    # slice of q stands in for it.
     check_rotary(positions, q, q[:, :num_kv_heads], cos_sin_cache)
     check_slot_mapping(slot_mapping, batch)
     check_same_device(qkv=qkv, slot_mapping=slot_mapping)
