@@ -19,7 +19,8 @@ What lies between two linears is one kernel call where it can be: a CPU
 decode step streams each linear's weights and so evicts everything the small
 ops in between touch, making each of them cost several times its own work
 (docs/kernels.md, "Fused decode ops"). So the norms work in place on the
-residual stream (`x <- norm(x + residual)`, `residual <- x + residual`),
+residual stream (`x <- norm(x + residual)`, `residual <- x + residual`;
+`kernels.ResidualRMSNorm`, checked once per layout),
 SwiGLU's split/silu/multiply is `kernels.silu_and_mul`, and in a pure-decode
 step the context takes the qkv projection's output whole
 (`AttentionContext.attend_qkv`: split, RoPE, K/V write and attention in one
@@ -66,14 +67,19 @@ class RMSNorm(nn.Module):
         self.weight = _empty(hidden_size, dtype=dtype, device=device)
         self.eps = eps
         self.kernel_backend = kernel_backend
+        # Bound at the first call with a residual (the weight is loaded by then).
+        self._in_place: fused_ops.ResidualRMSNorm | None = None
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             return kernel_ops.rms_norm(x, self.weight, self.eps, backend=self.kernel_backend)
-        return kernel_ops.rms_norm(x, self.weight, self.eps, residual=residual, out=x,
-                                   residual_out=residual, backend=self.kernel_backend)
+        in_place = self._in_place
+        if in_place is None or in_place.weight is not self.weight:
+            in_place = self._in_place = fused_ops.ResidualRMSNorm(
+                self.weight, self.eps, backend=self.kernel_backend)
+        return in_place(x, residual)
 
 
 class LlamaAttention(nn.Module):

@@ -15,11 +15,17 @@ from kernels.dispatch import (
     rotary_embedding,
     triton_available,
 )
-from kernels.fused import DecodeQKVAttention, decode_qkv_attention, silu_and_mul
+from kernels.fused import (
+    DecodeQKVAttention,
+    ResidualRMSNorm,
+    decode_qkv_attention,
+    silu_and_mul,
+)
 
 __all__ = [
     "Backend",
     "DecodeQKVAttention",
+    "ResidualRMSNorm",
     "cuda_graph_unsupported_reason",
     "decode_qkv_attention",
     "extract_kv",

@@ -12,7 +12,9 @@ byte. These ops each replace a run of them:
 - `decode_qkv_attention`: the attention block of a pure-decode step from the
   merged qkv projection's output: split, RoPE of q and k, the K/V write into
   the paged cache, decode attention (some ten ops, among them the stack of
-  k and v and the inject's checks).
+  k and v and the inject's checks);
+- `ResidualRMSNorm`: the residual stream's RMSNorm in place, bound to its
+  weight, with its checks done once per layout instead of per call.
 
 Same backend choice as `kernels.dispatch`: under ``auto`` on CPU the native C
 kernels (`kernels.native`) when they built; ``torch`` (and CPU without the
@@ -144,4 +146,40 @@ class DecodeQKVAttention:
             sliding_window=self.sliding_window, backend=self.backend)
 
 
-__all__ = ["DecodeQKVAttention", "decode_qkv_attention", "silu_and_mul"]
+class ResidualRMSNorm:
+    """`rms_norm(x, weight, eps, residual, out=x, residual_out=residual)` for
+    one weight: the residual stream's norm, in place (x <- norm(x + residual)
+    * weight, residual <- x + residual, both returned).
+
+    The first call checks everything; later calls check only that x and
+    residual have the shape, strides, dtype and device of the last checked
+    ones (one tuple comparison) and check fully again if not, then go
+    straight to the kernel: a decode step calls this twice per layer, right
+    after a linear, where every line of Python runs with cold caches.
+    """
+
+    def __init__(self, weight: torch.Tensor, eps: float, *,
+                 backend: Backend | str = Backend.AUTO) -> None:
+        self.weight = weight
+        self.eps = eps
+        self.backend = Backend.parse(backend)
+        self._checked: tuple | None = None
+        self._native = False
+
+    def __call__(self, x: torch.Tensor,
+                 residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        layout = (x.shape, x.stride(), x.dtype, x.device,
+                  residual.shape, residual.stride(), residual.dtype, residual.device)
+        if layout != self._checked:
+            checks.check_rms_norm(x, self.weight, self.eps, residual, x, residual)
+            self._native = (_native(x.device, self.backend)
+                            and native.supports_rms_norm(x, self.weight, residual))
+            self._checked = layout
+        if self._native:
+            return native.rms_norm(x, self.weight, self.eps, residual, out=x,
+                                   residual_out=residual)
+        return dispatch.rms_norm(x, self.weight, self.eps, residual, out=x,
+                                 residual_out=residual, backend=self.backend)
+
+
+__all__ = ["DecodeQKVAttention", "ResidualRMSNorm", "decode_qkv_attention", "silu_and_mul"]

@@ -234,3 +234,21 @@ def test_rms_norm_in_place_triton_backend(dtype):
     kernels.rms_norm(x, weight, 1e-5, residual, out=x, residual_out=residual, backend="triton")
     assert_close(x, expected)
     assert torch.equal(residual, expected_sum)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_residual_rms_norm_equals_rms_norm_and_checks_new_layouts(backend, dtype):
+    gen = generator(23)
+    weight = randn((96,), dtype, gen)
+    norm = kernels.ResidualRMSNorm(weight, 1e-5, backend=backend)
+    for rows in (3, 3, 8):  # a repeated layout, then a new one
+        x, residual = randn((rows, 96), dtype, gen), randn((rows, 96), dtype, gen)
+        expected = kernels.rms_norm(x, weight, 1e-5, residual, backend=backend)
+        got = norm(x, residual)
+        assert got[0] is x and got[1] is residual
+        assert torch.equal(x, expected[0]) and torch.equal(residual, expected[1])
+    with pytest.raises(ValueError, match="residual"):
+        norm(torch.randn(8, 96).to(dtype), torch.randn(8, 95).to(dtype))
+    with pytest.raises(ValueError, match="weight shape"):
+        norm(torch.randn(8, 64).to(dtype), torch.randn(8, 64).to(dtype))
