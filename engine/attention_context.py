@@ -8,7 +8,10 @@ the context it was given for this forward pass:
   every correctness test compares against.
 - The paged context of the engine core: writes k/v into the paged KV cache
   through the batch's slot mapping, attends over cached prefix + new tokens,
-  and calls the per-layer KV hook after the layer's KV is final.
+  and calls the per-layer KV hook after the layer's KV is final. In a
+  pure-decode step it takes the qkv projection's output whole
+  (`attend_qkv`: one fused kernel call for split, RoPE, KV write and
+  attention).
 
 The context travels as an explicit argument of `LlamaForCausalLM.forward` (no
 module-global "current context"), is built per step by the engine loop
@@ -38,5 +41,19 @@ class AttentionContext(Protocol):
         [N, Hq, D] in q's dtype. The model does not keep k/v: storing them is
         the context's job. Scale (head_dim ** -0.5) and sliding window are
         the context's configuration.
+        """
+        ...
+
+    def attend_qkv(
+        self, layer_idx: int, qkv: torch.Tensor, positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """The same attention from the merged qkv projection's output, before
+        RoPE, or None when this context does not fuse it (the model then
+        splits, rotates and calls `attend`).
+
+        qkv [N, (Hq + 2 Hkv) * D] (q, k, v heads in that order, neox RoPE at
+        `positions` with `cos_sin_cache` still to apply); qkv is scratch. Returns
+        [N, Hq, D] like `attend`, and stands in for its call of this layer.
         """
         ...

@@ -12,8 +12,19 @@ Layout decisions (for speed, made at load time):
 - gate/up are one matmul: `gate_up_proj.weight` = [gate_proj; up_proj].
 - With tied embeddings `lm_head.weight` *is* `embed_tokens.weight` (until the
   engine prepacks the linears: engine/layers/linear.py).
-RoPE and RMSNorm go through `kernels` with the model's `kernel_backend`
-(by default Triton on CUDA, torch elsewhere).
+RoPE, RMSNorm and SwiGLU's activation go through `kernels` with the model's
+`kernel_backend` (by default Triton on CUDA, the native C kernels on CPU).
+
+What lies between two linears is one kernel call where it can be: a CPU
+decode step streams each linear's weights and so evicts everything the small
+ops in between touch, making each of them cost several times its own work
+(docs/kernels.md, "Fused decode ops"). So the norms work in place on the
+residual stream (`x <- norm(x + residual)`, `residual <- x + residual`;
+`kernels.ResidualRMSNorm`, checked once per layout),
+SwiGLU's split/silu/multiply is `kernels.silu_and_mul`, and in a pure-decode
+step the context takes the qkv projection's output whole
+(`AttentionContext.attend_qkv`: split, RoPE, K/V write and attention in one
+call).
 """
 
 from __future__ import annotations
@@ -31,6 +42,7 @@ from engine.model_config import ModelConfig
 # submodule kernels/rms_norm.py (the Triton launcher) rebinds `kernels.rms_norm`
 # from the function to that module.
 from kernels import dispatch as kernel_ops
+from kernels import fused as fused_ops
 from kernels.dispatch import Backend
 
 __all__ = ["AttentionContext", "LlamaForCausalLM"]
@@ -43,7 +55,11 @@ def _empty(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Pa
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm with an optional fused residual add (see `kernels.dispatch.rms_norm`)."""
+    """RMSNorm with an optional fused residual add (see `kernels.dispatch.rms_norm`).
+
+    With a residual it works in place: `x` becomes the normalised sum and
+    `residual` the sum itself (both are returned); the model owns both (each
+    is a fresh output of the layer before)."""
 
     def __init__(self, hidden_size: int, eps: float, *, dtype: torch.dtype,
                  device: torch.device | str, kernel_backend: Backend) -> None:
@@ -51,12 +67,19 @@ class RMSNorm(nn.Module):
         self.weight = _empty(hidden_size, dtype=dtype, device=device)
         self.eps = eps
         self.kernel_backend = kernel_backend
+        # Bound at the first call with a residual (the weight is loaded by then).
+        self._in_place: fused_ops.ResidualRMSNorm | None = None
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        return kernel_ops.rms_norm(x, self.weight, self.eps, residual=residual,
-                                   backend=self.kernel_backend)
+        if residual is None:
+            return kernel_ops.rms_norm(x, self.weight, self.eps, backend=self.kernel_backend)
+        in_place = self._in_place
+        if in_place is None or in_place.weight is not self.weight:
+            in_place = self._in_place = fused_ops.ResidualRMSNorm(
+                self.weight, self.eps, backend=self.kernel_backend)
+        return in_place(x, residual)
 
 
 class LlamaAttention(nn.Module):
@@ -78,7 +101,11 @@ class LlamaAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 cos_sin_cache: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(hidden)
+        out = ctx.attend_qkv(self.layer_idx, qkv, positions, cos_sin_cache)
+        if out is not None:
+            return self.o_proj(out.reshape(num_tokens, self.q_size))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
@@ -92,17 +119,17 @@ class LlamaMLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), gate and up in one matmul."""
 
     def __init__(self, config: ModelConfig, *, dtype: torch.dtype,
-                 device: torch.device | str) -> None:
+                 device: torch.device | str, kernel_backend: Backend) -> None:
         super().__init__()
-        self.intermediate_size = config.intermediate_size
+        self.kernel_backend = kernel_backend
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size,
                                    bias=False, dtype=dtype, device=device)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False,
                                 dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(fused_ops.silu_and_mul(self.gate_up_proj(x),
+                                                     backend=self.kernel_backend))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -113,7 +140,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
         self.self_attn = LlamaAttention(config, layer_idx, **kw)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
-        self.mlp = LlamaMLP(config, dtype=dtype, device=device)
+        self.mlp = LlamaMLP(config, **kw)
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,

@@ -19,6 +19,10 @@ each prefill chunk occupies a contiguous run of rows. Per layer:
    over `prefill_context_slots` (None when no chunk needs it);
 4. the `LayerKVHook`, if any, receives the layer with this step's spans.
 
+A pure-decode step (no prefill chunk) does 1 and 2 from the qkv
+projection's output in one call, RoPE included (`attend_qkv`,
+`kernels.decode_qkv_attention`), then 4.
+
 Sliding window W: a query at position p sees keys j with p - W < j <= p
 (the convention of `engine.reference` and the kernels).
 """
@@ -75,6 +79,7 @@ class PagedAttentionContext:
         self.hook = hook
         self.spans = spans
         self.kernel_backend = kernel_backend
+        self._fused: kernels.DecodeQKVAttention | None = None
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> torch.Tensor:
@@ -112,6 +117,26 @@ class PagedAttentionContext:
                 ctx = slice(c.context_start, c.context_start + c.context_len)
                 keys, values = context[0, ctx], context[1, ctx]
             out[rows] = self._chunk_attention(q[rows], keys, values)
+        return out
+
+    def attend_qkv(self, layer_idx: int, qkv: torch.Tensor, positions: torch.Tensor,
+                   cos_sin_cache: torch.Tensor) -> torch.Tensor | None:
+        """A pure-decode step's layer in one fused call; None (the model's split
+        path, then `attend`) when the step has prefill chunks. The step's
+        arguments are bound (and checked) at the first layer."""
+        if self.prefill_chunks or not self.num_decode:
+            return None
+        fused = self._fused
+        if fused is None or fused.positions is not positions or (
+                fused.cos_sin_cache is not cos_sin_cache):
+            fused = self._fused = kernels.DecodeQKVAttention(
+                positions, cos_sin_cache, self.slot_mapping, self.decode_block_tables,
+                self.decode_context_lens, scale=self.scale, sliding_window=self.sliding_window,
+                backend=self.kernel_backend)
+        cache = self.kv_caches[layer_idx]
+        out = fused(qkv, cache)
+        if self.hook is not None and self.spans:
+            self.hook.on_layer_kv(layer_idx, cache, self.spans)
         return out
 
     def _chunk_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

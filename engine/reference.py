@@ -56,6 +56,11 @@ class DenseCausalContext:
         out = torch.matmul(scores.softmax(dim=-1), vf)                 # [Hq, N, D]
         return out.transpose(0, 1).to(q.dtype)
 
+    def attend_qkv(self, layer_idx: int, qkv: torch.Tensor, positions: torch.Tensor,
+                   cos_sin_cache: torch.Tensor) -> None:
+        """Never fused: the reference runs the model's split path."""
+        return None
+
 
 def _as_ids(token_ids: list[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
     ids = torch.as_tensor(token_ids, dtype=torch.long, device=device)

@@ -15,15 +15,25 @@ from kernels.dispatch import (
     rotary_embedding,
     triton_available,
 )
+from kernels.fused import (
+    DecodeQKVAttention,
+    ResidualRMSNorm,
+    decode_qkv_attention,
+    silu_and_mul,
+)
 
 __all__ = [
     "Backend",
+    "DecodeQKVAttention",
+    "ResidualRMSNorm",
     "cuda_graph_unsupported_reason",
+    "decode_qkv_attention",
     "extract_kv",
     "inject_kv",
     "paged_decode_attention",
     "paged_prefill_attention",
     "rms_norm",
     "rotary_embedding",
+    "silu_and_mul",
     "triton_available",
 ]

@@ -34,9 +34,11 @@ def check_ndim(name: str, t: torch.Tensor, ndim: int, layout: str) -> None:
 
 
 def check_same_device(**tensors: torch.Tensor) -> None:
-    devices = {name: t.device for name, t in tensors.items()}
-    if len(set(devices.values())) > 1:
-        raise ValueError(f"tensors must be on one device, got {devices}")
+    # Called on every kernel call: no dict or set unless it fails.
+    devices = [t.device for t in tensors.values()]
+    if devices.count(devices[0]) != len(devices):
+        found = {name: t.device for name, t in tensors.items()}
+        raise ValueError(f"tensors must be on one device, got {found}")
 
 
 def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
@@ -134,8 +136,22 @@ def check_transfer_rows(name: str, rows: torch.Tensor, kv_cache: torch.Tensor) -
     return rows.shape[1]
 
 
+def check_output(name: str, t: torch.Tensor | None, like: torch.Tensor) -> None:
+    """A preallocated output (`like` itself: in place) must be contiguous with
+    `like`'s shape, dtype and device."""
+    if t is None:
+        return
+    if t is not like and (t.shape != like.shape or t.dtype != like.dtype
+                          or t.device != like.device):
+        raise ValueError(f"{name} {tuple(t.shape)} {t.dtype} on {t.device} must match "
+                         f"{tuple(like.shape)} {like.dtype} on {like.device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous, got strides {t.stride()}")
+
+
 def check_rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None,
+    out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None,
 ) -> None:
     check_ndim("x", x, 2, "[num_tokens, hidden]")
     check_float_dtype("x", x)
@@ -159,6 +175,10 @@ def check_rms_norm(
         check_same_device(x=x, weight=weight, residual=residual)
     else:
         check_same_device(x=x, weight=weight)
+        if residual_out is not None:
+            raise ValueError("residual_out given without a residual")
+    check_output("out", out, x)
+    check_output("residual_out", residual_out, x)
 
 
 def check_rotary(
@@ -232,3 +252,34 @@ def check_prefill_attention(
             )
         if lens[seq] > block_tables.shape[1] * kv_cache.shape[2]:
             raise ValueError(f"sequence {seq}: context_len {lens[seq]} exceeds its block table")
+
+
+def check_silu_and_mul(x: torch.Tensor) -> None:
+    check_ndim("x", x, 2, "[num_tokens, 2 * intermediate]")
+    check_float_dtype("x", x)
+    check_last_dim_contiguous("x", x)
+    if x.shape[1] % 2 != 0:
+        raise ValueError(f"x width {x.shape[1]} must be even: [gate | up] halves")
+
+
+def check_decode_qkv_attention(
+    qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+    kv_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+    context_lens: torch.Tensor, scale: float, sliding_window: int | None,
+) -> int:
+    """Validates the fused decode attention's arguments; returns num_q_heads."""
+    _, _, num_kv_heads, head_dim = check_kv_cache(kv_cache)
+    check_ndim("qkv", qkv, 2, "[batch, (num_q_heads + 2 * num_kv_heads) * head_dim]")
+    batch, width = qkv.shape
+    num_q_heads = width // head_dim - 2 * num_kv_heads
+    if width % head_dim != 0 or num_q_heads < 1:
+        raise ValueError(f"qkv width {width} is not (num_q_heads + 2 * {num_kv_heads}) * "
+                         f"{head_dim} for the cache's {num_kv_heads} kv heads of {head_dim}")
+    q = qkv[:, : num_q_heads * head_dim].unflatten(1, (num_q_heads, head_dim))
+    check_decode_attention(q, kv_cache, block_tables, context_lens, scale, sliding_window)
+    # k is q's sibling in the same rows (same dtype, strides, head_dim): a
+    # slice of q stands in for it.
+    check_rotary(positions, q, q[:, :num_kv_heads], cos_sin_cache)
+    check_slot_mapping(slot_mapping, batch)
+    check_same_device(qkv=qkv, slot_mapping=slot_mapping)
+    return num_q_heads

@@ -250,21 +250,37 @@ def rms_norm(
     eps: float,
     residual: torch.Tensor | None = None,
     *,
+    out: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None,
     backend: Backend | str = Backend.AUTO,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm of x [N, H] (fp32 math, result in x.dtype); new tensors, inputs untouched.
+    """RMSNorm of x [N, H] (fp32 math, result in x.dtype); inputs untouched
+    unless they are also outputs.
 
     With residual: r = x + residual (rounded to x.dtype), returns (norm(r) * weight, r).
+    Results go to new tensors, or to `out` / `residual_out` (contiguous, x's
+    shape, dtype and device), which may be x / residual themselves: in place,
+    `rms_norm(x, w, eps, r, out=x, residual_out=r)` is the engine's residual
+    stream without an allocation.
     """
-    checks.check_rms_norm(x, weight, eps, residual)
+    checks.check_rms_norm(x, weight, eps, residual, out, residual_out)
+    # The CPU decode step calls this twice per layer: its path is tested first.
+    if (x.device.type == "cpu" and Backend.parse(backend) is Backend.AUTO
+            and native.supports_rms_norm(x, weight, residual)):
+        return native.rms_norm(x, weight, eps, residual, out=out, residual_out=residual_out)
     if _use_triton(x.device, backend):
         from kernels.norm import rms_norm_triton
 
-        return rms_norm_triton(x, weight, eps, residual)
-    if (Backend.parse(backend) is Backend.AUTO and x.device.type == "cpu"
-            and native.supports_rms_norm(x, weight, residual)):
-        return native.rms_norm(x, weight, eps, residual)
-    return reference.rms_norm_reference(x, weight, eps, residual)
+        return rms_norm_triton(x, weight, eps, residual, out=out, residual_out=residual_out)
+    result = reference.rms_norm_reference(x, weight, eps, residual)
+    if out is None and residual_out is None:
+        return result
+    y, r = result if residual is not None else (result, None)
+    if out is not None:
+        y = out.copy_(y)
+    if residual_out is not None:
+        r = residual_out.copy_(r)
+    return y if residual is None else (y, r)
 
 
 def rotary_embedding(

@@ -7,8 +7,11 @@ scattered blocks into a contiguous copy, then read it again in SDPA
 place, in the cache's own dtype. RMSNorm and RoPE are 8-10 small torch ops
 each, whose dispatch costs more than their arithmetic, and the KV inject's
 skip of padding slots is a boolean-mask gather and scatter; `elementwise.c`
-does each in one call. Same contracts as the `kernels.dispatch` ops; `dispatch`
-picks these for CPU tensors under backend ``auto`` when `supports_*` says so.
+does each in one call. `fused.c` goes further for the decode step: SwiGLU's
+split/silu/multiply in one call, and split + RoPE + KV write + decode
+attention from the qkv projection's output in one (`kernels.fused`). Same
+contracts as the `kernels.dispatch` / `kernels.fused` ops, which pick these
+for CPU tensors under backend ``auto`` when `supports_*` says so.
 
 Building (kernels/native/loader.py): ~0.3 s with `cc -O3 -march=native` (the
 CPU the pod runs on), cached by content; no compiler or a failed build means
@@ -21,13 +24,16 @@ call, so other Python threads (gRPC, the KV injector) run meanwhile.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from kernels.native.loader import build, default_cache_dir, library
 
-__all__ = ["NativeKernelError", "build", "default_cache_dir", "inject_kv", "library",
-           "paged_decode_attention", "rms_norm", "rotary_embedding", "supports",
-           "supports_inject", "supports_rms_norm", "supports_rotary"]
+__all__ = ["NativeKernelError", "DecodeQKVCall", "build", "default_cache_dir",
+           "inject_kv", "library", "paged_decode_attention", "rms_norm", "rotary_embedding",
+           "silu_and_mul", "supports", "supports_inject", "supports_qkv",
+           "supports_rms_norm", "supports_rotary"]
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 PROFILER_NAME = "pdserve_native::paged_decode_attention"
@@ -43,6 +49,16 @@ class NativeKernelError(RuntimeError):
 def _check(code: int, what: str) -> None:
     if code:
         raise NativeKernelError(f"{what} failed: {_ERRORS.get(code, f'error {code}')}")
+
+
+_NO_LABEL = contextlib.nullcontext()
+
+
+def _profiled(name: str) -> contextlib.AbstractContextManager:
+    """A profiler label for a ctypes call (the step breakdown of `pdserve
+    bench engine` cannot see inside one) when a profiler is on: entering
+    `record_function` costs microseconds per call even with none running."""
+    return torch.profiler.record_function(name) if torch.autograd._profiler_enabled() else _NO_LABEL
 
 
 def _rows_ok(t: torch.Tensor) -> bool:
@@ -75,23 +91,24 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor,
     lib = library()
     if lib is None:
         raise NativeKernelError("native CPU kernels are unavailable (see the log)")
-    q = q.contiguous()
+    if not _rows_ok(q):
+        q = q.contiguous()
     # The runner's tables are views of wider persistent rows: passed with
     # their row stride, not copied once per layer.
     tables = block_tables.to(torch.int32)
     if tables.shape[1] > 1 and tables.stride(1) != 1:
         tables = tables.contiguous()
     lens = context_lens.to(torch.int32).contiguous()
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype)
     batch, num_q_heads, head_dim = q.shape
     _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
     if batch == 0:
         return out
     # Named for torch.profiler (the step breakdown of `pdserve bench engine`),
     # which cannot see inside a ctypes call.
-    with torch.profiler.record_function(PROFILER_NAME):
+    with _profiled(PROFILER_NAME):
         code = lib.pdserve_paged_decode_attention(
-            q.data_ptr(), kv_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
+            q.data_ptr(), q.stride(0), kv_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
             out.data_ptr(), DTYPE_CODES[q.dtype], batch, num_q_heads, num_kv_heads, head_dim,
             num_blocks, block_size, tables.shape[1], tables.stride(0), sliding_window or 0, scale,
             num_threads or torch.get_num_threads())
@@ -107,20 +124,23 @@ def supports_rms_norm(x: torch.Tensor, weight: torch.Tensor,
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None
+             residual: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
+             residual_out: torch.Tensor | None = None
              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as `kernels.dispatch.rms_norm` (arguments already checked)."""
-    lib = library()
+    """Same contract as `kernels.dispatch.rms_norm` (arguments already
+    checked; `out` / `residual_out` contiguous, and may be x / residual)."""
     rows, hidden = x.shape
-    out = torch.empty((rows, hidden), dtype=x.dtype)
-    res_out = None if residual is None else torch.empty((rows, hidden), dtype=x.dtype)
+    if out is None:
+        out = torch.empty((rows, hidden), dtype=x.dtype)
+    if residual is not None and residual_out is None:
+        residual_out = torch.empty((rows, hidden), dtype=x.dtype)
     if rows:
-        _check(lib.pdserve_rms_norm(
+        _check(library().pdserve_rms_norm(
             x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
             0 if residual is None else residual.stride(0), weight.data_ptr(), out.data_ptr(),
-            None if res_out is None else res_out.data_ptr(), rows, hidden, eps,
+            None if residual is None else residual_out.data_ptr(), rows, hidden, eps,
             DTYPE_CODES[x.dtype]), "rms_norm")
-    return out if residual is None else (out, res_out)
+    return out if residual is None else (out, residual_out)
 
 
 def supports_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
@@ -169,3 +189,66 @@ def inject_kv(kv_cache: torch.Tensor, src: torch.Tensor, slot_mapping: torch.Ten
         kv_cache.data_ptr(), src.data_ptr(), src.stride(0) * size, src.stride(1) * size,
         slots.data_ptr(), slots.shape[0], num_kv_heads * head_dim * size,
         num_blocks * block_size), "inject_kv")
+
+
+def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Same contract as `kernels.fused.silu_and_mul`, for `_rows_ok` 2-D x
+    (arguments already checked); `out` contiguous [N, I] if given."""
+    rows, width = x.shape
+    if out is None:
+        out = torch.empty((rows, width // 2), dtype=x.dtype)
+    if rows:
+        _check(library().pdserve_silu_and_mul(
+            x.data_ptr(), x.stride(0), out.data_ptr(), rows, width // 2, DTYPE_CODES[x.dtype],
+            torch.get_num_threads()), "silu_and_mul")
+    return out
+
+
+def supports_qkv(qkv: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether `decode_qkv_attention` takes these: as `supports`, for the
+    qkv rows [B, (Hq + 2 Hkv) * D] (each row contiguous)."""
+    return (qkv.device.type == "cpu" and kv_cache.device.type == "cpu"
+            and qkv.dtype == kv_cache.dtype and qkv.dtype in DTYPE_CODES
+            and qkv.stride(-1) == 1 and kv_cache.shape[-1] % 16 == 0
+            and kv_cache.is_contiguous() and library() is not None)
+
+
+class DecodeQKVCall:
+    """`kernels.fused.decode_qkv_attention` bound to one decode step's
+    arguments (already checked, with `supports_qkv`): `call(qkv, kv_cache) ->
+    out [B, Hq, D]` for qkv [B, (Hq + 2 Hkv) * D] and a cache of
+    `kv_cache_shape`, both of `dtype`, which the caller has checked too.
+    A call raises NativeKernelError, having written nothing, for a position
+    outside the cos/sin cache or a slot past the cache, and (never reading out
+    of bounds) for a context length above its table or a used block id out
+    of range."""
+
+    def __init__(self, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                 context_lens: torch.Tensor, *, num_q_heads: int,
+                 kv_cache_shape: tuple[int, ...], dtype: torch.dtype, scale: float,
+                 sliding_window: int | None = None, num_threads: int | None = None) -> None:
+        # Held so the pointers below stay valid while the call is bound.
+        self._tensors = (positions.contiguous(), cos_sin_cache, slot_mapping.contiguous(),
+                         block_tables, context_lens.contiguous())
+        positions, cos_sin_cache, slots, tables, lens = self._tensors
+        _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache_shape
+        self._lib = library()
+        self._dtype = dtype
+        self._out_shape = (positions.shape[0], num_q_heads, head_dim)
+        self._step_args = (
+            positions.data_ptr(), cos_sin_cache.data_ptr(), cos_sin_cache.shape[0],
+            slots.data_ptr(), tables.data_ptr(), lens.data_ptr(), DTYPE_CODES[dtype],
+            positions.shape[0], num_q_heads, num_kv_heads, head_dim, num_blocks, block_size,
+            tables.shape[1], tables.stride(0), sliding_window or 0, scale,
+            num_threads or torch.get_num_threads())
+
+    def __call__(self, qkv: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(self._out_shape, dtype=self._dtype)
+        if self._out_shape[0]:
+            with _profiled(PROFILER_NAME):
+                code = self._lib.pdserve_decode_qkv_attention(
+                    qkv.data_ptr(), qkv.stride(0), kv_cache.data_ptr(), out.data_ptr(),
+                    *self._step_args)
+            _check(code, "decode qkv attention")
+        return out

@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "dtypes.h"
+#include "rope.h"
 
 /* y = r / sqrt(mean(r^2) + eps) * w with r = x (+ residual, rounded to ELEM). */
 #define DEFINE_RMS_NORM(NAME, ELEM, LOAD, STORE)                                           \
@@ -68,30 +69,22 @@ int pdserve_rms_norm(const void *x, long x_stride, const void *residual, long re
   }
 }
 
-/* Neox rotary: for each head, x1 = x[:D/2], x2 = x[D/2:],
- * out = [x1*cos - x2*sin, x2*cos + x1*sin]; cos/sin from cache[pos] (float32,
- * cos in the first D/2 columns). */
-#define DEFINE_ROTARY(NAME, ELEM, LOAD, STORE)                                             \
+/* Neox rotary of every head of every row (rope.h); cos/sin from cache[pos]. */
+#define DEFINE_ROTARY(NAME, ELEM, ROPE_HEAD)                                               \
   static void NAME(const ELEM *x, long x_stride, ELEM *out, long rows, long heads,         \
                    long head_dim, const int64_t *positions, const float *cache) {          \
     const long half = head_dim / 2;                                                        \
     for (long i = 0; i < rows; i++) {                                                      \
-      const float *cos = cache + positions[i] * head_dim, *sin = cos + half;               \
-      for (long h = 0; h < heads; h++) {                                                   \
-        const ELEM *in = x + i * x_stride + h * head_dim;                                  \
-        ELEM *o = out + (i * heads + h) * head_dim;                                        \
-        for (long j = 0; j < half; j++) {                                                  \
-          const float x1 = LOAD(in[j]), x2 = LOAD(in[j + half]);                           \
-          o[j] = STORE(x1 * cos[j] - x2 * sin[j]);                                         \
-          o[j + half] = STORE(x2 * cos[j] + x1 * sin[j]);                                  \
-        }                                                                                  \
-      }                                                                                    \
+      const float *cos = cache + positions[i] * head_dim;                                  \
+      for (long h = 0; h < heads; h++)                                                     \
+        ROPE_HEAD(x + i * x_stride + h * head_dim, out + (i * heads + h) * head_dim, half, \
+                  cos, cos + half);                                                        \
     }                                                                                      \
   }
 
-DEFINE_ROTARY(rotary_f32, float, F32_LOAD, F32_STORE)
-DEFINE_ROTARY(rotary_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
-DEFINE_ROTARY(rotary_f16, _Float16, F16_LOAD, F16_STORE)
+DEFINE_ROTARY(rotary_f32, float, rope_head_f32)
+DEFINE_ROTARY(rotary_bf16, uint16_t, rope_head_bf16)
+DEFINE_ROTARY(rotary_f16, _Float16, rope_head_f16)
 
 /* Rotates q [rows, q_heads, D] and k [rows, k_heads, D] into q_out / k_out
  * (contiguous). Returns 3 if a position is outside [0, max_positions). */

@@ -2,7 +2,7 @@
  *
  * Built and loaded by kernels/native/__init__.py (the host's C compiler, at
  * first use; see there). Same contract as kernels.dispatch.paged_decode_attention:
- *   q      [B, Hq, D]                   element type T, contiguous
+ *   q      [B, Hq, D]                   element type T, rows `q_stride` elements apart
  *   cache  [2, num_blocks, BS, Hkv, D]  element type T, contiguous
  *   tables [B, W] int32 (rows `table_stride` apart), lens [B] int32
  *   out    [B, Hq, D]                   element type T, contiguous
@@ -26,17 +26,13 @@
 #include <string.h>
 
 #include "dtypes.h"
-
-#define LANES 16
-typedef float vfloat __attribute__((vector_size(LANES * sizeof(float))));
-typedef uint16_t vhalfbits __attribute__((vector_size(LANES * sizeof(uint16_t))));
-typedef uint32_t vbits __attribute__((vector_size(LANES * sizeof(uint32_t))));
-typedef _Float16 vhalf __attribute__((vector_size(LANES * sizeof(_Float16))));
+#include "vec.h"
 
 typedef struct {
   const void *q, *cache;
   const int32_t *tables, *lens;
   void *out;
+  long q_stride; /* elements between rows of `q` (>= num_q_heads * head_dim) */
   int batch, num_q_heads, num_kv_heads, head_dim, num_blocks, block_size, table_width;
   long table_stride; /* elements between rows of `tables` (>= table_width) */
   int window; /* 0: no sliding window */
@@ -45,27 +41,6 @@ typedef struct {
   int first_item, item_step;
   int status;
 } Job;
-
-static inline vfloat load_f32(const float *p) {
-  vfloat v;
-  memcpy(&v, p, sizeof v);
-  return v;
-}
-
-static inline vfloat load_bf16(const uint16_t *p) {
-  vhalfbits raw;
-  memcpy(&raw, p, sizeof raw);
-  vbits wide = __builtin_convertvector(raw, vbits) << 16;
-  vfloat v;
-  memcpy(&v, &wide, sizeof v);
-  return v;
-}
-
-static inline vfloat load_f16(const _Float16 *p) {
-  vhalf raw;
-  memcpy(&raw, p, sizeof raw);
-  return __builtin_convertvector(raw, vfloat);
-}
 
 static inline float hsum(vfloat v) {
   float s = 0.0f;
@@ -103,7 +78,7 @@ static inline float hsum(vfloat v) {
       for (int i = start / BS; i <= (len - 1) / BS; i++)                                    \
         bad_block |= table[i] < 0 || table[i] >= job->num_blocks;                           \
       if (bad_block) { job->status = 3; break; }                                            \
-      const ELEM *q = (const ELEM *)job->q + head0;                                         \
+      const ELEM *q = (const ELEM *)job->q + b * job->q_stride + (long)h0 * group * D;     \
       for (int r = 0; r < rows; r++)                                                        \
         for (int c = 0; c < chunks; c++) {                                                  \
           vfloat v;                                                                         \
@@ -187,12 +162,12 @@ static void run_job(ThreadJob *work) {
 /* dtype: 0 float32, 1 bfloat16, 2 float16. Returns 0 on success; otherwise
  * `out` is undefined and the code says why: 1 out of memory, 2 unsupported
  * shape or dtype, 3 a context length or block id out of range. */
-int pdserve_paged_decode_attention(const void *q, const void *cache, const int32_t *tables,
-                                   const int32_t *lens, void *out, int dtype, int batch,
-                                   int num_q_heads, int num_kv_heads, int head_dim,
-                                   int num_blocks, int block_size, int table_width,
-                                   long table_stride, int window,
-                                   float scale, int num_threads) {
+int pdserve_paged_decode_attention(const void *q, long q_stride, const void *cache,
+                                   const int32_t *tables, const int32_t *lens, void *out,
+                                   int dtype, int batch, int num_q_heads, int num_kv_heads,
+                                   int head_dim, int num_blocks, int block_size,
+                                   int table_width, long table_stride, int window, float scale,
+                                   int num_threads) {
   if (batch <= 0) return 0;
   if (num_kv_heads <= 0 || num_q_heads % num_kv_heads != 0) return 2;
   if (head_dim <= 0 || head_dim % LANES != 0) return 2;
@@ -209,8 +184,8 @@ int pdserve_paged_decode_attention(const void *q, const void *cache, const int32
   if (num_threads > num_items) num_threads = num_items;
   ThreadJob jobs[MAX_THREADS];
   for (int i = 0; i < num_threads; i++) {
-    jobs[i].job = (Job){q, cache, tables, lens, out, batch, num_q_heads, num_kv_heads,
-                        head_dim, num_blocks, block_size, table_width, table_stride,
+    jobs[i].job = (Job){q, cache, tables, lens, out, q_stride, batch, num_q_heads,
+                        num_kv_heads, head_dim, num_blocks, block_size, table_width, table_stride,
                         window, scale,
                         heads_per_item, i, num_threads, 0};
     jobs[i].kernel = kernel;

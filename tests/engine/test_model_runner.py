@@ -62,3 +62,33 @@ def test_sliding_window_matches_reference(sliding_model_dir, make_engine):
     results = engine.generate(prompts, params)
     for p, r in zip(prompts, results, strict=True):
         assert list(r.token_ids) == reference_greedy(model, p, 10)
+
+
+@pytest.mark.parametrize("kernel_backend", ["auto", "torch"])
+def test_pure_decode_step_fused_attention_equals_the_split_path(make_engine, kernel_backend):
+    """A pure-decode step hands each layer's qkv to the context whole
+    (`attend_qkv`: one fused call); its logits and cache writes equal the
+    split path's (RoPE, inject, attend) bit for bit in float32."""
+    import copy
+    import dataclasses
+
+    engine = make_engine(kernel_backend=kernel_backend)
+    for i, p in enumerate(_prompts([30, 5, 17], seed=21)):
+        engine.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=8))
+    for _ in range(3):
+        engine.step()
+    plan = engine.scheduler.schedule()
+    assert [s.num_new_tokens for s in plan.scheduled] == [1, 1, 1]
+    step = engine.runner.prepare(plan.scheduled)
+    before = [c.clone() for c in engine.kv_caches]
+    fused = engine.runner.forward(step).logits
+    assert step.context._fused is not None  # the fused path ran
+    fused_caches = [c.clone() for c in engine.kv_caches]
+    for cache, saved in zip(engine.kv_caches, before, strict=True):
+        cache.copy_(saved)
+    split_context = copy.copy(step.context)
+    split_context.attend_qkv = lambda *args: None  # the model's split path instead
+    split = engine.runner.forward(dataclasses.replace(step, context=split_context)).logits
+    assert torch.equal(fused, split)
+    for got, expected in zip(fused_caches, engine.kv_caches, strict=True):
+        assert torch.equal(got, expected)

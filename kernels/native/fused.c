@@ -1,0 +1,137 @@
+/* Fused ops of the CPU decode step: SwiGLU's activation and the attention
+ * block of a decode step from the qkv projection's output.
+ *
+ * Built with the other sources into one library (kernels/native/loader.py).
+ * A CPU decode step at batch 8 streams ~10-20 MB of weights per linear,
+ * which evicts everything the small ops between two linears touch, so each
+ * of those ops pays cold caches for its own Python and torch dispatch as
+ * much as for its data (docs/kernels.md, "Fused decode ops"). These turn
+ * what lies between two linears into one call each.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "dtypes.h"
+#include "rope.h"
+#include "vec.h"
+
+int pdserve_paged_decode_attention(const void *q, long q_stride, const void *cache,
+                                   const int32_t *tables, const int32_t *lens, void *out,
+                                   int dtype, int batch, int num_q_heads, int num_kv_heads,
+                                   int head_dim, int num_blocks, int block_size,
+                                   int table_width, long table_stride, int window, float scale,
+                                   int num_threads);
+
+/* Rows worth a second thread: below this many elements the fork costs more. */
+#define SILU_PARALLEL_MIN (1L << 16)
+
+/* out[i, j] = silu(x[i, j]) * x[i, inter + j]. silu(g) = g / (1 + exp(-g)) in
+ * float32, rounded to the element type before the product, as torch's
+ * `F.silu(gate) * up` rounds. `inter` a multiple of 16 takes the vector path. */
+#define DEFINE_SILU_MUL(NAME, ELEM, LOADV, STOREV, ROUNDV, LOAD, STORE)                   \
+  static void NAME(const ELEM *x, long x_stride, ELEM *out, long rows, long inter,         \
+                   int num_threads) {                                                      \
+    if (rows * inter < SILU_PARALLEL_MIN) num_threads = 1;                                 \
+    _Pragma("omp parallel for num_threads(num_threads) schedule(static)")                  \
+    for (long i = 0; i < rows; i++) {                                                      \
+      const ELEM *gate = x + i * x_stride, *up = gate + inter;                             \
+      ELEM *o = out + i * inter;                                                           \
+      long j = 0;                                                                          \
+      for (; j + LANES <= inter; j += LANES) {                                             \
+        const vfloat g = LOADV(gate + j), u = LOADV(up + j);                               \
+        STOREV(o + j, ROUNDV(g / (1.0f + vexp(-g))) * u);                                  \
+      }                                                                                    \
+      for (; j < inter; j++) {                                                             \
+        const float g = LOAD(gate[j]);                                                     \
+        o[j] = STORE(LOAD(STORE(g / (1.0f + expf(-g)))) * LOAD(up[j]));                    \
+      }                                                                                    \
+    }                                                                                      \
+  }
+
+DEFINE_SILU_MUL(silu_mul_f32, float, load_f32, store_f32, round_f32, F32_LOAD, F32_STORE)
+DEFINE_SILU_MUL(silu_mul_bf16, uint16_t, load_bf16, store_bf16, round_bf16, bf16_to_f32,
+                f32_to_bf16)
+DEFINE_SILU_MUL(silu_mul_f16, _Float16, load_f16, store_f16, round_f16, F16_LOAD, F16_STORE)
+
+/* x [rows, 2 * inter] (rows `x_stride` elements apart) -> out [rows, inter]
+ * contiguous. dtype: 0 float32, 1 bfloat16, 2 float16. */
+int pdserve_silu_and_mul(const void *x, long x_stride, void *out, long rows, long inter,
+                         int dtype, int num_threads) {
+  switch (dtype) {
+    case 0: silu_mul_f32(x, x_stride, out, rows, inter, num_threads); return 0;
+    case 1: silu_mul_bf16(x, x_stride, out, rows, inter, num_threads); return 0;
+    case 2: silu_mul_f16(x, x_stride, out, rows, inter, num_threads); return 0;
+    default: return 2;
+  }
+}
+
+/* Each row's q heads rotated in place, its k heads rotated into the K cache
+ * row of its slot and its v heads copied into the V row; a negative slot
+ * (padding) writes nothing. */
+#define DEFINE_ROPE_INJECT(NAME, ELEM, ROPE_HEAD)                                          \
+  static void NAME(ELEM *qkv, long qkv_stride, const int64_t *positions,                   \
+                   const float *cos_sin, const int64_t *slots, ELEM *cache,                \
+                   long num_slots, long rows, long q_heads, long kv_heads, long head_dim) { \
+    const long half = head_dim / 2, row = kv_heads * head_dim;                             \
+    for (long i = 0; i < rows; i++) {                                                      \
+      ELEM *q = qkv + i * qkv_stride, *k = q + q_heads * head_dim, *v = k + row;           \
+      const float *cos = cos_sin + positions[i] * head_dim, *sin = cos + half;             \
+      for (long h = 0; h < q_heads; h++)                                                   \
+        ROPE_HEAD(q + h * head_dim, q + h * head_dim, half, cos, sin);                     \
+      if (slots[i] < 0) continue;                                                          \
+      ELEM *k_row = cache + slots[i] * row, *v_row = k_row + num_slots * row;              \
+      for (long h = 0; h < kv_heads; h++)                                                  \
+        ROPE_HEAD(k + h * head_dim, k_row + h * head_dim, half, cos, sin);                 \
+      memcpy(v_row, v, row * sizeof(ELEM));                                                \
+    }                                                                                      \
+  }
+
+DEFINE_ROPE_INJECT(rope_inject_f32, float, rope_head_f32)
+DEFINE_ROPE_INJECT(rope_inject_bf16, uint16_t, rope_head_bf16)
+DEFINE_ROPE_INJECT(rope_inject_f16, _Float16, rope_head_f16)
+
+/* The attention block of a decode step, from the qkv projection's output:
+ *   qkv [B, (Hq + 2 Hkv) * D] (rows `qkv_stride` elements apart; q, k, v
+ *   columns in that order) -> RoPE of q and k at `positions` (int64 [B],
+ *   cos_sin float32 [max_positions, D]), K and V into the cache at `slots`
+ *   (int64 [B], negative: padding, not written), then decode attention
+ *   (paged_decode.c) of the rotated q over `tables` / `lens` into out
+ *   [B, Hq, D] contiguous.
+ * The per-layer arguments come first, the step's after them. The q columns
+ * of qkv are left rotated (qkv is the caller's scratch).
+ * Returns 3, having written nothing, if a position is outside
+ * [0, max_positions) or a slot is >= num_blocks * block_size; otherwise the
+ * attention's status. */
+int pdserve_decode_qkv_attention(void *qkv, long qkv_stride, void *cache, void *out,
+                                 const int64_t *positions, const float *cos_sin,
+                                 long max_positions, const int64_t *slots,
+                                 const int32_t *tables, const int32_t *lens, int dtype,
+                                 int batch, int num_q_heads, int num_kv_heads, int head_dim,
+                                 int num_blocks, int block_size, int table_width,
+                                 long table_stride, int window, float scale, int num_threads) {
+  const long num_slots = (long)num_blocks * block_size;
+  for (int i = 0; i < batch; i++)
+    if (positions[i] < 0 || positions[i] >= max_positions || slots[i] >= num_slots) return 3;
+  if (head_dim % 2 != 0) return 2;
+  switch (dtype) {
+    case 0:
+      rope_inject_f32(qkv, qkv_stride, positions, cos_sin, slots, cache, num_slots, batch,
+                      num_q_heads, num_kv_heads, head_dim);
+      break;
+    case 1:
+      rope_inject_bf16(qkv, qkv_stride, positions, cos_sin, slots, cache, num_slots, batch,
+                       num_q_heads, num_kv_heads, head_dim);
+      break;
+    case 2:
+      rope_inject_f16(qkv, qkv_stride, positions, cos_sin, slots, cache, num_slots, batch,
+                      num_q_heads, num_kv_heads, head_dim);
+      break;
+    default:
+      return 2;
+  }
+  return pdserve_paged_decode_attention(qkv, qkv_stride, cache, tables, lens, out, dtype,
+                                        batch, num_q_heads, num_kv_heads, head_dim,
+                                        num_blocks, block_size, table_width, table_stride,
+                                        window, scale, num_threads);
+}
