@@ -127,7 +127,7 @@ def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
             routers.append(start_router(
                 tiny_model_dir, prefill=[p.address for p in pods[:2]],
                 decode=[pods[2].address], redis_url=redis_server.url, extra=CACHE_AWARE))
-        yield {"prefill": pods[:2], "decode": pods[2], "routers": routers,
+        yield {"prefill": pods[:2], "decode": pods[2], "routers": routers, "pods": pods,
                "redis": redis_server, "ports": ports, "model": tiny_model_dir}
     finally:
         for router in routers:
@@ -170,6 +170,7 @@ def test_restarted_pod_entries_are_gone(cluster):
     restarted = start_pod("prefill", cluster["model"], port=cluster["ports"][index],
                           num_blocks=256, redis_url=cluster["redis"].url)
     prefill[index] = restarted
+    cluster["pods"][index] = restarted  # the fixture stops it
     assert generation(restarted) != old_generation
     for router in routers:
         wait_for(lambda r=router: index_blocks(r, restarted.address) == 0
