@@ -73,6 +73,8 @@ class UpConfig:
     log_level: str = "WARNING"
     pod_args: tuple[str, ...] = ()
     router_args: tuple[str, ...] = ()
+    # extra flags for the pods of one role only ("prefill", "decode", "colocated")
+    role_args: tuple[tuple[str, tuple[str, ...]], ...] = ()
     # CPU list per role ("prefill", "decode", "colocated", "router"), as given;
     # every pod of a role gets the same list (pdserve/commands/_cpus.py)
     cpus: tuple[tuple[str, str], ...] = ()
@@ -141,6 +143,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="router worker processes on the same ports (pdserve router --workers)")
     parser.add_argument("--pod-arg", action="append", default=[], metavar="ARG",
                         help="extra flag for every pod, e.g. --pod-arg=--num-blocks=256")
+    for role in POD_COMMANDS:
+        parser.add_argument(f"--{role}-arg", action="append", default=[], metavar="ARG",
+                            help=f"extra flag for the {role} pods only, after --pod-arg's, "
+                                 f"e.g. --decode-arg=--prefix-cache")
     parser.add_argument("--router-arg", action="append", default=[], metavar="ARG",
                         help="extra flag for the router, e.g. "
                              "--router-arg=--local-prefill-max-tokens=128")
@@ -168,6 +174,7 @@ def config_from_args(args: argparse.Namespace) -> UpConfig:
         startup_timeout_s=args.startup_timeout, log_level=args.log_level,
         pod_args=tuple(args.pod_arg), router_workers=args.router_workers,
         router_args=tuple(args.router_arg),
+        role_args=tuple((role, tuple(getattr(args, f"{role}_arg"))) for role in POD_COMMANDS),
         cpus=tuple((role, text) for role in CPU_ROLES
                    if (text := getattr(args, f"{role}_cpus")) is not None),
         ready_file=args.ready_file, max_restarts=args.max_restarts,
@@ -209,7 +216,7 @@ def pod_argv(role: str, model: Path, config: UpConfig, ready_file: Path) -> list
     cpus = config.cpus_of(role)
     if cpus is not None:
         argv += ["--cpus", cpus]
-    return argv + list(config.pod_args)
+    return argv + list(config.pod_args) + list(dict(config.role_args).get(role, ()))
 
 
 def start_pods(model: Path, config: UpConfig, tmp: Path, children: list[Child]) -> None:

@@ -107,3 +107,15 @@ def test_up_passes_router_args_to_the_router():
     assert argv[-2:] == ["--local-prefill-max-tokens=128", "--max-queue-wait=5"]
     assert "--local-prefill-max-tokens=128" not in up.pod_argv("decode", Path("/m"), config,
                                                                Path("/r"))
+
+
+def test_up_passes_role_args_to_that_role_only():
+    parser = argparse.ArgumentParser()
+    up.add_arguments(parser)
+    config = up.config_from_args(parser.parse_args(
+        ["--pod-arg=--num-blocks=256", "--decode-arg=--prefix-cache"]))
+    decode = up.pod_argv("decode", Path("/m"), config, Path("/r"))
+    assert decode[-2:] == ["--num-blocks=256", "--prefix-cache"]
+    for role in ("prefill", "colocated"):
+        argv = up.pod_argv(role, Path("/m"), config, Path("/r"))
+        assert argv[-1] == "--num-blocks=256" and "--prefix-cache" not in argv
