@@ -31,6 +31,7 @@ from router.api_error import ApiError, bad_request
 from router.auth import ApiKeyCheck
 from router.frontend import Frontend
 from router.generation import Delta, ParsedRequest
+from router.http.client_limits import ClientConcurrency
 from router.http.requests import check_model, parse_chat, parse_completion
 from router.sampling import SamplingError, sampling_from_proto
 
@@ -86,13 +87,26 @@ def response_message(request_id: str, delta: Delta) -> pb.GenerateResponse:
 class RouterServicer(pdserve_pb2_grpc.RouterServicer):
     """Router.Generate / Router.ListModels over a `Frontend`."""
 
-    def __init__(self, frontend: Frontend, auth: ApiKeyCheck) -> None:
+    def __init__(self, frontend: Frontend, auth: ApiKeyCheck,
+                 client_limits: ClientConcurrency | None = None) -> None:
         self._frontend = frontend
         self._auth = auth
+        self._limits = client_limits or ClientConcurrency(0)
 
     def _check_auth(self, context: grpc.aio.ServicerContext) -> None:
         metadata = dict(context.invocation_metadata() or ())
         self._auth.check(metadata.get("authorization"))
+
+    def _client(self, context: grpc.aio.ServicerContext) -> tuple[str, str]:
+        """The key a call counts under for --max-concurrent-per-client, as on
+        the HTTP front door: its API key when the router checks one, else the
+        peer's address without its port (`ipv4:127.0.0.1:5001` -> `ipv4:127.0.0.1`)."""
+        if self._auth.enabled:
+            metadata = dict(context.invocation_metadata() or ())
+            token = str(metadata.get("authorization", "")).partition(" ")[2].strip()
+            return ClientConcurrency.client_key(token, None), "API key"
+        address = (context.peer() or "unknown").rpartition(":")[0]
+        return ClientConcurrency.client_key(None, address), "client address"
 
     def _parse(self, request: pb.GenerateRequest) -> ParsedRequest:
         parsed = parsed_request(request, self._frontend.model_name)
@@ -105,11 +119,13 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
     ) -> AsyncIterator[pb.GenerateResponse]:
         try:
             self._check_auth(context)
-            generation = await self._frontend.prepare(self._parse(request), request.session_id)
-            request_id = request.request_id or generation.request_id
-            async with contextlib.aclosing(self._frontend.flow(generation).run()) as deltas:
-                async for delta in deltas:
-                    yield response_message(request_id, delta)
+            with self._limits.hold(*self._client(context)):
+                generation = await self._frontend.prepare(self._parse(request),
+                                                          request.session_id)
+                request_id = request.request_id or generation.request_id
+                async with contextlib.aclosing(self._frontend.flow(generation).run()) as deltas:
+                    async for delta in deltas:
+                        yield response_message(request_id, delta)
         except ApiError as exc:
             raise ServiceError(exc.grpc_code, exc.message) from None
 
@@ -129,17 +145,19 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
 
 def build_grpc_server(
     frontend: Frontend, auth: ApiKeyCheck, address: str, *, reuse_port: bool = False,
-    tls: TlsFiles | None = None,
+    tls: TlsFiles | None = None, client_limits: ClientConcurrency | None = None,
 ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """A started-later server with Router + health bound to `address`;
     returns (server, bound port, health servicer — the router server sets
     it SERVING / NOT_SERVING as the pool's readiness changes). `reuse_port`:
     other router workers bind the same port (SO_REUSEPORT); off, a port
     already taken is an error rather than silently shared. `tls`: serve TLS
-    (mutual with its CA file)."""
+    (mutual with its CA file). `client_limits`: the per-client concurrency
+    limit, shared with the HTTP front door."""
     options = [*GRPC_MESSAGE_OPTIONS, ("grpc.so_reuseport", 1 if reuse_port else 0)]
     server = grpc.aio.server(options=options)
-    pdserve_pb2_grpc.add_RouterServicer_to_server(RouterServicer(frontend, auth), server)
+    pdserve_pb2_grpc.add_RouterServicer_to_server(
+        RouterServicer(frontend, auth, client_limits), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = add_port(server, address, tls)

@@ -143,7 +143,8 @@ class RouterServer:
                                              max_model_len=max_model_len,
                                              tokenizer=tokenizer, deps=deps)
         auth = ApiKeyCheck(c.api_key)
-        app = build_app(frontend, self.pool, auth, ClientConcurrency(c.max_concurrent_per_client))
+        client_limits = ClientConcurrency(c.max_concurrent_per_client)  # both front doors
+        app = build_app(frontend, self.pool, auth, client_limits)
         self._runner = TimedAppRunner(
             app, HttpTimeouts(header_timeout=c.http_header_timeout,
                               keepalive_timeout=c.http_keepalive_timeout),
@@ -155,7 +156,8 @@ class RouterServer:
         await site.start()
         self.http_port = self._runner.addresses[0][1]
         self._grpc, self.grpc_port, self._health = build_grpc_server(
-            frontend, auth, f"{c.host}:{c.grpc_port}", reuse_port=c.workers > 1, tls=c.tls)
+            frontend, auth, f"{c.host}:{c.grpc_port}", reuse_port=c.workers > 1, tls=c.tls,
+            client_limits=client_limits)
         await self._grpc.start()
         self._ready_task = asyncio.create_task(self._mirror_readiness(), name="router-ready")
         log.info("router serving %s: HTTP%s on %s:%d, gRPC on %s:%d (%s); pods: %s",

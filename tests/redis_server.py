@@ -43,13 +43,23 @@ class RedisServer:
     def __init__(self, workdir: Path) -> None:
         self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
+        self._workdir = workdir
+        self._start()
+
+    def _start(self) -> None:
         self._proc = subprocess.Popen(
             [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1",
-             "--save", "", "--appendonly", "no", "--dir", str(workdir)],
+             "--save", "", "--appendonly", "no", "--dir", str(self._workdir)],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
         self._wait_ready(timeout_s=10.0)
+
+    def restart(self) -> None:
+        """Start again on the same port, empty (no persistence): after `stop()`,
+        a Redis that was lost and comes back with nothing."""
+        assert self._proc.poll() is not None, "stop() it first"
+        self._start()
 
     def _wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

@@ -1,6 +1,7 @@
 """`ClientConcurrency`: at most N generation requests in flight per client,
-so one client cannot take every slot of the router (HTTP front door,
-`--max-concurrent-per-client`, 0 = off).
+so one client cannot take every slot of the router (both front doors share
+one count, `--max-concurrent-per-client`, 0 = off; gRPC answers
+RESOURCE_EXHAUSTED, router/grpc_server.py).
 
 A client is its API key when the router checks one (the key presented,
 kept only as a hash), else its address as the connection shows it (behind a
@@ -10,8 +11,8 @@ the limit is answered 429 at once, its body unread, with a message naming the
 limit; a slot is held from the handler's start until its response (a stream:
 its last event) is sent or the client goes away.
 
-One instance per router process, used by the HTTP middleware on the event
-loop only (no lock needed). With several router workers the limit holds per
+One instance per router process, used by the HTTP middleware and the gRPC
+servicer on the router's event loop only (no lock needed). With several router workers the limit holds per
 worker.
 """
 

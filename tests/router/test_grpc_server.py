@@ -87,6 +87,40 @@ def test_api_key_on_grpc(tiny_model_dir):
     run(main())
 
 
+async def _read_to_end(call) -> list[pb.GenerateResponse]:
+    messages = []
+    while (message := await call.read()) is not grpc.aio.EOF:
+        messages.append(message)
+    return messages
+
+
+def test_per_client_concurrency_on_grpc(tiny_model_dir):
+    """--max-concurrent-per-client holds on the gRPC front door too: a third
+    stream from one address is RESOURCE_EXHAUSTED naming the limit while two
+    stream on, and a slot frees when a stream ends."""
+    async def main():
+        roles = {"colocated": [Behaviour(delay=0.05)]}
+        async with fake_cluster(tiny_model_dir, roles, max_concurrent_per_client=2) as (server,
+                                                                                      _):
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+                stub = pdserve_pb2_grpc.RouterStub(channel)
+                request = pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(
+                    max_tokens=40))
+                calls = [stub.Generate(request) for _ in range(2)]
+                for call in calls:
+                    await call.read()  # both hold a slot now
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await _generate(stub, request)
+                rest = [await _read_to_end(call) for call in calls]
+                again = await _generate(stub, pb.GenerateRequest(
+                    prompt="hi", sampling=pb.SamplingParams(max_tokens=2)))
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "the limit is 2 per client address" in info.value.details()
+        assert all(r[-1].finish_reason == "length" for r in rest)
+        assert again[-1].usage.completion_tokens == 2
+    run(main())
+
+
 def test_cancelled_generate_cancels_the_pod_call(tiny_model_dir):
     async def main():
         roles = {"colocated": [Behaviour(delay=0.05)]}

@@ -1,5 +1,6 @@
-"""Redis lost and restored empty (FLUSHALL) under load: real pods, a real
-`pdserve router`, a real redis-server.
+"""Redis restored empty (FLUSHALL), and Redis lost (killed) then back empty
+on the same port, under load: real pods, a real `pdserve router`, a real
+redis-server.
 
 A pod that vanishes from Redis but still answers its health polls stays
 routable for the registry grace period (router/registry/poller.py), and its
@@ -38,9 +39,24 @@ def _post(router: RouterProcess, prompt: str) -> int:
         return exc.code
 
 
+def _flush(redis_server: RedisServer) -> None:
+    client = redis_server.client()
+    try:
+        client.flushall()
+    finally:
+        client.close()
+
+
+def _lose_and_restore_empty(redis_server: RedisServer) -> None:
+    redis_server.stop()  # SIGKILL: every connection to it breaks
+    time.sleep(1.0)  # lost for a while, under load (the disruption itself, not a wait)
+    redis_server.restart()
+
+
 @pytest.mark.timeout(180)
-def test_flushall_under_load_drops_no_pod_and_pods_re_register(
-    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+@pytest.mark.parametrize("disrupt", [_flush, _lose_and_restore_empty], ids=["flushall", "lost"])
+def test_redis_emptied_under_load_drops_no_pod_and_pods_re_register(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, disrupt
 ) -> None:
     redis_server = RedisServer(tmp_path_factory.mktemp("redis-flush"))
     pods = []
@@ -62,15 +78,15 @@ def test_flushall_under_load_drops_no_pod_and_pods_re_register(
 
         worker = threading.Thread(target=load, daemon=True)
         worker.start()
-        client = redis_server.client()
         keys = [f"pdserve:pods:{p.role}:{p.address}" for p in pods]
+        client = None
         try:
             while len(statuses) < 3:
                 assert worker.is_alive() and len(statuses) < 1000
                 time.sleep(0.05)
-            client.flushall()
+            disrupt(redis_server)
             flushed_at = time.monotonic()
-            assert client.exists(*keys) == 0
+            client = redis_server.client()
             # the heartbeats (ttl 6 s, a beat every 2 s) write the keys back
             while client.exists(*keys) < len(keys):
                 assert time.monotonic() - flushed_at < 5, "pods did not re-register within 5 s"
@@ -82,7 +98,8 @@ def test_flushall_under_load_drops_no_pod_and_pods_re_register(
         finally:
             stop.set()
             worker.join(timeout=35)
-            client.close()
+            if client is not None:
+                client.close()
         assert served_after > 10
         assert [s for s in statuses if s != 200] == [], router.log_tail()
         assert router.healthy_pods() == {"prefill": 1, "decode": 1, "colocated": 0}
