@@ -14,7 +14,11 @@ and the set of block hashes it said it stores:
 * a batch, or a poll (`observe_generation`), with another generation means
   the pod restarted: its entries are dropped before anything else;
 * a gap in the batch numbers (missed batches: Redis pub/sub delivers at most
-  once) is counted and otherwise ignored.
+  once) is counted and otherwise ignored;
+* `expect`: the cache-aware policy adds a prompt's blocks to the pod it just
+  chose, before that pod has computed them, so the follow-ups of a
+  conversation arriving within its prefill (or before its event) go there
+  too; the pod's own events then confirm or evict them.
 
 The index is a hint, never trusted for correctness: a stale entry sends a
 request to a pod that then computes the prefix itself (a cache miss), a
@@ -110,6 +114,25 @@ class PrefixIndex:
                 hashes.pop(block_hash, None)
         for block_hash in batch.stored:
             hashes.pop(block_hash, None)  # re-stored: now the youngest
+            hashes[block_hash] = None
+        excess = len(hashes) - self.max_blocks_per_pod
+        if excess > 0:
+            for block_hash in list(_take(hashes, excess)):
+                del hashes[block_hash]
+
+    def expect(self, address: str, prompt: PromptBlocks) -> None:
+        """This router just sent `prompt` to the pod at `address`: count its
+        reusable blocks as stored there now, before the pod's event says so,
+        so a follow-up arriving within the prefill finds them (as if the
+        event were already in). A pod never heard from is left alone; if the
+        pod does not store them after all, the entries cost at most a miss
+        and age out under the bound."""
+        pod = self._pods.get(address)
+        if pod is None:
+            return
+        hashes = pod.hashes
+        for block_hash in prompt.hashes(pod.block_size):
+            hashes.pop(block_hash, None)
             hashes[block_hash] = None
         excess = len(hashes) - self.max_blocks_per_pod
         if excess > 0:

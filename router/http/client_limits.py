@@ -12,8 +12,8 @@ limit; a slot is held from the handler's start until its response (a stream:
 its last event) is sent or the client goes away.
 
 One instance per router process, used by the HTTP middleware and the gRPC
-servicer on the router's event loop only (no lock needed). With several router workers the limit holds per
-worker.
+servicer on the router's event loop only (no lock needed). With several
+router workers the limit holds per worker.
 """
 
 from __future__ import annotations

@@ -189,8 +189,11 @@ class RoutingPolicy:
                else prefix_key(prompt_token_ids, self.affinity_tokens))
         if self.mode == "cache-aware":
             assert self.index is not None
-            return choose_cache_aware(key, loads, bound, PromptBlocks(prompt_token_ids),
-                                      self.index, tokens_load=role == "prefill")
+            prompt = PromptBlocks(prompt_token_ids)
+            chosen = choose_cache_aware(key, loads, bound, prompt, self.index,
+                                        tokens_load=role == "prefill")
+            self.index.expect(chosen, prompt)  # its blocks will be there (index.py)
+            return chosen
         return choose_bounded(key, loads, epsilon=self.epsilon, slack=slack)
 
     def _warn_store_down(self, exc: SessionStoreError) -> None:

@@ -6,6 +6,7 @@ session-sticky placement; a bad mode is refused by name."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -124,3 +125,14 @@ def test_router_config_and_flags_name_the_same_policies():
         config.RouterConfig(model_dir="m", routing_policy="random")
     with pytest.raises(ValueError, match=r"cache_index_blocks must be in \[1, 67108864\]"):
         config.RouterConfig(model_dir="m", cache_index_blocks=0)
+
+
+def test_cache_aware_sends_a_follow_up_where_its_prefix_went_before_any_event():
+    policy, pool, index = make("cache-aware")
+    for address in PREFILL:
+        holds(index, address, [])  # every pod heard from, nothing cached yet
+    first = choose(policy, PROMPT)
+    # the pod is now computing it (its queue shows it), and no stored event has come
+    pool.loads[first] = dataclasses.replace(pool.loads[first], num_waiting_tokens=50)
+    follow_up = PROMPT + [(i * 7) % 500 + 3 for i in range(40)]
+    assert choose(policy, follow_up) == first  # 50 + 56 new tokens < 0 + 240

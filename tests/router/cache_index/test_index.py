@@ -138,3 +138,22 @@ def test_batched_hashing_equals_block_by_block(length):
     extend_block_hashes(hashes, tokens[:length // 2], 16)
     extend_block_hashes(hashes, tokens, 16)
     assert hashes == chain(tokens, 16)
+
+
+def test_an_expected_prompt_counts_until_its_pod_says_otherwise():
+    index = PrefixIndex(max_blocks_per_pod=3)
+    tokens = list(range(1, 18))  # 4 reusable blocks of 4
+    h = chain(tokens)
+    index.expect(POD, PromptBlocks(tokens))  # never heard from: nothing to go on
+    assert index.cached_tokens(POD, PromptBlocks(tokens)) == 0
+    index.apply(batch(1))
+    index.expect(POD, PromptBlocks(tokens))
+    assert index.num_blocks(POD) == 3  # the bound holds: the oldest (first) block went
+    assert index.cached_tokens(POD, PromptBlocks(tokens)) == 0
+    index.apply(batch(2, evicted=h[1:]))
+    assert index.num_blocks(POD) == 0
+    short = tokens[:9]  # 2 reusable blocks
+    index.expect(POD, PromptBlocks(short))
+    assert index.cached_tokens(POD, PromptBlocks(tokens)) == 8  # a follow-up finds them
+    index.apply(batch(3, evicted=[h[0]]))  # the pod did not keep the first
+    assert index.cached_tokens(POD, PromptBlocks(tokens)) == 0
