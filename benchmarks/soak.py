@@ -26,7 +26,8 @@ requests were lost), p50/p99
 TTFT and end-to-end latency of the ok requests, the RSS of every process
 after --warm-up and at the end (the restarted pod's two processes are not
 comparable and are left out of the growth target), and each pod's free KV
-blocks before and after the load. Target: no lost, hung or mismatched
+blocks before and after the load, and `rss_timeline`: every process's RSS
+every --rss-interval seconds (does growth level off?). Target: no lost, hung or mismatched
 request, RSS growth under 5% after warm-up, every block free at the end.
 """
 
@@ -72,6 +73,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="extra flag for every pod (repeatable), "
                              "e.g. --pod-arg=--num-blocks=512")
     parser.add_argument("--router-arg", action="append", default=[], metavar="ARG")
+    parser.add_argument("--rss-interval", type=float, default=30.0, metavar="SECONDS",
+                        help="how often every process's RSS is sampled for the report's "
+                             "rss_timeline")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json-out", default=None, metavar="PATH")
 
@@ -202,6 +206,31 @@ def _wait_idle(stack: SoakStack, timeout: float = 30) -> dict[str, tuple[int, in
         time.sleep(0.1)
 
 
+class RssTimeline:
+    """Every process's RSS (MiB) every `interval` seconds while the load runs,
+    so a report shows whether growth levels off or keeps going."""
+
+    def __init__(self, stack: SoakStack, interval: float, started: float) -> None:
+        self.samples: list[dict] = []
+        self._stack, self._interval, self._started = stack, interval, started
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="soak-rss", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> list[dict]:
+        self._stop.set()
+        self._thread.join(5)
+        return self.samples
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            rss = _snapshot_rss(self._stack)
+            self.samples.append({"t_s": round(time.monotonic() - self._started, 1),
+                                 **{name: round(b / 2**20, 1) for name, b in rss.items()}})
+
+
 def run_soak(stack: SoakStack, args: argparse.Namespace) -> dict:
     """Drive the load against a started stack; returns the report."""
     duration = args.minutes * 60
@@ -210,8 +239,10 @@ def run_soak(stack: SoakStack, args: argparse.Namespace) -> dict:
     ledger, stop = Ledger(), threading.Event()
     threads = _clients(stack.http_url, SERVED_NAME, args, ledger, stop)
     started = time.monotonic()
+    timeline = RssTimeline(stack, args.rss_interval, started)
     for thread in threads:
         thread.start()
+    timeline.start()
     time.sleep(warm_up)
     rss_start = _snapshot_rss(stack)
     restart = None
@@ -227,9 +258,12 @@ def run_soak(stack: SoakStack, args: argparse.Namespace) -> dict:
         thread.join(args.request_timeout + 10)
     unfinished = sum(t.is_alive() for t in threads)
     rss_end = _snapshot_rss(stack)
+    samples = timeline.stop()
     blocks_end = _wait_idle(stack)
-    return _report(ledger, unfinished, time.monotonic() - started, warm_up, restart,
-                   rss_start, rss_end, blocks_start, blocks_end)
+    report = _report(ledger, unfinished, time.monotonic() - started, warm_up, restart,
+                     rss_start, rss_end, blocks_start, blocks_end)
+    report["rss_timeline"] = samples
+    return report
 
 
 def _report(ledger: Ledger, unfinished: int, seconds: float, warm_up: float,

@@ -32,7 +32,7 @@ def test_a_short_soak_loses_nothing(tiny_model_dir, tmp_path):
         "--model", str(tiny_model_dir), "--minutes", "0.33", "--warm-up", "4",
         "--concurrency", "3", "--max-tokens", "4,24", "--cancel-fraction", "0.3",
         "--restart-at", "0.4", "--pod-arg=--num-blocks=256", "--pod-arg=--block-size=16",
-        "--json-out", str(out)]))
+        "--rss-interval", "5", "--json-out", str(out)]))
     report = json.loads(out.read_text())
     assert status == (0 if report["target_met"] else 1)
     requests = report["requests"]
@@ -47,6 +47,9 @@ def test_a_short_soak_loses_nothing(tiny_model_dir, tmp_path):
     assert set(report["rss"]) == {"prefill", "decode0", "decode1", "router"}
     assert all(r["start_mib"] > 0 and r["end_mib"] > 0 for r in report["rss"].values())
     assert report["rss"]["decode0"]["growth"] is None  # restarted: not comparable
+    timeline = report["rss_timeline"]
+    assert len(timeline) >= 2 and timeline[0]["t_s"] < timeline[-1]["t_s"]
+    assert all(sample["prefill"] > 0 and sample["router"] > 0 for sample in timeline)
     assert report["restart"]["pod"] == "decode0" and report["restart"]["signal"] == "kill"
     assert report["restart"]["back_after_s"] > 0
     for name, blocks in report["kv_blocks"].items():
