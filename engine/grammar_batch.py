@@ -27,6 +27,7 @@ finished only eos is allowed, and the engine stops the request anyway.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -37,7 +38,8 @@ from engine.grammar import GrammarCompiler
 from engine.host_copy import to_device
 from engine.request import Request
 
-_BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
+# Bit b of an int32 word (bit 31 is the sign bit).
+_BITS = torch.tensor([1 << b for b in range(31)] + [-(1 << 31)], dtype=torch.int32)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,9 +66,14 @@ class TokenMask:
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[k, W] int32 bitmask -> [k, vocab_size] bool (True = allowed)."""
-    shifts = _BIT_SHIFTS.to(bitmask.device)
-    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
-    return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
+    bits = (bitmask.unsqueeze(-1) & _bits_on(bitmask.device)) != 0
+    return bits.view(bitmask.shape[0], -1)[:, :vocab_size]
+
+
+@functools.cache
+def _bits_on(device: torch.device) -> torch.Tensor:
+    """`_BITS` on `device`, copied once (a plain copy to CUDA would wait for the stream)."""
+    return _BITS.to(device)
 
 
 class GrammarBatch:
