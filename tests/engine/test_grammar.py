@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import json
 
+import jsonschema
 import pytest
+import tokenizers
+import tokenizers.trainers
 import torch
 
 from engine.grammar import (
@@ -14,6 +17,7 @@ from engine.grammar import (
     GrammarCompiler,
     GrammarKind,
     GrammarSpec,
+    build_tokenizer,
     model_tokenizer,
 )
 from engine.grammar_batch import GrammarBatch, TokenMask, unpack_bitmask
@@ -180,3 +184,49 @@ def test_json_schema_grammar_is_compact(compiler, tokenizer):
     assert matcher.is_stopped()
     spaced = compiler.matcher(GrammarSpec.json_schema(SCHEMA))
     assert not spaced.consume_tokens(tokenizer.encode('{ "n": 7}', add_special_tokens=False))
+
+
+def _sentencepiece_style_tokenizer() -> tokenizers.Tokenizer:
+    """A Llama-2-style tokenizer.json: "▁" for spaces, a "▁" prepended, byte
+    fallback tokens <0x00>..<0xFF>; trained here on a little JSON."""
+    from tokenizers import decoders, models, normalizers
+
+    tok = tokenizers.Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"),
+                                           normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    specials = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256))]
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=600, special_tokens=specials,
+                                             show_progress=False)
+    tok.train_from_iterator(['{"name": "Paris", "n": 12} the quick brown fox'] * 20, trainer)
+    return tok
+
+
+def test_a_sentencepiece_style_tokenizer_yields_valid_documents():
+    """Byte-fallback and "▁" tokens: walk the mask with random allowed tokens
+    until the grammar is complete; the tokenizer decodes a valid document."""
+    tok = _sentencepiece_style_tokenizer()
+    vocab = tok.get_vocab_size()
+    eos = tok.token_to_id("</s>")
+    compiler = GrammarCompiler(lambda: build_tokenizer(tok.to_str(), vocab, [eos]))
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 5},
+                                               "n": SCHEMA["properties"]["n"]},
+              "required": ["name", "n"], "additionalProperties": False}
+    spec = GrammarSpec.json_schema(schema)
+    batch = GrammarBatch(compiler, vocab)
+    g = torch.Generator().manual_seed(0)
+    for i in range(10):
+        request = _request(f"r{i}", spec)
+        batch.start(request)
+        tokens: list[int] = []
+        while not batch.finished(request.request_id) and len(tokens) < 40:
+            allowed = unpack_bitmask(batch.mask([request]).bitmask, vocab)[0]
+            choices = allowed.nonzero().flatten()
+            token = int(choices[torch.randint(len(choices), (1,), generator=g)])
+            if token == eos:
+                break
+            batch.accept(request.request_id, token)
+            tokens.append(token)
+        document = json.loads(tok.decode(tokens))
+        jsonschema.validate(document, schema)
