@@ -16,10 +16,13 @@ import json
 import random
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import jsonschema
 import openai
 import pytest
 
+from proto import pdserve_pb2 as pb
+from proto import pdserve_pb2_grpc
 from tests.router.router_process import start_router, wait_ready
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -135,3 +138,20 @@ def test_bad_schema_is_a_400_naming_response_format(routers, response_format, fr
     error = info.value.body
     assert error["param"].startswith("response_format")
     assert fragment in error["message"]
+
+
+def test_grpc_front_door_carries_the_grammar(routers):
+    with grpc.insecure_channel(routers["pd"].grpc_address) as channel:
+        stub = pdserve_pb2_grpc.RouterStub(channel)
+        sampling = pb.SamplingParams(max_tokens=16, temperature=1.0, seed=5,
+                                     grammar=pb.Grammar(regex="(north|south)-[0-9]"))
+        messages = list(stub.Generate(pb.GenerateRequest(prompt="go", sampling=sampling),
+                                      timeout=120))
+        assert messages[-1].finish_reason == "stop"
+        text = "".join(m.text for m in messages)
+        assert text.split("-")[0] in ("north", "south") and text[-1].isdigit(), text
+        bad = pb.SamplingParams(max_tokens=4, grammar=pb.Grammar(json_schema='{"type": 3}'))
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(pb.GenerateRequest(prompt="go", sampling=bad), timeout=60))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "response_format" in info.value.details()
