@@ -21,6 +21,9 @@ Threads and who calls what:
   so the commit joins the next step without a hop through the event loop).
 * any thread may read `stats` (an immutable snapshot replaced after every
   step) and call `kv_caches()` (the cache tensors never move after start).
+* a worker thread (`asyncio.to_thread`) compiles a request's grammar into
+  the engine's `GrammarCompiler` cache (thread-safe) before the request is
+  queued, so the engine thread never compiles one.
 
 Outputs travel back per request (`engine/request_stream.py`): `add_request`
 / `reserve_remote` register a `RequestStream` (an asyncio queue on the
@@ -167,6 +170,7 @@ class EngineLoop:
         """Queue a request in the engine; its outputs arrive on the returned
         stream. ValueError from the engine (prompt too long, bad params)
         propagates to the caller and nothing stays registered."""
+        await self._compile_grammar(sampling_params)
         stream = RequestStream(request_id, asyncio.get_running_loop())
 
         def add(engine: Any) -> None:
@@ -201,6 +205,7 @@ class EngineLoop:
         propagate. The reservation is None when `local_prefill_below` made
         the engine compute the request itself (`LLMEngine.reserve_remote`):
         its tokens then arrive on the stream from index 0."""
+        await self._compile_grammar(sampling_params)
         stream = RequestStream(request_id, asyncio.get_running_loop())
 
         def reserve(engine: Any) -> RemoteReservation | None:
@@ -219,6 +224,14 @@ class EngineLoop:
 
         reservation = await self._admit(stream, reserve)
         return reservation, stream
+
+    async def _compile_grammar(self, sampling_params: Any) -> None:
+        """Compile a request's grammar (structured outputs) on a worker thread,
+        into the engine's thread-safe cache, so the engine thread only copies
+        the compiled matcher. ValueError when the grammar is invalid."""
+        if sampling_params.grammar is not None:
+            await asyncio.to_thread(self._engine.grammars.compiler.compile,
+                                    sampling_params.grammar)
 
     async def _admit(self, stream: RequestStream, admit: Callable[[Any], T]) -> T:
         """Run `admit(engine)`, a command that registers `stream` and its

@@ -35,6 +35,7 @@ from __future__ import annotations
 import itertools
 import json
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -42,6 +43,8 @@ import torch
 from engine.block_manager import BlockManager, cdiv
 from engine.config import EngineConfig
 from engine.errors import CapacityError
+from engine.grammar import GrammarCompiler, model_tokenizer
+from engine.grammar_batch import GrammarBatch
 from engine.kv_cache import allocate_kv_caches, kv_bytes_per_block, num_blocks_for_budget
 from engine.kv_hook import LayerKVHook
 from engine.layers.linear import prepack, resolve_backend
@@ -110,11 +113,16 @@ class LLMEngine:
                                   async_scheduling=config.use_async_scheduling)
         self.sampler = Sampler(config.seed)
         self.async_scheduling = config.use_async_scheduling
+        self.eos_token_ids = frozenset(mc.eos_token_ids) | _generation_eos_ids(config.model_dir)
+        # Structured outputs: matchers of the requests with a grammar; the
+        # compiler is thread-safe (the pods compile off the engine thread).
+        self.grammars = GrammarBatch(GrammarCompiler(partial(
+            model_tokenizer, config.model_dir, mc.vocab_size, self.eos_token_ids)), mc.vocab_size)
         # On CPU the forwards run on a worker thread, so the engine thread's
         # Python work overlaps them (torch ops release the GIL).
         self._pipeline = StepPipeline(self.runner, self.sampler,
-                                      use_worker=self.async_scheduling and config.device == "cpu")
-        self.eos_token_ids = frozenset(mc.eos_token_ids) | _generation_eos_ids(config.model_dir)
+                                      use_worker=self.async_scheduling and config.device == "cpu",
+                                      grammars=self.grammars)
         self._tokenizer = None  # loaded by the first generate() that needs text
         self._generate_ids = itertools.count()
         self._requests: dict[str, Request] = {}
@@ -166,6 +174,8 @@ class LLMEngine:
         the pool but stay in the prefix cache."""
         request = self._new_request(request_id, prompt_token_ids, sampling_params,
                                     output_token_ids, prefill_only=prefill_only)
+        if sampling_params.grammar is not None:
+            self.grammars.start(request)
         self._requests[request_id] = request
         self.scheduler.add(request)
 
@@ -202,11 +212,14 @@ class LLMEngine:
         total = request.num_prompt_tokens + sampling_params.max_tokens
         if self.scheduler.num_seqs >= self.config.max_num_seqs:
             raise CapacityError(f"all {self.config.max_num_seqs} sequence slots are taken")
+        if sampling_params.grammar is not None:
+            self.grammars.start(request)
         held = self.block_manager.match_prefix(request)  # pinned: counted in block_ids
         needed = cdiv(total, self.config.block_size) - len(request.block_ids)
         free = self.block_manager.num_free_blocks
         if needed > free:
             self.block_manager.free(request)  # lets go of the held prefix
+            self.grammars.drop(request_id)
             raise CapacityError(f"request needs {needed} KV blocks, {free} are free")
         self.block_manager.allocate_slots(request, total)
         self._requests[request_id] = request
@@ -227,8 +240,10 @@ class LLMEngine:
         if not 0 <= first_token_id < self.model_config.vocab_size:
             raise ValueError(f"first_token_id {first_token_id} is outside the vocabulary "
                              f"[0, {self.model_config.vocab_size})")
+        self.grammars.check_next(request_id, first_token_id)
         request.num_computed_tokens = request.num_context_tokens
         request.append_output_token(first_token_id)
+        self.grammars.accept(request_id, first_token_id)
         self.block_manager.cache_computed_blocks(request)
         status = self._stop_status(request, first_token_id, prefill_only=False)
         if status is None:
@@ -259,6 +274,11 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
+        if self.grammars and self._pipeline and self.grammars.tokens_in_flight():
+            # A grammar request's next mask needs the token in flight: complete
+            # that step before planning the next (grammar batches lose the overlap).
+            while self._pipeline:
+                outputs.extend(self._finish_step(self._pipeline.complete()))
         plan = self.scheduler.schedule()
         if plan.scheduled:
             self._pipeline.launch(plan)
@@ -272,11 +292,14 @@ class LLMEngine:
         """A completed step's tokens: append, stop checks, outputs."""
         self.scheduler.update_computed(step.plan)
         outputs = []
+        grammars = self.grammars if self.grammars else None
         for request, token, logprob in zip(step.sampling_requests, step.sampled.token_ids,
                                            step.sampled.logprobs, strict=True):
             if request.is_finished:
                 continue  # stopped or aborted while this step was in flight: discarded
             request.append_output_token(token)
+            if grammars is not None:
+                grammars.accept(request.request_id, token)
             status = self._stop_status(request, token, prefill_only=request.prefill_only)
             if status is not None:
                 self._finish(request, status)
@@ -293,6 +316,8 @@ class LLMEngine:
         if (token in self.eos_token_ids and not params.ignore_eos) or (
                 token in params.stop_token_ids):
             return RequestStatus.FINISHED_STOPPED
+        if self.grammars and self.grammars.finished(request.request_id):
+            return RequestStatus.FINISHED_STOPPED  # the grammar is complete
         if (request.num_output_tokens >= params.max_tokens
                 or request.num_tokens >= self.max_model_len):
             return RequestStatus.FINISHED_LENGTH
@@ -301,6 +326,7 @@ class LLMEngine:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         self.scheduler.finish(request, status)
         del self._requests[request.request_id]
+        self.grammars.drop(request.request_id)
 
     def stats(self) -> EngineStats:
         """Counts for GetLoad and the gauges (engine loop thread)."""

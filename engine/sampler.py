@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
+from engine.grammar_batch import TokenMask
 from engine.host_copy import to_device
 from engine.outputs import TokenLogprobs
 from engine.sampling_params import SamplingParams
@@ -96,16 +97,21 @@ class Sampler:
         return self.sample(logits, params, output_indices).output(params)
 
     def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams],
-               output_indices: Sequence[int]) -> SampledTensors:
+               output_indices: Sequence[int],
+               token_mask: TokenMask | None = None) -> SampledTensors:
         """Like `__call__`, but the result stays on the logits' device: no
         host sync (the unseeded and seeded noise is drawn on the CPU and
-        copied over, in row order, so the generators are used as before)."""
+        copied over, in row order, so the generators are used as before).
+        `token_mask` (grammar rows, engine/grammar_batch.py) sets disallowed
+        tokens to -inf first: what is sampled and the logprobs see the mask."""
         if logits.dim() != 2 or not logits.shape[0] == len(params) == len(output_indices):
             raise ValueError(
                 f"logits {tuple(logits.shape)} must be [n, V] with n == "
                 f"{len(params)} params == {len(output_indices)} indices"
             )
         logits = logits.float()
+        if token_mask is not None:
+            logits = token_mask.apply(logits)
         token_ids = logits.argmax(dim=-1)
         if not all(p.greedy for p in params):
             greedy = to_device(torch.tensor([p.greedy for p in params]), logits.device)

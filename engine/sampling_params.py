@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from engine.grammar import GrammarSpec
+
 MAX_LOGPROBS = 20
 MAX_SEED = 2**64 - 1
 
@@ -21,9 +23,13 @@ class SamplingParams:
 
     `logprobs=n` returns, for each output token, its logprob and the top-n
     tokens' logprobs, all under the model's raw distribution
-    (log_softmax of the logits before temperature, top-k and top-p).
+    (log_softmax of the logits before temperature, top-k and top-p; with a
+    `grammar`, after its mask, as vLLM does).
     `stop` strings are honoured by whoever detokenizes (`LLMEngine.generate`
     locally, the router when disaggregated); `stop_token_ids` by the engine.
+    `grammar` (structured outputs, engine/grammar.py): every sampled token
+    follows it, eos only where it accepts, and the request stops once it is
+    complete.
     """
 
     temperature: float = 1.0
@@ -35,6 +41,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    grammar: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -53,6 +60,9 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
+            raise ValueError(f"grammar must be a GrammarSpec or None, got "
+                             f"{type(self.grammar).__name__}")
         # Lists are accepted for convenience but stored as tuples (hashable, frozen).
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "stop", tuple(self.stop))

@@ -7,8 +7,11 @@ phases:
                                 while step N may still be in flight; a token
                                 N will sample is an output placeholder.
     launch     (engine thread)  ModelRunner.prepare reads the requests and
-                                builds the inputs; then forward + sampling
-                                are started: queued on the CUDA stream, or
+                                builds the inputs, GrammarBatch.mask the
+                                grammar rows' token mask (their previous
+                                tokens are known: `LLMEngine.step` makes
+                                sure); then forward + sampling are
+                                started: queued on the CUDA stream, or
                                 handed to the one forward worker thread on
                                 CPU. A placeholder row's input id is taken
                                 from step N's sampled-token tensor there, on
@@ -39,6 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.grammar_batch import GrammarBatch, TokenMask
 from engine.model_runner import ModelRunner, PreparedStep
 from engine.request import Request
 from engine.sampler import SampledTensors, Sampler, SamplerOutput
@@ -81,9 +85,11 @@ class StepPipeline:
     """Steps launched and not yet completed, oldest first. `use_worker`: run
     forwards on a worker thread (CPU async scheduling)."""
 
-    def __init__(self, runner: ModelRunner, sampler: Sampler, *, use_worker: bool) -> None:
+    def __init__(self, runner: ModelRunner, sampler: Sampler, *, use_worker: bool,
+                 grammars: GrammarBatch) -> None:
         self._runner = runner
         self._sampler = sampler
+        self._grammars = grammars
         self._cuda = runner.device.type == "cuda"
         self._worker = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-forward")
                         if use_worker else None)
@@ -102,8 +108,9 @@ class StepPipeline:
         params = tuple(r.sampling_params for r in requests)
         # The scheduler counted this step's token as a placeholder already.
         indices = tuple(r.num_output_tokens + r.num_output_placeholders - 1 for r in requests)
+        mask = self._grammars.mask(requests)
         result = self._submit(self._run, inputs, None if previous is None else previous.result,
-                              params, indices)
+                              params, indices, mask)
         self._in_flight.append(_Launched(plan, requests, params, result))
 
     def complete(self) -> CompletedStep:
@@ -123,7 +130,8 @@ class StepPipeline:
         return future
 
     def _run(self, inputs: PreparedStep, previous: Future[_Result] | None,
-             params: tuple[SamplingParams, ...], indices: tuple[int, ...]) -> _Result:
+             params: tuple[SamplingParams, ...], indices: tuple[int, ...],
+             mask: TokenMask | None) -> _Result:
         """Forward + sampling (worker thread on CPU). `previous` is done: the
         worker runs steps in order, and on CUDA its tensors are stream-ordered."""
         previous_tokens = None
@@ -133,7 +141,7 @@ class StepPipeline:
         output = self._runner.forward(inputs, previous_tokens)
         token_ids = host = None
         if params:
-            sampled = self._sampler.sample(output.logits, params, indices)
+            sampled = self._sampler.sample(output.logits, params, indices, mask)
             token_ids = sampled.token_ids
             host = sampled.to("cpu", non_blocking=True) if self._cuda else sampled
         done = None

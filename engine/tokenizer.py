@@ -111,6 +111,11 @@ class Tokenizer:
         """Number of ids the tokenizer can produce, special tokens included."""
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    def to_json(self) -> str:
+        """The tokenizer as `tokenizers` JSON (what tokenizer.json holds): the
+        form llguidance builds its token table from (engine/grammar.py)."""
+        return self._tok.to_str()
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; with special tokens, BOS first (see module doc)."""
         if not isinstance(text, str):

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from engine.grammar import GrammarKind, GrammarSpec
 from engine.outputs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from proto import pdserve_pb2
@@ -55,7 +56,14 @@ def sampling_from_proto(msg: pdserve_pb2.SamplingParams) -> SamplingParams:
         stop=tuple(msg.stop),
         ignore_eos=msg.ignore_eos,
         logprobs=msg.logprobs if msg.logprobs > 0 else None,
+        grammar=grammar_from_proto(msg),
     )
+
+
+def grammar_from_proto(msg: pdserve_pb2.SamplingParams) -> GrammarSpec | None:
+    """The request's grammar (the oneof's field name is the GrammarKind), or None."""
+    kind = msg.grammar.WhichOneof("spec") if msg.HasField("grammar") else None
+    return None if kind is None else GrammarSpec(GrammarKind(kind), getattr(msg.grammar, kind))
 
 
 def check_context(prompt_token_ids: Sequence[int], output_token_ids: Sequence[int],

@@ -35,6 +35,7 @@ from router.flow.request_flow import RequestFlow
 from router.generation import GenerationRequest, ParsedRequest
 from router.limits import InputLimits
 from router.sampling import fit_context
+from router.structured_output import GrammarCheck
 
 T = TypeVar("T")
 
@@ -67,6 +68,7 @@ class Frontend:
         self.created = int(time.time())
         self._tokenizer_pool = ThreadPoolExecutor(TOKENIZER_THREADS,
                                                   thread_name_prefix="router-tokenize")
+        self._grammars = GrammarCheck(tokenizer)
 
     async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)` on the tokenizer threads (CPU work a front door must keep
@@ -101,7 +103,9 @@ class Frontend:
 
     async def prepare(self, parsed: ParsedRequest, session_id: str | None) -> GenerationRequest:
         """Check the prompt's length, tokenize (a long prompt off the event
-        loop) and check the context limit; raise ApiError 400 on any problem."""
+        loop) and check the context limit; compile a grammar (structured
+        outputs, on the same threads); raise ApiError 400 on any problem."""
+        await self._grammars.check(parsed.sampling.grammar, self.run_blocking)
         size = (self.limits.check_prompt_chars(parsed, self.max_model_len)
                 or len(parsed.prompt_token_ids or ()))
         if size <= INLINE_PROMPT_SIZE and len(parsed.messages) <= INLINE_MESSAGES:

@@ -20,6 +20,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from engine.grammar import GrammarKind, GrammarSpec
 from proto import pdserve_pb2 as pb
 from router.api_error import ApiError, bad_request
 
@@ -69,7 +70,8 @@ class SamplingSpec:
     the prompt's length is known, and a `GenerationRequest` requires it set.
     `top_k` 0 = off (-1, vLLM's "off", is stored as 0). `logprobs` None =
     off, else the number of top alternatives per token (0 = only the
-    sampled token's logprob)."""
+    sampled token's logprob). `grammar` (structured outputs,
+    router.structured_output): None = unconstrained."""
 
     max_tokens: int | None = None
     temperature: float = 1.0
@@ -79,6 +81,7 @@ class SamplingSpec:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    grammar: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and self.max_tokens < 1:
@@ -144,7 +147,18 @@ def sampling_from_proto(message: pb.SamplingParams) -> SamplingSpec:
         stop=tuple(message.stop),
         ignore_eos=message.ignore_eos,
         logprobs=message.logprobs or None,
+        grammar=_grammar_from_proto(message),
     )
+
+
+def _grammar_from_proto(message: pb.SamplingParams) -> GrammarSpec | None:
+    kind = message.grammar.WhichOneof("spec") if message.HasField("grammar") else None
+    if kind is None:
+        return None
+    try:
+        return GrammarSpec(GrammarKind(kind), getattr(message.grammar, kind))
+    except ValueError as exc:
+        raise SamplingError("grammar", str(exc)) from None
 
 
 def sampling_to_proto(spec: SamplingSpec) -> pb.SamplingParams:
@@ -164,4 +178,6 @@ def sampling_to_proto(spec: SamplingSpec) -> pb.SamplingParams:
     )
     if spec.seed is not None:
         message.seed = spec.seed
+    if spec.grammar is not None:  # the oneof's field name is the kind
+        message.grammar.MergeFrom(pb.Grammar(**{spec.grammar.kind.value: spec.grammar.text}))
     return message

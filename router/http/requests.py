@@ -22,6 +22,7 @@ from typing import Any
 from router.api_error import ApiError, bad_request
 from router.generation import ChatMessage, ParsedRequest
 from router.sampling import SamplingError, SamplingSpec
+from router.structured_output import grammar_from_body
 
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 # Fields accepted only at their neutral value: the pods cannot honour others.
@@ -104,6 +105,7 @@ def _sampling(body: dict, kind: str) -> SamplingSpec:
             stop=_stop_field(body.get("stop")),
             ignore_eos=_bool_field(body, "ignore_eos"),
             logprobs=logprobs,
+            grammar=grammar_from_body(body),
         )
     except SamplingError as exc:
         raise exc.to_api_error(names.get(exc.field, exc.field)) from None

@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 
+from engine.grammar import GrammarKind, GrammarSpec
 from engine.sampling_params import SamplingParams
 from pod.messages import (
     CheckedRequest,
@@ -35,6 +36,16 @@ def test_every_field_is_carried():
     assert dataclasses.replace(params, temperature=0.7) == SamplingParams(
         temperature=0.7, top_p=0.5, top_k=9, seed=0, max_tokens=4,
         stop_token_ids=(3, 4), stop=("\n",), ignore_eos=True, logprobs=2)
+
+
+@pytest.mark.parametrize("kind", list(GrammarKind))
+def test_grammar_is_carried(kind):
+    msg = pdserve_pb2.SamplingParams(max_tokens=3,
+                                     grammar=pdserve_pb2.Grammar(**{kind.value: "x+"}))
+    assert sampling_from_proto(msg).grammar == GrammarSpec(kind, "x+")
+    assert sampling_from_proto(pdserve_pb2.SamplingParams(max_tokens=3)).grammar is None
+    empty = pdserve_pb2.SamplingParams(max_tokens=3, grammar=pdserve_pb2.Grammar())
+    assert sampling_from_proto(empty).grammar is None  # no oneof field set: no grammar
 
 
 @pytest.mark.parametrize(("prompt", "outputs", "max_tokens", "message"), [
