@@ -2,10 +2,11 @@
 
 `llama3_json` and `hermes` name a parser; `auto` (the default) reads the
 model's chat template: one that writes `<tool_call>` (Hermes, Qwen2.5,
-Qwen3) gets `hermes`; one that tells the model to answer with
-`"parameters"` JSON or uses Llama's `<|python_tag|>`/`ipython` role
-(Llama 3.1-3.3) gets `llama3_json`. A template showing neither has no known
-format: tool requests are then refused with a 400 that names the flag.
+Qwen3) gets `hermes`; one with Llama's `ipython` role or `<|python_tag|>`
+(Llama 3.1-3.3 all have the role) gets `llama3_json`. A template showing
+neither (Mistral's `[TOOL_CALLS]`, for one) has no known format: tool
+requests are then refused with a 400 that names the flag, rather than
+served with calls left unread in the content.
 """
 
 from __future__ import annotations
@@ -27,8 +28,7 @@ def detect_parser(chat_template: str | None) -> str | None:
         return None
     if OPEN_TAG in chat_template:
         return HermesParser.name
-    if ("<|python_tag|>" in chat_template or "ipython" in chat_template
-            or '"parameters"' in chat_template):
+    if "<|python_tag|>" in chat_template or "ipython" in chat_template:
         return Llama3JsonParser.name
     return None
 
