@@ -101,7 +101,8 @@ class _TemplateDict:
 class _TemplateNamespace(jinja2.utils.Namespace):
     """jinja2's namespace(), refusing underscore attributes (a sandbox escape route)."""
 
-    def __init__(*args: Any, **kwargs: Any) -> None:  # noqa: N805 - jinja's own signature
+    # no named `self`, as in jinja2.utils.Namespace: "self" may be one of the keys
+    def __init__(*args: Any, **kwargs: Any) -> None:
         self, args = args[0], args[1:]
         attrs = dict(*args, **kwargs)
         for name in attrs:
