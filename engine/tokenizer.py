@@ -22,7 +22,11 @@ from typing import Any
 
 import tokenizers
 
-from engine.chat_template import compile_chat_template, render_chat_template
+from engine.chat_template import (
+    compile_chat_template,
+    render_chat_template,
+    template_variables,
+)
 from engine.errors import CheckpointError
 
 
@@ -53,6 +57,7 @@ class Tokenizer:
     def __init__(self, hf_tokenizer: tokenizers.Tokenizer, *, bos_token: str | None = None,
                  eos_tokens: Sequence[str] = (), extra_eos_token_ids: Sequence[int] = (),
                  add_bos_token: bool = False, chat_template: str | None = None,
+                 template_tokens: Mapping[str, str] | None = None,
                  source: str = "<memory>") -> None:
         self._tok = hf_tokenizer
         self._source = source
@@ -65,6 +70,12 @@ class Tokenizer:
         self.add_bos_token = add_bos_token
         self.chat_template = chat_template
         self._template = compile_chat_template(chat_template) if chat_template else None
+        # The names the template reads ("tools", "documents", ...): the router
+        # refuses input the template would silently drop.
+        self.template_variables = (template_variables(chat_template) if chat_template
+                                   else frozenset())
+        # Special tokens besides BOS/EOS that HF passes to templates (unk_token, pad_token)
+        self._template_tokens = dict(template_tokens or {})
 
     def _id_of(self, token: str) -> int:
         token_id = self._tok.token_to_id(token)
@@ -103,6 +114,8 @@ class Tokenizer:
             extra_eos_token_ids=[int(t) for t in gen_eos_ids],
             add_bos_token=bool(config.get("add_bos_token", False)),
             chat_template=template,
+            template_tokens={name: text for name in ("unk_token", "pad_token")
+                             if (text := _token_text(config.get(name))) is not None},
             source=str(tok_path),
         )
 
@@ -131,20 +144,29 @@ class Tokenizer:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
-                            add_generation_prompt: bool = True) -> str:
-        """Render a conversation ([{"role", "content"}, ...]) to the prompt
-        text. ValueError when the model has no template or the messages are
+                            add_generation_prompt: bool = True, *,
+                            tools: list[dict[str, Any]] | None = None,
+                            documents: list[dict[str, Any]] | None = None) -> str:
+        """Render a conversation ([{"role", "content"}, ...], tool calls and
+        tool results as HF passes them) to the prompt text, with `tools`
+        (OpenAI function schemas) and `documents` as HF passes them.
+        ValueError when the model has no template or the messages are
         malformed or rejected by the template."""
         if self._template is None:
             raise ValueError(f"{self._source}: this model has no chat template; "
                              "use a completion request with a plain prompt")
         return render_chat_template(self._template, messages,
                                     add_generation_prompt=add_generation_prompt,
-                                    bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+                                    tools=tools, documents=documents,
+                                    bos_token=self.bos_token, eos_token=self.eos_token,
+                                    **self._template_tokens)
 
     def encode_chat(self, messages: list[dict[str, Any]],
-                    add_generation_prompt: bool = True) -> list[int]:
+                    add_generation_prompt: bool = True, *,
+                    tools: list[dict[str, Any]] | None = None,
+                    documents: list[dict[str, Any]] | None = None) -> list[int]:
         """Token ids of the rendered conversation. The template writes its
         own special tokens (BOS included), so none are added here."""
-        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                        tools=tools, documents=documents)
         return self.encode(text, add_special_tokens=False)

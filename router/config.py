@@ -19,6 +19,8 @@ from proto.tls import PodSecurity, TlsFiles
 RELAYS = ("session", "stream")
 # router/routing/cache_aware.py's modes (repeated here: the config imports no routing code)
 ROUTING_POLICIES = ("first-tokens", "session-sticky", "cache-aware", "round-robin")
+# router/tools/select.py's choices (repeated, as above)
+TOOL_CALL_PARSERS = ("auto", "llama3_json", "hermes")
 
 
 def _check_port(name: str, port: int, *, allow_zero: bool = True) -> None:
@@ -106,6 +108,9 @@ class RouterConfig:
     http_header_timeout: float = 30.0
     http_keepalive_timeout: float = 75.0
     max_concurrent_per_client: int = 0
+    # How tool calls are read from chat replies (router/tools/select.py):
+    # auto (from the chat template) | llama3_json | hermes.
+    tool_call_parser: str = "auto"
 
     def __post_init__(self) -> None:
         if not self.model_dir:
@@ -168,6 +173,9 @@ class RouterConfig:
         if self.routing_policy not in ROUTING_POLICIES:
             raise ValueError(f"routing_policy must be one of {', '.join(ROUTING_POLICIES)}, "
                              f"got {self.routing_policy!r}")
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
+                             f"got {self.tool_call_parser!r}")
         if not 1 <= self.cache_index_blocks <= 1 << 26:
             raise ValueError(f"cache_index_blocks must be in [1, {1 << 26}], "
                              f"got {self.cache_index_blocks}")

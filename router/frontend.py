@@ -36,6 +36,9 @@ from router.generation import GenerationRequest, ParsedRequest
 from router.limits import InputLimits
 from router.sampling import fit_context
 from router.structured_output import GrammarCheck
+from router.tools.extractor import ToolCallExtractor
+from router.tools.request import check_served
+from router.tools.select import make_parser, resolve_parser
 
 T = TypeVar("T")
 
@@ -57,6 +60,7 @@ class Frontend:
         tokenizer: Tokenizer,
         deps: FlowDeps,
         limits: InputLimits | None = None,
+        tool_call_parser: str = "auto",
     ) -> None:
         if max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
@@ -66,6 +70,8 @@ class Frontend:
         self.deps = deps
         self.limits = limits or InputLimits.for_context(max_model_len)
         self.created = int(time.time())
+        # None: the template shows no known call format (tool requests get a 400)
+        self.tool_parser = resolve_parser(tool_call_parser, tokenizer.chat_template)
         self._tokenizer_pool = ThreadPoolExecutor(TOKENIZER_THREADS,
                                                   thread_name_prefix="router-tokenize")
         self._grammars = GrammarCheck(tokenizer)
@@ -93,9 +99,13 @@ class Frontend:
                 )
             return list(parsed.prompt_token_ids)
         if parsed.kind == "chat":
-            messages = [{"role": m.role, "content": m.content} for m in parsed.messages]
+            check_served(parsed.tools, parsed.documents, self.tokenizer.template_variables,
+                         self.tool_parser)
+            messages = [m.to_template() for m in parsed.messages]
             try:
-                return self.tokenizer.encode_chat(messages)
+                return self.tokenizer.encode_chat(
+                    messages, tools=parsed.tools.template_tools() if parsed.tools else None,
+                    documents=list(parsed.documents) if parsed.documents is not None else None)
             except ValueError as exc:
                 raise bad_request(str(exc), "messages") from None
         assert parsed.prompt is not None
@@ -126,6 +136,15 @@ class Frontend:
         return RequestFlow(
             request, deps=self.deps, detokenizer=IncrementalDetokenizer(self.tokenizer)
         )
+
+    def tool_extractor(self, parsed: ParsedRequest) -> ToolCallExtractor | None:
+        """The request's tool-call extractor; None when its output is not
+        read for calls (no tools, or tool_choice "none")."""
+        if parsed.tools is None or not parsed.tools.parses_calls:
+            return None
+        assert self.tool_parser is not None  # check_served refused the request otherwise
+        max_calls = None if parsed.tools.parallel_tool_calls else 1
+        return ToolCallExtractor(make_parser(self.tool_parser, max_calls=max_calls))
 
     def token_text(self, token_id: int) -> str:
         """One token's text, for logprobs (special tokens shown, not skipped)."""

@@ -9,16 +9,39 @@ delta has `finish_reason` and `usage` set. All immutable.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from router.sampling import SamplingSpec
 
-FINISH_REASONS = ("stop", "length", "abort")
+if TYPE_CHECKING:
+    from router.tools.request import ToolRequest
+
+# "tool_calls": a chat reply that ended by calling tools (router.tools.extractor)
+FINISH_REASONS = ("stop", "length", "abort", "tool_calls")
 
 
 @dataclass(frozen=True, slots=True)
 class ChatMessage:
+    """One message. `content` None only on an assistant turn that calls tools;
+    `tool_calls` as the template gets them (arguments an object, see
+    router.tools.request.parse_message_tool_fields)."""
+
     role: str
-    content: str
+    content: str | None
+    tool_calls: tuple[dict[str, Any], ...] = ()
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    def to_template(self) -> dict[str, Any]:
+        """The message as HF's apply_chat_template passes it to a template."""
+        message: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            message["tool_calls"] = [dict(call) for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            message["name"] = self.name
+        return message
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +62,8 @@ class ParsedRequest:
     stream: bool = False
     include_usage: bool = False
     user: str | None = None
+    tools: ToolRequest | None = None  # chat only
+    documents: tuple[dict[str, Any], ...] | None = None  # chat only: the template's documents
 
     def __post_init__(self) -> None:
         if self.kind not in ("completion", "chat"):
@@ -106,6 +131,18 @@ class Usage:
 
 
 @dataclass(frozen=True, slots=True)
+class ToolCallDelta:
+    """Part of one tool call, as an OpenAI `delta.tool_calls` entry: the
+    first part of call `index` carries its `id` and `name`, later ones only
+    more `arguments` text (all parts' arguments concatenate to the JSON)."""
+
+    index: int
+    arguments: str = ""
+    id: str | None = None
+    name: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Delta:
     """New output since the previous delta.
 
@@ -120,6 +157,7 @@ class Delta:
     logprobs: tuple[OutputLogprobs, ...] = ()
     finish_reason: str | None = None
     usage: Usage | None = None
+    tool_calls: tuple[ToolCallDelta, ...] = ()  # chat with tools (router.tools.extractor)
 
     def __post_init__(self) -> None:
         if self.finish_reason is not None and self.finish_reason not in FINISH_REASONS:

@@ -68,7 +68,7 @@ class InputLimits:
         if parsed.prompt is not None:
             chars, field = len(parsed.prompt), "prompt"
         elif parsed.messages:
-            chars, field = sum(len(m.content) for m in parsed.messages), "messages"
+            chars, field = sum(len(m.content or "") for m in parsed.messages), "messages"
         else:
             return 0
         if chars > self.max_prompt_chars:

@@ -141,7 +141,8 @@ class RouterServer:
         )
         frontend = self._frontend = Frontend(model_name=c.model_name,
                                              max_model_len=max_model_len,
-                                             tokenizer=tokenizer, deps=deps)
+                                             tokenizer=tokenizer, deps=deps,
+                                             tool_call_parser=c.tool_call_parser)
         auth = ApiKeyCheck(c.api_key)
         client_limits = ClientConcurrency(c.max_concurrent_per_client)  # both front doors
         app = build_app(frontend, self.pool, auth, client_limits)

@@ -93,6 +93,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "address); more get 429 (default 0 = no limit)")
     parser.add_argument("--ready-file", default=None, metavar="PATH",
                         help='written once serving: {"http": port, "grpc": port}')
+    parser.add_argument("--tool-call-parser", default="auto",
+                        choices=("auto", "llama3_json", "hermes"),
+                        help="how tool calls are read from chat replies: llama3_json (Llama "
+                             "3.x JSON), hermes (<tool_call> tags: Hermes, Qwen), auto (from "
+                             "the chat template; tool requests get a 400 if it shows neither)")
     parser.add_argument("--log-level", default="INFO")
     add_pinning_arguments(parser, threads=False)
     from pdserve.commands._security_flags import add_router_security_arguments
@@ -140,6 +145,7 @@ def config_from_args(args: argparse.Namespace):
         http_header_timeout=args.http_header_timeout,
         http_keepalive_timeout=args.http_keepalive_timeout,
         max_concurrent_per_client=args.max_concurrent_per_client,
+        tool_call_parser=args.tool_call_parser,
     )
 
 

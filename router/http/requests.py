@@ -23,8 +23,9 @@ from router.api_error import ApiError, bad_request
 from router.generation import ChatMessage, ParsedRequest
 from router.sampling import SamplingError, SamplingSpec
 from router.structured_output import grammar_from_body
+from router.tools.request import parse_documents, parse_message_tool_fields, parse_tool_request
 
-CHAT_ROLES = ("system", "developer", "user", "assistant")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # Fields accepted only at their neutral value: the pods cannot honour others.
 _NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "best_of": 1, "echo": False}
 
@@ -223,8 +224,13 @@ def parse_chat(body: Any, sampling: SamplingSpec | None = None) -> ParsedRequest
                 f"'messages[{i}].role' must be one of {', '.join(CHAT_ROLES)}, got {role!r}",
                 f"messages[{i}].role",
             )
-        messages.append(ChatMessage(role=role, content=_message_content(raw.get("content"), i)))
-    return ParsedRequest(kind="chat", messages=tuple(messages), **fields)
+        tool_fields = parse_message_tool_fields(raw, role, i)
+        content: str | None = _message_content(raw.get("content"), i)
+        if raw.get("content") is None and tool_fields.get("tool_calls"):
+            content = None  # a turn that only calls tools: templates test `message.content`
+        messages.append(ChatMessage(role=role, content=content, **tool_fields))
+    return ParsedRequest(kind="chat", messages=tuple(messages), tools=parse_tool_request(body),
+                         documents=parse_documents(body), **fields)
 
 
 def check_model(model: str, served_name: str) -> None:

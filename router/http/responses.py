@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from router.generation import Delta, OutputLogprobs, Usage
+from router.generation import Delta, OutputLogprobs, ToolCallDelta, Usage
 
 DONE_EVENT = b"data: [DONE]\n\n"
 _TEXT_SLOT = "\x01pdserve-text\x01"  # stands for the text while the event template is built
@@ -39,6 +39,18 @@ class _Collected:
 
     text: list[str] = field(default_factory=list)
     logprobs: list[OutputLogprobs] = field(default_factory=list)
+    tool_calls: dict[int, dict[str, Any]] = field(default_factory=dict)  # by index
+
+
+def _stream_tool_call(call: ToolCallDelta) -> dict[str, Any]:
+    """A `delta.tool_calls` entry: id, type and name only in a call's first one."""
+    entry: dict[str, Any] = {"index": call.index}
+    function: dict[str, Any] = {"arguments": call.arguments}
+    if call.id is not None:
+        entry.update(id=call.id, type="function")
+        function = {"name": call.name, "arguments": call.arguments}
+    entry["function"] = function
+    return entry
 
 
 class ResponseShaper:
@@ -140,14 +152,18 @@ class ResponseShaper:
 
     def chunk(self, delta: Delta) -> dict[str, Any] | None:
         """The SSE payload for one delta, or None when it carries nothing to show."""
-        if not delta.text and not delta.logprobs and delta.finish_reason is None:
+        if (not delta.text and not delta.logprobs and delta.finish_reason is None
+                and not delta.tool_calls):
             return None
         logprobs = self._logprobs(delta.logprobs) if delta.logprobs else None
         if self._kind == "chat":
+            # the closing chunk carries an empty delta, as OpenAI's does
+            message: dict[str, Any] = {"content": delta.text} if delta.text else {}
+            if delta.tool_calls:
+                message["tool_calls"] = [_stream_tool_call(c) for c in delta.tool_calls]
             choice: dict[str, Any] = {
                 "index": 0,
-                # the closing chunk carries an empty delta, as OpenAI's does
-                "delta": {"content": delta.text} if delta.text else {},
+                "delta": message,
                 "logprobs": logprobs,
                 "finish_reason": delta.finish_reason,
             }
@@ -166,7 +182,7 @@ class ResponseShaper:
         string put into a template built once per request, the same bytes
         `sse_event` would give, at a fraction of the per-token cost."""
         if not delta.text or delta.logprobs or delta.finish_reason is not None \
-                or self._top_logprobs is not None:
+                or self._top_logprobs is not None or delta.tool_calls:
             chunk = self.chunk(delta)
             return None if chunk is None else sse_event(chunk)
         if self._text_event is None:
@@ -190,15 +206,27 @@ class ResponseShaper:
         """Accumulate one delta for `final_body`."""
         self._collected.text.append(delta.text)
         self._collected.logprobs.extend(delta.logprobs)
+        for call in delta.tool_calls:
+            if call.id is not None:
+                self._collected.tool_calls[call.index] = {
+                    "id": call.id, "type": "function",
+                    "function": {"name": call.name, "arguments": call.arguments}}
+            else:
+                self._collected.tool_calls[call.index]["function"]["arguments"] += call.arguments
 
     def final_body(self, finish_reason: str, usage: Usage) -> dict[str, Any]:
         """The whole non-streaming response after the last delta was collected."""
         text = "".join(self._collected.text)
         logprobs = self._logprobs(self._collected.logprobs)
         if self._kind == "chat":
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if self._collected.tool_calls:
+                # as OpenAI: content null when the reply is only calls
+                message["content"] = text or None
+                message["tool_calls"] = list(self._collected.tool_calls.values())
             choice: dict[str, Any] = {
                 "index": 0,
-                "message": {"role": "assistant", "content": text},
+                "message": message,
                 "logprobs": logprobs,
                 "finish_reason": finish_reason,
             }

@@ -40,6 +40,7 @@ from router.http.requests import check_model, parse_chat, parse_completion
 from router.http.responses import DONE_EVENT, ResponseShaper, sse_event
 from router.metrics import CONTENT_TYPE
 from router.routing.base import PodPool
+from router.tools.extractor import ToolCallDeltas
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +115,9 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
         top_logprobs=parsed.sampling.logprobs,
     )
     flow = frontend.flow(generation)
-    async with contextlib.aclosing(flow.run()) as deltas:
+    extractor = frontend.tool_extractor(parsed)
+    async with contextlib.aclosing(flow.run()) as flow_deltas:
+        deltas = flow_deltas if extractor is None else ToolCallDeltas(flow_deltas, extractor)
         first = await anext(deltas)  # ApiError here still gets its own status
         if not parsed.stream:
             delta = first

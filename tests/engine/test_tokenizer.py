@@ -72,8 +72,13 @@ def test_encode_chat_has_one_bos_and_special_tokens_as_single_ids(tok: Tokenizer
 @pytest.mark.parametrize("messages, message", [
     ([], "messages must contain at least one message"),
     ("hello", "messages must be a list of dicts, got str"),
-    ([{"role": "user"}], "messages[0].content must be a string, got NoneType"),
-    ([{"role": "user", "content": 3}], "messages[0].content must be a string, got int"),
+    ([{"role": "user"}],
+     "messages[0].content must be a string or a list of content parts, got NoneType"),
+    ([{"role": "user", "content": 3}],
+     "messages[0].content must be a string or a list of content parts, got int"),
+    ([{"role": 1, "content": "x"}], "messages[0].role must be a string, got int"),
+    ([{"role": "assistant", "content": None, "tool_calls": [{"function": {}}]}],
+     "messages[0].tool_calls[0] must be a dict with function.name a string"),
     ([{"role": "robot", "content": "x"}],
      "chat template rejected the messages: unknown role robot; expected system, user or "
      "assistant"),

@@ -39,7 +39,9 @@ def test_router_flags_reach_the_config() -> None:
     add_arguments(parser)
     config = config_from_args(parser.parse_args([
         "--model", "m", "--colocated", "127.0.0.1:1", "--http-header-timeout", "5",
-        "--http-keepalive-timeout", "20", "--max-concurrent-per-client", "8"]))
+        "--http-keepalive-timeout", "20", "--max-concurrent-per-client", "8",
+        "--tool-call-parser", "hermes"]))
     assert (config.http_header_timeout, config.http_keepalive_timeout,
             config.max_concurrent_per_client) == (5.0, 20.0, 8)
+    assert config.tool_call_parser == "hermes"
 

@@ -105,7 +105,7 @@ def test_chat_fields():
     [
         ({"messages": []}, "messages", "'messages' is required and must be a non-empty list"),
         ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role",
-         "must be one of system, developer, user, assistant, got 'robot'"),
+         "must be one of system, developer, user, assistant, tool, got 'robot'"),
         ({"messages": ["hi"]}, "messages[0]", "'messages[0]' must be an object"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
          "messages[0].content", "other content types are not supported"),
