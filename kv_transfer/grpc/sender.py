@@ -41,7 +41,13 @@ from proto.tls import pod_channel
 
 _KIND = pdserve_pb2.FrameKind
 _PUSH = f"/{SERVICE}/Push"
-_FINISHED_KEPT = 4096
+# Resolved transfers kept for the engine's late send_layer/end calls: only a
+# transfer that failed while its request was still prefilling sees them, so a
+# few hundred cover any pod. An evicted one's late call is refused and its
+# export fails, the end it had anyway. Each kept entry holds its future, and a
+# future keeps its done-callbacks (and what they captured) alive: 4,096 of
+# them cost the prefill pod ~25 MiB of RSS over a soak (docs/benchmarks.md).
+_FINISHED_KEPT = 256
 _CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_DATA_BYTES + (1 << 20)),
     ("grpc.use_local_subchannel_pool", 1),  # channel i really owns its own connection

@@ -29,7 +29,13 @@ from kv_transfer.sweeper import Sweeper
 from kv_transfer.tcp.frames import FrameKind, encode_begin, encode_end
 from kv_transfer.tcp.stream import Stream, WorkItem
 
-_FINISHED_KEPT = 4096
+# Resolved transfers kept for the engine's late send_layer/end calls: only a
+# transfer that failed while its request was still prefilling sees them, so a
+# few hundred cover any pod. An evicted one's late call is refused and its
+# export fails, the end it had anyway. Each kept entry holds its future, and a
+# future keeps its done-callbacks (and what they captured) alive: 4,096 of
+# them cost the prefill pod ~25 MiB of RSS over a soak (docs/benchmarks.md).
+_FINISHED_KEPT = 256
 
 
 class TcpKVSender(KVSender):
