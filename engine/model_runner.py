@@ -38,8 +38,8 @@ import torch
 from engine.cuda_graphs import DecodeGraphs, capture_sizes, eager_reason
 from engine.host_copy import to_device
 from engine.kv_hook import LayerKVHook, LayerKVSpan
-from engine.model import LlamaForCausalLM
 from engine.layer_attention import layer_attention
+from engine.model import LlamaForCausalLM
 from engine.paged_attention_context import PagedAttentionContext, PrefillChunk
 from engine.request import Request
 from engine.scheduler import ScheduledRequest
