@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.errors import UnsupportedModelError
+from kernels.checks import HEAD_DIMS
 
 GEMMA2 = "Gemma2ForCausalLM"
 GEMMA3 = "Gemma3ForCausalLM"
@@ -103,6 +104,13 @@ class GemmaConfig:
             raise UnsupportedModelError(
                 f"{source}: hidden_activation {activation!r} is not supported "
                 f"(supported: {', '.join(GELU_TANH)})")
+        head_dim = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
+        if head_dim not in HEAD_DIMS:
+            # Refused here rather than at the first forward pass (the released
+            # Gemma 2 2B/9B and Gemma 3 1B checkpoints have head_dim 256).
+            raise UnsupportedModelError(
+                f"{source}: head_dim {head_dim} is not supported by the attention kernels "
+                f"(supported: {', '.join(map(str, HEAD_DIMS))})")
         if raw.get("attention_bias"):
             raise UnsupportedModelError(f"{source}: attention_bias true is not supported "
                                         "for Gemma")
