@@ -137,12 +137,17 @@ def test_logits_match_transformers(checkpoint):
     assert expected.std().item() > 1.0
 
 
-def test_greedy_generation_matches_transformers(checkpoint):
+@pytest.mark.parametrize("kernel_backend", ["auto", "torch"])
+def test_greedy_generation_matches_transformers(checkpoint, kernel_backend):
     """Chunked prefill (8-token chunks over 16-token blocks, so chunks read
-    their context back from the cache) and 16 decode steps past the window."""
+    their context back from the cache) and 16 decode steps past the window,
+    through the native C kernels (auto on CPU) and the torch references.
+    (Interpreted Triton is too slow for an engine test here; its soft-capped
+    kernels are checked in tests/kernels/test_attention_softcap.py.)"""
     _, path, hf_model = checkpoint
     engine = LLMEngine(EngineConfig(model_dir=str(path), dtype="float32", num_blocks=32,
-                                    max_num_batched_tokens=8, max_num_seqs=4))
+                                    max_num_batched_tokens=8, max_num_seqs=4,
+                                    kernel_backend=kernel_backend))
     prompts = [_prompt(2, 3 * WINDOW + 5), _prompt(3, WINDOW - 3)]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=3)
     results = engine.generate(prompts, params)
