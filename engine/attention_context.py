@@ -39,8 +39,8 @@ class AttentionContext(Protocol):
         for the N tokens of this pass (all sequences flattened, in the order
         the context was built with), RoPE already applied to q and k. Returns
         [N, Hq, D] in q's dtype. The model does not keep k/v: storing them is
-        the context's job. Scale (head_dim ** -0.5) and sliding window are
-        the context's configuration.
+        the context's job. Scale, sliding window and soft-cap are the
+        context's configuration, per layer (`engine.layer_attention`).
         """
         ...
 

@@ -22,6 +22,7 @@ from safetensors import safe_open
 from engine.errors import CheckpointError
 from engine.model import LlamaForCausalLM
 from engine.model_config import ModelConfig
+from engine.models.gemma import GemmaForCausalLM
 from kernels.dispatch import Backend
 
 SINGLE_FILE = "model.safetensors"
@@ -76,6 +77,9 @@ def expected_tensors(config: ModelConfig) -> dict[str, TensorTarget]:
             TensorTarget(f"{hf}.post_attention_layernorm.weight", (hidden,),
                          f"{hf}.post_attention_layernorm.weight"),
         ]
+        if config.gemma is not None:
+            targets += [TensorTarget(name, shape, name) for name, shape
+                        in config.gemma.norm_tensors(hf, hidden, config.head_dim)]
         if config.attention_bias:
             targets += [
                 TensorTarget(f"{attn}.q_proj.bias", (q,), f"{attn}.qkv_proj.bias", 0),
@@ -136,7 +140,7 @@ def load_model(
     dtype: str | torch.dtype = "auto",
     device: str | torch.device = "cpu",
     kernel_backend: Backend | str = Backend.AUTO,
-) -> tuple[LlamaForCausalLM, ModelConfig]:
+) -> tuple[LlamaForCausalLM | GemmaForCausalLM, ModelConfig]:
     """Build the model described by `model_dir/config.json` and fill every
     parameter from the checkpoint. Raises CheckpointError (naming file,
     tensor and shapes) for any mismatch, UnsupportedModelError for an
@@ -154,8 +158,8 @@ def load_model(
             where = model_dir / (INDEX_FILE if (model_dir / INDEX_FILE).is_file() else SINGLE_FILE)
             raise CheckpointError(f"{where}: missing tensor {name!r}")
 
-    model = LlamaForCausalLM(config, dtype=torch_dtype, device=device,
-                             kernel_backend=kernel_backend)
+    model_class = GemmaForCausalLM if config.gemma is not None else LlamaForCausalLM
+    model = model_class(config, dtype=torch_dtype, device=device, kernel_backend=kernel_backend)
     params = dict(model.named_parameters(remove_duplicate=False))
     by_file: dict[Path, list[TensorTarget]] = {}
     for name, target in expected.items():

@@ -29,6 +29,11 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, proce
 from engine.chat_template import BUILTIN_CHAT_TEMPLATE
 from engine.loader import INDEX_FILE, SINGLE_FILE, expected_tensors
 from engine.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
+from engine.models.gemma_config import GEMMA_ARCHITECTURES
+
+# Gemma checkpoints come from transformers in the tests (tests/engine/test_gemma.py).
+MAKE_MODEL_ARCHITECTURES = tuple(a for a in SUPPORTED_ARCHITECTURES
+                                 if a not in GEMMA_ARCHITECTURES)
 
 # head_dim 64 everywhere: the paged attention kernels are compiled for 64/128.
 SIZES: dict[str, dict[str, Any]] = {
@@ -168,8 +173,8 @@ class ModelSpec:
             raise ValueError(f"size must be one of {', '.join(SIZES)}, got {self.size!r}")
         if self.seed < 0:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"architecture must be one of {', '.join(SUPPORTED_ARCHITECTURES)}, "
+        if self.architecture not in MAKE_MODEL_ARCHITECTURES:
+            raise ValueError(f"architecture must be one of {', '.join(MAKE_MODEL_ARCHITECTURES)}, "
                              f"got {self.architecture!r}")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ValueError(f"sliding_window must be > 0 or None, got {self.sliding_window}")

@@ -15,11 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import CheckpointError, UnsupportedModelError
+from engine.models.gemma_config import GEMMA_ARCHITECTURES, GemmaConfig
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
+    *GEMMA_ARCHITECTURES,
 )
 SUPPORTED_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 SUPPORTED_ROPE_SCALING: tuple[str, ...] = ("llama3",)
@@ -99,6 +101,9 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "float32"
+    # Gemma 2/3 only (engine/models/gemma_config.py); its layers' sliding
+    # windows live there, so `sliding_window` above stays None for Gemma.
+    gemma: GemmaConfig | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -185,6 +190,14 @@ class ModelConfig:
             sliding_window = None
         eos = raw.get("eos_token_id")
         eos_ids = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
+        gemma = None
+        if architecture in GEMMA_ARCHITECTURES:
+            gemma = GemmaConfig.from_hf(raw, architecture, kwargs["num_hidden_layers"], source)
+            # Gemma ties embeddings unless told otherwise; RoPE and windows are its own.
+            raw = {**raw, "tie_word_embeddings": raw.get("tie_word_embeddings", True),
+                   "rope_scaling": None}
+            kwargs["rope_theta"] = gemma.rope_theta
+            sliding_window = None
         return cls(
             **kwargs,
             rope_scaling=RopeScaling.from_hf(raw.get("rope_scaling"), source),
@@ -194,6 +207,7 @@ class ModelConfig:
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=tuple(int(t) for t in eos_ids),
             torch_dtype=str(raw.get("torch_dtype") or "float32"),
+            gemma=gemma,
         )
 
     @classmethod

@@ -38,6 +38,7 @@ import torch
 from engine.cuda_graphs import DecodeGraphs, capture_sizes, eager_reason
 from engine.host_copy import to_device
 from engine.kv_hook import LayerKVHook, LayerKVSpan
+from engine.layer_attention import layer_attention
 from engine.model import LlamaForCausalLM
 from engine.paged_attention_context import PagedAttentionContext, PrefillChunk
 from engine.request import Request
@@ -101,6 +102,7 @@ class ModelRunner:
         self.device = model.device
         self.scale = model.config.head_dim ** -0.5
         self.sliding_window = model.config.sliding_window
+        self.layer_attention = layer_attention(model.config)
         max_model_len = max_model_len or model.config.max_position_embeddings
         # A CPU forward reads the buffers themselves, so with a step in
         # flight while the next is prepared it needs a second set.
@@ -257,6 +259,7 @@ class ModelRunner:
                                    if context_slots else None),
             scale=self.scale,
             sliding_window=self.sliding_window,
+            layers=self.layer_attention,
             hook=self.layer_kv_hook,
             spans=spans,
             kernel_backend=self.model.kernel_backend,
@@ -276,6 +279,7 @@ class ModelRunner:
             prefill_context_slots=None,
             scale=self.scale,
             sliding_window=self.sliding_window,
+            layers=self.layer_attention,
             kernel_backend=self.model.kernel_backend,
         )
 

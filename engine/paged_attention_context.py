@@ -24,7 +24,11 @@ projection's output in one call, RoPE included (`attend_qkv`,
 `kernels.decode_qkv_attention`), then 4.
 
 Sliding window W: a query at position p sees keys j with p - W < j <= p
-(the convention of `engine.reference` and the kernels).
+(the convention of `engine.reference` and the kernels). `layers`, when
+given, sets each layer's scale, window and soft-cap (`LayerAttention`,
+Gemma); without it every layer uses `scale` and `sliding_window`. The
+cache keeps every block of a sequence either way: a sliding layer only
+reads fewer of them (no eviction of blocks that left the window).
 """
 
 from __future__ import annotations
@@ -36,7 +40,9 @@ import torch.nn.functional as F
 
 import kernels
 from engine.kv_hook import LayerKVHook, LayerKVSpan
+from engine.layer_attention import LayerAttention
 from kernels.dispatch import Backend
+from kernels.reference import soft_cap
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +72,8 @@ class PagedAttentionContext:
                  prefill_context_slots: torch.Tensor | None, scale: float,
                  sliding_window: int | None, hook: LayerKVHook | None = None,
                  spans: tuple[LayerKVSpan, ...] = (),
-                 kernel_backend: Backend = Backend.AUTO) -> None:
+                 kernel_backend: Backend = Backend.AUTO,
+                 layers: tuple[LayerAttention, ...] = ()) -> None:
         self.kv_caches = kv_caches
         self.slot_mapping = slot_mapping
         self.num_decode = num_decode
@@ -79,12 +86,20 @@ class PagedAttentionContext:
         self.hook = hook
         self.spans = spans
         self.kernel_backend = kernel_backend
-        self._fused: kernels.DecodeQKVAttention | None = None
+        self.layers = layers
+        self._uniform = LayerAttention(scale, sliding_window)
+        # One bound fused op per distinct LayerAttention of the step (one for
+        # Llama-family models, two for Gemma 2's sliding and global layers).
+        self._fused: dict[LayerAttention, kernels.DecodeQKVAttention] = {}
+
+    def _layer(self, layer_idx: int) -> LayerAttention:
+        return self.layers[layer_idx] if self.layers else self._uniform
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> torch.Tensor:
         """Called by the model's layer `layer_idx`; see module docstring."""
         cache = self.kv_caches[layer_idx]
+        spec = self._layer(layer_idx)
         kernels.inject_kv(cache, torch.stack((k, v)).to(cache.dtype), self.slot_mapping,
                           backend=self.kernel_backend)
         if self.hook is not None and self.spans:
@@ -94,7 +109,7 @@ class PagedAttentionContext:
         if nd:
             decode_out = kernels.paged_decode_attention(
                 q[:nd], cache, self.decode_block_tables, self.decode_context_lens,
-                scale=self.scale, sliding_window=self.sliding_window,
+                scale=spec.scale, sliding_window=spec.sliding_window, softcap=spec.softcap,
                 backend=self.kernel_backend,
             )
             if not self.prefill_chunks:
@@ -116,7 +131,7 @@ class PagedAttentionContext:
             else:
                 ctx = slice(c.context_start, c.context_start + c.context_len)
                 keys, values = context[0, ctx], context[1, ctx]
-            out[rows] = self._chunk_attention(q[rows], keys, values)
+            out[rows] = self._chunk_attention(q[rows], keys, values, spec)
         return out
 
     def attend_qkv(self, layer_idx: int, qkv: torch.Tensor, positions: torch.Tensor,
@@ -126,41 +141,59 @@ class PagedAttentionContext:
         arguments are bound (and checked) at the first layer."""
         if self.prefill_chunks or not self.num_decode:
             return None
-        fused = self._fused
+        spec = self._layer(layer_idx)
+        fused = self._fused.get(spec)
         if fused is None or fused.positions is not positions or (
                 fused.cos_sin_cache is not cos_sin_cache):
-            fused = self._fused = kernels.DecodeQKVAttention(
+            fused = self._fused[spec] = kernels.DecodeQKVAttention(
                 positions, cos_sin_cache, self.slot_mapping, self.decode_block_tables,
-                self.decode_context_lens, scale=self.scale, sliding_window=self.sliding_window,
-                backend=self.kernel_backend)
+                self.decode_context_lens, scale=spec.scale, sliding_window=spec.sliding_window,
+                softcap=spec.softcap, backend=self.kernel_backend)
         cache = self.kv_caches[layer_idx]
         out = fused(qkv, cache)
         if self.hook is not None and self.spans:
             self.hook.on_layer_kv(layer_idx, cache, self.spans)
         return out
 
-    def _chunk_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _chunk_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         spec: LayerAttention) -> torch.Tensor:
         """Causal attention of the last `len(q)` positions over `len(k)` keys.
 
         Inputs go to SDPA as contiguous 4-D tensors with GQA left to SDPA:
         that is what selects torch's fused (flash) CPU kernel; 3-D or strided
         inputs fall back to the math path, which materialises the scores and
-        was 3.5x slower on a 1,024-token prompt (docs/benchmarks.md).
+        was 3.5x slower on a 1,024-token prompt (docs/benchmarks.md). SDPA
+        cannot soft-cap: a soft-capped layer takes `_capped_attention`.
         """
         num_new = q.shape[0]
         context_len = k.shape[0]
         qh = q.transpose(0, 1).unsqueeze(0).contiguous()                # [1, Hq, n, D]
         kh = k.to(q.dtype).transpose(0, 1).unsqueeze(0).contiguous()    # [1, Hkv, L, D]
         vh = v.to(q.dtype).transpose(0, 1).unsqueeze(0).contiguous()
-        if num_new == context_len and self.sliding_window is None:
-            out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=self.scale,
+        if num_new == context_len and spec.sliding_window is None and spec.softcap is None:
+            out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=spec.scale,
                                                  enable_gqa=True)
-        else:
-            query_pos = torch.arange(context_len - num_new, context_len, device=q.device)[:, None]
-            key_pos = torch.arange(context_len, device=q.device)[None, :]
-            visible = key_pos <= query_pos
-            if self.sliding_window is not None:
-                visible &= key_pos > query_pos - self.sliding_window
-            out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=visible[None, None],
-                                                 scale=self.scale, enable_gqa=True)
+            return out[0].transpose(0, 1)
+        query_pos = torch.arange(context_len - num_new, context_len, device=q.device)[:, None]
+        key_pos = torch.arange(context_len, device=q.device)[None, :]
+        visible = key_pos <= query_pos
+        if spec.sliding_window is not None:
+            visible &= key_pos > query_pos - spec.sliding_window
+        if spec.softcap is not None:
+            return _capped_attention(qh[0], kh[0], vh[0], visible, spec)
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=visible[None, None],
+                                             scale=spec.scale, enable_gqa=True)
         return out[0].transpose(0, 1)
+
+
+def _capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      visible: torch.Tensor, spec: LayerAttention) -> torch.Tensor:
+    """q [Hq, n, D], k and v [Hkv, L, D], visible [n, L] -> [n, Hq, D] in q's
+    dtype: scores, soft-cap, mask and softmax in float32 (one chunk's scores
+    are materialised; Gemma 2 prompts only)."""
+    group = q.shape[0] // k.shape[0]
+    keys = k.float().repeat_interleave(group, dim=0)
+    values = v.float().repeat_interleave(group, dim=0)
+    scores = soft_cap(torch.matmul(q.float(), keys.transpose(1, 2)) * spec.scale, spec.softcap)
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+    return torch.matmul(probs, values).transpose(0, 1).to(q.dtype)

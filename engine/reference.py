@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import torch
 
+from engine.layer_attention import LayerAttention, layer_attention
 from engine.model import LlamaForCausalLM
+from kernels.reference import soft_cap
 
 
 class DenseCausalContext:
@@ -19,21 +21,23 @@ class DenseCausalContext:
 
     GQA repeats each kv head for its group of query heads. With a sliding
     window W, token i sees tokens j with i - W < j <= i (itself and the W - 1
-    before it), the Mistral convention.
+    before it), the Mistral convention. `layers` (one `LayerAttention` per
+    layer, as `for_model` builds) overrides scale and window per layer and
+    adds soft-capping.
     """
 
-    def __init__(self, scale: float, sliding_window: int | None = None) -> None:
-        if scale <= 0:
-            raise ValueError(f"scale must be > 0, got {scale}")
-        if sliding_window is not None and sliding_window <= 0:
-            raise ValueError(f"sliding_window must be > 0 or None, got {sliding_window}")
+    def __init__(self, scale: float, sliding_window: int | None = None,
+                 layers: tuple[LayerAttention, ...] = ()) -> None:
         self.scale = scale
         self.sliding_window = sliding_window
+        self._uniform = LayerAttention(scale, sliding_window)  # checks both
+        self.layers = layers
 
     @classmethod
     def for_model(cls, model: LlamaForCausalLM) -> DenseCausalContext:
         config = model.config
-        return cls(scale=config.head_dim**-0.5, sliding_window=config.sliding_window)
+        return cls(scale=config.head_dim**-0.5, sliding_window=config.sliding_window,
+                   layers=layer_attention(config))
 
     def attend(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -43,15 +47,17 @@ class DenseCausalContext:
         if num_heads % num_kv_heads != 0:
             raise ValueError(f"query heads {num_heads} not a multiple of kv heads {num_kv_heads}")
         group = num_heads // num_kv_heads
+        spec = self.layers[layer_idx] if self.layers else self._uniform
         qf = q.float().transpose(0, 1)                                  # [Hq, N, D]
         kf = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, N, D]
         vf = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
-        scores = torch.matmul(qf, kf.transpose(1, 2)) * self.scale     # [Hq, N, N]
+        scores = soft_cap(torch.matmul(qf, kf.transpose(1, 2)) * spec.scale,   # [Hq, N, N]
+                          spec.softcap)
         row = torch.arange(num_tokens, device=q.device)[:, None]
         col = torch.arange(num_tokens, device=q.device)[None, :]
         visible = col <= row
-        if self.sliding_window is not None:
-            visible &= col > row - self.sliding_window
+        if spec.sliding_window is not None:
+            visible &= col > row - spec.sliding_window
         scores = scores.masked_fill(~visible, float("-inf"))
         out = torch.matmul(scores.softmax(dim=-1), vf)                 # [Hq, N, D]
         return out.transpose(0, 1).to(q.dtype)

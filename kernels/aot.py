@@ -66,20 +66,23 @@ class CompileReport:
 def decode_specs(config: paged_attention.DecodeAttentionConfig) -> list[KernelSpec]:
     """The partial kernel of `config` (the reduce kernel is listed by `reduce_specs`)."""
     ptr = _PTR[config.dtype]
-    ints = ("sliding_window", "partition_size", "group", "stride_qb", "stride_qh", "stride_kb",
+    ints = ("partition_size", "group", "stride_qb", "stride_qh", "stride_kb",
             "stride_kt", "stride_kh", "stride_bt", "stride_pb", "stride_ph", "stride_ps")
     signature = {
         "q_ptr": ptr, "k_ptr": ptr, "v_ptr": ptr, "block_tables_ptr": "*i32",
         "context_lens_ptr": "*i32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
-        "scale_log2": "fp32", **dict.fromkeys(ints, "i32"),
-        **dict.fromkeys(("HEAD_DIM", "BLOCK_SIZE", "GROUP_PAD", "TILE_N", "DOT_FP32"),
-                        "constexpr"),
+        "scale_log2": "fp32", "sliding_window": "i32", "softcap_log2": "fp32",
+        **dict.fromkeys(ints, "i32"),
+        **dict.fromkeys(("HEAD_DIM", "BLOCK_SIZE", "GROUP_PAD", "TILE_N", "DOT_FP32",
+                         "SOFTCAP"), "constexpr"),
     }
     constexprs = {
         "HEAD_DIM": config.head_dim, "BLOCK_SIZE": config.block_size,
         "GROUP_PAD": config.group_pad, "TILE_N": config.tile_n,
         # What the launcher passes on a GPU (the interpreter-only bf16 case is off).
         "DOT_FP32": config.dtype == "fp32",
+        # The soft-capped variant (Gemma 2) is compiled when first used.
+        "SOFTCAP": False,
     }
     label = (f"decode {config.dtype} D={config.head_dim} bs={config.block_size} "
              f"group<={config.group_pad} tile={config.tile_n}")
@@ -89,19 +92,20 @@ def decode_specs(config: paged_attention.DecodeAttentionConfig) -> list[KernelSp
 
 def prefill_specs(config: prefill_attention.PrefillAttentionConfig) -> list[KernelSpec]:
     ptr = _PTR[config.dtype]
-    ints = ("sliding_window", "group", "stride_qt", "stride_qh", "stride_ot", "stride_oh",
+    ints = ("group", "stride_qt", "stride_qh", "stride_ot", "stride_oh",
             "stride_kb", "stride_kt", "stride_kh", "stride_bt")
     signature = {
         "q_ptr": ptr, "k_ptr": ptr, "v_ptr": ptr, "out_ptr": ptr, "block_tables_ptr": "*i32",
         "query_start_ptr": "*i32", "context_lens_ptr": "*i32", "tile_seq_ptr": "*i32",
-        "tile_start_ptr": "*i32", "scale_log2": "fp32", **dict.fromkeys(ints, "i32"),
+        "tile_start_ptr": "*i32", "scale_log2": "fp32", "sliding_window": "i32",
+        "softcap_log2": "fp32", **dict.fromkeys(ints, "i32"),
         **dict.fromkeys(("HEAD_DIM", "BLOCK_SIZE", "GROUP_PAD", "BLOCK_M", "TILE_N",
-                         "DOT_FP32"), "constexpr"),
+                         "DOT_FP32", "SOFTCAP"), "constexpr"),
     }
     constexprs = {
         "HEAD_DIM": config.head_dim, "BLOCK_SIZE": config.block_size,
         "GROUP_PAD": config.group_pad, "BLOCK_M": config.block_m, "TILE_N": config.tile_n,
-        "DOT_FP32": config.dtype == "fp32",
+        "DOT_FP32": config.dtype == "fp32", "SOFTCAP": False,
     }
     label = (f"prefill {config.dtype} D={config.head_dim} bs={config.block_size} "
              f"group<={config.group_pad} tile={config.tile_n}")

@@ -71,6 +71,7 @@ def check_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None,
+    softcap: float | None = None,
 ) -> None:
     _, _, num_kv_heads, head_dim = check_kv_cache(kv_cache)
     check_ndim("q", q, 3, "[batch, num_q_heads, head_dim]")
@@ -108,6 +109,12 @@ def check_decode_attention(
         raise ValueError(f"scale must be positive, got {scale}")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+    check_softcap(softcap)
+
+
+def check_softcap(softcap: float | None) -> None:
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be > 0 or None, got {softcap}")
 
 
 def check_slot_mapping(slot_mapping: torch.Tensor, num_tokens: int) -> None:
@@ -223,6 +230,7 @@ def check_prefill_attention(
     context_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None,
+    softcap: float | None = None,
 ) -> None:
     """Like check_decode_attention, plus the varlen layout; reads the (small)
     query_start_loc and context_lens on the host, which prefill needs anyway."""
@@ -239,7 +247,7 @@ def check_prefill_attention(
     # Reuse the decode checks with a stand-in of one query row per sequence
     # (same dtype, heads, device): same cache, table and GQA rules.
     check_decode_attention(q.new_empty((max(num_seqs, 0), q.shape[1], q.shape[2])),
-                           kv_cache, block_tables, context_lens, scale, sliding_window)
+                           kv_cache, block_tables, context_lens, scale, sliding_window, softcap)
     check_same_device(q=q, query_start_loc=query_start_loc)
     starts = query_start_loc.tolist()
     lens = context_lens.tolist()
@@ -266,6 +274,7 @@ def check_decode_qkv_attention(
     qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
     kv_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
     context_lens: torch.Tensor, scale: float, sliding_window: int | None,
+    softcap: float | None = None,
 ) -> int:
     """Validates the fused decode attention's arguments; returns num_q_heads."""
     _, _, num_kv_heads, head_dim = check_kv_cache(kv_cache)
@@ -276,7 +285,8 @@ def check_decode_qkv_attention(
         raise ValueError(f"qkv width {width} is not (num_q_heads + 2 * {num_kv_heads}) * "
                          f"{head_dim} for the cache's {num_kv_heads} kv heads of {head_dim}")
     q = qkv[:, : num_q_heads * head_dim].unflatten(1, (num_q_heads, head_dim))
-    check_decode_attention(q, kv_cache, block_tables, context_lens, scale, sliding_window)
+    check_decode_attention(q, kv_cache, block_tables, context_lens, scale, sliding_window,
+                           softcap)
     # k is q's sibling in the same rows (same dtype, strides, head_dim): a
     # slice of q stands in for it.
     check_rotary(positions, q, q[:, :num_kv_heads], cos_sin_cache)

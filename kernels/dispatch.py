@@ -110,6 +110,7 @@ def paged_decode_attention(
     *,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
     backend: Backend | str = Backend.AUTO,
 ) -> torch.Tensor:
     """Decode attention over one layer's paged cache; returns [B, Hq, D] in q's dtype.
@@ -120,25 +121,32 @@ def paged_decode_attention(
     be in the cache). Contract (not checked, to avoid a device sync): each
     context_len <= max_blocks_per_seq * block_size and its blocks' ids are in
     range; rows with context_len 0 return zeros. sliding_window=W attends to
-    the last W positions only.
+    the last W positions only; softcap=C soft-caps each scaled score s to
+    C * tanh(s / C) before the softmax (None: off, today's kernels unchanged).
     """
-    checks.check_decode_attention(q, kv_cache, block_tables, context_lens, scale, sliding_window)
+    checks.check_decode_attention(q, kv_cache, block_tables, context_lens, scale, sliding_window,
+                                  softcap)
     if _use_triton(q.device, backend):
         from kernels.paged_attention import paged_decode_attention_triton
 
         return paged_decode_attention_triton(
-            q, kv_cache, block_tables, context_lens, scale=scale, sliding_window=sliding_window
+            q, kv_cache, block_tables, context_lens, scale=scale, sliding_window=sliding_window,
+            softcap=softcap,
         )
     if Backend.parse(backend) is Backend.AUTO and q.device.type == "cpu":
         if native.supports(q, kv_cache):
             return native.paged_decode_attention(
                 q, kv_cache, block_tables, context_lens, scale=scale,
+                sliding_window=sliding_window, softcap=softcap)
+        # SDPA has no soft-capping: a soft-capped call without the native
+        # library takes the reference below.
+        if softcap is None:
+            return paged_decode_attention_cpu(
+                q, kv_cache, block_tables, context_lens, scale=scale,
                 sliding_window=sliding_window)
-        return paged_decode_attention_cpu(
-            q, kv_cache, block_tables, context_lens, scale=scale, sliding_window=sliding_window
-        )
     return reference.paged_decode_attention_reference(
-        q, kv_cache, block_tables, context_lens, scale=scale, sliding_window=sliding_window
+        q, kv_cache, block_tables, context_lens, scale=scale, sliding_window=sliding_window,
+        softcap=softcap,
     )
 
 
@@ -151,6 +159,7 @@ def paged_prefill_attention(
     *,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
     backend: Backend | str = Backend.AUTO,
 ) -> torch.Tensor:
     """Causal attention of new tokens over their paged context; returns [T, Hq, D].
@@ -161,20 +170,21 @@ def paged_prefill_attention(
     positions. Their K/V must already be in the cache (inject first), so the
     cached prefix and the causal part are one walk over the block table
     [S, max_blocks] int32. Reads query_start_loc and context_lens on the host.
+    sliding_window and softcap as for `paged_decode_attention`.
     """
     checks.check_prefill_attention(
-        q, kv_cache, block_tables, query_start_loc, context_lens, scale, sliding_window
+        q, kv_cache, block_tables, query_start_loc, context_lens, scale, sliding_window, softcap
     )
     if _use_triton(q.device, backend):
         from kernels.prefill_attention import paged_prefill_attention_triton
 
         return paged_prefill_attention_triton(
             q, kv_cache, block_tables, query_start_loc, context_lens,
-            scale=scale, sliding_window=sliding_window,
+            scale=scale, sliding_window=sliding_window, softcap=softcap,
         )
     return reference.paged_prefill_attention_reference(
         q, kv_cache, block_tables, query_start_loc, context_lens,
-        scale=scale, sliding_window=sliding_window,
+        scale=scale, sliding_window=sliding_window, softcap=softcap,
     )
 
 

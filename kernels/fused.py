@@ -62,6 +62,7 @@ def decode_qkv_attention(
     *,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
     backend: Backend | str = Backend.AUTO,
 ) -> torch.Tensor:
     """Attention of B decode rows from their qkv projection; returns [B, Hq, D].
@@ -72,14 +73,15 @@ def decode_qkv_attention(
     as for `rotary_embedding`); k and v into the cache at `slot_mapping` [B]
     int64 (negative: padding, nothing written, as for `inject_kv`); decode
     attention of the rotated q over `block_tables` / `context_lens` (each row's
-    own new token included), as `paged_decode_attention`. qkv is scratch: its
+    own new token included, `sliding_window` and `softcap` too), as
+    `paged_decode_attention`. qkv is scratch: its
     contents afterwards are unspecified (the native kernel rotates q in place).
     Same contracts on values as those three ops (not checked on the host).
     For every layer of one step, `DecodeQKVAttention` checks the step's
     arguments once.
     """
     return DecodeQKVAttention(positions, cos_sin_cache, slot_mapping, block_tables, context_lens,
-                              scale=scale, sliding_window=sliding_window,
+                              scale=scale, sliding_window=sliding_window, softcap=softcap,
                               backend=backend)(qkv, kv_cache)
 
 
@@ -96,7 +98,7 @@ class DecodeQKVAttention:
     def __init__(self, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                  slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, *, scale: float, sliding_window: int | None = None,
-                 backend: Backend | str = Backend.AUTO) -> None:
+                 softcap: float | None = None, backend: Backend | str = Backend.AUTO) -> None:
         self.positions = positions
         self.cos_sin_cache = cos_sin_cache
         self.slot_mapping = slot_mapping
@@ -104,6 +106,7 @@ class DecodeQKVAttention:
         self.context_lens = context_lens
         self.scale = scale
         self.sliding_window = sliding_window
+        self.softcap = softcap
         self.backend = Backend.parse(backend)
         self._checked: tuple | None = None
         self._num_q_heads = 0
@@ -122,14 +125,14 @@ class DecodeQKVAttention:
     def _check(self, qkv: torch.Tensor, kv_cache: torch.Tensor) -> None:
         self._num_q_heads = checks.check_decode_qkv_attention(
             qkv, self.positions, self.cos_sin_cache, kv_cache, self.slot_mapping,
-            self.block_tables, self.context_lens, self.scale, self.sliding_window)
+            self.block_tables, self.context_lens, self.scale, self.sliding_window, self.softcap)
         self._native = None
         if _native(qkv.device, self.backend) and native.supports_qkv(qkv, kv_cache):
             self._native = native.DecodeQKVCall(
                 self.positions, self.cos_sin_cache, self.slot_mapping, self.block_tables,
                 self.context_lens, num_q_heads=self._num_q_heads,
                 kv_cache_shape=tuple(kv_cache.shape), dtype=qkv.dtype, scale=self.scale,
-                sliding_window=self.sliding_window)
+                sliding_window=self.sliding_window, softcap=self.softcap)
 
     def _composed(self, qkv: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
         """The same steps through `kernels.dispatch` (Triton, or the torch paths)."""
@@ -143,7 +146,7 @@ class DecodeQKVAttention:
                            self.slot_mapping, backend=self.backend)
         return dispatch.paged_decode_attention(
             q, kv_cache, self.block_tables, self.context_lens, scale=self.scale,
-            sliding_window=self.sliding_window, backend=self.backend)
+            sliding_window=self.sliding_window, softcap=self.softcap, backend=self.backend)
 
 
 class ResidualRMSNorm:

@@ -116,14 +116,28 @@ def _partition(max_positions: int, num_splits: int, tile_n: int) -> tuple[int, i
     return math.ceil(max_positions / partition), partition
 
 
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def soft_cap_log2(scores, softcap_log2):
+    """softcap * tanh(s / softcap) for scores already in base-2 units
+    (s * log2 e), with softcap_log2 = softcap * log2 e: the cap commutes with
+    the change of base. tanh(y) = 1 - 2 / (2^(2y log2 e) + 1), exact at the
+    limits (+-1) and within a few float32 ulp of 1 elsewhere; Triton has no
+    tanh of its own that also runs under the interpreter."""
+    y = scores / softcap_log2
+    return softcap_log2 * (1.0 - 2.0 / (tl.exp2(y * (2.0 * 1.4426950408889634)) + 1.0))
+
+
 @triton.jit
 def _decode_partial_kernel(
     q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, part_out_ptr, part_lse_ptr,
-    scale_log2, sliding_window, partition_size, group,
+    scale_log2, sliding_window, softcap_log2, partition_size, group,
     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt,
     stride_pb, stride_ph, stride_ps,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr,
-    TILE_N: tl.constexpr, DOT_FP32: tl.constexpr,
+    TILE_N: tl.constexpr, DOT_FP32: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -157,7 +171,10 @@ def _decode_partial_kernel(
             scores = tl.dot(q.to(tl.float32), k_t.to(tl.float32), input_precision="ieee")
         else:
             scores = tl.dot(q, k_t)
-        scores = tl.where(valid[None, :], scores * scale_log2, float("-inf"))
+        scores = scores * scale_log2
+        if SOFTCAP:
+            scores = soft_cap_log2(scores, softcap_log2)
+        scores = tl.where(valid[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(scores - m_new[:, None])
@@ -211,6 +228,7 @@ def paged_decode_attention_triton(
     *,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -246,12 +264,13 @@ def paged_decode_attention_triton(
     key, value = kv_cache[0], kv_cache[1]
     _decode_partial_kernel[(batch, num_kv_heads, splits)](
         q, key, value, block_tables, context_lens, part_out, part_lse,
-        scale * 1.4426950408889634, sliding_window or 0, partition, group,
+        scale * LOG2E, sliding_window or 0, (softcap or 1.0) * LOG2E, partition, group,
         q.stride(0), q.stride(1), key.stride(0), key.stride(1), key.stride(2),
         block_tables.stride(0),
         part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, GROUP_PAD=config.group_pad,
-        TILE_N=config.tile_n, DOT_FP32=dot_in_fp32(q.dtype), num_warps=config.num_warps,
+        TILE_N=config.tile_n, DOT_FP32=dot_in_fp32(q.dtype), SOFTCAP=softcap is not None,
+        num_warps=config.num_warps,
     )
     _decode_reduce_kernel[(batch, num_q_heads)](
         part_out, part_lse, out, splits,

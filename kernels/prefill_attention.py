@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from kernels.checks import BLOCK_SIZES, HEAD_DIMS, MAX_GQA_GROUP
-from kernels.paged_attention import dot_in_fp32
+from kernels.paged_attention import LOG2E, dot_in_fp32, soft_cap_log2
 
 ROWS = 64  # query rows (tokens x heads) per program
 NO_WINDOW = 1 << 30  # the window passed when there is none: longer than any context
@@ -88,10 +88,11 @@ def all_prefill_configs() -> list[PrefillAttentionConfig]:
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, query_start_ptr, context_lens_ptr,
-    tile_seq_ptr, tile_start_ptr, scale_log2, sliding_window, group,
+    tile_seq_ptr, tile_start_ptr, scale_log2, sliding_window, softcap_log2, group,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_kt, stride_kh, stride_bt,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, DOT_FP32: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -130,7 +131,10 @@ def _prefill_kernel(
             scores = tl.dot(q, k_t)
         visible = (kv_ok[None, :] & (pos[None, :] <= pos_q[:, None])
                    & (pos[None, :] >= row_lo[:, None]))
-        scores = tl.where(visible, scores * scale_log2, float("-inf"))
+        scores = scores * scale_log2
+        if SOFTCAP:
+            scores = soft_cap_log2(scores, softcap_log2)
+        scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         # A row may see no key of this tile yet (causal mask): keep it at zero weight.
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -170,6 +174,7 @@ def paged_prefill_attention_triton(
     *,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launcher; inputs validated by `kernels.checks.check_prefill_attention`."""
@@ -188,11 +193,11 @@ def paged_prefill_attention_triton(
     key, value = kv_cache[0], kv_cache[1]
     _prefill_kernel[(tile_seq.numel(), num_kv_heads)](
         q, key, value, out, block_tables, query_start_loc, context_lens, tile_seq, tile_start,
-        scale * 1.4426950408889634, sliding_window or NO_WINDOW, group,
+        scale * LOG2E, sliding_window or NO_WINDOW, (softcap or 1.0) * LOG2E, group,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         key.stride(0), key.stride(1), key.stride(2), block_tables.stride(0),
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, GROUP_PAD=config.group_pad,
         BLOCK_M=config.block_m, TILE_N=config.tile_n, DOT_FP32=dot_in_fp32(q.dtype),
-        num_warps=config.num_warps,
+        SOFTCAP=softcap is not None, num_warps=config.num_warps,
     )
     return out

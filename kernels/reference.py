@@ -23,9 +23,12 @@ def paged_decode_attention_reference(
     *,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """One query token per sequence attends to its paged K/V (fp32 math).
 
+    With `softcap` C, each scaled score s becomes C * tanh(s / C) before the
+    mask and softmax (Gemma 2's attention logit soft-capping).
     Rows with context_len 0 (padding) return zeros. Block table entries past a
     sequence's last block are never read, so they may hold any value.
     """
@@ -50,7 +53,7 @@ def paged_decode_attention_reference(
     keys = flat[0][slots].float()  # [B, L, Hkv, D]
     values = flat[1][slots].float()
     qg = q.float().reshape(batch, num_kv_heads, group, head_dim)
-    scores = torch.einsum("bhgd,blhd->bhgl", qg, keys) * scale
+    scores = soft_cap(torch.einsum("bhgd,blhd->bhgl", qg, keys) * scale, softcap)
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
     has_any = valid.any(dim=1)
     # A padding row (no valid position) would softmax to NaN; give it zeros.
@@ -59,6 +62,13 @@ def paged_decode_attention_reference(
     attn = torch.einsum("bhgl,blhd->bhgd", probs, values)
     attn = attn * has_any[:, None, None, None]
     return attn.reshape(batch, num_q_heads, head_dim).to(q.dtype)
+
+
+def soft_cap(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """softcap * tanh(scores / softcap), or scores unchanged when softcap is None."""
+    if softcap is None:
+        return scores
+    return torch.tanh(scores / softcap) * softcap
 
 
 def inject_kv_reference(
@@ -138,8 +148,10 @@ def paged_prefill_attention_reference(
     *,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged context (fp32 math).
+    `softcap` as for the decode reference.
 
     Sequence s owns q rows [query_start_loc[s], query_start_loc[s+1]); they are
     the last positions of its context_lens[s] tokens, whose K/V are all in the
@@ -164,7 +176,8 @@ def paged_prefill_attention_reference(
         visible = positions[None, :] <= query_pos[:, None]
         if sliding_window is not None:
             visible &= positions[None, :] > query_pos[:, None] - sliding_window
-        scores = torch.einsum("qhd,khd->hqk", q[begin:end].float(), keys) * scale
+        scores = soft_cap(torch.einsum("qhd,khd->hqk", q[begin:end].float(), keys) * scale,
+                          softcap)
         probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
         out[begin:end] = torch.einsum("hqk,khd->qhd", probs, values).to(q.dtype)
     return out

@@ -82,6 +82,7 @@ def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
 def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, *,
                            scale: float, sliding_window: int | None = None,
+                           softcap: float | None = None,
                            num_threads: int | None = None) -> torch.Tensor:
     """Same contract as `kernels.dispatch.paged_decode_attention`, for tensors
     `supports()` accepts; `num_threads` (OpenMP threads of torch's own pool)
@@ -111,7 +112,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor,
             q.data_ptr(), q.stride(0), kv_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
             out.data_ptr(), DTYPE_CODES[q.dtype], batch, num_q_heads, num_kv_heads, head_dim,
             num_blocks, block_size, tables.shape[1], tables.stride(0), sliding_window or 0, scale,
-            num_threads or torch.get_num_threads())
+            softcap or 0.0, num_threads or torch.get_num_threads())
     _check(code, "paged decode attention")
     return out
 
@@ -227,7 +228,8 @@ class DecodeQKVCall:
                  slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, *, num_q_heads: int,
                  kv_cache_shape: tuple[int, ...], dtype: torch.dtype, scale: float,
-                 sliding_window: int | None = None, num_threads: int | None = None) -> None:
+                 sliding_window: int | None = None, softcap: float | None = None,
+                 num_threads: int | None = None) -> None:
         # Held so the pointers below stay valid while the call is bound.
         self._tensors = (positions.contiguous(), cos_sin_cache, slot_mapping.contiguous(),
                          block_tables, context_lens.contiguous())
@@ -240,7 +242,7 @@ class DecodeQKVCall:
             positions.data_ptr(), cos_sin_cache.data_ptr(), cos_sin_cache.shape[0],
             slots.data_ptr(), tables.data_ptr(), lens.data_ptr(), DTYPE_CODES[dtype],
             positions.shape[0], num_q_heads, num_kv_heads, head_dim, num_blocks, block_size,
-            tables.shape[1], tables.stride(0), sliding_window or 0, scale,
+            tables.shape[1], tables.stride(0), sliding_window or 0, scale, softcap or 0.0,
             num_threads or torch.get_num_threads())
 
     def __call__(self, qkv: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ int pdserve_paged_decode_attention(const void *q, long q_stride, const void *cac
                                    int dtype, int batch, int num_q_heads, int num_kv_heads,
                                    int head_dim, int num_blocks, int block_size,
                                    int table_width, long table_stride, int window, float scale,
-                                   int num_threads);
+                                   float softcap, int num_threads);
 
 /* Rows worth a second thread: below this many elements the fork costs more. */
 #define SILU_PARALLEL_MIN (1L << 16)
@@ -109,7 +109,8 @@ int pdserve_decode_qkv_attention(void *qkv, long qkv_stride, void *cache, void *
                                  const int32_t *tables, const int32_t *lens, int dtype,
                                  int batch, int num_q_heads, int num_kv_heads, int head_dim,
                                  int num_blocks, int block_size, int table_width,
-                                 long table_stride, int window, float scale, int num_threads) {
+                                 long table_stride, int window, float scale, float softcap,
+                                 int num_threads) {
   const long num_slots = (long)num_blocks * block_size;
   for (int i = 0; i < batch; i++)
     if (positions[i] < 0 || positions[i] >= max_positions || slots[i] >= num_slots) return 3;
@@ -133,5 +134,5 @@ int pdserve_decode_qkv_attention(void *qkv, long qkv_stride, void *cache, void *
   return pdserve_paged_decode_attention(qkv, qkv_stride, cache, tables, lens, out, dtype,
                                         batch, num_q_heads, num_kv_heads, head_dim,
                                         num_blocks, block_size, table_width, table_stride,
-                                        window, scale, num_threads);
+                                        window, scale, softcap, num_threads);
 }

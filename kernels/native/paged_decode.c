@@ -6,7 +6,9 @@
  *   cache  [2, num_blocks, BS, Hkv, D]  element type T, contiguous
  *   tables [B, W] int32 (rows `table_stride` apart), lens [B] int32
  *   out    [B, Hq, D]                   element type T, contiguous
- * T is float32, bfloat16 or float16; arithmetic is float32. D must be a
+ * T is float32, bfloat16 or float16; arithmetic is float32. `softcap` > 0
+ * soft-caps each scaled score s to softcap * tanh(s / softcap) (Gemma 2);
+ * 0 leaves scores as they are. D must be a
  * multiple of 16 (one 16-float vector per 16 dims).
  *
  * A work item is one sequence and a range of its KV heads. For each visible
@@ -37,6 +39,7 @@ typedef struct {
   long table_stride; /* elements between rows of `tables` (>= table_width) */
   int window; /* 0: no sliding window */
   float scale;
+  float softcap; /* 0: none; else scores become softcap * tanh(score / softcap) */
   int heads_per_item; /* KV heads per work item (divides num_kv_heads) */
   int first_item, item_step;
   int status;
@@ -94,7 +97,9 @@ static inline float hsum(vfloat v) {
             vfloat s = {0};                                                                 \
             for (int c = 0; c < chunks; c++)                                                \
               s += query[r * chunks + c] * LOADV(k + (long)h * D + c * LANES);              \
-            scores[(long)r * n + (t - start)] = hsum(s);                                    \
+            const float score = hsum(s);                                                    \
+            scores[(long)r * n + (t - start)] =                                             \
+                job->softcap > 0.0f ? job->softcap * tanhf(score / job->softcap) : score;   \
           }                                                                                 \
       }                                                                                     \
       for (int r = 0; r < rows; r++) {                                                      \
@@ -167,7 +172,7 @@ int pdserve_paged_decode_attention(const void *q, long q_stride, const void *cac
                                    int dtype, int batch, int num_q_heads, int num_kv_heads,
                                    int head_dim, int num_blocks, int block_size,
                                    int table_width, long table_stride, int window, float scale,
-                                   int num_threads) {
+                                   float softcap, int num_threads) {
   if (batch <= 0) return 0;
   if (num_kv_heads <= 0 || num_q_heads % num_kv_heads != 0) return 2;
   if (head_dim <= 0 || head_dim % LANES != 0) return 2;
@@ -186,7 +191,7 @@ int pdserve_paged_decode_attention(const void *q, long q_stride, const void *cac
   for (int i = 0; i < num_threads; i++) {
     jobs[i].job = (Job){q, cache, tables, lens, out, q_stride, batch, num_q_heads,
                         num_kv_heads, head_dim, num_blocks, block_size, table_width, table_stride,
-                        window, scale,
+                        window, scale, softcap,
                         heads_per_item, i, num_threads, 0};
     jobs[i].kernel = kernel;
   }

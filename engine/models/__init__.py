@@ -1,0 +1,1 @@
+"""Model families beyond the Llama layout of `engine.model`, one module each."""
