@@ -82,10 +82,10 @@ class LLMEngine:
         if self.model.device.type == "cpu" and Backend.parse(config.kernel_backend) is Backend.AUTO:
             native.library()  # build or load the CPU attention now, not in the first step
         mc = self.model_config
-        limit = mc.max_position_embeddings
+        limit, limit_source = mc.context_limit()
         if config.max_model_len is not None and config.max_model_len > limit:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
-                             f"max_position_embeddings {limit}")
+                             f"{limit_source} {limit}")
         self.max_model_len = config.max_model_len or limit
         dtype = self.model.dtype
         per_block = kv_bytes_per_block(num_layers=mc.num_hidden_layers,

@@ -276,6 +276,15 @@ def _tokenizer_config(vocab: dict[str, int], max_length: int) -> dict[str, Any]:
     }
 
 
+def write_tokenizer(out_dir: str | Path, tokenizer: Tokenizer, max_length: int) -> None:
+    """Write `tokenizer` (`build_tokenizer()`) as tokenizer.json and
+    tokenizer_config.json into `out_dir`; also used for checkpoints written
+    by other tools (the tests' transformers models)."""
+    out = Path(out_dir)
+    tokenizer.save(str(out / "tokenizer.json"))
+    _write_json(out / "tokenizer_config.json", _tokenizer_config(tokenizer.get_vocab(), max_length))
+
+
 def make_model(out_dir: str | Path, *, size: str = "tiny", seed: int = 0,
                **variant: Any) -> Path:
     """Write a complete checkpoint into `out_dir` (created; must not contain
@@ -291,9 +300,7 @@ def make_model(out_dir: str | Path, *, size: str = "tiny", seed: int = 0,
     config = ModelConfig.from_dict(config_dict, source=str(out / "config.json"))
     _write_weights(out, build_weights(spec, config), spec.num_shards)
     _write_json(out / "config.json", config_dict)
-    tokenizer.save(str(out / "tokenizer.json"))
-    _write_json(out / "tokenizer_config.json",
-                _tokenizer_config(vocab, config.max_position_embeddings))
+    write_tokenizer(out, tokenizer, config.max_position_embeddings)
     _write_json(out / "generation_config.json", {
         "bos_token_id": config.bos_token_id,
         "eos_token_id": list(config.eos_token_ids),
