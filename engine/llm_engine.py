@@ -41,7 +41,7 @@ import torch
 
 from engine.block_manager import BlockManager, cdiv
 from engine.config import EngineConfig
-from engine.errors import CapacityError
+from engine.errors import CapacityError, UnsupportedModelError
 from engine.kv_cache import allocate_kv_caches, kv_bytes_per_block, num_blocks_for_budget
 from engine.kv_hook import LayerKVHook
 from engine.layers.linear import prepack, resolve_backend
@@ -61,6 +61,7 @@ from engine.scheduler import Scheduler
 from engine.step_pipeline import CompletedStep, StepPipeline
 from engine.text_stream import TextStream
 from kernels import native
+from kernels.checks import HEAD_DIMS
 from kernels.dispatch import Backend
 
 
@@ -82,6 +83,10 @@ class LLMEngine:
         if self.model.device.type == "cpu" and Backend.parse(config.kernel_backend) is Backend.AUTO:
             native.library()  # build or load the CPU attention now, not in the first step
         mc = self.model_config
+        if mc.head_dim not in HEAD_DIMS:  # e.g. Phi-3-mini's 96: refused now, not at step 1
+            raise UnsupportedModelError(
+                f"{config.model_dir}: head_dim={mc.head_dim} is not supported by the paged "
+                f"attention kernels (supported: {', '.join(map(str, HEAD_DIMS))})")
         limit, limit_source = mc.context_limit()
         if config.max_model_len is not None and config.max_model_len > limit:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
