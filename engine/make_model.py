@@ -198,6 +198,7 @@ def build_config(spec: ModelSpec, vocab: dict[str, int]) -> dict[str, Any]:
     if spec.architecture == "Qwen2ForCausalLM":
         config["use_sliding_window"] = spec.sliding_window is not None
         config["sliding_window"] = spec.sliding_window
+        config["max_window_layers"] = 0  # every layer slides (transformers' default is 28)
     elif spec.architecture == "MistralForCausalLM":
         config["sliding_window"] = spec.sliding_window
     else:

@@ -241,10 +241,7 @@ class ModelConfig:
         # Qwen2 always has q/k/v biases; Llama exposes them through attention_bias.
         attention_bias = (bool(raw.get("attention_bias", False))
                           or architecture == "Qwen2ForCausalLM")
-        sliding_window = raw.get("sliding_window")
-        # Qwen2 configs carry a sliding_window value that is off unless use_sliding_window.
-        if architecture == "Qwen2ForCausalLM" and not raw.get("use_sliding_window", False):
-            sliding_window = None
+        sliding_window = raw.get("sliding_window")  # Qwen2/3: see architecture_fields
         eos = raw.get("eos_token_id")
         eos_ids = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
         kwargs.update(

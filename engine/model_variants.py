@@ -124,6 +124,28 @@ def _refuse(source: str, field: str, value: Any, why: str) -> UnsupportedModelEr
     return UnsupportedModelError(f"{source}: {field}={value!r} is not supported ({why})")
 
 
+def _qwen_sliding_window(raw: dict[str, Any], source: str) -> int | None:
+    """Qwen2/Qwen3's window as transformers applies it: only with
+    use_sliding_window, and then to the layers from max_window_layers on
+    (default 28), or to those `layer_types` names "sliding_attention". The
+    engine's window is the same for every layer: none sliding or all."""
+    window = raw.get("sliding_window")
+    if not raw.get("use_sliding_window", False) or window is None:
+        return None
+    layers = int(raw["num_hidden_layers"])
+    types = raw.get("layer_types") or [
+        "sliding_attention" if i >= int(raw.get("max_window_layers", 28)) else "full_attention"
+        for i in range(layers)]
+    if all(t == "full_attention" for t in types):
+        return None
+    if all(t == "sliding_attention" for t in types):
+        return int(window)
+    raise _refuse(source, "use_sliding_window", raw["use_sliding_window"],
+                  f"the window applies to {sum(t == 'sliding_attention' for t in types)} of "
+                  f"{layers} layers (max_window_layers / layer_types); the engine's window is "
+                  "the same for every layer")
+
+
 def architecture_fields(architecture: str, raw: dict[str, Any],
                         source: str) -> dict[str, Any]:
     """`ModelConfig` fields (and overrides) that depend on the architecture;
@@ -140,16 +162,13 @@ def architecture_fields(architecture: str, raw: dict[str, Any],
                           f"{architecture} rotates whole heads; only Phi3ForCausalLM "
                           "rotates a fraction")
         fields["partial_rotary_factor"] = partial
+    if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        fields["sliding_window"] = _qwen_sliding_window(raw, source)
     if architecture == "Qwen3ForCausalLM":
         fields["qk_norm"] = True
-        if raw.get("use_sliding_window", False):
-            raise _refuse(source, "use_sliding_window", raw["use_sliding_window"],
-                          "Qwen3's sliding window applies to layers from max_window_layers "
-                          "on; the engine's window is the same for every layer")
         if raw.get("attention_bias", False):
             raise _refuse(source, "attention_bias", raw["attention_bias"],
                           "Qwen3 with biases on q/k/v/o projections")
-        fields["sliding_window"] = None  # off unless use_sliding_window (refused above)
     elif architecture == "MixtralForCausalLM":
         try:
             fields["num_local_experts"] = int(raw["num_local_experts"])

@@ -46,11 +46,23 @@ def test_per_layer_rope_parameters_are_refused() -> None:
 def test_qwen3_fields_and_refusals() -> None:
     config = _config("Qwen3ForCausalLM", sliding_window=4096, use_sliding_window=False)
     assert config.qk_norm and config.sliding_window is None and not config.attention_bias
-    with pytest.raises(UnsupportedModelError) as info:
-        _config("Qwen3ForCausalLM", sliding_window=4096, use_sliding_window=True)
-    assert str(info.value).startswith("m/config.json: use_sliding_window=True is not supported")
     with pytest.raises(UnsupportedModelError, match="attention_bias=True"):
         _config("Qwen3ForCausalLM", attention_bias=True)
+
+
+@pytest.mark.parametrize("architecture", ["Qwen2ForCausalLM", "Qwen3ForCausalLM"])
+def test_qwen_window_applies_from_max_window_layers(architecture) -> None:
+    on = {"sliding_window": 64, "use_sliding_window": True}
+    # transformers' max_window_layers default (28) >= 2 layers: no layer slides.
+    assert _config(architecture, **on).sliding_window is None
+    assert _config(architecture, **on, max_window_layers=0).sliding_window == 64
+    assert _config(architecture, **on, layer_types=["sliding_attention"] * 2).sliding_window == 64
+    with pytest.raises(UnsupportedModelError) as info:
+        _config(architecture, **on, max_window_layers=1)
+    assert str(info.value) == (
+        "m/config.json: use_sliding_window=True is not supported (the window applies to 1 of "
+        "2 layers (max_window_layers / layer_types); the engine's window is the same for "
+        "every layer)")
 
 
 def test_phi3_longrope_defaults_follow_transformers() -> None:
