@@ -81,10 +81,13 @@ def bucket_for(batch: int, sizes: Sequence[int]) -> int | None:
 
 
 def eager_reason(*, device: torch.device, kernel_backend: Backend, enforce_eager: bool,
-                 has_layer_kv_hook: bool) -> str | None:
-    """Why an engine runs every step eagerly, or None when it captures decode graphs."""
+                 has_layer_kv_hook: bool, model_blocker: str | None = None) -> str | None:
+    """Why an engine runs every step eagerly, or None when it captures decode
+    graphs; `model_blocker` is the model's own reason (`cuda_graph_blocker`)."""
     if enforce_eager:
         return "enforce_eager is set"
+    if model_blocker is not None:
+        return model_blocker
     if has_layer_kv_hook:
         # A prefill pod's steps stream KV through the hook (host code inside
         # the forward pass); its requests never decode, so graphs would be

@@ -42,7 +42,7 @@ import torch
 
 from engine.block_manager import BlockManager, cdiv
 from engine.config import EngineConfig
-from engine.errors import CapacityError
+from engine.errors import CapacityError, UnsupportedModelError
 from engine.grammar import GrammarCompiler, model_tokenizer
 from engine.grammar_batch import GrammarBatch
 from engine.kv_cache import allocate_kv_caches, kv_bytes_per_block, num_blocks_for_budget
@@ -64,6 +64,7 @@ from engine.scheduler import Scheduler
 from engine.step_pipeline import CompletedStep, StepPipeline
 from engine.text_stream import TextStream
 from kernels import native
+from kernels.checks import HEAD_DIMS
 from kernels.dispatch import Backend
 
 
@@ -85,10 +86,14 @@ class LLMEngine:
         if self.model.device.type == "cpu" and Backend.parse(config.kernel_backend) is Backend.AUTO:
             native.library()  # build or load the CPU attention now, not in the first step
         mc = self.model_config
-        limit = mc.max_position_embeddings
+        if mc.head_dim not in HEAD_DIMS:  # e.g. Phi-3-mini's 96: refused now, not at step 1
+            raise UnsupportedModelError(
+                f"{config.model_dir}: head_dim={mc.head_dim} is not supported by the paged "
+                f"attention kernels (supported: {', '.join(map(str, HEAD_DIMS))})")
+        limit, limit_source = mc.context_limit()
         if config.max_model_len is not None and config.max_model_len > limit:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
-                             f"max_position_embeddings {limit}")
+                             f"{limit_source} {limit}")
         self.max_model_len = config.max_model_len or limit
         dtype = self.model.dtype
         per_block = kv_bytes_per_block(num_layers=mc.num_hidden_layers,

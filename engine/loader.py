@@ -1,4 +1,5 @@
-"""Load a Hugging Face Llama-family checkpoint (safetensors only, no pickle).
+"""Load a Hugging Face checkpoint of a supported architecture (safetensors
+only, no pickle): Llama, Mistral, Qwen2/3, Phi-3, Mixtral.
 
 Called once at pod start-up by the engine (on the thread that builds it),
 and by tests and tools. A model directory holds `config.json` and either
@@ -20,9 +21,10 @@ import torch
 from safetensors import safe_open
 
 from engine.errors import CheckpointError
+from engine.layers.rotary import partial_rotary_order
 from engine.model import LlamaForCausalLM
 from engine.model_config import ModelConfig
-from engine.models.gemma import GemmaForCausalLM
+from engine.models.classes import model_class
 from kernels.dispatch import Backend
 
 SINGLE_FILE = "model.safetensors"
@@ -37,18 +39,19 @@ DTYPES: dict[str, torch.dtype] = {
 @dataclass(frozen=True, slots=True)
 class TensorTarget:
     """Where checkpoint tensor `hf_name` goes: rows [row_start, row_start +
-    shape[0]) of model parameter `param_name` (merged projections)."""
+    shape[0]) of model parameter `param_name` (merged projections), its rows
+    taken in `row_order` when given (partial rotary's q/k head dims)."""
 
     hf_name: str
     shape: tuple[int, ...]
     param_name: str
     row_start: int = 0
+    row_order: tuple[int, ...] | None = None
 
 
 def expected_tensors(config: ModelConfig) -> dict[str, TensorTarget]:
     """Every tensor a checkpoint of `config` must contain, by HF name."""
-    hidden, inter = config.hidden_size, config.intermediate_size
-    q, kv = config.q_size, config.kv_size
+    hidden = config.hidden_size
     targets = [
         TensorTarget("model.embed_tokens.weight", (config.vocab_size, hidden),
                      "model.embed_tokens.weight"),
@@ -59,19 +62,12 @@ def expected_tensors(config: ModelConfig) -> dict[str, TensorTarget]:
                                     "lm_head.weight"))
     for i in range(config.num_hidden_layers):
         hf = f"model.layers.{i}"
-        attn = f"{hf}.self_attn"
+        targets += _attention_tensors(config, f"{hf}.self_attn")
+        if config.num_local_experts:
+            targets += _moe_tensors(config, hf)
+        else:
+            targets += _mlp_tensors(config, f"{hf}.mlp", f"{hf}.mlp")
         targets += [
-            TensorTarget(f"{attn}.q_proj.weight", (q, hidden), f"{attn}.qkv_proj.weight", 0),
-            TensorTarget(f"{attn}.k_proj.weight", (kv, hidden), f"{attn}.qkv_proj.weight", q),
-            TensorTarget(f"{attn}.v_proj.weight", (kv, hidden), f"{attn}.qkv_proj.weight",
-                         q + kv),
-            TensorTarget(f"{attn}.o_proj.weight", (hidden, q), f"{attn}.o_proj.weight"),
-            TensorTarget(f"{hf}.mlp.gate_proj.weight", (inter, hidden),
-                         f"{hf}.mlp.gate_up_proj.weight", 0),
-            TensorTarget(f"{hf}.mlp.up_proj.weight", (inter, hidden),
-                         f"{hf}.mlp.gate_up_proj.weight", inter),
-            TensorTarget(f"{hf}.mlp.down_proj.weight", (hidden, inter),
-                         f"{hf}.mlp.down_proj.weight"),
             TensorTarget(f"{hf}.input_layernorm.weight", (hidden,),
                          f"{hf}.input_layernorm.weight"),
             TensorTarget(f"{hf}.post_attention_layernorm.weight", (hidden,),
@@ -80,13 +76,67 @@ def expected_tensors(config: ModelConfig) -> dict[str, TensorTarget]:
         if config.gemma is not None:
             targets += [TensorTarget(name, shape, name) for name, shape
                         in config.gemma.norm_tensors(hf, hidden, config.head_dim)]
-        if config.attention_bias:
-            targets += [
-                TensorTarget(f"{attn}.q_proj.bias", (q,), f"{attn}.qkv_proj.bias", 0),
-                TensorTarget(f"{attn}.k_proj.bias", (kv,), f"{attn}.qkv_proj.bias", q),
-                TensorTarget(f"{attn}.v_proj.bias", (kv,), f"{attn}.qkv_proj.bias", q + kv),
-            ]
     return {t.hf_name: t for t in targets}
+
+
+def _attention_tensors(config: ModelConfig, attn: str) -> list[TensorTarget]:
+    """q/k/v (separate, or Phi-3's fused `qkv_proj`), o, biases, q/k norms."""
+    hidden, q, kv = config.hidden_size, config.q_size, config.kv_size
+    qkv = f"{attn}.qkv_proj.weight"
+    if config.architecture == "Phi3ForCausalLM":
+        order = None
+        if config.rotary_dim != config.head_dim:
+            dims = partial_rotary_order(config.head_dim, config.rotary_dim)
+            heads = config.num_attention_heads + config.num_key_value_heads
+            order = tuple(h * config.head_dim + d for h in range(heads) for d in dims)
+            order += tuple(range(q + kv, q + 2 * kv))  # v as it is
+        targets = [TensorTarget(qkv, (q + 2 * kv, hidden), qkv, 0, order)]
+    else:
+        targets = [
+            TensorTarget(f"{attn}.q_proj.weight", (q, hidden), qkv, 0),
+            TensorTarget(f"{attn}.k_proj.weight", (kv, hidden), qkv, q),
+            TensorTarget(f"{attn}.v_proj.weight", (kv, hidden), qkv, q + kv),
+        ]
+    targets.append(TensorTarget(f"{attn}.o_proj.weight", (hidden, q), f"{attn}.o_proj.weight"))
+    if config.attention_bias:
+        targets += [
+            TensorTarget(f"{attn}.q_proj.bias", (q,), f"{attn}.qkv_proj.bias", 0),
+            TensorTarget(f"{attn}.k_proj.bias", (kv,), f"{attn}.qkv_proj.bias", q),
+            TensorTarget(f"{attn}.v_proj.bias", (kv,), f"{attn}.qkv_proj.bias", q + kv),
+        ]
+    if config.qk_norm:
+        targets += [TensorTarget(f"{attn}.{n}.weight", (config.head_dim,), f"{attn}.{n}.weight")
+                    for n in ("q_norm", "k_norm")]
+    return targets
+
+
+def _mlp_tensors(config: ModelConfig, hf: str, param: str,
+                 names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+                 ) -> list[TensorTarget]:
+    """SwiGLU's gate/up (or Phi-3's fused `gate_up_proj`) and down, under HF
+    prefix `hf` with those `names`, into `{param}.gate_up_proj` / `.down_proj`."""
+    hidden, inter = config.hidden_size, config.intermediate_size
+    gate_up, down = f"{param}.gate_up_proj.weight", f"{param}.down_proj.weight"
+    if config.architecture == "Phi3ForCausalLM":
+        targets = [TensorTarget(f"{hf}.gate_up_proj.weight", (2 * inter, hidden), gate_up)]
+    else:
+        targets = [
+            TensorTarget(f"{hf}.{names[0]}.weight", (inter, hidden), gate_up, 0),
+            TensorTarget(f"{hf}.{names[1]}.weight", (inter, hidden), gate_up, inter),
+        ]
+    return targets + [TensorTarget(f"{hf}.{names[2]}.weight", (hidden, inter), down)]
+
+
+def _moe_tensors(config: ModelConfig, layer: str) -> list[TensorTarget]:
+    """Mixtral's `block_sparse_moe`: router `gate` and experts w1 (gate),
+    w3 (up), w2 (down) into `mlp.router` / `mlp.experts.{e}` (engine/layers/moe.py)."""
+    moe = f"{layer}.block_sparse_moe"
+    targets = [TensorTarget(f"{moe}.gate.weight", (config.num_local_experts, config.hidden_size),
+                            f"{layer}.mlp.router.weight")]
+    for e in range(config.num_local_experts):
+        targets += _mlp_tensors(config, f"{moe}.experts.{e}", f"{layer}.mlp.experts.{e}",
+                                names=("w1", "w3", "w2"))
+    return targets
 
 
 def _is_harmless_extra(name: str, config: ModelConfig) -> bool:
@@ -140,7 +190,7 @@ def load_model(
     dtype: str | torch.dtype = "auto",
     device: str | torch.device = "cpu",
     kernel_backend: Backend | str = Backend.AUTO,
-) -> tuple[LlamaForCausalLM | GemmaForCausalLM, ModelConfig]:
+) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Build the model described by `model_dir/config.json` and fill every
     parameter from the checkpoint. Raises CheckpointError (naming file,
     tensor and shapes) for any mismatch, UnsupportedModelError for an
@@ -158,8 +208,8 @@ def load_model(
             where = model_dir / (INDEX_FILE if (model_dir / INDEX_FILE).is_file() else SINGLE_FILE)
             raise CheckpointError(f"{where}: missing tensor {name!r}")
 
-    model_class = GemmaForCausalLM if config.gemma is not None else LlamaForCausalLM
-    model = model_class(config, dtype=torch_dtype, device=device, kernel_backend=kernel_backend)
+    model = model_class(config)(config, dtype=torch_dtype, device=device,
+                                kernel_backend=kernel_backend)
     params = dict(model.named_parameters(remove_duplicate=False))
     by_file: dict[Path, list[TensorTarget]] = {}
     for name, target in expected.items():
@@ -181,6 +231,8 @@ def _copy_tensor(handle, path: Path, target: TensorTarget, param: torch.Tensor) 
             f"{path}: tensor {target.hf_name!r} has shape {tuple(tensor.shape)}, "
             f"expected {target.shape}"
         )
+    if target.row_order is not None:
+        tensor = tensor[list(target.row_order)]
     rows = slice(target.row_start, target.row_start + target.shape[0])
     with torch.no_grad():
         param[rows].copy_(tensor.to(param.dtype))

@@ -28,12 +28,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, proce
 
 from engine.chat_template import BUILTIN_CHAT_TEMPLATE
 from engine.loader import INDEX_FILE, SINGLE_FILE, expected_tensors
-from engine.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
-from engine.models.gemma_config import GEMMA_ARCHITECTURES
-
-# Gemma checkpoints come from transformers in the tests (tests/engine/test_gemma.py).
-MAKE_MODEL_ARCHITECTURES = tuple(a for a in SUPPORTED_ARCHITECTURES
-                                 if a not in GEMMA_ARCHITECTURES)
+from engine.model_config import ModelConfig
 
 # head_dim 64 everywhere: the paged attention kernels are compiled for 64/128.
 SIZES: dict[str, dict[str, Any]] = {
@@ -44,6 +39,15 @@ SIZES: dict[str, dict[str, Any]] = {
                  num_attention_heads=16, num_key_value_heads=4, head_dim=64,
                  max_position_embeddings=8192, rope_theta=500000.0),
 }
+# config.json's model_type of each architecture make-model writes.
+MODEL_TYPES: dict[str, str] = {
+    "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3", "MixtralForCausalLM": "mixtral",
+}
+# Architectures whose sliding_window applies to every layer as written; Qwen
+# needs use_sliding_window (and max_window_layers 0 for every layer).
+_WINDOWED = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")
+_QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 # Llama 3 style scaling, sized so tiny models exercise all three frequency
 # bands (kept, blended, divided) within a few hundred positions.
 LLAMA3_ROPE_SCALING: dict[str, Any] = {
@@ -173,8 +177,8 @@ class ModelSpec:
             raise ValueError(f"size must be one of {', '.join(SIZES)}, got {self.size!r}")
         if self.seed < 0:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
-        if self.architecture not in MAKE_MODEL_ARCHITECTURES:
-            raise ValueError(f"architecture must be one of {', '.join(MAKE_MODEL_ARCHITECTURES)}, "
+        if self.architecture not in MODEL_TYPES:
+            raise ValueError(f"architecture must be one of {', '.join(MODEL_TYPES)}, "
                              f"got {self.architecture!r}")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ValueError(f"sliding_window must be > 0 or None, got {self.sliding_window}")
@@ -189,8 +193,7 @@ def build_config(spec: ModelSpec, vocab: dict[str, int]) -> dict[str, Any]:
     config: dict[str, Any] = dict(SIZES[spec.size])
     config.update(
         architectures=[spec.architecture],
-        model_type={"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-                    "Qwen2ForCausalLM": "qwen2"}[spec.architecture],
+        model_type=MODEL_TYPES[spec.architecture],
         vocab_size=len(vocab),
         rms_norm_eps=1e-5,
         hidden_act="silu",
@@ -200,15 +203,18 @@ def build_config(spec: ModelSpec, vocab: dict[str, int]) -> dict[str, Any]:
         torch_dtype=spec.dtype,
         rope_scaling=LLAMA3_ROPE_SCALING if spec.llama3_rope_scaling else None,
     )
-    if spec.architecture == "Qwen2ForCausalLM":
+    if spec.architecture in _QWEN:
         config["use_sliding_window"] = spec.sliding_window is not None
         config["sliding_window"] = spec.sliding_window
-    elif spec.architecture == "MistralForCausalLM":
+        config["max_window_layers"] = 0  # every layer slides (transformers' default is 28)
+    elif spec.architecture in _WINDOWED:
         config["sliding_window"] = spec.sliding_window
-    else:
-        if spec.sliding_window is not None:
-            raise ValueError("sliding_window needs MistralForCausalLM or Qwen2ForCausalLM")
+    elif spec.sliding_window is not None:
+        raise ValueError(f"sliding_window needs one of {', '.join(_WINDOWED + _QWEN)}")
+    if spec.architecture == "LlamaForCausalLM":
         config["attention_bias"] = spec.attention_bias
+    if spec.architecture == "MixtralForCausalLM":
+        config.update(num_local_experts=4, num_experts_per_tok=2)
     return config
 
 
@@ -219,7 +225,7 @@ def _init_std(name: str, shape: tuple[int, ...]) -> tuple[float, float]:
     peaked (std ~2): greedy decoding of a random model then has clear
     winners, so comparisons between engines are not decided by rounding.
     """
-    if name.endswith("layernorm.weight") or name == "model.norm.weight":
+    if name.endswith("norm.weight"):  # layer norms, the final norm, Qwen3's q/k norms
         return 1.0, 0.1  # near 1, but not exactly, so a dropped norm weight is caught
     if name.endswith(".bias"):
         return 0.0, 0.1
@@ -281,6 +287,15 @@ def _tokenizer_config(vocab: dict[str, int], max_length: int) -> dict[str, Any]:
     }
 
 
+def write_tokenizer(out_dir: str | Path, tokenizer: Tokenizer, max_length: int) -> None:
+    """Write `tokenizer` (`build_tokenizer()`) as tokenizer.json and
+    tokenizer_config.json into `out_dir`; also used for checkpoints written
+    by other tools (the tests' transformers models)."""
+    out = Path(out_dir)
+    tokenizer.save(str(out / "tokenizer.json"))
+    _write_json(out / "tokenizer_config.json", _tokenizer_config(tokenizer.get_vocab(), max_length))
+
+
 def make_model(out_dir: str | Path, *, size: str = "tiny", seed: int = 0,
                **variant: Any) -> Path:
     """Write a complete checkpoint into `out_dir` (created; must not contain
@@ -296,9 +311,7 @@ def make_model(out_dir: str | Path, *, size: str = "tiny", seed: int = 0,
     config = ModelConfig.from_dict(config_dict, source=str(out / "config.json"))
     _write_weights(out, build_weights(spec, config), spec.num_shards)
     _write_json(out / "config.json", config_dict)
-    tokenizer.save(str(out / "tokenizer.json"))
-    _write_json(out / "tokenizer_config.json",
-                _tokenizer_config(vocab, config.max_position_embeddings))
+    write_tokenizer(out, tokenizer, config.max_position_embeddings)
     _write_json(out / "generation_config.json", {
         "bos_token_id": config.bos_token_id,
         "eos_token_id": list(config.eos_token_ids),

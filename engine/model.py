@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2) in plain torch.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Phi-3) in plain torch; the
+base of the other architectures (engine/models/: Qwen3, Mixtral).
 
 Built by `engine.loader.load_model` (parameters are allocated uninitialised
 and filled from the checkpoint), then owned by the engine loop thread, which
@@ -35,7 +36,7 @@ from torch import nn
 
 from engine.attention_context import AttentionContext
 from engine.layers.linear import Linear
-from engine.layers.rotary import build_cos_sin_cache
+from engine.layers.rotary import cos_sin_cache_for
 from engine.model_config import ModelConfig
 
 # Through kernels.dispatch, not the `kernels` package attribute: importing the
@@ -101,7 +102,7 @@ class LlamaAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 cos_sin_cache: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)
+        qkv = self.project_qkv(hidden)
         out = ctx.attend_qkv(self.layer_idx, qkv, positions, cos_sin_cache)
         if out is not None:
             return self.o_proj(out.reshape(num_tokens, self.q_size))
@@ -113,6 +114,10 @@ class LlamaAttention(nn.Module):
                                            backend=self.kernel_backend)
         out = ctx.attend(self.layer_idx, q, k, v)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+    def project_qkv(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, (Hq + 2 Hkv) * D] q, k, v before RoPE (subclasses add q/k norms)."""
+        return self.qkv_proj(hidden)
 
 
 class LlamaMLP(nn.Module):
@@ -133,14 +138,18 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    # Subclasses swap the attention or the MLP (engine/models/).
+    attention_cls: type[LlamaAttention] = LlamaAttention
+    mlp_cls: type[nn.Module] = LlamaMLP
+
     def __init__(self, config: ModelConfig, layer_idx: int, *, dtype: torch.dtype,
                  device: torch.device | str, kernel_backend: Backend) -> None:
         super().__init__()
         kw = dict(dtype=dtype, device=device, kernel_backend=kernel_backend)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
-        self.self_attn = LlamaAttention(config, layer_idx, **kw)
+        self.self_attn = self.attention_cls(config, layer_idx, **kw)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
-        self.mlp = LlamaMLP(config, **kw)
+        self.mlp = self.mlp_cls(config, **kw)
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
@@ -160,14 +169,14 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, *, dtype: torch.dtype,
-                 device: torch.device | str, kernel_backend: Backend) -> None:
+                 device: torch.device | str, kernel_backend: Backend,
+                 layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer) -> None:
         super().__init__()
         self.embed_tokens = nn.Module()
         self.embed_tokens.weight = _empty(config.vocab_size, config.hidden_size,
                                           dtype=dtype, device=device)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, dtype=dtype, device=device,
-                              kernel_backend=kernel_backend)
+            layer_cls(config, i, dtype=dtype, device=device, kernel_backend=kernel_backend)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device,
@@ -178,6 +187,11 @@ class LlamaForCausalLM(nn.Module):
     """The whole model; parameter names follow HF's except the merged
     `qkv_proj` / `gate_up_proj` (see module docstring)."""
 
+    decoder_layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
+    # Why decode steps of this model cannot be captured in a CUDA graph
+    # (engine/cuda_graphs.py), or None.
+    cuda_graph_blocker: str | None = None
+
     def __init__(self, config: ModelConfig, *, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu",
                  kernel_backend: Backend | str = Backend.AUTO) -> None:
@@ -185,15 +199,15 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.kernel_backend = Backend.parse(kernel_backend)
         self.model = LlamaModel(config, dtype=dtype, device=device,
-                                kernel_backend=self.kernel_backend)
+                                kernel_backend=self.kernel_backend,
+                                layer_cls=self.decoder_layer_cls)
         # Tied: shared until prepacking gives lm_head its own blocked copy.
         self.lm_head = Linear(
             config.hidden_size, config.vocab_size, bias=False, dtype=dtype, device=device,
             shared_weight=self.model.embed_tokens.weight if config.tie_word_embeddings else None)
         # float32 regardless of model dtype: the angles of large positions
         # need the mantissa; not a parameter, never saved or loaded.
-        cache = build_cos_sin_cache(config.max_position_embeddings, config.head_dim,
-                                    config.rope_theta, config.rope_scaling)
+        cache = cos_sin_cache_for(config)
         self.register_buffer("cos_sin_cache", cache.to(device), persistent=False)
 
     @property

@@ -15,16 +15,27 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import CheckpointError, UnsupportedModelError
+from engine.model_variants import (
+    PHI3_LONGROPE_ALIASES,
+    RMS_NORM_EPS_DEFAULTS,
+    ROPE_THETA_DEFAULTS,
+    LongRopeScaling,
+    architecture_fields,
+    rope_parameters_of,
+)
 from engine.models.gemma_config import GEMMA_ARCHITECTURES, GemmaConfig
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Phi3ForCausalLM",
+    "MixtralForCausalLM",
     *GEMMA_ARCHITECTURES,
 )
 SUPPORTED_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
-SUPPORTED_ROPE_SCALING: tuple[str, ...] = ("llama3",)
+SUPPORTED_ROPE_SCALING: tuple[str, ...] = ("llama3", "longrope")
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +85,18 @@ class RopeScaling:
             raise CheckpointError(f"{source}: rope_scaling is missing {exc.args[0]!r}") from None
 
 
+def _rope_scaling(scaling: dict[str, Any] | None, raw: dict[str, Any], architecture: str,
+                  source: str) -> RopeScaling | LongRopeScaling | None:
+    """Llama 3 or LongRoPE scaling from `scaling` (None/default: none)."""
+    if scaling is None:
+        return None
+    rope_type = scaling.get("rope_type", scaling.get("type"))
+    if rope_type == "longrope" or (architecture == "Phi3ForCausalLM"
+                                   and rope_type in PHI3_LONGROPE_ALIASES):
+        return LongRopeScaling.from_hf(scaling, raw, architecture, source)
+    return RopeScaling.from_hf(scaling, source)
+
+
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     """Shapes and hyper-parameters of one decoder-only model.
@@ -94,13 +117,20 @@ class ModelConfig:
     rms_norm_eps: float
     rope_theta: float
     max_position_embeddings: int
-    rope_scaling: RopeScaling | None = None
+    rope_scaling: RopeScaling | LongRopeScaling | None = None
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "float32"
+    # Qwen3: RMSNorm over each q and k head (q_norm, k_norm) before RoPE.
+    qk_norm: bool = False
+    # Phi-3: RoPE rotates the first head_dim * factor dims of each head.
+    partial_rotary_factor: float = 1.0
+    # Mixtral: a sparse MoE block replaces the MLP (0 experts: dense MLP).
+    num_local_experts: int = 0
+    num_experts_per_tok: int = 0
     # Gemma 2/3 only (engine/models/gemma_config.py); its layers' sliding
     # windows live there, so `sliding_window` above stays None for Gemma.
     gemma: GemmaConfig | None = None
@@ -130,6 +160,20 @@ class ModelConfig:
             raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ValueError(f"sliding_window must be > 0 or None, got {self.sliding_window}")
+        if not 0 < self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
+            raise ValueError(
+                f"partial_rotary_factor {self.partial_rotary_factor} gives rotary dims "
+                f"{self.rotary_dim} of head_dim {self.head_dim}; it must be even and in "
+                f"(0, head_dim]")
+        if isinstance(self.rope_scaling, LongRopeScaling) and (
+                2 * len(self.rope_scaling.short_factor) != self.rotary_dim):
+            raise ValueError(
+                f"rope_scaling short_factor/long_factor have {len(self.rope_scaling.short_factor)}"
+                f" values; rotary dims {self.rotary_dim} need {self.rotary_dim // 2}")
+        if self.num_local_experts and not 0 < self.num_experts_per_tok <= self.num_local_experts:
+            raise ValueError(
+                f"num_experts_per_tok must be in [1, num_local_experts={self.num_local_experts}], "
+                f"got {self.num_experts_per_tok}")
         if self.torch_dtype not in SUPPORTED_DTYPES:
             raise UnsupportedModelError(
                 f"torch_dtype {self.torch_dtype!r} is not supported "
@@ -152,6 +196,21 @@ class ModelConfig:
         """Width of each of the key and value projection outputs."""
         return self.num_key_value_heads * self.head_dim
 
+    @property
+    def rotary_dim(self) -> int:
+        """Dims of each head that RoPE rotates (head_dim unless partial)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def context_limit(self) -> tuple[int, str]:
+        """(the longest context the engine runs this model at, what sets it):
+        the default and the upper bound of the engine's max_model_len."""
+        if isinstance(self.rope_scaling, LongRopeScaling):
+            return (self.rope_scaling.original_max_position_embeddings,
+                    "rope_scaling 'longrope' original_max_position_embeddings (beyond it "
+                    "transformers switches every position to long_factor, cached keys "
+                    "included, which a KV cache cannot follow)")
+        return self.max_position_embeddings, "max_position_embeddings"
+
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
         """Build from a parsed HF config dict; `source` names it in errors."""
@@ -162,6 +221,9 @@ class ModelConfig:
                 f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
             )
         architecture = architectures[0]
+        gemma_arch = architecture in GEMMA_ARCHITECTURES
+        # Gemma reads its own RoPE (per layer type): engine/models/gemma_config.py
+        rope = {} if gemma_arch else rope_parameters_of(raw, source)
         try:
             hidden = int(raw["hidden_size"])
             heads = int(raw["num_attention_heads"])
@@ -175,8 +237,10 @@ class ModelConfig:
                 num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
                 # head_dim may be explicit (and differ from hidden/heads) or null
                 head_dim=int(raw.get("head_dim") or hidden // heads),
-                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(raw.get("rope_theta", 10000.0)),
+                rms_norm_eps=float(raw.get("rms_norm_eps",
+                                           RMS_NORM_EPS_DEFAULTS.get(architecture, 1e-6))),
+                rope_theta=float(rope.get("rope_theta",
+                                          ROPE_THETA_DEFAULTS.get(architecture, 10000.0))),
                 max_position_embeddings=int(raw["max_position_embeddings"]),
             )
         except KeyError as exc:
@@ -184,31 +248,30 @@ class ModelConfig:
         # Qwen2 always has q/k/v biases; Llama exposes them through attention_bias.
         attention_bias = (bool(raw.get("attention_bias", False))
                           or architecture == "Qwen2ForCausalLM")
-        sliding_window = raw.get("sliding_window")
-        # Qwen2 configs carry a sliding_window value that is off unless use_sliding_window.
-        if architecture == "Qwen2ForCausalLM" and not raw.get("use_sliding_window", False):
-            sliding_window = None
+        sliding_window = raw.get("sliding_window")  # Qwen2/3: see architecture_fields
         eos = raw.get("eos_token_id")
         eos_ids = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
         gemma = None
-        if architecture in GEMMA_ARCHITECTURES:
+        if gemma_arch:
             gemma = GemmaConfig.from_hf(raw, architecture, kwargs["num_hidden_layers"], source)
             # Gemma ties embeddings unless told otherwise; RoPE and windows are its own.
-            raw = {**raw, "tie_word_embeddings": raw.get("tie_word_embeddings", True),
-                   "rope_scaling": None}
+            raw = {**raw, "tie_word_embeddings": raw.get("tie_word_embeddings", True)}
             kwargs["rope_theta"] = gemma.rope_theta
             sliding_window = None
-        return cls(
-            **kwargs,
-            rope_scaling=RopeScaling.from_hf(raw.get("rope_scaling"), source),
+        kwargs.update(
+            rope_scaling=_rope_scaling(rope.get("rope_scaling"), raw, architecture, source),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=attention_bias,
             sliding_window=None if sliding_window is None else int(sliding_window),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=tuple(int(t) for t in eos_ids),
-            torch_dtype=str(raw.get("torch_dtype") or "float32"),
+            # transformers 5 writes "dtype"
+            torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
             gemma=gemma,
         )
+        if not gemma_arch:  # Gemma's variants are checked by GemmaConfig.from_hf
+            kwargs.update(architecture_fields(architecture, raw, source))
+        return cls(**kwargs)
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> ModelConfig:

@@ -117,7 +117,8 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         reason = eager_reason(device=self.device, kernel_backend=model.kernel_backend,
                               enforce_eager=enforce_eager,
-                              has_layer_kv_hook=layer_kv_hook is not None)
+                              has_layer_kv_hook=layer_kv_hook is not None,
+                              model_blocker=model.cuda_graph_blocker)
         if reason is None:
             self.graphs = DecodeGraphs(model, self.inputs, self.decode_graph_context,
                                        capture_sizes(max_num_seqs))

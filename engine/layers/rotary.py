@@ -1,7 +1,21 @@
-"""Rotary position embedding tables (neox style), including Llama 3 scaling.
+"""Rotary position embedding tables (neox style), including Llama 3 scaling,
+LongRoPE and partial rotary.
 
 Called once by `LlamaForCausalLM.__init__` to build the cos/sin cache that
-every layer passes to `kernels.rotary_embedding`; pure functions, no state.
+every layer passes to `kernels.rotary_embedding` (`cos_sin_cache_for`), and
+by the loader for the head-dim order of partial rotary models
+(`partial_rotary_order`); pure functions, no state.
+
+Partial rotary (Phi-3's `partial_rotary_factor`): transformers rotates the
+first R of each head's D dims, pairing dim i with i + R/2, and passes the
+rest through. The kernels rotate whole heads, pairing i with i + D/2. So the
+loader permutes each q and k head's dims (`partial_rotary_order`: the
+rotated pairs land on (i, i + D/2) for i < R/2, the passed dims fill the
+rest of both halves) and the table's columns R/2..D/2 hold cos 1, sin 0,
+which leaves those dims exactly as they are. q.k is the same sum under one
+permutation of both, so attention is unchanged; v and o_proj are not
+permuted. (The KV cache then holds keys in the permuted order, on every
+pod alike.)
 """
 
 from __future__ import annotations
@@ -10,7 +24,8 @@ import math
 
 import torch
 
-from engine.model_config import RopeScaling
+from engine.model_config import ModelConfig, RopeScaling
+from engine.model_variants import LongRopeScaling
 
 
 def rope_inv_freq(
@@ -56,3 +71,43 @@ def build_cos_sin_cache(
     positions = torch.arange(max_positions, dtype=torch.float64)
     angles = torch.outer(positions, inv_freq)
     return torch.cat([angles.cos(), angles.sin()], dim=-1).to(torch.float32)
+
+
+def partial_rotary_order(head_dim: int, rotary_dim: int) -> list[int]:
+    """Each q/k head's dims in the order the kernels rotate them (see the
+    module docstring): new dim j holds checkpoint dim order[j]."""
+    if not 0 < rotary_dim <= head_dim or rotary_dim % 2 or head_dim % 2:
+        raise ValueError(f"rotary_dim {rotary_dim} must be even and in (0, head_dim "
+                         f"{head_dim}], head_dim even")
+    half_rot, half_pass = rotary_dim // 2, (head_dim - rotary_dim) // 2
+    first = list(range(half_rot)) + list(range(rotary_dim, rotary_dim + half_pass))
+    second = (list(range(half_rot, rotary_dim))
+              + list(range(rotary_dim + half_pass, head_dim)))
+    return first + second
+
+
+def cos_sin_cache_for(config: ModelConfig) -> torch.Tensor:
+    """The model's table [positions, head_dim] float32 for `kernels.rotary_embedding`.
+
+    LongRoPE: inv_freq / short_factor and cos, sin scaled by its
+    attention_factor, for the positions below original_max_position_embeddings
+    (the engine runs no longer context, `ModelConfig.context_limit`).
+    Partial rotary: columns past rotary_dim / 2 of each half are cos 1, sin 0
+    (identity).
+    """
+    scaling = config.rope_scaling
+    positions = config.max_position_embeddings
+    if isinstance(scaling, LongRopeScaling):
+        positions = min(positions, scaling.original_max_position_embeddings)
+        inv_freq = rope_inv_freq(config.rotary_dim, config.rope_theta) / torch.tensor(
+            scaling.short_factor, dtype=torch.float64)
+        angles = torch.outer(torch.arange(positions, dtype=torch.float64), inv_freq)
+        cos, sin = angles.cos() * scaling.attention_factor, angles.sin() * scaling.attention_factor
+    else:
+        table = build_cos_sin_cache(positions, config.rotary_dim, config.rope_theta, scaling)
+        cos, sin = table.double().chunk(2, dim=-1)
+    identity = (config.head_dim - config.rotary_dim) // 2
+    if identity:
+        cos = torch.cat([cos, cos.new_ones(positions, identity)], dim=-1)
+        sin = torch.cat([sin, sin.new_zeros(positions, identity)], dim=-1)
+    return torch.cat([cos, sin], dim=-1).to(torch.float32)

@@ -196,6 +196,9 @@ class GemmaForCausalLM(nn.Module):
     """Gemma 2 / Gemma 3 text model; parameter names follow HF's except the
     merged `qkv_proj` / `gate_up_proj` (as `engine.model`)."""
 
+    # Decode steps capture in CUDA graphs as Llama's do (engine/cuda_graphs.py).
+    cuda_graph_blocker: str | None = None
+
     def __init__(self, config: ModelConfig, *, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu",
                  kernel_backend: Backend | str = Backend.AUTO) -> None:

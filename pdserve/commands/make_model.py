@@ -18,9 +18,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tiny: 2 layers, for tests; base: 8 layers, for benchmarks")
     parser.add_argument("--seed", type=int, default=0, help="weight seed (same seed, same bytes)")
     parser.add_argument("--architecture", default="LlamaForCausalLM",
-                        choices=("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"))
+                        choices=("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                                 "Qwen3ForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM"))
     parser.add_argument("--sliding-window", type=int, default=None,
-                        help="attention window in tokens (Mistral/Qwen2 only)")
+                        help="attention window in tokens (not Llama)")
     parser.add_argument("--tie-word-embeddings", action="store_true",
                         help="share the embedding matrix with lm_head")
     parser.add_argument("--llama3-rope-scaling", action="store_true",

@@ -116,7 +116,8 @@ def test_unsupported_architecture(tiny_model_dir: Path, tmp_path: Path) -> None:
         load_model(model_dir)
     assert str(info.value) == (
         "architecture 'GPT2LMHeadModel' is not supported (supported: LlamaForCausalLM, "
-        "MistralForCausalLM, Qwen2ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM)"
+        "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM, "
+        "MixtralForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM)"
     )
 
 

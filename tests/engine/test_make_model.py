@@ -57,7 +57,8 @@ def test_refuses_non_empty_directory(tiny_model_dir: Path) -> None:
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"size": "huge"}, "size must be one of tiny, base, got 'huge'"),
-    ({"sliding_window": 16}, "sliding_window needs MistralForCausalLM or Qwen2ForCausalLM"),
+    ({"sliding_window": 16}, "sliding_window needs one of MistralForCausalLM, "
+                             "MixtralForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM"),
     ({"architecture": "GPT2"}, "architecture must be one of"),
     ({"num_shards": 0}, "num_shards must be >= 1, got 0"),
 ])
@@ -78,3 +79,20 @@ def test_ensure_model_creates_once(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert [p.name for p in target.parent.iterdir()] == ["pdserve-tiny"]
     model, config = load_model(target)
     assert config.num_hidden_layers == 2
+
+
+@pytest.mark.parametrize("architecture", ["Qwen3ForCausalLM", "Phi3ForCausalLM",
+                                          "MixtralForCausalLM"])
+def test_new_architectures_load_and_match_the_reference(tmp_path: Path, architecture) -> None:
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.reference import reference_greedy
+    from engine.sampling_params import SamplingParams
+
+    path = make_model(tmp_path / "m", size="tiny", seed=2, architecture=architecture,
+                      sliding_window=None if architecture == "Qwen3ForCausalLM" else 24)
+    engine = LLMEngine(EngineConfig(model_dir=str(path), dtype="float32", num_blocks=16))
+    prompt = list(range(10, 50))
+    (result,) = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=8,
+                                                         ignore_eos=True))
+    assert list(result.token_ids) == reference_greedy(engine.model, prompt, 8)

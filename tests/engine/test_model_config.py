@@ -57,12 +57,12 @@ def test_unknown_rope_scaling_is_refused() -> None:
         ModelConfig.from_dict({**BASE, "rope_scaling": {"type": "yarn", "factor": 4.0}},
                               source="m/config.json")
     assert str(info.value) == ("m/config.json: rope_scaling type 'yarn' is not supported "
-                               "(supported: llama3)")
+                               "(supported: llama3, longrope)")
 
 
 def test_unsupported_architecture() -> None:
-    with pytest.raises(UnsupportedModelError, match="'MixtralForCausalLM' is not supported"):
-        ModelConfig.from_dict({**BASE, "architectures": ["MixtralForCausalLM"]})
+    with pytest.raises(UnsupportedModelError, match="'Qwen2MoeForCausalLM' is not supported"):
+        ModelConfig.from_dict({**BASE, "architectures": ["Qwen2MoeForCausalLM"]})
 
 
 def test_heads_must_divide() -> None:
