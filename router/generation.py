@@ -39,8 +39,11 @@ class ParsedRequest:
     stream: bool = False
     include_usage: bool = False
     user: str | None = None
+    n: int = 1  # choices: n generations of the same prompt (router.http.choices)
 
     def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
         if self.kind not in ("completion", "chat"):
             raise ValueError(f"kind must be 'completion' or 'chat', got {self.kind!r}")
         inputs = (self.prompt is not None) + (self.prompt_token_ids is not None)

@@ -58,10 +58,12 @@ class ResponseShaper:
         token_text: Callable[[int], str],
         include_usage: bool = False,
         top_logprobs: int | None = None,
+        index: int = 0,
     ) -> None:
         if kind not in ("completion", "chat"):
             raise ValueError(f"kind must be 'completion' or 'chat', got {kind!r}")
         self._kind = kind
+        self._index = index  # the choice's index (n > 1: router.http.choices)
         self._id = response_id
         self._model = model
         self._created = created
@@ -134,7 +136,7 @@ class ResponseShaper:
         if self._kind != "chat":
             return None
         return self._envelope(
-            [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+            [{"index": self._index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
               "finish_reason": None}]
         )
 
@@ -145,7 +147,7 @@ class ResponseShaper:
         logprobs = self._logprobs(delta.logprobs) if delta.logprobs else None
         if self._kind == "chat":
             choice: dict[str, Any] = {
-                "index": 0,
+                "index": self._index,
                 # the closing chunk carries an empty delta, as OpenAI's does
                 "delta": {"content": delta.text} if delta.text else {},
                 "logprobs": logprobs,
@@ -153,7 +155,7 @@ class ResponseShaper:
             }
         else:
             choice = {
-                "index": 0,
+                "index": self._index,
                 "text": delta.text,
                 "logprobs": logprobs,
                 "finish_reason": delta.finish_reason,
@@ -197,7 +199,7 @@ class ResponseShaper:
         logprobs = self._logprobs(self._collected.logprobs)
         if self._kind == "chat":
             choice: dict[str, Any] = {
-                "index": 0,
+                "index": self._index,
                 "message": {"role": "assistant", "content": text},
                 "logprobs": logprobs,
                 "finish_reason": finish_reason,
@@ -205,7 +207,8 @@ class ResponseShaper:
             obj = "chat.completion"
         else:
             choice = {
-                "index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason
+                "index": self._index, "text": text, "logprobs": logprobs,
+                "finish_reason": finish_reason,
             }
             obj = "text_completion"
         return {
