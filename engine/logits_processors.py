@@ -30,6 +30,7 @@ keeps disaggregated output equal to colocated output.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
@@ -49,7 +50,7 @@ class LogitsAdjustments:
     output_ids: torch.Tensor  # [k] int64
     pending_rows: torch.Tensor  # [j] rows whose last output token is still in flight
     pending_sources: torch.Tensor  # [j] that token's row in the previous step's tokens
-    prompt_rows: torch.Tensor  # repetition-penalty rows' prompt tokens
+    prompt_rows: torch.Tensor  # repetition-penalty rows' prompt tokens (repeats allowed)
     prompt_ids: torch.Tensor
     presence: torch.Tensor  # [n] float32 per row (0 = off)
     frequency: torch.Tensor  # [n]
@@ -101,18 +102,18 @@ def build_adjustments(requests: Sequence[Request], output_indices: Sequence[int]
     the pod refuses them at admission (`check_logit_bias`)."""
     if not any(r.sampling_params.needs_logits_processing for r in requests):
         return None
-    out_rows: list[int] = []
-    out_ids: list[int] = []
+    n = len(requests)
+    # Token ids go into flat int64 arrays (C-speed extend and conversion); each
+    # entry's row comes from a per-row count by repeat_interleave.
+    out_ids, out_counts = array("q"), [0] * n
+    prompt_ids, prompt_counts = array("q"), [0] * n
     pend_rows: list[int] = []
     pend_src: list[int] = []
-    prompt_rows: list[int] = []
-    prompt_ids: list[int] = []
     bias_rows: list[int] = []
     bias_ids: list[int] = []
     bias_values: list[float] = []
     banned_rows: list[int] = []
     banned_ids: list[int] = []
-    n = len(requests)
     presence, frequency, repetition = [0.0] * n, [0.0] * n, [1.0] * n
     for row, request in enumerate(requests):
         p = request.sampling_params
@@ -121,16 +122,15 @@ def build_adjustments(requests: Sequence[Request], output_indices: Sequence[int]
         presence[row], frequency[row] = p.presence_penalty, p.frequency_penalty
         repetition[row] = p.repetition_penalty
         if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
-            outputs = request.output_token_ids
+            outputs = request.all_token_ids[request.num_prompt_tokens:]
             out_ids.extend(outputs)
-            out_rows.extend([row] * len(outputs))
+            out_counts[row] = len(outputs)
             if pending_sources[row] is not None:
                 pend_rows.append(row)
                 pend_src.append(pending_sources[row])
         if p.repetition_penalty != 1.0:
-            prompt = set(request.prompt_token_ids)
-            prompt_ids.extend(prompt)
-            prompt_rows.extend([row] * len(prompt))
+            prompt_ids.extend(request.prompt_token_ids)
+            prompt_counts[row] = request.num_prompt_tokens
         for token, bias in p.logit_bias.items():
             if token < vocab_size:
                 bias_rows.append(row)
@@ -142,13 +142,22 @@ def build_adjustments(requests: Sequence[Request], output_indices: Sequence[int]
             banned_ids.extend(stops)
             banned_rows.extend([row] * len(stops))
 
-    def ids(values: list[int]) -> torch.Tensor:
-        return to_device(torch.tensor(values, dtype=torch.long), device)
+    def ids(values: list[int] | array) -> torch.Tensor:
+        if isinstance(values, array):
+            tensor = (torch.frombuffer(values, dtype=torch.long) if len(values)
+                      else torch.empty(0, dtype=torch.long))
+        else:
+            tensor = torch.tensor(values, dtype=torch.long)
+        return to_device(tensor, device)
+
+    def rows_of(counts: list[int]) -> torch.Tensor:
+        per_row = torch.tensor(counts, dtype=torch.long)
+        return to_device(torch.repeat_interleave(torch.arange(n), per_row), device)
 
     def floats(values: list[float]) -> torch.Tensor:
         return to_device(torch.tensor(values, dtype=torch.float32), device)
 
     return LogitsAdjustments(
-        ids(out_rows), ids(out_ids), ids(pend_rows), ids(pend_src), ids(prompt_rows),
-        ids(prompt_ids), floats(presence), floats(frequency), floats(repetition),
+        rows_of(out_counts), ids(out_ids), ids(pend_rows), ids(pend_src),
+        rows_of(prompt_counts), ids(prompt_ids), floats(presence), floats(frequency), floats(repetition),
         ids(bias_rows), ids(bias_ids), floats(bias_values), ids(banned_rows), ids(banned_ids))

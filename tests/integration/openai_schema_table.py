@@ -69,10 +69,21 @@ def accepted(kind: str, value: Any, reason: str) -> Check:
     return check
 
 
+def _token_texts(kind: str, response: Any) -> list[str]:
+    lp = response.choices[0].logprobs
+    return lp.tokens if kind == "completion" else [c.token for c in lp.content]
+
+
 def differs(kind: str, value: Any) -> Check:
-    """Honoured: a greedy output that the field must change (penalties)."""
+    """Honoured (penalties): a greedy output that repeats tokens changes
+    under the penalty (the exact rule is checked in tests/engine)."""
     def check(client: openai.OpenAI, name: str) -> None:
-        assert _text(_create(client, kind, **{name: value})) != _text(_create(client, kind)), name
+        wants = {"logprobs": 0} if kind == "completion" else {"logprobs": True}
+        plain = _token_texts(kind, _create(client, kind, max_tokens=24, **wants))
+        assert len(set(plain)) < len(plain), "the baseline must repeat a token"
+        penalized = _token_texts(kind, _create(client, kind, max_tokens=24, **wants,
+                                               **{name: value}))
+        assert penalized != plain, name
     return check
 
 
