@@ -159,5 +159,6 @@ def build_adjustments(requests: Sequence[Request], output_indices: Sequence[int]
 
     return LogitsAdjustments(
         rows_of(out_counts), ids(out_ids), ids(pend_rows), ids(pend_src),
-        rows_of(prompt_counts), ids(prompt_ids), floats(presence), floats(frequency), floats(repetition),
+        rows_of(prompt_counts), ids(prompt_ids),
+        floats(presence), floats(frequency), floats(repetition),
         ids(bias_rows), ids(bias_ids), floats(bias_values), ids(banned_rows), ids(banned_ids))

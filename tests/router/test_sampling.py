@@ -104,7 +104,7 @@ def test_fit_context_caps_the_default_by_the_largest_pod():
 
 def test_logits_fields_limits_and_wire_form():
     spec = SamplingSpec(max_tokens=8, presence_penalty=-2.0, frequency_penalty=1.5,
-                        repetition_penalty=1.2, logit_bias=((3, -100.0), (7, 2.5)),
+                        repetition_penalty=1.25, logit_bias=((3, -100.0), (7, 2.5)),
                         min_tokens=8, stop_token_ids=(5, 9))
     message = sampling_to_proto(spec)
     assert dict(message.logit_bias) == {3: -100.0, 7: 2.5}
