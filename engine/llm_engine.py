@@ -127,7 +127,7 @@ class LLMEngine:
         # Python work overlaps them (torch ops release the GIL).
         self._pipeline = StepPipeline(self.runner, self.sampler,
                                       use_worker=self.async_scheduling and config.device == "cpu",
-                                      grammars=self.grammars)
+                                      grammars=self.grammars, eos_token_ids=self.eos_token_ids)
         self._tokenizer = None  # loaded by the first generate() that needs text
         self._generate_ids = itertools.count()
         self._requests: dict[str, Request] = {}
@@ -151,6 +151,9 @@ class LLMEngine:
         bad = [t for t in (*prompt_token_ids, *output_token_ids) if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        bad = [t for t in sampling_params.logit_bias if t >= vocab]
+        if bad:
+            raise ValueError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})")
         if len(output_token_ids) >= sampling_params.max_tokens:
             raise ValueError(f"output_token_ids has {len(output_token_ids)} tokens, nothing "
                              f"left to generate under max_tokens {sampling_params.max_tokens}")

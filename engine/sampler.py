@@ -19,6 +19,10 @@ index i. Unseeded rows share the engine's generator (seeded by
 
 Logprobs are of the raw distribution: log_softmax of the unmodified logits.
 
+Penalties, logit bias and min_tokens (engine/logits_processors.py) adjust
+the logits first when the step has a `LogitsAdjustments`; without one (no
+row asks for any) the path is exactly the unadjusted one.
+
 `sample` leaves everything on the logits' device and reads nothing back
 (async scheduling launches step N+1 with step N's token tensor before the
 host has seen it); `SampledTensors.output()` is the host read.
@@ -35,6 +39,7 @@ import xxhash
 
 from engine.grammar_batch import TokenMask
 from engine.host_copy import to_device
+from engine.logits_processors import LogitsAdjustments
 from engine.outputs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 
@@ -97,13 +102,17 @@ class Sampler:
         return self.sample(logits, params, output_indices).output(params)
 
     def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams],
-               output_indices: Sequence[int],
-               token_mask: TokenMask | None = None) -> SampledTensors:
+               output_indices: Sequence[int], token_mask: TokenMask | None = None,
+               adjustments: LogitsAdjustments | None = None,
+               previous_tokens: torch.Tensor | None = None) -> SampledTensors:
         """Like `__call__`, but the result stays on the logits' device: no
         host sync (the unseeded and seeded noise is drawn on the CPU and
         copied over, in row order, so the generators are used as before).
         `token_mask` (grammar rows, engine/grammar_batch.py) sets disallowed
-        tokens to -inf first: what is sampled and the logprobs see the mask."""
+        tokens to -inf first: what is sampled and the logprobs see the mask.
+        `adjustments` (with the previous step's `previous_tokens` when it
+        has pending rows) then changes the logits the tokens are drawn from,
+        not the logprobs reported."""
         if logits.dim() != 2 or not logits.shape[0] == len(params) == len(output_indices):
             raise ValueError(
                 f"logits {tuple(logits.shape)} must be [n, V] with n == "
@@ -112,10 +121,11 @@ class Sampler:
         logits = logits.float()
         if token_mask is not None:
             logits = token_mask.apply(logits)
-        token_ids = logits.argmax(dim=-1)
+        drawn_from = logits if adjustments is None else adjustments.apply(logits, previous_tokens)
+        token_ids = drawn_from.argmax(dim=-1)
         if not all(p.greedy for p in params):
             greedy = to_device(torch.tensor([p.greedy for p in params]), logits.device)
-            sampled = self._sample(logits, params, output_indices)
+            sampled = self._sample(drawn_from, params, output_indices)
             token_ids = torch.where(greedy, token_ids, sampled)
         return _with_logprobs(logits, params, token_ids)
 

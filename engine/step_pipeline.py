@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.grammar_batch import GrammarBatch, TokenMask
+from engine.logits_processors import LogitsAdjustments, build_adjustments
 from engine.model_runner import ModelRunner, PreparedStep
 from engine.request import Request
 from engine.sampler import SampledTensors, Sampler, SamplerOutput
@@ -86,10 +87,11 @@ class StepPipeline:
     forwards on a worker thread (CPU async scheduling)."""
 
     def __init__(self, runner: ModelRunner, sampler: Sampler, *, use_worker: bool,
-                 grammars: GrammarBatch) -> None:
+                 grammars: GrammarBatch, eos_token_ids: frozenset[int] = frozenset()) -> None:
         self._runner = runner
         self._sampler = sampler
         self._grammars = grammars
+        self._eos_token_ids = eos_token_ids  # min_tokens masks these
         self._cuda = runner.device.type == "cuda"
         self._worker = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-forward")
                         if use_worker else None)
@@ -109,8 +111,14 @@ class StepPipeline:
         # The scheduler counted this step's token as a placeholder already.
         indices = tuple(r.num_output_tokens + r.num_output_placeholders - 1 for r in requests)
         mask = self._grammars.mask(requests)
+        # A second placeholder is the token the step in flight samples (async scheduling).
+        pending = [sources.get(r.request_id) if r.num_output_placeholders > 1 else None
+                   for r in requests]
+        adjustments = build_adjustments(requests, indices, pending, self._eos_token_ids,
+                                        self._runner.model.config.vocab_size,
+                                        self._runner.device)
         result = self._submit(self._run, inputs, None if previous is None else previous.result,
-                              params, indices, mask)
+                              params, indices, mask, adjustments)
         self._in_flight.append(_Launched(plan, requests, params, result))
 
     def complete(self) -> CompletedStep:
@@ -131,17 +139,19 @@ class StepPipeline:
 
     def _run(self, inputs: PreparedStep, previous: Future[_Result] | None,
              params: tuple[SamplingParams, ...], indices: tuple[int, ...],
-             mask: TokenMask | None) -> _Result:
+             mask: TokenMask | None, adjustments: LogitsAdjustments | None) -> _Result:
         """Forward + sampling (worker thread on CPU). `previous` is done: the
         worker runs steps in order, and on CUDA its tensors are stream-ordered."""
         previous_tokens = None
-        if inputs.placeholder_rows.numel():
+        if inputs.placeholder_rows.numel() or (
+                adjustments is not None and adjustments.pending_rows.numel()):
             assert previous is not None
             previous_tokens = previous.result().token_ids
         output = self._runner.forward(inputs, previous_tokens)
         token_ids = host = None
         if params:
-            sampled = self._sampler.sample(output.logits, params, indices, mask)
+            sampled = self._sampler.sample(output.logits, params, indices, mask, adjustments,
+                                           previous_tokens)
             token_ids = sampled.token_ids
             host = sampled.to("cpu", non_blocking=True) if self._cuda else sampled
         done = None

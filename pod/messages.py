@@ -45,7 +45,8 @@ def check_request_id(request_id: str) -> None:
 
 def sampling_from_proto(msg: pdserve_pb2.SamplingParams) -> SamplingParams:
     """proto3 leaves unset fields at zero: top_p 0 means "off" (1.0),
-    logprobs 0 means none; max_tokens 0 is refused by `SamplingParams`."""
+    logprobs 0 means none, repetition_penalty 0 means off (1.0); max_tokens 0
+    is refused by `SamplingParams`."""
     return SamplingParams(
         temperature=msg.temperature,
         top_p=msg.top_p if msg.top_p != 0 else 1.0,
@@ -57,6 +58,11 @@ def sampling_from_proto(msg: pdserve_pb2.SamplingParams) -> SamplingParams:
         ignore_eos=msg.ignore_eos,
         logprobs=msg.logprobs if msg.logprobs > 0 else None,
         grammar=grammar_from_proto(msg),
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        repetition_penalty=msg.repetition_penalty or 1.0,
+        logit_bias=dict(msg.logit_bias),
+        min_tokens=msg.min_tokens,
     )
 
 
@@ -78,6 +84,10 @@ def check_context(prompt_token_ids: Sequence[int], output_token_ids: Sequence[in
         if bad is not None:
             raise ValueError(f"{name} contains {bad}, outside the vocabulary [0, "
                              f"{limits.vocab_size})")
+    bad = next((t for t in params.logit_bias if t >= limits.vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"logit_bias token id {bad} is outside the vocabulary [0, "
+                         f"{limits.vocab_size})")
     if len(output_token_ids) >= params.max_tokens:
         raise ValueError(f"output_token_ids already holds {len(output_token_ids)} tokens, "
                          f"max_tokens is {params.max_tokens}")

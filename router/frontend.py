@@ -34,6 +34,7 @@ from router.flow.deps import FlowDeps
 from router.flow.request_flow import RequestFlow
 from router.generation import GenerationRequest, ParsedRequest
 from router.limits import InputLimits
+from router.logits_params import check_vocabulary
 from router.sampling import fit_context
 from router.structured_output import GrammarCheck
 from router.tools.extractor import ToolCallExtractor
@@ -122,15 +123,25 @@ class Frontend:
             token_ids = self.tokenize(parsed)
         else:
             token_ids = await self.run_blocking(self.tokenize, parsed)
+        check_vocabulary(parsed.sampling, self.tokenizer.vocab_size,
+                         lambda name, problem: bad_request(f"'{name}' {problem}", name))
         sampling = fit_context(parsed.sampling, chat=parsed.kind == "chat",
                                num_prompt_tokens=len(token_ids),
-                               max_model_len=self.max_model_len)
+                               max_model_len=self.max_model_len,
+                               pod_capacity=self.pod_capacity())
         return GenerationRequest(
             request_id=uuid.uuid4().hex,
             prompt_token_ids=tuple(token_ids),
             sampling=sampling,
             session_id=session_id or parsed.user,
         )
+
+    def pod_capacity(self) -> int:
+        """KV tokens the largest healthy pod that decodes holds (0 before any
+        pod has reported): the most one request may reserve."""
+        pool = self.deps.pool
+        pods = [*pool.pods("decode"), *pool.pods("colocated")]
+        return max((p.num_total_blocks * p.block_size for p in pods), default=0)
 
     def flow(self, request: GenerationRequest) -> RequestFlow:
         return RequestFlow(

@@ -64,8 +64,11 @@ class ParsedRequest:
     user: str | None = None
     tools: ToolRequest | None = None  # chat only
     documents: tuple[dict[str, Any], ...] | None = None  # chat only: the template's documents
+    n: int = 1  # choices: n generations of the same prompt (router.http.choices)
 
     def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
         if self.kind not in ("completion", "chat"):
             raise ValueError(f"kind must be 'completion' or 'chat', got {self.kind!r}")
         inputs = (self.prompt is not None) + (self.prompt_token_ids is not None)

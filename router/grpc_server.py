@@ -45,9 +45,6 @@ def parsed_request(request: pb.GenerateRequest, default_model: str) -> ParsedReq
     inputs = [bool(request.prompt), bool(request.messages), bool(request.prompt_token_ids)]
     if sum(inputs) != 1:
         raise bad_request("set exactly one of prompt, messages, prompt_token_ids", "prompt")
-    if request.sampling.stop_token_ids:
-        raise bad_request("sampling.stop_token_ids is not supported by the router; use stop",
-                          "stop_token_ids")
     try:
         sampling = sampling_from_proto(request.sampling)
     except SamplingError as exc:

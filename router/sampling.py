@@ -23,6 +23,11 @@ from dataclasses import dataclass, replace
 from engine.grammar import GrammarKind, GrammarSpec
 from proto import pdserve_pb2 as pb
 from router.api_error import ApiError, bad_request
+from router.logits_params import (
+    check_logits_fields,
+    logits_fields_from_proto,
+    logits_fields_to_proto,
+)
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
@@ -71,7 +76,9 @@ class SamplingSpec:
     `top_k` 0 = off (-1, vLLM's "off", is stored as 0). `logprobs` None =
     off, else the number of top alternatives per token (0 = only the
     sampled token's logprob). `grammar` (structured outputs,
-    router.structured_output): None = unconstrained."""
+    router.structured_output): None = unconstrained. The logits adjustments
+    (penalties, `logit_bias` as sorted (token id, bias) pairs, `min_tokens`,
+    `stop_token_ids`) are checked by router.logits_params."""
 
     max_tokens: int | None = None
     temperature: float = 1.0
@@ -82,6 +89,12 @@ class SamplingSpec:
     ignore_eos: bool = False
     logprobs: int | None = None
     grammar: GrammarSpec | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and self.max_tokens < 1:
@@ -99,16 +112,22 @@ class SamplingSpec:
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise SamplingError("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         check_stop_strings(self.stop)
+        check_logits_fields(self, SamplingError)
 
 
 def fit_context(
-    spec: SamplingSpec, *, chat: bool, num_prompt_tokens: int, max_model_len: int
+    spec: SamplingSpec, *, chat: bool, num_prompt_tokens: int, max_model_len: int,
+    pod_capacity: int = 0,
 ) -> SamplingSpec:
-    """`spec` with max_tokens set and checked against the context; raise
-    ApiError 400 naming the limit.
+    """`spec` with max_tokens set and checked against the context and the
+    pods; raise ApiError 400 naming the limit.
 
     Without max_tokens, completions get 16 new tokens (OpenAI's default),
-    chat whatever room the context has left after the prompt."""
+    chat whatever room the context has left after the prompt, but never
+    more than the largest pod that decodes can hold (`pod_capacity` tokens
+    of KV, 0 = not known yet): the decode pod reserves prompt + max_tokens
+    up front (docs/architecture.md "Decode reservation"). A request that no
+    pod can hold is refused with that limit."""
     if num_prompt_tokens < 1:
         raise bad_request("the prompt is empty after tokenization", "prompt")
     room = max_model_len - num_prompt_tokens
@@ -118,9 +137,16 @@ def fit_context(
             f"context of {max_model_len} tokens",
             "messages" if chat else "prompt",
         )
+    held = pod_capacity - num_prompt_tokens if pod_capacity else room
     max_tokens = spec.max_tokens
     if max_tokens is None:
-        max_tokens = room if chat else min(DEFAULT_COMPLETION_MAX_TOKENS, room)
+        max_tokens = min(room, held) if chat else min(DEFAULT_COMPLETION_MAX_TOKENS, room, held)
+        if max_tokens < 1:
+            raise bad_request(
+                f"the prompt is {num_prompt_tokens} tokens; the largest decode pod holds KV "
+                f"for {pod_capacity} tokens, which leaves no room to generate",
+                "messages" if chat else "prompt",
+            )
     elif max_tokens > room:
         raise bad_request(
             f"this model's maximum context length is {max_model_len} tokens; the prompt is "
@@ -128,7 +154,17 @@ def fit_context(
             f"({num_prompt_tokens + max_tokens} in total): lower max_tokens to at most {room}",
             "max_tokens",
         )
-    return replace(spec, max_tokens=max_tokens)
+    elif max_tokens > held:
+        raise bad_request(
+            f"the largest decode pod holds KV for {pod_capacity} tokens; the prompt is "
+            f"{num_prompt_tokens} tokens and max_tokens is {max_tokens}: lower max_tokens to "
+            f"at most {max(held, 0)}",
+            "max_tokens",
+        )
+    try:
+        return replace(spec, max_tokens=max_tokens)
+    except SamplingError as exc:  # min_tokens above the default max_tokens
+        raise exc.to_api_error() from None
 
 
 # ---------------------------------------------------------------- wire form
@@ -137,7 +173,7 @@ def fit_context(
 def sampling_from_proto(message: pb.SamplingParams) -> SamplingSpec:
     """A gRPC client's SamplingParams as a checked SamplingSpec (SamplingError
     when a value is out of its limit). Proto zeros mean "unset", except
-    temperature, where 0 is greedy; `stop_token_ids` is the caller's to refuse."""
+    temperature, where 0 is greedy, and repetition_penalty, where 0 is unset (1)."""
     return SamplingSpec(
         max_tokens=message.max_tokens or None,
         temperature=message.temperature,
@@ -148,6 +184,7 @@ def sampling_from_proto(message: pb.SamplingParams) -> SamplingSpec:
         ignore_eos=message.ignore_eos,
         logprobs=message.logprobs or None,
         grammar=_grammar_from_proto(message),
+        **logits_fields_from_proto(message),
     )
 
 
@@ -180,4 +217,5 @@ def sampling_to_proto(spec: SamplingSpec) -> pb.SamplingParams:
         message.seed = spec.seed
     if spec.grammar is not None:  # the oneof's field name is the kind
         message.grammar.MergeFrom(pb.Grammar(**{spec.grammar.kind.value: spec.grammar.text}))
+    logits_fields_to_proto(spec, message)
     return message

@@ -21,13 +21,12 @@ from typing import Any
 
 from router.api_error import ApiError, bad_request
 from router.generation import ChatMessage, ParsedRequest
+from router.http.openai_fields import check_refused, choice_count, logits_fields
 from router.sampling import SamplingError, SamplingSpec
 from router.structured_output import grammar_from_body
 from router.tools.request import parse_documents, parse_message_tool_fields, parse_tool_request
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
-# Fields accepted only at their neutral value: the pods cannot honour others.
-_NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "best_of": 1, "echo": False}
 
 
 # ---------------------------------------------------------------- field readers
@@ -107,6 +106,7 @@ def _sampling(body: dict, kind: str) -> SamplingSpec:
             ignore_eos=_bool_field(body, "ignore_eos"),
             logprobs=logprobs,
             grammar=grammar_from_body(body),
+            **logits_fields(body),
         )
     except SamplingError as exc:
         raise exc.to_api_error(names.get(exc.field, exc.field)) from None
@@ -119,14 +119,8 @@ def _common_fields(body: Any, kind: str, sampling: SamplingSpec | None) -> dict[
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad_request("'model' is required and must be a non-empty string", "model")
-    for name, neutral in _NEUTRAL.items():
-        if body.get(name) not in (None, neutral):
-            raise bad_request(f"'{name}' is not supported (only {neutral!r})", name)
-    n = body.get("n")
-    if n is not None and (not _is_int(n) or n != 1):
-        raise bad_request(
-            f"'n' must be 1: several choices per request are not supported, got {n!r}", "n"
-        )
+    check_refused(body, kind)
+    n = choice_count(body)
     stream = _bool_field(body, "stream")
     options = body.get("stream_options")
     include_usage = False
@@ -147,6 +141,7 @@ def _common_fields(body: Any, kind: str, sampling: SamplingSpec | None) -> dict[
         stream=stream,
         include_usage=include_usage,
         user=user or None,
+        n=n,
     )
 
 
@@ -177,8 +172,6 @@ def parse_completion(body: Any, sampling: SamplingSpec | None = None) -> ParsedR
         raise bad_request(
             "'prompt' must be a string or a non-empty list of token ids (integers >= 0)", "prompt"
         )
-    if body.get("suffix") is not None:
-        raise bad_request("'suffix' is not supported", "suffix")
     return ParsedRequest(kind="completion", prompt=text, prompt_token_ids=token_ids, **fields)
 
 

@@ -70,10 +70,12 @@ class ResponseShaper:
         token_text: Callable[[int], str],
         include_usage: bool = False,
         top_logprobs: int | None = None,
+        index: int = 0,
     ) -> None:
         if kind not in ("completion", "chat"):
             raise ValueError(f"kind must be 'completion' or 'chat', got {kind!r}")
         self._kind = kind
+        self._index = index  # the choice's index (n > 1: router.http.choices)
         self._id = response_id
         self._model = model
         self._created = created
@@ -146,7 +148,7 @@ class ResponseShaper:
         if self._kind != "chat":
             return None
         return self._envelope(
-            [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+            [{"index": self._index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
               "finish_reason": None}]
         )
 
@@ -162,14 +164,14 @@ class ResponseShaper:
             if delta.tool_calls:
                 message["tool_calls"] = [_stream_tool_call(c) for c in delta.tool_calls]
             choice: dict[str, Any] = {
-                "index": 0,
+                "index": self._index,
                 "delta": message,
                 "logprobs": logprobs,
                 "finish_reason": delta.finish_reason,
             }
         else:
             choice = {
-                "index": 0,
+                "index": self._index,
                 "text": delta.text,
                 "logprobs": logprobs,
                 "finish_reason": delta.finish_reason,
@@ -225,7 +227,7 @@ class ResponseShaper:
                 message["content"] = text or None
                 message["tool_calls"] = list(self._collected.tool_calls.values())
             choice: dict[str, Any] = {
-                "index": 0,
+                "index": self._index,
                 "message": message,
                 "logprobs": logprobs,
                 "finish_reason": finish_reason,
@@ -233,7 +235,8 @@ class ResponseShaper:
             obj = "chat.completion"
         else:
             choice = {
-                "index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason
+                "index": self._index, "text": text, "logprobs": logprobs,
+                "finish_reason": finish_reason,
             }
             obj = "text_completion"
         return {

@@ -35,6 +35,7 @@ from router.api_error import ApiError
 from router.auth import OPEN_PATHS, ApiKeyCheck
 from router.frontend import Frontend
 from router.http.body import read_json
+from router.http.choices import serve_choices
 from router.http.client_limits import ClientConcurrency
 from router.http.requests import check_model, parse_chat, parse_completion
 from router.http.responses import DONE_EVENT, ResponseShaper, sse_event
@@ -105,15 +106,25 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     parsed = parse_chat(body) if kind == "chat" else parse_completion(body)
     check_model(parsed.model, frontend.model_name)
     generation = await frontend.prepare(parsed, request.headers.get("x-session-id"))
-    shaper = ResponseShaper(
-        kind=kind,
-        response_id=("chatcmpl-" if kind == "chat" else "cmpl-") + generation.request_id,
-        model=frontend.model_name,
-        created=int(time.time()),
-        token_text=frontend.token_text,
-        include_usage=parsed.include_usage,
-        top_logprobs=parsed.sampling.logprobs,
-    )
+    created = int(time.time())
+
+    def make_shaper(index: int = 0) -> ResponseShaper:
+        return ResponseShaper(
+            kind=kind,
+            response_id=("chatcmpl-" if kind == "chat" else "cmpl-") + generation.request_id,
+            model=frontend.model_name,
+            created=created,
+            token_text=frontend.token_text,
+            include_usage=parsed.include_usage,
+            top_logprobs=parsed.sampling.logprobs,
+            index=index,
+        )
+
+    if parsed.n > 1:
+        return await serve_choices(request, n=parsed.n, stream=parsed.stream,
+                                   generation=generation, make_shaper=make_shaper,
+                                   run_flow=lambda g: frontend.flow(g).run())
+    shaper = make_shaper()
     flow = frontend.flow(generation)
     extractor = frontend.tool_extractor(parsed)
     async with contextlib.aclosing(flow.run()) as flow_deltas:

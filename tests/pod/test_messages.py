@@ -91,3 +91,19 @@ def test_check_request_refuses_what_the_checks_refuse(request_id, prompt, messag
                                          sampling=pdserve_pb2.SamplingParams(max_tokens=4))
     with pytest.raises(ValueError, match=message):
         check_request(request, LIMITS)
+
+
+def test_logits_adjustments_cross_the_wire():
+    msg = pdserve_pb2.SamplingParams(max_tokens=8, presence_penalty=0.5, frequency_penalty=-1.0,
+                                     min_tokens=2, stop_token_ids=[9])
+    msg.logit_bias[7] = -100.0
+    params = sampling_from_proto(msg)
+    assert params == SamplingParams(temperature=0.0, max_tokens=8, presence_penalty=0.5,
+                                  frequency_penalty=-1.0,
+                                  repetition_penalty=1.0, logit_bias={7: -100.0}, min_tokens=2,
+                                  stop_token_ids=(9,))
+    assert params.needs_logits_processing
+    assert not sampling_from_proto(pdserve_pb2.SamplingParams(max_tokens=8)).needs_logits_processing
+    msg.logit_bias[100] = 1.0
+    with pytest.raises(ValueError, match="logit_bias token id 100 is outside the vocabulary"):
+        check_context([1, 2], [], sampling_from_proto(msg), LIMITS)

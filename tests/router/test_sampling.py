@@ -78,3 +78,45 @@ def test_proto_pair():
     assert sampling_to_proto(SamplingSpec(max_tokens=1, logprobs=0)).logprobs == 1
     assert sampling_to_proto(SamplingSpec(max_tokens=1)).logprobs == 0
     assert not sampling_to_proto(SamplingSpec(max_tokens=1)).HasField("seed")
+
+
+def test_fit_context_caps_the_default_by_the_largest_pod():
+    def fit(spec, prompt, *, chat=True, capacity=64):
+        return fit_context(spec, chat=chat, num_prompt_tokens=prompt, max_model_len=128,
+                           pod_capacity=capacity)
+
+    assert fit(SamplingSpec(), 28).max_tokens == 36  # the pod's 64 tokens, not the context's 100
+    assert fit(SamplingSpec(), 28, capacity=0).max_tokens == 100  # no report yet: the context
+    assert fit(SamplingSpec(), 60, chat=False).max_tokens == 4
+    with pytest.raises(ApiError) as info:
+        fit(SamplingSpec(max_tokens=40), 28)
+    assert info.value.param == "max_tokens"
+    assert info.value.message == (
+        "the largest decode pod holds KV for 64 tokens; the prompt is 28 tokens and max_tokens "
+        "is 40: lower max_tokens to at most 36")
+    with pytest.raises(ApiError, match="holds KV for 64 tokens, which leaves no room") as info:
+        fit(SamplingSpec(), 64)
+    assert info.value.param == "messages"
+    with pytest.raises(ApiError, match="'min_tokens' must be at most max_tokens") as info:
+        fit(SamplingSpec(min_tokens=20), 28, chat=False)  # the default 16
+    assert info.value.param == "min_tokens"
+
+
+def test_logits_fields_limits_and_wire_form():
+    spec = SamplingSpec(max_tokens=8, presence_penalty=-2.0, frequency_penalty=1.5,
+                        repetition_penalty=1.25, logit_bias=((3, -100.0), (7, 2.5)),
+                        min_tokens=8, stop_token_ids=(5, 9))
+    message = sampling_to_proto(spec)
+    assert dict(message.logit_bias) == {3: -100.0, 7: 2.5}
+    assert list(message.stop_token_ids) == [5, 9] and message.min_tokens == 8
+    assert sampling_from_proto(message) == spec
+    for fields, name in (({"presence_penalty": 2.01}, "presence_penalty"),
+                         ({"frequency_penalty": float("nan")}, "frequency_penalty"),
+                         ({"repetition_penalty": -1.0}, "repetition_penalty"),
+                         ({"logit_bias": tuple((i, 1.0) for i in range(301))}, "logit_bias"),
+                         ({"min_tokens": -1}, "min_tokens"),
+                         ({"max_tokens": 2, "min_tokens": 3}, "min_tokens"),
+                         ({"stop_token_ids": (-4,)}, "stop_token_ids")):
+        with pytest.raises(SamplingError) as info:
+            SamplingSpec(**fields)
+        assert info.value.field == name

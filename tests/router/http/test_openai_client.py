@@ -149,7 +149,7 @@ def test_validation_errors_while_a_good_request_runs(cluster):
         ({"model": "tiny", "prompt": "x", "temperature": 3}, 400,
          "'temperature' must be in [0, 2]"),
         ({"model": "tiny", "prompt": "x", "top_p": 2}, 400, "'top_p' must be in (0, 1]"),
-        ({"model": "tiny", "prompt": "x", "n": 2}, 400, "'n' must be 1"),
+        ({"model": "tiny", "prompt": "x", "n": 17}, 400, "'n' must be an integer in [1, 16]"),
         ({"model": "tiny", "prompt": "x", "logprobs": -1}, 400, "'logprobs' must be in [0, 20]"),
         ({"model": "tiny", "prompt": "x", "max_tokens": 5000}, 400,
          "maximum context length is 4096 tokens"),

@@ -54,7 +54,7 @@ BAD_REQUESTS = [
     ({"model": "tiny", "prompt": "x", "temperature": -1}, 400, "temperature",
      "'temperature' must be in [0, 2], got -1.0"),
     ({"model": "tiny", "prompt": "x", "top_p": 0}, 400, "top_p", "'top_p' must be in (0, 1]"),
-    ({"model": "tiny", "prompt": "x", "n": 3}, 400, "n", "several choices per request are not"),
+    ({"model": "tiny", "prompt": "x", "n": 30}, 400, "n", "must be an integer in [1, 16]"),
     ({"model": "tiny", "prompt": "x", "logprobs": 50}, 400, "logprobs",
      "'logprobs' must be in [0, 20], got 50"),
     ({"model": "tiny", "prompt": "x", "max_tokens": 100}, 400, "max_tokens",
