@@ -44,7 +44,7 @@ def check_request_id(request_id: str) -> None:
 
 def sampling_from_proto(msg: pdserve_pb2.SamplingParams) -> SamplingParams:
     """proto3 leaves unset fields at zero: top_p 0 means "off" (1.0),
-    logprobs 0 means none; max_tokens 0 is refused by `SamplingParams`."""
+    logprobs and prompt_logprobs 0 mean none; max_tokens 0 scores the prompt only."""
     return SamplingParams(
         temperature=msg.temperature,
         top_p=msg.top_p if msg.top_p != 0 else 1.0,
@@ -55,6 +55,7 @@ def sampling_from_proto(msg: pdserve_pb2.SamplingParams) -> SamplingParams:
         stop=tuple(msg.stop),
         ignore_eos=msg.ignore_eos,
         logprobs=msg.logprobs if msg.logprobs > 0 else None,
+        prompt_logprobs=msg.prompt_logprobs if msg.prompt_logprobs > 0 else None,
     )
 
 
@@ -70,7 +71,7 @@ def check_context(prompt_token_ids: Sequence[int], output_token_ids: Sequence[in
         if bad is not None:
             raise ValueError(f"{name} contains {bad}, outside the vocabulary [0, "
                              f"{limits.vocab_size})")
-    if len(output_token_ids) >= params.max_tokens:
+    if output_token_ids and len(output_token_ids) >= params.max_tokens:
         raise ValueError(f"output_token_ids already holds {len(output_token_ids)} tokens, "
                          f"max_tokens is {params.max_tokens}")
     context = len(prompt_token_ids) + len(output_token_ids)

@@ -120,6 +120,9 @@ class Delta:
     logprobs: tuple[OutputLogprobs, ...] = ()
     finish_reason: str | None = None
     usage: Usage | None = None
+    # Once, on the first delta, when the request asked for prompt logprobs:
+    # prompt tokens 1..P-1 (router.flow.output)
+    prompt_logprobs: tuple[OutputLogprobs, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.finish_reason is not None and self.finish_reason not in FINISH_REASONS:
