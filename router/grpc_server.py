@@ -48,6 +48,10 @@ def parsed_request(request: pb.GenerateRequest, default_model: str) -> ParsedReq
     if request.sampling.stop_token_ids:
         raise bad_request("sampling.stop_token_ids is not supported by the router; use stop",
                           "stop_token_ids")
+    if request.sampling.prompt_logprobs:
+        raise bad_request("sampling.prompt_logprobs is not supported by the router's gRPC API "
+                          "(GenerateResponse has no field for them); use /v1/completions",
+                          "prompt_logprobs")
     try:
         sampling = sampling_from_proto(request.sampling)
     except SamplingError as exc:
