@@ -18,4 +18,5 @@ def tokens_message(output: RequestOutput, first_index: int) -> pdserve_pb2.Decod
         finish_reason=output.finish_reason or "",
         num_prompt_tokens=output.num_prompt_tokens,
         num_cached_tokens=output.num_cached_tokens,
+        prompt_logprobs=[logprob_to_proto(lp) for lp in output.prompt_logprobs or ()],
     ))

@@ -66,7 +66,7 @@ class BlockManager:
         `num_computed_tokens` is advanced by it.
         """
         assert not request.block_ids and request.num_computed_tokens == 0
-        if not self.prefix_cache.enabled:
+        if not _reuses_cache(request, self.prefix_cache):
             return 0
         extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
         max_blocks = (request.num_tokens - 1) // self.block_size
@@ -80,7 +80,7 @@ class BlockManager:
     def num_cached_prefix_tokens(self, request: Request) -> int:
         """Tokens `match_prefix` would map into `request` now (same cap), without
         taking references or counting a query: a look before deciding."""
-        if not self.prefix_cache.enabled:
+        if not _reuses_cache(request, self.prefix_cache):
             return 0
         extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
         max_blocks = (request.num_tokens - 1) // self.block_size
@@ -120,3 +120,10 @@ class BlockManager:
     def release(self, block_ids: list[int]) -> None:
         """Return detached blocks to the pool (last-first, see `BlockPool`)."""
         self.prefix_cache.release(block_ids)
+
+
+def _reuses_cache(request: Request, prefix_cache: PrefixCache) -> bool:
+    """Whether `request` may start from cached blocks: not when it asks for
+    prompt logprobs, which need every prompt position's logits (a cached
+    position is never computed; engine.prompt_logprobs)."""
+    return prefix_cache.enabled and request.sampling_params.prompt_logprobs is None

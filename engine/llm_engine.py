@@ -57,6 +57,8 @@ from engine.outputs import (
     RequestOutput,
     TokenLogprobs,
 )
+from engine.prompt_logprobs import deliver as deliver_prompt_logprobs
+from engine.prompt_logprobs import take_prompt_logprobs
 from engine.request import Request, RequestStatus
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
@@ -154,7 +156,7 @@ class LLMEngine:
         bad = [t for t in sampling_params.logit_bias if t >= vocab]
         if bad:
             raise ValueError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        if len(output_token_ids) >= sampling_params.max_tokens:
+        if output_token_ids and len(output_token_ids) >= sampling_params.max_tokens:
             raise ValueError(f"output_token_ids has {len(output_token_ids)} tokens, nothing "
                              f"left to generate under max_tokens {sampling_params.max_tokens}")
         total = len(prompt_token_ids) + sampling_params.max_tokens
@@ -208,6 +210,10 @@ class LLMEngine:
         request = self._new_request(request_id, prompt_token_ids, sampling_params,
                                     output_token_ids,
                                     status=RequestStatus.WAITING_FOR_REMOTE_KV)
+        if sampling_params.max_tokens == 0:
+            raise ValueError("max_tokens 0 (scoring the prompt) ends after prefill: compute it "
+                             "where the prompt is computed, not as a remote reservation")
+        request.prompt_logprobs = None  # the prefill pod computes the prompt
         if local_prefill_below < 0:
             raise ValueError(f"local_prefill_below must be >= 0, got {local_prefill_below}")
         if local_prefill_below > 0:
@@ -299,19 +305,27 @@ class LLMEngine:
     def _finish_step(self, step: CompletedStep) -> list[RequestOutput]:
         """A completed step's tokens: append, stop checks, outputs."""
         self.scheduler.update_computed(step.plan)
+        if step.prompt_logprobs is not None:
+            deliver_prompt_logprobs(*step.prompt_logprobs)
         outputs = []
         grammars = self.grammars if self.grammars else None
         for request, token, logprob in zip(step.sampling_requests, step.sampled.token_ids,
                                            step.sampled.logprobs, strict=True):
             if request.is_finished:
                 continue  # stopped or aborted while this step was in flight: discarded
+            if request.sampling_params.max_tokens == 0:
+                # scoring only: the prompt is computed, the row's token is dropped
+                self._finish(request, RequestStatus.FINISHED_LENGTH)
+                outputs.append(_output(request, (), (), take_prompt_logprobs(request)))
+                continue
             request.append_output_token(token)
             if grammars is not None:
                 grammars.accept(request.request_id, token)
             status = self._stop_status(request, token, prefill_only=request.prefill_only)
             if status is not None:
                 self._finish(request, status)
-            outputs.append(_output(request, (token,), () if logprob is None else (logprob,)))
+            outputs.append(_output(request, (token,), () if logprob is None else (logprob,),
+                                   take_prompt_logprobs(request)))
         return outputs
 
     def _stop_status(self, request: Request, token: int, *,
@@ -394,13 +408,15 @@ class LLMEngine:
 
 
 def _output(request: Request, new_token_ids: tuple[int, ...],
-            new_logprobs: tuple[TokenLogprobs, ...]) -> RequestOutput:
+            new_logprobs: tuple[TokenLogprobs, ...],
+            prompt_logprobs: tuple[TokenLogprobs, ...] | None = None) -> RequestOutput:
     return RequestOutput(
         request_id=request.request_id, new_token_ids=new_token_ids,
         new_logprobs=new_logprobs, finish_reason=request.status.finish_reason,
         num_prompt_tokens=request.num_prompt_tokens,
         num_cached_tokens=request.num_cached_tokens,
-        num_output_tokens=request.num_output_tokens)
+        num_output_tokens=request.num_output_tokens,
+        prompt_logprobs=prompt_logprobs)
 
 
 def _generation_eos_ids(model_dir: str) -> frozenset[int]:

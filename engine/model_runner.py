@@ -41,6 +41,12 @@ from engine.kv_hook import LayerKVHook, LayerKVSpan
 from engine.layer_attention import layer_attention
 from engine.model import LlamaForCausalLM
 from engine.paged_attention_context import PagedAttentionContext, PrefillChunk
+from engine.prompt_logprobs import (
+    PromptLogprobsPlan,
+    PromptLogprobsTensors,
+    compute_prompt_logprobs,
+    plan_prompt_logprobs,
+)
 from engine.request import Request
 from engine.scheduler import ScheduledRequest
 from engine.step_inputs import StepInputs
@@ -54,6 +60,7 @@ class ModelRunnerOutput:
 
     sampling_requests: tuple[Request, ...]
     logits: torch.Tensor
+    prompt_logprobs: PromptLogprobsTensors | None = None  # of PreparedStep.prompt_logprobs
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +79,7 @@ class PreparedStep:
     sampling_requests: tuple[Request, ...]
     placeholder_rows: torch.Tensor
     placeholder_sources: torch.Tensor
+    prompt_logprobs: PromptLogprobsPlan | None = None  # rows scoring prompt tokens
 
 
 def slots_for(block_ids: Sequence[int], block_size: int, start: int, end: int,
@@ -161,7 +169,8 @@ class ModelRunner:
         return PreparedStep(
             input_ids=input_ids, positions=positions, context=ctx, graph_bucket=bucket,
             sample_rows=sample_rows, sampling_requests=tuple(sampling),
-            placeholder_rows=rows, placeholder_sources=sources)
+            placeholder_rows=rows, placeholder_sources=sources,
+            prompt_logprobs=plan_prompt_logprobs(ordered, self.device))
 
     def _index_tensors(self, *index_lists: Sequence[int]) -> tuple[torch.Tensor, ...]:
         return tuple(to_device(torch.tensor(values, dtype=torch.long), self.device)
@@ -181,7 +190,11 @@ class ModelRunner:
         logits = (self.model.compute_logits(hidden[step.sample_rows])
                   if step.sampling_requests else hidden.new_empty(
                       (0, self.model.config.vocab_size), dtype=torch.float32))
-        return ModelRunnerOutput(step.sampling_requests, logits)
+        prompt_logprobs = None
+        if step.prompt_logprobs is not None:  # only steps of requests that asked
+            prompt_logprobs = compute_prompt_logprobs(hidden, step.prompt_logprobs,
+                                                      self.model.compute_logits)
+        return ModelRunnerOutput(step.sampling_requests, logits, prompt_logprobs)
 
     @staticmethod
     def _write_input_ids(inputs: StepInputs, ordered: list[ScheduledRequest],

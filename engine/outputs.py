@@ -48,6 +48,10 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     num_output_tokens: int
+    # Once, with the first token (or the finish of a max_tokens=0 request), on
+    # the pod that computed the prompt of a request with prompt_logprobs:
+    # entries for prompt tokens 1..P-1 (engine.prompt_logprobs).
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.finish_reason is not None and self.finish_reason not in FINISH_REASONS:
@@ -71,6 +75,7 @@ class GenerationResult:
     finish_reason: str
     logprobs: tuple[TokenLogprobs, ...]
     num_cached_tokens: int
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None  # tokens 1..P-1, when asked
 
 
 @dataclass(frozen=True, slots=True)

@@ -90,7 +90,7 @@ class Request:
                  "all_token_ids", "num_context_tokens", "status", "num_computed_tokens",
                  "num_cached_tokens", "block_ids", "block_hashes", "num_cached_blocks",
                  "num_kv_streamed", "was_scheduled", "num_output_placeholders",
-                 "last_step_id")
+                 "last_step_id", "prompt_logprobs", "num_prompt_logprobs_planned")
 
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int],
                  sampling_params: SamplingParams, *, output_token_ids: Sequence[int] = (),
@@ -114,6 +114,13 @@ class Request:
         self.was_scheduled = False
         self.num_output_placeholders = 0  # sampled by a scheduled step, not yet appended
         self.last_step_id = -1  # newest step that computes tokens of this request
+        # Prompt logprobs computed here (engine.prompt_logprobs): entries for
+        # prompt tokens 1, 2, ... in order; None when not asked for or when
+        # another pod computes the prompt (a remote reservation). Positions
+        # already planned into a step are never planned again (preemption).
+        self.prompt_logprobs: list | None = (
+            [] if sampling_params.prompt_logprobs is not None else None)
+        self.num_prompt_logprobs_planned = 0
 
     @property
     def num_tokens(self) -> int:

@@ -29,6 +29,11 @@ class SamplingParams:
     tokens' logprobs, all under the model's raw distribution
     (log_softmax of the logits before temperature, top-k and top-p; with a
     `grammar`, after its mask, as vLLM does).
+    `prompt_logprobs=n` (vLLM's extension) returns, for each prompt token
+    after the first, its logprob given the tokens before it and the top-n
+    there (`engine.prompt_logprobs`); such a request skips the prefix cache.
+    `max_tokens=0` scores the prompt only: the request ends after prefill
+    with no output token (finish "length").
     `stop` strings are honoured by whoever detokenizes (`LLMEngine.generate`
     locally, the router when disaggregated); `stop_token_ids` by the engine.
     `grammar` (structured outputs, engine/grammar.py): every sampled token
@@ -63,6 +68,7 @@ class SamplingParams:
     logit_bias: Mapping[int, float] = field(default_factory=dict)
     min_tokens: int = 0
     needs_logits_processing: bool = field(init=False, default=False, compare=False)
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -73,8 +79,9 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
             raise ValueError(f"seed must be in [0, 2**64 - 1], got {self.seed}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0 (0 = score the prompt only), "
+                             f"got {self.max_tokens}")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be >= 0, got {self.stop_token_ids}")
         if any(not s for s in self.stop):
@@ -85,6 +92,9 @@ class SamplingParams:
             raise ValueError(f"grammar must be a GrammarSpec or None, got "
                              f"{type(self.grammar).__name__}")
         self._check_logits_adjustments()
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], "
+                             f"got {self.prompt_logprobs}")
         # Lists are accepted for convenience but stored as tuples (hashable, frozen).
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "stop", tuple(self.stop))

@@ -45,6 +45,7 @@ import torch
 from engine.grammar_batch import GrammarBatch, TokenMask
 from engine.logits_processors import LogitsAdjustments, build_adjustments
 from engine.model_runner import ModelRunner, PreparedStep
+from engine.prompt_logprobs import PromptLogprobsPlan, PromptLogprobsTensors
 from engine.request import Request
 from engine.sampler import SampledTensors, Sampler, SamplerOutput
 from engine.sampling_params import SamplingParams
@@ -62,6 +63,7 @@ class _Result:
     token_ids: torch.Tensor | None
     host: SampledTensors | None
     done: torch.cuda.Event | None
+    prompt_logprobs: PromptLogprobsTensors | None = None  # on the host
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +72,7 @@ class _Launched:
     sampling_requests: tuple[Request, ...]
     params: tuple[SamplingParams, ...]
     result: Future[_Result]
+    prompt_logprobs: PromptLogprobsPlan | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +83,8 @@ class CompletedStep:
     plan: SchedulerOutput
     sampling_requests: tuple[Request, ...]
     sampled: SamplerOutput
+    # the step's prompt-logprob rows and their values (host), when any request asked
+    prompt_logprobs: tuple[PromptLogprobsPlan, PromptLogprobsTensors] | None = None
 
 
 class StepPipeline:
@@ -119,7 +124,7 @@ class StepPipeline:
                                         self._runner.device)
         result = self._submit(self._run, inputs, None if previous is None else previous.result,
                               params, indices, mask, adjustments)
-        self._in_flight.append(_Launched(plan, requests, params, result))
+        self._in_flight.append(_Launched(plan, requests, params, result, inputs.prompt_logprobs))
 
     def complete(self) -> CompletedStep:
         """Wait for the oldest step in flight and read its tokens on the host."""
@@ -128,7 +133,10 @@ class StepPipeline:
         if result.done is not None:
             result.done.synchronize()
         sampled = _NO_SAMPLES if result.host is None else result.host.output(step.params)
-        return CompletedStep(step.plan, step.sampling_requests, sampled)
+        prompt = None
+        if step.prompt_logprobs is not None:
+            prompt = (step.prompt_logprobs, result.prompt_logprobs)
+        return CompletedStep(step.plan, step.sampling_requests, sampled, prompt)
 
     def _submit(self, fn: Callable[..., _Result], *args) -> Future[_Result]:
         if self._worker is not None:
@@ -154,8 +162,11 @@ class StepPipeline:
                                            previous_tokens)
             token_ids = sampled.token_ids
             host = sampled.to("cpu", non_blocking=True) if self._cuda else sampled
+        prompt = output.prompt_logprobs
+        if prompt is not None and self._cuda:
+            prompt = prompt.to("cpu", non_blocking=True)
         done = None
         if self._cuda:
             done = torch.cuda.Event()
             done.record()
-        return _Result(token_ids, host, done)
+        return _Result(token_ids, host, done, prompt)

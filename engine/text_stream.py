@@ -24,12 +24,15 @@ class TextStream:
         self.text = ""
         self.finish_reason: str | None = None
         self.num_cached_tokens = 0
+        self.prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
 
     def add(self, output: RequestOutput) -> bool:
         """Take one step's output; True when a stop string just ended the request."""
         self.token_ids.extend(output.new_token_ids)
         self.logprobs.extend(output.new_logprobs)
         self.num_cached_tokens = output.num_cached_tokens
+        if output.prompt_logprobs is not None:
+            self.prompt_logprobs = output.prompt_logprobs
         self.finish_reason = output.finish_reason
         if self.detokenizer is None:
             return False
@@ -52,4 +55,4 @@ class TextStream:
             token_ids=tuple(self.token_ids),
             text=None if self.detokenizer is None else self.text,
             finish_reason=self.finish_reason, logprobs=tuple(self.logprobs),
-            num_cached_tokens=self.num_cached_tokens)
+            num_cached_tokens=self.num_cached_tokens, prompt_logprobs=self.prompt_logprobs)

@@ -45,8 +45,8 @@ def check_request_id(request_id: str) -> None:
 
 def sampling_from_proto(msg: pdserve_pb2.SamplingParams) -> SamplingParams:
     """proto3 leaves unset fields at zero: top_p 0 means "off" (1.0),
-    logprobs 0 means none, repetition_penalty 0 means off (1.0); max_tokens 0
-    is refused by `SamplingParams`."""
+    logprobs and prompt_logprobs 0 mean none, repetition_penalty 0 means off
+    (1.0); max_tokens 0 scores the prompt only."""
     return SamplingParams(
         temperature=msg.temperature,
         top_p=msg.top_p if msg.top_p != 0 else 1.0,
@@ -63,6 +63,7 @@ def sampling_from_proto(msg: pdserve_pb2.SamplingParams) -> SamplingParams:
         repetition_penalty=msg.repetition_penalty or 1.0,
         logit_bias=dict(msg.logit_bias),
         min_tokens=msg.min_tokens,
+        prompt_logprobs=msg.prompt_logprobs if msg.prompt_logprobs > 0 else None,
     )
 
 
@@ -88,7 +89,7 @@ def check_context(prompt_token_ids: Sequence[int], output_token_ids: Sequence[in
     if bad is not None:
         raise ValueError(f"logit_bias token id {bad} is outside the vocabulary [0, "
                          f"{limits.vocab_size})")
-    if len(output_token_ids) >= params.max_tokens:
+    if output_token_ids and len(output_token_ids) >= params.max_tokens:
         raise ValueError(f"output_token_ids already holds {len(output_token_ids)} tokens, "
                          f"max_tokens is {params.max_tokens}")
     context = len(prompt_token_ids) + len(output_token_ids)

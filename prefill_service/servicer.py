@@ -34,7 +34,9 @@ starts at that token offset, and `kv_bytes_sent` and
 `pdserve_kv_transfer_bytes_total` count what was sent.
 
 Without a target (prefill only, the TTFT baseline) `transfer_done` (0 bytes)
-follows the first token at once. A failure before the first token ends the
+follows the first token at once. A max_tokens=0 request (scoring the prompt:
+its `prompt_logprobs`, no token) takes no target; its `first_token` has
+`scored_only` set and carries the prompt logprobs. A failure before the first token ends the
 stream with its status and no message.
 
 Cancel at any point (the router cancels the RPC, or calls `Abort`):
@@ -107,6 +109,9 @@ class PrefillServicer(pdserve_pb2_grpc.PrefillServicer):
         rid, params = checked.request_id, checked.params
         prompt, outputs = checked.prompt_token_ids, checked.output_token_ids
         target = target_from_proto(request.target) if request.target.endpoints else None
+        if target is not None and params.max_tokens == 0:
+            raise ValueError("max_tokens 0 (scoring the prompt) ends after prefill: it takes "
+                             "no KV target")
         layout = self._transfer_layout(len(prompt) + len(outputs), request.target.num_held_tokens)
         if target is not None:
             self._export.register(rid, target, layout)
@@ -188,11 +193,14 @@ class PrefillServicer(pdserve_pb2_grpc.PrefillServicer):
 
 
 def _first_token(first: RequestOutput) -> pdserve_pb2.PrefillFirstToken:
+    """The first token, or (max_tokens 0) the scored prompt's finish without one."""
     return pdserve_pb2.PrefillFirstToken(
-        token_id=first.new_token_ids[0],
+        token_id=first.new_token_ids[0] if first.new_token_ids else 0,
         logprob=logprob_to_proto(first.new_logprobs[0]) if first.new_logprobs else None,
         num_prompt_tokens=first.num_prompt_tokens,
         num_cached_tokens=first.num_cached_tokens,
+        prompt_logprobs=[logprob_to_proto(lp) for lp in first.prompt_logprobs or ()],
+        scored_only=not first.new_token_ids,
     )
 
 
@@ -200,8 +208,9 @@ async def _first_output(stream: RequestStream) -> RequestOutput:
     """The output carrying the first sampled token (prefill_only requests
     finish with it; the engine may still send it in the finishing output)."""
     async for output in stream:
-        if output.new_token_ids:
-            return output
+        if output.new_token_ids or (output.finish_reason == "length"
+                                    and output.num_output_tokens == 0):
+            return output  # a token, or a max_tokens=0 request's scored prompt
         if output.finished:
             raise ServiceError(grpc.StatusCode.INTERNAL,
                                f"request {output.request_id} finished "

@@ -161,6 +161,9 @@ class Delta:
     finish_reason: str | None = None
     usage: Usage | None = None
     tool_calls: tuple[ToolCallDelta, ...] = ()  # chat with tools (router.tools.extractor)
+    # Once, on the first delta, when the request asked for prompt logprobs:
+    # prompt tokens 1..P-1 (router.flow.output)
+    prompt_logprobs: tuple[OutputLogprobs, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.finish_reason is not None and self.finish_reason not in FINISH_REASONS:

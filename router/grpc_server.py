@@ -45,6 +45,10 @@ def parsed_request(request: pb.GenerateRequest, default_model: str) -> ParsedReq
     inputs = [bool(request.prompt), bool(request.messages), bool(request.prompt_token_ids)]
     if sum(inputs) != 1:
         raise bad_request("set exactly one of prompt, messages, prompt_token_ids", "prompt")
+    if request.sampling.prompt_logprobs:
+        raise bad_request("sampling.prompt_logprobs is not supported by the router's gRPC API "
+                          "(GenerateResponse has no field for them); use /v1/completions",
+                          "prompt_logprobs")
     try:
         sampling = sampling_from_proto(request.sampling)
     except SamplingError as exc:

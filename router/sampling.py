@@ -75,10 +75,15 @@ class SamplingSpec:
     the prompt's length is known, and a `GenerationRequest` requires it set.
     `top_k` 0 = off (-1, vLLM's "off", is stored as 0). `logprobs` None =
     off, else the number of top alternatives per token (0 = only the
-    sampled token's logprob). `grammar` (structured outputs,
-    router.structured_output): None = unconstrained. The logits adjustments
-    (penalties, `logit_bias` as sorted (token id, bias) pairs, `min_tokens`,
-    `stop_token_ids`) are checked by router.logits_params."""
+    sampled token's logprob). `prompt_logprobs` likewise for every prompt
+    token after the first (computed where the prompt is). `echo`
+    (completions): the prompt's text (and, with `logprobs`, its tokens'
+    logprobs) comes before the output. `max_tokens` 0 only scores the
+    prompt, so it needs `echo` or `prompt_logprobs` (docs/router.md, Echo).
+    `grammar` (structured outputs, router.structured_output): None =
+    unconstrained. The logits adjustments (penalties, `logit_bias` as sorted
+    (token id, bias) pairs, `min_tokens`, `stop_token_ids`) are checked by
+    router.logits_params."""
 
     max_tokens: int | None = None
     temperature: float = 1.0
@@ -95,10 +100,15 @@ class SamplingSpec:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
+    prompt_logprobs: int | None = None
+    echo: bool = False
 
     def __post_init__(self) -> None:
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise SamplingError("max_tokens", f"must be at least 1, got {self.max_tokens}")
+        if self.max_tokens is not None and self.max_tokens < 1 and not (
+                self.max_tokens == 0 and self.scores_prompt):
+            hint = (" (0 only scores the prompt: with 'echo': true or 'prompt_logprobs')"
+                    if self.max_tokens == 0 else "")
+            raise SamplingError("max_tokens", f"must be at least 1, got {self.max_tokens}{hint}")
         if not (math.isfinite(self.temperature) and 0.0 <= self.temperature <= 2.0):
             raise SamplingError("temperature", f"must be in [0, 2], got {self.temperature}")
         if not (math.isfinite(self.top_p) and 0.0 < self.top_p <= 1.0):
@@ -111,8 +121,16 @@ class SamplingSpec:
             raise SamplingError("seed", f"must be in [0, {MAX_SEED}], got {self.seed}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise SamplingError("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise SamplingError("prompt_logprobs", f"must be in [0, {MAX_LOGPROBS}], got "
+                                f"{self.prompt_logprobs}")
         check_stop_strings(self.stop)
         check_logits_fields(self, SamplingError)
+
+    @property
+    def scores_prompt(self) -> bool:
+        """The client wants the prompt back (echo) or scored (prompt logprobs)."""
+        return self.echo or self.prompt_logprobs is not None
 
 
 def fit_context(
@@ -131,7 +149,7 @@ def fit_context(
     if num_prompt_tokens < 1:
         raise bad_request("the prompt is empty after tokenization", "prompt")
     room = max_model_len - num_prompt_tokens
-    if room < 1:
+    if room < 1 and not (spec.max_tokens == 0 and room == 0):  # scoring needs no room
         raise bad_request(
             f"the prompt is {num_prompt_tokens} tokens, which leaves no room in the model's "
             f"context of {max_model_len} tokens",
@@ -212,6 +230,7 @@ def sampling_to_proto(spec: SamplingSpec) -> pb.SamplingParams:
         ignore_eos=spec.ignore_eos,
         logprobs=0 if spec.logprobs is None else max(1, spec.logprobs),
         stop=list(spec.stop),
+        prompt_logprobs=0 if spec.prompt_logprobs is None else max(1, spec.prompt_logprobs),
     )
     if spec.seed is not None:
         message.seed = spec.seed

@@ -112,11 +112,25 @@ class Attempt:
         return pb.DecodeGenerateRequest(
             request_id=self._request_id,
             prompt_token_ids=self._request.prompt_token_ids,
-            sampling=sampling_to_proto(self._request.sampling),
+            sampling=self._sampling_proto(),
             output_token_ids=self._out.output_ids,
             remote_prefill=remote_prefill,
             local_prefill_below=below,
         )
+
+    def _sampling_proto(self) -> pb.SamplingParams:
+        """The request's sampling for a pod; without prompt logprobs once an
+        earlier pod reported them (a migrated request's next pod)."""
+        sampling = sampling_to_proto(self._request.sampling)
+        if self._out.has_prompt_logprobs:
+            sampling.prompt_logprobs = 0
+        return sampling
+
+    def _take_prompt_logprobs(self, entries) -> None:
+        """A pod's prompt logprobs (TokenLogprob messages) into the output,
+        when the request asked for them."""
+        if self._request.sampling.prompt_logprobs is not None:
+            self._out.set_prompt_logprobs(logprobs_from_proto(entries))
 
     async def _open_stream(self, role: str, stack: contextlib.ExitStack):
         """Start the request on the first pod of `role` that takes it (on this
@@ -208,6 +222,7 @@ class Attempt:
             ending = PrefillEnding(prefill_call)
             stack.callback(ending.close)
             self._out.set_cached_tokens(token.num_cached_tokens)
+            self._take_prompt_logprobs(token.prompt_logprobs)
             first_logprobs = ()
             if token.HasField("logprob"):
                 first_logprobs = logprobs_from_proto([token.logprob])
@@ -253,7 +268,7 @@ class Attempt:
         request = pb.PrefillRequest(
             request_id=self._request_id,
             prompt_token_ids=self._request.prompt_token_ids,
-            sampling=sampling_to_proto(self._request.sampling),
+            sampling=self._sampling_proto(),
             output_token_ids=self._out.output_ids,
             target=target,
         )
@@ -352,6 +367,8 @@ class Attempt:
             tokens, message = message.tokens, None
             if tokens.num_prompt_tokens:
                 self._out.set_cached_tokens(tokens.num_cached_tokens)
+            if tokens.prompt_logprobs:
+                self._take_prompt_logprobs(tokens.prompt_logprobs)
             try:
                 # most streams carry no logprobs: skip the per-message conversion then
                 delta = self._out.accept(tokens.first_index, tokens.token_ids,

@@ -9,7 +9,9 @@ client stream exact across retries and migrations:
 * a batch that starts past the next index is a gap: `OutputGap` is raised
   and the flow treats the pod as failed (it moves the request on);
 * accepted tokens are detokenized incrementally, then run through the stop
-  matcher; the returned `Delta` holds only text safe to show.
+  matcher; the returned `Delta` holds only text safe to show;
+* prompt logprobs (the first pod that computed the prompt reports them;
+  `set_prompt_logprobs`) ride on the next delta, once.
 
 Used from the request's task only.
 """
@@ -55,6 +57,9 @@ class OutputAssembler:
         self.cached_tokens: int | None = None
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
+        # prompt logprobs: received (a later pod's copy is dropped); not yet sent
+        self.has_prompt_logprobs = False
+        self._unsent_prompt_logprobs: tuple[OutputLogprobs, ...] | None = None
 
     @property
     def next_index(self) -> int:
@@ -68,6 +73,17 @@ class OutputAssembler:
     def set_cached_tokens(self, num_cached_tokens: int) -> None:
         if self.cached_tokens is None:
             self.cached_tokens = min(max(num_cached_tokens, 0), self._num_prompt_tokens)
+
+    def set_prompt_logprobs(self, entries: tuple[OutputLogprobs, ...]) -> None:
+        """The prompt's logprobs from the pod that computed it (the first one
+        only: a migrated request's next pod may compute them again)."""
+        if not self.has_prompt_logprobs:
+            self.has_prompt_logprobs = True
+            self._unsent_prompt_logprobs = entries
+
+    def _take_prompt_logprobs(self) -> tuple[OutputLogprobs, ...] | None:
+        entries, self._unsent_prompt_logprobs = self._unsent_prompt_logprobs, None
+        return entries
 
     def accept(
         self,
@@ -93,7 +109,8 @@ class OutputAssembler:
         self.last_token_time = now
         self.output_ids.extend(new_ids)
         text = self._matcher.push(self._detokenizer.add(new_ids))
-        return Delta(text=text, token_ids=new_ids, logprobs=new_logprobs)
+        return Delta(text=text, token_ids=new_ids, logprobs=new_logprobs,
+                     prompt_logprobs=self._take_prompt_logprobs())
 
     def finish(self, finish_reason: str) -> Delta:
         """The final delta: held-back text, the finish reason and usage."""
@@ -109,7 +126,8 @@ class OutputAssembler:
             completion_tokens=len(self.output_ids),
             cached_tokens=self.cached_tokens or 0,
         )
-        return Delta(text=text, finish_reason=finish_reason, usage=usage)
+        return Delta(text=text, finish_reason=finish_reason, usage=usage,
+                     prompt_logprobs=self._take_prompt_logprobs())
 
 
 def logprobs_from_proto(messages: Iterable) -> tuple[OutputLogprobs, ...]:
@@ -131,4 +149,6 @@ def fold_final(delta: Delta | None, final: Delta) -> Delta:
         logprobs=delta.logprobs,
         finish_reason=final.finish_reason,
         usage=final.usage,
+        prompt_logprobs=(delta.prompt_logprobs if delta.prompt_logprobs is not None
+                         else final.prompt_logprobs),
     )

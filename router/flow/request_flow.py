@@ -18,6 +18,8 @@ Life cycle (`FlowState`, transitions checked):
        └─► LOCAL_PREFILL: the same on a decode pod (prefill is the bottleneck and
            the prompt is short, or it is below --local-prefill-below:
            router.routing.local_prefill) ─► FINISHED; the pod refused ─► RESERVING
+    ROUTING ─► SCORING: max_tokens 0 on the P/D path — a prefill pod scores the
+           prompt alone, no decode pod (router.flow.score_attempt) ─► FINISHED
     RESERVING ─► LOCAL_PREFILL: the decode pod's cached prefix left fewer new
            tokens than --local-prefill-below, so it computed the prompt itself
            and answered tokens instead of Reserved ─► FINISHED
@@ -67,9 +69,9 @@ from collections.abc import AsyncIterator
 
 from router.api_error import ApiError
 from router.flow.deps import FlowDeps
-from router.flow.local_attempt import LocalAttempt
 from router.flow.output import Detokenizer, OutputAssembler
 from router.flow.pod_calls import AttemptFailed, choose_path
+from router.flow.score_attempt import ScoreAttempt
 from router.flow.state import FlowState, check_transition
 from router.generation import Delta, GenerationRequest
 from router.routing.local_prefill import LocalChoice
@@ -189,7 +191,8 @@ class RequestFlow:
 
     async def _one_attempt(self) -> AsyncIterator[Delta]:
         path = choose_path(self._deps.pool, self._left_out)
-        local = self._choose_local() if path == "disaggregated" else None
+        scoring = path == "disaggregated" and self.request.sampling.max_tokens == 0
+        local = self._choose_local() if path == "disaggregated" and not scoring else None
         attempt = self._new_attempt()
         with contextlib.ExitStack() as stack:
             if local is not None:
@@ -199,6 +202,9 @@ class RequestFlow:
                           local.address, local.new_tokens, local.tokens_ahead)
                 first_token = stack.enter_context(self._deps.local_prefill.computing(local))
                 stream = attempt.local_prefill(local.address, first_token)
+            elif scoring:
+                self._to(FlowState.SCORING)
+                stream = attempt.scored()
             elif path == "colocated":
                 self._to(FlowState.COLOCATED)
                 stream = attempt.colocated()
@@ -209,8 +215,8 @@ class RequestFlow:
                 async for delta in deltas:
                     yield delta
 
-    def _new_attempt(self) -> LocalAttempt:
-        return LocalAttempt(self.request, self._next_request_id(), deps=self._deps,
+    def _new_attempt(self) -> ScoreAttempt:
+        return ScoreAttempt(self.request, self._next_request_id(), deps=self._deps,
                             out=self._out, left_out=frozenset(self._left_out),
                             deadline=self._deadline, to_state=self._to)
 

@@ -4,6 +4,8 @@ transitions written down and checked (see router.flow.request_flow for the life 
     ROUTING -> RESERVING -> PREFILLING -> DECODING -> FINISHED
     ROUTING -> COLOCATED -> FINISHED
     ROUTING -> LOCAL_PREFILL -> FINISHED    (a decode pod prefills the prompt itself)
+    ROUTING -> SCORING -> FINISHED    (max_tokens 0: a prefill pod scores the prompt)
+    SCORING -> MIGRATING              (that prefill pod failed)
     LOCAL_PREFILL (the pod refused) -> RESERVING
     RESERVING -> LOCAL_PREFILL      (the decode pod's cache left few new tokens: it
                                      computed the prompt instead of reserving)
@@ -24,6 +26,7 @@ class FlowState(enum.Enum):
     DECODING = "decoding"
     COLOCATED = "colocated"
     LOCAL_PREFILL = "local_prefill"
+    SCORING = "scoring"
     MIGRATING = "migrating"
     FINISHED = "finished"
     FAILED = "failed"
@@ -31,7 +34,8 @@ class FlowState(enum.Enum):
 
 _S = FlowState
 _TRANSITIONS: dict[FlowState, frozenset[FlowState]] = {
-    _S.ROUTING: frozenset({_S.RESERVING, _S.COLOCATED, _S.LOCAL_PREFILL}),
+    _S.ROUTING: frozenset({_S.RESERVING, _S.COLOCATED, _S.LOCAL_PREFILL, _S.SCORING}),
+    _S.SCORING: frozenset({_S.MIGRATING, _S.FINISHED}),
     _S.RESERVING: frozenset({_S.PREFILLING, _S.MIGRATING, _S.LOCAL_PREFILL}),
     _S.PREFILLING: frozenset({_S.DECODING, _S.MIGRATING}),
     _S.DECODING: frozenset({_S.MIGRATING, _S.FINISHED}),

@@ -45,7 +45,7 @@ REFUSED: dict[str, tuple[Any, ...]] = {
     "reasoning_effort": (),
     "verbosity": (),
     "web_search_options": (),
-    "echo": (False,),  # owned by the echo helper
+    "echo": (False,),  # chat only: completions honour it (router.http.echo)
     # the deprecated forms of tools / tool_choice: send those instead
     "functions": ([],),
     "function_call": ("none",),
@@ -58,6 +58,8 @@ CHAT_ONLY = ("max_completion_tokens", "top_logprobs")
 def check_refused(body: dict[str, Any], kind: str) -> None:
     """400 naming the first field this server cannot honour."""
     for name, neutral in REFUSED.items():
+        if name == "echo" and kind == "completion":
+            continue
         value = body.get(name)
         if value is not None and not any(value == v and type(value) is type(v)
                                          for v in neutral):

@@ -92,9 +92,15 @@ def _sampling(body: dict, kind: str) -> SamplingSpec:
             max_tokens = _int_field(body, "max_tokens")
         else:
             names["max_tokens"] = "max_completion_tokens"
+        if body.get("prompt_logprobs") is not None:
+            raise bad_request("'prompt_logprobs' is only supported on /v1/completions",
+                              "prompt_logprobs")
+        echo, prompt_logprobs = False, None
     else:
         logprobs = _int_field(body, "logprobs")
         max_tokens = _int_field(body, "max_tokens")
+        echo = _bool_field(body, "echo")
+        prompt_logprobs = _int_field(body, "prompt_logprobs")
     try:
         return SamplingSpec(
             max_tokens=max_tokens,
@@ -107,9 +113,19 @@ def _sampling(body: dict, kind: str) -> SamplingSpec:
             logprobs=logprobs,
             grammar=grammar_from_body(body),
             **logits_fields(body),
+            prompt_logprobs=_prompt_logprobs(echo, logprobs, prompt_logprobs),
+            echo=echo,
         )
     except SamplingError as exc:
         raise exc.to_api_error(names.get(exc.field, exc.field)) from None
+
+
+def _prompt_logprobs(echo: bool, logprobs: int | None, prompt_logprobs: int | None) -> int | None:
+    """How many alternatives the pods compute per prompt token: `echo` with
+    `logprobs` n shows the prompt's tokens with n alternatives (OpenAI's
+    legacy echo), `prompt_logprobs` m (vLLM's) with m; the larger of both."""
+    wanted = [n for n in (logprobs if echo else None, prompt_logprobs) if n is not None]
+    return max(wanted) if wanted else None
 
 
 def _common_fields(body: Any, kind: str, sampling: SamplingSpec | None) -> dict[str, Any]:

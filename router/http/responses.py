@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from router.generation import Delta, OutputLogprobs, ToolCallDelta, Usage
+from router.http.echo import EchoPrompt, echo_logprobs, vllm_prompt_logprobs
 
 DONE_EVENT = b"data: [DONE]\n\n"
 _TEXT_SLOT = "\x01pdserve-text\x01"  # stands for the text while the event template is built
@@ -40,6 +41,7 @@ class _Collected:
     text: list[str] = field(default_factory=list)
     logprobs: list[OutputLogprobs] = field(default_factory=list)
     tool_calls: dict[int, dict[str, Any]] = field(default_factory=dict)  # by index
+    prompt_logprobs: tuple[OutputLogprobs, ...] | None = None
 
 
 def _stream_tool_call(call: ToolCallDelta) -> dict[str, Any]:
@@ -57,7 +59,9 @@ class ResponseShaper:
     """Builds the chunks and the final body of one completion or chat request.
 
     `token_text(id)` renders one token for logprobs (the tokenizer's decode
-    of that id alone). Not thread-safe; one per request, on the event loop.
+    of that id alone). `prompt` (completions with `echo` or `prompt_logprobs`
+    m, router.http.echo) puts the prompt before the output of the first
+    chunk (or the body). Not thread-safe; one per request, on the event loop.
     """
 
     def __init__(
@@ -71,6 +75,8 @@ class ResponseShaper:
         include_usage: bool = False,
         top_logprobs: int | None = None,
         index: int = 0,
+        prompt: EchoPrompt | None = None,
+        prompt_logprobs: int | None = None,
     ) -> None:
         if kind not in ("completion", "chat"):
             raise ValueError(f"kind must be 'completion' or 'chat', got {kind!r}")
@@ -87,6 +93,9 @@ class ResponseShaper:
         self._collected = _Collected()
         # `event` of a text-only delta: the serialized chunk around its JSON string
         self._text_event: tuple[bytes, bytes] | None = None
+        self._prompt = prompt
+        self._prompt_logprobs = prompt_logprobs
+        self._prompt_pending = prompt is not None  # not yet shown
 
     # ------------------------------------------------------------ logprobs
 
@@ -129,6 +138,27 @@ class ResponseShaper:
             return self._chat_logprobs(entries)
         return self._completion_logprobs(entries)
 
+    def _with_prompt(self, choice: dict[str, Any], entries: Sequence[OutputLogprobs] | None,
+                     outputs: Sequence[OutputLogprobs]) -> dict[str, Any]:
+        """A completion choice with the prompt in front (once): echo's text and
+        logprobs, and vLLM's `prompt_logprobs`. Sets the output's text offsets
+        to start after the prompt's tokens."""
+        prompt, self._prompt_pending = self._prompt, False
+        assert prompt is not None
+        echoed = None
+        if prompt.echo:
+            choice["text"] = prompt.text + choice["text"]
+            if self._top_logprobs is not None:
+                echoed = echo_logprobs(prompt, entries, self._top_logprobs, self._token_text)
+                self._text_offset = sum(len(t) for t in prompt.token_texts)
+        if echoed is not None:
+            after = self._completion_logprobs(outputs)
+            choice["logprobs"] = {key: echoed[key] + after[key] for key in echoed}
+        if self._prompt_logprobs is not None:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(
+                prompt, entries, self._prompt_logprobs, self._token_text)
+        return choice
+
     # ------------------------------------------------------------ streaming
 
     def _envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -155,7 +185,7 @@ class ResponseShaper:
     def chunk(self, delta: Delta) -> dict[str, Any] | None:
         """The SSE payload for one delta, or None when it carries nothing to show."""
         if (not delta.text and not delta.logprobs and delta.finish_reason is None
-                and not delta.tool_calls):
+                and not delta.tool_calls and not self._prompt_pending):
             return None
         logprobs = self._logprobs(delta.logprobs) if delta.logprobs else None
         if self._kind == "chat":
@@ -176,6 +206,8 @@ class ResponseShaper:
                 "logprobs": logprobs,
                 "finish_reason": delta.finish_reason,
             }
+            if self._prompt_pending:
+                choice = self._with_prompt(choice, delta.prompt_logprobs, delta.logprobs)
         return self._envelope([choice])
 
     def event(self, delta: Delta) -> bytes | None:
@@ -184,7 +216,7 @@ class ResponseShaper:
         string put into a template built once per request, the same bytes
         `sse_event` would give, at a fraction of the per-token cost."""
         if not delta.text or delta.logprobs or delta.finish_reason is not None \
-                or self._top_logprobs is not None or delta.tool_calls:
+                or self._top_logprobs is not None or delta.tool_calls or self._prompt_pending:
             chunk = self.chunk(delta)
             return None if chunk is None else sse_event(chunk)
         if self._text_event is None:
@@ -215,6 +247,8 @@ class ResponseShaper:
                     "function": {"name": call.name, "arguments": call.arguments}}
             else:
                 self._collected.tool_calls[call.index]["function"]["arguments"] += call.arguments
+        if delta.prompt_logprobs is not None:
+            self._collected.prompt_logprobs = delta.prompt_logprobs
 
     def final_body(self, finish_reason: str, usage: Usage) -> dict[str, Any]:
         """The whole non-streaming response after the last delta was collected."""
@@ -238,6 +272,9 @@ class ResponseShaper:
                 "index": self._index, "text": text, "logprobs": logprobs,
                 "finish_reason": finish_reason,
             }
+            if self._prompt_pending:
+                choice = self._with_prompt(choice, self._collected.prompt_logprobs,
+                                           self._collected.logprobs)
             obj = "text_completion"
         return {
             "id": self._id,

@@ -1,7 +1,8 @@
 """The router's OpenAI-compatible HTTP API (aiohttp).
 
 Routes: POST /v1/completions, POST /v1/chat/completions (SSE with
-`stream: true`), GET /v1/models, GET /health (the process is up),
+`stream: true`), GET /v1/models, POST /tokenize and /detokenize
+(router.http.tokenize), GET /health (the process is up),
 GET /ready (503 until the pod pool can serve), GET /metrics (Prometheus).
 
 Life of one generation request, all on the router's event loop:
@@ -34,11 +35,14 @@ from proto.roles import PodRole
 from router.api_error import ApiError
 from router.auth import OPEN_PATHS, ApiKeyCheck
 from router.frontend import Frontend
+from router.generation import ParsedRequest
 from router.http.body import read_json
 from router.http.choices import serve_choices
 from router.http.client_limits import ClientConcurrency
+from router.http.echo import EchoPrompt, echo_prompt
 from router.http.requests import check_model, parse_chat, parse_completion
 from router.http.responses import DONE_EVENT, ResponseShaper, sse_event
+from router.http.tokenize import detokenize_body, tokenize_body
 from router.metrics import CONTENT_TYPE
 from router.routing.base import PodPool
 from router.tools.extractor import ToolCallDeltas
@@ -51,6 +55,7 @@ AUTH = web.AppKey("auth", ApiKeyCheck)
 CLIENT_LIMITS = web.AppKey("client_limits", ClientConcurrency)
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+INLINE_ECHO_TOKENS = 256  # echoed prompts rendered on the event loop; longer ones off it
 
 
 def _internal_error(exc: BaseException) -> ApiError:
@@ -106,6 +111,7 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     parsed = parse_chat(body) if kind == "chat" else parse_completion(body)
     check_model(parsed.model, frontend.model_name)
     generation = await frontend.prepare(parsed, request.headers.get("x-session-id"))
+    prompt = await _prompt_shown(frontend, parsed, generation.prompt_token_ids)
     created = int(time.time())
 
     def make_shaper(index: int = 0) -> ResponseShaper:
@@ -118,6 +124,8 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
             include_usage=parsed.include_usage,
             top_logprobs=parsed.sampling.logprobs,
             index=index,
+            prompt=prompt,
+            prompt_logprobs=body.get("prompt_logprobs") if kind == "completion" else None,
         )
 
     if parsed.n > 1:
@@ -167,12 +175,39 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
         return response
 
 
+async def _prompt_shown(frontend: Frontend, parsed: ParsedRequest,
+                        token_ids: tuple[int, ...]) -> EchoPrompt | None:
+    """The prompt a completion response shows (echo, prompt_logprobs), or None."""
+    sampling = parsed.sampling
+    if parsed.kind != "completion" or not sampling.scores_prompt:
+        return None
+    args = (sampling.echo, parsed.prompt, token_ids, frontend.tokenizer.decode,
+            frontend.token_text)
+    if len(token_ids) <= INLINE_ECHO_TOKENS:
+        return echo_prompt(*args)
+    return await frontend.run_blocking(echo_prompt, *args)
+
+
 async def completions(request: web.Request) -> web.StreamResponse:
     return await _generate(request, "completion")
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await _generate(request, "chat")
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    frontend = request.app[FRONTEND]
+    body = await read_json(request, frontend.limits, frontend.max_model_len,
+                           frontend.run_blocking)
+    return web.json_response(await frontend.run_blocking(tokenize_body, frontend, body))
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    frontend = request.app[FRONTEND]
+    body = await read_json(request, frontend.limits, frontend.max_model_len,
+                           frontend.run_blocking)
+    return web.json_response(await frontend.run_blocking(detokenize_body, frontend, body))
 
 
 async def models(request: web.Request) -> web.Response:
@@ -226,6 +261,8 @@ def build_app(frontend: Frontend, pool: PodPool, auth: ApiKeyCheck,
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)

@@ -85,7 +85,7 @@ def test_an_error_and_a_cancel_touch_only_their_request(pod):
         session = _Session(stub)
         session.send(generate=_request("keep", PROMPTS[0]))
         session.send(generate=_request("victim", PROMPTS[1], max_tokens=3000))
-        session.send(generate=_request("bad", PROMPTS[2], max_tokens=0))
+        session.send(generate=_request("bad", PROMPTS[2], max_tokens=-1))
         events: dict[str, list[pb.SessionEvent]] = {"keep": [], "victim": [], "bad": []}
         cancelled_at = None
         for batch in session.call:

@@ -14,7 +14,7 @@ def test_defaults_and_greedy():
     ("kwargs", "field"),
     [({"temperature": -0.1}, "temperature"), ({"temperature": float("nan")}, "temperature"),
      ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"top_k": -1}, "top_k"),
-     ({"max_tokens": 0}, "max_tokens"), ({"logprobs": 21}, "logprobs"),
+     ({"max_tokens": -1}, "max_tokens"), ({"logprobs": 21}, "logprobs"),
      ({"logprobs": -1}, "logprobs"), ({"seed": -5}, "seed"), ({"seed": 2**64}, "seed"),
      ({"stop_token_ids": (-1,)}, "stop_token_ids"), ({"stop": ("",)}, "stop strings")],
 )

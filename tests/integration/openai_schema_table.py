@@ -182,6 +182,14 @@ def _response_format(kind: str) -> Check:
     return check
 
 
+def _echo(kind: str) -> Check:
+    def check(client: openai.OpenAI, name: str) -> None:
+        plain = _text(_create(client, kind, prompt="Hello there"))
+        echoed = _text(_create(client, kind, prompt="Hello there", echo=True))
+        assert echoed == "Hello there" + plain, (echoed, plain)
+    return check
+
+
 def _model(kind: str) -> Check:
     def check(client: openai.OpenAI, name: str) -> None:
         try:
@@ -230,7 +238,7 @@ COMPLETION_FIELDS: dict[str, Check] = {
     "prompt": _required("completion"),
     "best_of": refused("completion", 3),  # honoured only when == n (router.http.openai_fields)
     "suffix": refused("completion", "end"),
-    "echo": refused("completion", True),  # owned by echo
+    "echo": _echo("completion"),
 }
 
 CHAT_FIELDS: dict[str, Check] = {

@@ -158,3 +158,12 @@ def test_response_message_carries_logprobs_only_when_the_delta_has_them():
     assert final.finish_reason == "length"
     assert (final.usage.prompt_tokens, final.usage.completion_tokens,
             final.usage.cached_tokens) == (3, 2, 1)
+
+
+def test_grpc_refuses_prompt_logprobs():
+    from router.api_error import ApiError
+    from router.grpc_server import parsed_request
+
+    request = pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(prompt_logprobs=1))
+    with pytest.raises(ApiError, match="prompt_logprobs is not supported by the router's gRPC"):
+        parsed_request(request, "tiny")

@@ -69,9 +69,14 @@ def test_completion_token_prompt_and_batch_of_one():
         ({"stream": "yes"}, "stream", "'stream' must be a boolean, got str"),
         ({"stream_options": {"include_usage": True}}, "stream_options",
          "only allowed when 'stream' is true"),
-        ({"echo": True}, "echo", "'echo' is not supported"),
         ({"presence_penalty": 2.5}, "presence_penalty", "'presence_penalty' must be in [-2, 2]"),
         ({"suffix": "x"}, "suffix", "'suffix' is not supported"),
+        ({"echo": "yes"}, "echo", "'echo' must be a boolean, got str"),
+        ({"prompt_logprobs": 21}, "prompt_logprobs",
+         "'prompt_logprobs' must be in [0, 20], got 21"),
+        ({"max_tokens": 0, "logprobs": 1}, "max_tokens",
+         "'max_tokens' must be at least 1, got 0 (0 only scores the prompt: with 'echo': "
+         "true or 'prompt_logprobs')"),
         ({"prompt": None}, "prompt", "'prompt' is required"),
         ({"prompt": ["a", "b"]}, "prompt", "batched prompts are not supported"),
         ({"prompt": [1, -2]}, "prompt", "non-empty list of token ids"),
@@ -143,3 +148,21 @@ def test_check_model():
             "code": "model_not_found",
         }
     }
+
+
+def test_echo_and_prompt_logprobs_ask_the_pods_for_prompt_logprobs():
+    def sampling(**fields):
+        return parse_completion({"model": "m", "prompt": "hi", **fields}).sampling
+
+    echoed = sampling(echo=True, logprobs=2, max_tokens=0)
+    assert (echoed.echo, echoed.prompt_logprobs, echoed.max_tokens) == (True, 2, 0)
+    assert sampling(echo=True).prompt_logprobs is None  # the text only
+    assert sampling(prompt_logprobs=0, max_tokens=0).prompt_logprobs == 0
+    assert sampling(echo=True, logprobs=1, prompt_logprobs=4).prompt_logprobs == 4
+    assert sampling(logprobs=3).prompt_logprobs is None  # no echo: outputs only
+    with pytest.raises(ApiError, match="only supported on /v1/completions"):
+        parse_chat({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                    "prompt_logprobs": 1})
+    with pytest.raises(ApiError, match="'echo' is not supported"):
+        parse_chat({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                    "echo": True})
