@@ -38,6 +38,7 @@ from router.logits_params import check_vocabulary
 from router.sampling import fit_context
 from router.structured_output import GrammarCheck
 from router.tools.extractor import ToolCallExtractor
+from router.tools.forced import with_call_grammar
 from router.tools.request import check_served
 from router.tools.select import make_parser, resolve_parser
 
@@ -115,17 +116,20 @@ class Frontend:
     async def prepare(self, parsed: ParsedRequest, session_id: str | None) -> GenerationRequest:
         """Check the prompt's length, tokenize (a long prompt off the event
         loop) and check the context limit; compile a grammar (structured
-        outputs, on the same threads); raise ApiError 400 on any problem."""
-        await self._grammars.check(parsed.sampling.grammar, self.run_blocking)
+        outputs or a forced tool call, on the same threads); raise ApiError
+        400 on any problem."""
+        sampling = with_call_grammar(parsed.sampling, parsed.tools, self.tool_parser)
+        await self._grammars.check(sampling.grammar, self.run_blocking,
+                                   field="tools" if sampling is not parsed.sampling else None)
         size = (self.limits.check_prompt_chars(parsed, self.max_model_len)
                 or len(parsed.prompt_token_ids or ()))
         if size <= INLINE_PROMPT_SIZE and len(parsed.messages) <= INLINE_MESSAGES:
             token_ids = self.tokenize(parsed)
         else:
             token_ids = await self.run_blocking(self.tokenize, parsed)
-        check_vocabulary(parsed.sampling, self.tokenizer.vocab_size,
+        check_vocabulary(sampling, self.tokenizer.vocab_size,
                          lambda name, problem: bad_request(f"'{name}' {problem}", name))
-        sampling = fit_context(parsed.sampling, chat=parsed.kind == "chat",
+        sampling = fit_context(sampling, chat=parsed.kind == "chat",
                                num_prompt_tokens=len(token_ids),
                                max_model_len=self.max_model_len,
                                pod_capacity=self.pod_capacity())

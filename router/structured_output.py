@@ -105,13 +105,15 @@ class GrammarCheck:
         self._compiler = GrammarCompiler(lambda: build_tokenizer(
             tokenizer.to_json(), tokenizer.vocab_size, tokenizer.eos_token_ids))
 
-    async def check(self, spec: GrammarSpec | None, run_blocking: RunBlocking) -> None:
-        """ApiError 400 naming the field when `spec` does not compile."""
+    async def check(self, spec: GrammarSpec | None, run_blocking: RunBlocking,
+                    field: str | None = None) -> None:
+        """ApiError 400 naming the field (`field`, else the kind's) when
+        `spec` does not compile."""
         if spec is None:
             return
         try:
             await run_blocking(self._compiler.compile, spec)
         except ValueError as exc:
-            name = FIELD_OF_KIND[spec.kind]
+            name = field or FIELD_OF_KIND[spec.kind]
             raise bad_request(f"'{name}' cannot be used for structured output: {exc}",
                               name) from None

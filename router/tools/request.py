@@ -6,8 +6,8 @@ Called by router.http.requests.parse_chat on the event loop; every problem is
 an `ApiError` 400 naming the field (`tools[2].function.name`, ...).
 `check_served` (called by router.frontend.Frontend.tokenize) refuses what the
 served model cannot do: tools its chat template never reads (they would be
-silently dropped), a template with no known call format, and tool_choice
-"required" or a named function, which need constrained decoding.
+silently dropped) and a template with no known call format. (tool_choice
+"required" or a named function is enforced by a grammar: router.tools.forced.)
 """
 
 from __future__ import annotations
@@ -205,8 +205,3 @@ def check_served(tools: ToolRequest | None, documents: tuple | None,
         raise bad_request("'tools' is not supported: the chat template shows no known tool-call "
                           "format; start the router with --tool-call-parser llama3_json or "
                           "hermes", "tools")
-    if tools.choice in ("required", "function"):
-        forced = "'required'" if tools.choice == "required" else "a named function"
-        raise bad_request(f"'tool_choice' {forced} is not supported: forcing a call needs "
-                          "constrained decoding, which this server does not apply to tool "
-                          "calls yet; use 'auto' or 'none'", "tool_choice")

@@ -94,10 +94,8 @@ def test_bad_tool_fields(fields, param, message) -> None:
      "chat template does not read tools"),
     (ToolRequest((WEATHER,)), None, {"messages", "tools"}, None, "tools",
      "--tool-call-parser"),
-    (ToolRequest((WEATHER,), choice="required"), None, {"tools"}, "hermes", "tool_choice",
-     "'tool_choice' 'required' is not supported: forcing a call needs constrained decoding"),
-    (ToolRequest((WEATHER,), choice="function", function_name="get_weather"), None, {"tools"},
-     "hermes", "tool_choice", "'tool_choice' a named function is not supported"),
+    (ToolRequest((WEATHER,), choice="required"), None, {"messages"}, "hermes", "tools",
+     "chat template does not read tools"),
     (None, ({"title": "t"},), {"messages"}, None, "documents",
      "chat template does not read documents"),
 ])
@@ -110,6 +108,10 @@ def test_check_served_refuses(tools, documents, variables, parser, param, messag
 
 def test_check_served_accepts() -> None:
     check_served(ToolRequest((WEATHER,)), None, {"tools"}, "llama3_json")
+    # forced calls: a grammar enforces them (router.tools.forced)
+    check_served(ToolRequest((WEATHER,), choice="required"), None, {"tools"}, "hermes")
+    check_served(ToolRequest((WEATHER,), choice="function", function_name="get_weather"), None,
+                 {"tools"}, "llama3_json")
     # tool_choice "none": the tools are not rendered, nothing is parsed
     check_served(ToolRequest((WEATHER,), choice="none"), None, {"messages"}, None)
     check_served(None, ({"title": "t", "text": "x"},), {"documents"}, None)

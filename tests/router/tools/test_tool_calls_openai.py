@@ -143,9 +143,22 @@ def test_tool_results_render_and_none_means_text(routers) -> None:
         assert choice.message.content == "".join(HERMES_REPLY)
 
 
-def test_forced_tool_choice_is_refused(routers) -> None:
-    with pytest.raises(openai.BadRequestError) as info:
-        routers["llama"].chat.completions.create(model="tiny", messages=ASK, tools=TOOLS,
-                                                 tool_choice="required")
-    assert info.value.body["param"] == "tool_choice"
-    assert "constrained decoding" in info.value.body["message"]
+def test_forced_tool_choice_overrides_the_text_reply(routers) -> None:
+    """The scripted reply opens with text; tool_choice "required" makes the
+    grammar (router.tools.forced) start a call at once (more in
+    tests/integration/test_forced_tool_calls.py). The tools' schemas bound
+    the arguments: the grammar holds the model to a schema, however long a
+    permissive one lets it write."""
+    city = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}},
+            "required": ["city"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": name, "parameters": city}}
+             for name in ("get_weather", "get_forecast")]
+    for client in routers.values():
+        reply = client.chat.completions.create(model="tiny", messages=ASK, tools=tools,
+                                               tool_choice="required", temperature=0,
+                                               parallel_tool_calls=False, max_tokens=100)
+        choice = reply.choices[0]
+        assert (choice.finish_reason, choice.message.content) == ("tool_calls", None)
+        [call] = choice.message.tool_calls
+        assert call.function.name in {"get_weather", "get_forecast"}
+        assert json.loads(call.function.arguments)["city"] in {"Paris", "Rome"}
