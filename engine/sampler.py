@@ -102,7 +102,7 @@ class Sampler:
         return self.sample(logits, params, output_indices).output(params)
 
     def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams],
-               output_indices: Sequence[int], token_mask: TokenMask | None = None,
+               output_indices: Sequence[int], *, token_mask: TokenMask | None = None,
                adjustments: LogitsAdjustments | None = None,
                previous_tokens: torch.Tensor | None = None) -> SampledTensors:
         """Like `__call__`, but the result stays on the logits' device: no

@@ -158,8 +158,9 @@ class StepPipeline:
         output = self._runner.forward(inputs, previous_tokens)
         token_ids = host = None
         if params:
-            sampled = self._sampler.sample(output.logits, params, indices, mask, adjustments,
-                                           previous_tokens)
+            sampled = self._sampler.sample(output.logits, params, indices, token_mask=mask,
+                                           adjustments=adjustments,
+                                           previous_tokens=previous_tokens)
             token_ids = sampled.token_ids
             host = sampled.to("cpu", non_blocking=True) if self._cuda else sampled
         prompt = output.prompt_logprobs

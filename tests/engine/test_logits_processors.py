@@ -85,7 +85,7 @@ def test_greedy_rows_are_adjusted_and_logprobs_stay_raw():
     params = SamplingParams(temperature=0, logit_bias={1: -100}, logprobs=1, max_tokens=4)
     adj = build_adjustments([_request("r", [0], [], params)], [0], [None], (), 4,
                             torch.device("cpu"))
-    out = Sampler().sample(logits, [params], [0], adj).output([params])
+    out = Sampler().sample(logits, [params], [0], adjustments=adj).output([params])
     assert out.token_ids == (3,)
     assert out.logprobs[0].top_token_ids == (1,)  # the raw distribution's best
 

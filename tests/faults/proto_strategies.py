@@ -1,7 +1,7 @@
 """Hypothesis strategies for any protobuf message, from its descriptor: every
 field may be set, to a value of its type drawn from the edges (0, -1, the
 type's limits) or anywhere, strings and bytes short or odd, nested messages
-recursively (bounded depth), repeated fields a few items long."""
+recursively (bounded depth), repeated and map fields a few items long."""
 
 from __future__ import annotations
 
@@ -51,10 +51,20 @@ def _dicts(descriptor: Descriptor, depth: int) -> st.SearchStrategy:
     return st.fixed_dictionaries({}, optional=optional)
 
 
+def _is_map(field: FieldDescriptor) -> bool:
+    return (field.type == _F.TYPE_MESSAGE and field.is_repeated
+            and field.message_type.GetOptions().map_entry)
+
+
 def _fill(message: Message, values: dict) -> Message:
     for name, value in values.items():
         field = message.DESCRIPTOR.fields_by_name[name]
-        if field.type == _F.TYPE_MESSAGE:
+        if _is_map(field):  # drawn as a list of {key, value} entries
+            target = getattr(message, name)
+            for entry in value:
+                if "key" in entry and "value" in entry:  # scalar values only (ours)
+                    target[entry["key"]] = entry["value"]
+        elif field.type == _F.TYPE_MESSAGE:
             if field.is_repeated:
                 for item in value:
                     _fill(getattr(message, name).add(), item)

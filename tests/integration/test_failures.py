@@ -69,7 +69,8 @@ def _wait_until(predicate, timeout: float = 20.0) -> None:
 @pytest.mark.parametrize(("sampling", "prompt_len", "message"), [
     (pdserve_pb2.SamplingParams(max_tokens=8), 4095,
      "prompt (4095 tokens) + max_tokens (8) = 4103 exceeds max_model_len 4096"),
-    (pdserve_pb2.SamplingParams(max_tokens=0), 10, "max_tokens must be >= 1, got 0"),
+    (pdserve_pb2.SamplingParams(max_tokens=-1), 10,
+     "max_tokens must be >= 0 (0 = score the prompt only), got -1"),
     (pdserve_pb2.SamplingParams(max_tokens=4, top_p=1.5), 10, "top_p must be in (0, 1], got 1.5"),
     (pdserve_pb2.SamplingParams(max_tokens=4, temperature=-1), 10,
      "temperature must be a finite number >= 0, got -1.0"),
