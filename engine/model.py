@@ -101,23 +101,31 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 cos_sin_cache: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        num_tokens = hidden.shape[0]
-        qkv = self.project_qkv(hidden)
-        out = ctx.attend_qkv(self.layer_idx, qkv, positions, cos_sin_cache)
-        if out is not None:
-            return self.o_proj(out.reshape(num_tokens, self.q_size))
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
-        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = kernel_ops.rotary_embedding(positions, q, k, cos_sin_cache,
-                                           backend=self.kernel_backend)
-        out = ctx.attend(self.layer_idx, q, k, v)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return attend_projected(self, self.project_qkv(hidden), positions, cos_sin_cache, ctx)
 
     def project_qkv(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, (Hq + 2 Hkv) * D] q, k, v before RoPE (subclasses add q/k norms)."""
         return self.qkv_proj(hidden)
+
+
+def attend_projected(attn: nn.Module, qkv: torch.Tensor, positions: torch.Tensor,
+                     cos_sin_cache: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+    """Attention from a layer's projected [N, (Hq + 2 Hkv) * D] qkv to its
+    o_proj output: the fused pure-decode call when the context takes it,
+    else split, RoPE and `ctx.attend`. `attn` has the Llama attention's
+    sizes, `layer_idx`, `kernel_backend` and `o_proj` (Gemma's does too)."""
+    num_tokens = qkv.shape[0]
+    out = ctx.attend_qkv(attn.layer_idx, qkv, positions, cos_sin_cache)
+    if out is not None:
+        return attn.o_proj(out.reshape(num_tokens, attn.q_size))
+    q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+    q = q.reshape(num_tokens, attn.num_heads, attn.head_dim)
+    k = k.reshape(num_tokens, attn.num_kv_heads, attn.head_dim)
+    v = v.reshape(num_tokens, attn.num_kv_heads, attn.head_dim)
+    q, k = kernel_ops.rotary_embedding(positions, q, k, cos_sin_cache,
+                                       backend=attn.kernel_backend)
+    out = ctx.attend(attn.layer_idx, q, k, v)
+    return attn.o_proj(out.reshape(num_tokens, attn.q_size))
 
 
 class LlamaMLP(nn.Module):

@@ -34,6 +34,7 @@ from torch import nn
 from engine.attention_context import AttentionContext
 from engine.layers.linear import Linear
 from engine.layers.rotary import build_cos_sin_cache
+from engine.model import attend_projected
 from engine.model_config import ModelConfig
 from engine.models.gemma_config import GemmaConfig
 from kernels import dispatch as kernel_ops
@@ -112,21 +113,10 @@ class GemmaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 cos_sin_cache: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
         if self.q_norm is not None:
             self._norm_heads(qkv)
-        out = ctx.attend_qkv(self.layer_idx, qkv, positions, cos_sin_cache)
-        if out is not None:
-            return self.o_proj(out.reshape(num_tokens, self.q_size))
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
-        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = kernel_ops.rotary_embedding(positions, q, k, cos_sin_cache,
-                                           backend=self.kernel_backend)
-        out = ctx.attend(self.layer_idx, q, k, v)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return attend_projected(self, qkv, positions, cos_sin_cache, ctx)
 
 
 class GemmaMLP(nn.Module):

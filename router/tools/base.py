@@ -16,6 +16,10 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # json_call imports this module
+    from router.tools.json_call import CallScanner
 
 WHITESPACE = " \t\r\n"
 
@@ -90,6 +94,18 @@ class ToolCallParser(abc.ABC):
     @property
     def calls_exhausted(self) -> bool:
         return self.max_calls is not None and self.num_calls >= self.max_calls
+
+    def _scan_call(self, scanner: CallScanner, content: ContentOut, text: str,
+                   events: list[ToolEvent]) -> None:
+        """Feed `text` to the call being read; its events go to `events`."""
+        new = scanner.feed(text)
+        started = sum(isinstance(e, CallStart) for e in new)
+        if started:
+            # whitespace before a call is dropped; if the tag turns out to
+            # hold no call, it stays (content.text shows it with the tag)
+            content.drop_space()
+        self.num_calls += started
+        events.extend(new)
 
     @abc.abstractmethod
     def feed(self, text: str) -> list[ToolEvent]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import enum
 
-from router.tools.base import WHITESPACE, CallStart, ContentOut, ToolCallParser, ToolEvent
+from router.tools.base import WHITESPACE, ContentOut, ToolCallParser, ToolEvent
 from router.tools.json_call import CallScanner
 
 OPEN_TAG = "<tool_call>"
@@ -69,14 +69,7 @@ class HermesParser(ToolCallParser):
             return text[at + len(OPEN_TAG):]
         if self._state is _State.CALL:
             assert self._scanner is not None
-            new = self._scanner.feed(text)
-            started = sum(isinstance(e, CallStart) for e in new)
-            if started:
-                # whitespace before a call is dropped; if the tag turns out to
-                # hold no call, it stays (content.text shows it with the tag)
-                self._content.drop_space()
-            self.num_calls += started
-            events.extend(new)
+            self._scan_call(self._scanner, self._content, text, events)
             if self._scanner.failed:
                 self._content.text(OPEN_TAG + self._scanner.raw, events)
                 self._state = _State.CONTENT
