@@ -32,22 +32,23 @@ def test_kv_port_refusals_and_connections_on_the_pods_metrics(tiny_model_dir: Pa
             except KeyError:
                 return 0.0
 
-        address = ("127.0.0.1", pod.kv_port)
-        with socket.create_connection(address, timeout=10) as garbage:
-            garbage.sendall(b"GET /metrics HTTP/1.1\r\n\r\n" + bytes(100))
-            assert _closed_by_peer(garbage, 10)
-        with socket.create_connection(address, timeout=10) as trickle:
-            trickle.sendall(b"PD")  # a frame that never completes
-            assert _closed_by_peer(trickle, 10)
-
         def wait_connections(n: float) -> None:
             deadline = time.monotonic() + 10
             while value("pdserve_kv_port_connections") != n:
                 assert time.monotonic() < deadline, pod.metrics_text()
                 time.sleep(0.05)
 
-        # the cut connection's slot is free once its reader thread has left,
-        # which can trail the peer seeing the close
+        # A cut connection's slot is free once its reader thread has left,
+        # which can trail the peer seeing the close: with one slot, the next
+        # connection waits for it (else it is refused as over the limit).
+        address = ("127.0.0.1", pod.kv_port)
+        with socket.create_connection(address, timeout=10) as garbage:
+            garbage.sendall(b"GET /metrics HTTP/1.1\r\n\r\n" + bytes(100))
+            assert _closed_by_peer(garbage, 10)
+        wait_connections(0.0)
+        with socket.create_connection(address, timeout=10) as trickle:
+            trickle.sendall(b"PD")  # a frame that never completes
+            assert _closed_by_peer(trickle, 10)
         wait_connections(0.0)
         with socket.create_connection(address, timeout=10):  # held open, idle
             wait_connections(1.0)
