@@ -140,6 +140,7 @@ class DecodeSession:
         self._reader = asyncio.create_task(self._read())
         self._idle_timer: asyncio.TimerHandle | None = None
         self.closed = False
+        self.heard_from_pod = False  # any batch received on this stream
 
     @property
     def num_open(self) -> int:
@@ -189,6 +190,7 @@ class DecodeSession:
         error: grpc.aio.AioRpcError | None = None
         try:
             async for batch in self._call:
+                self.heard_from_pod = True
                 calls = self._calls
                 for event in batch.events:
                     call = calls.get(event.request_id)

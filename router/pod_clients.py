@@ -79,14 +79,24 @@ class PodChannels:
         that call would. The request rides this router's Session to the pod
         (router/decode_session.py); a pod without Session gets Decode.Generate."""
         if self._use_sessions and address not in self._no_session:
-            call = self._session(address).open(request, timeout)
+            session = self._session(address)
+            call = session.open(request, timeout)
             try:
                 return call, await call.read()
             except grpc.aio.AioRpcError as error:
-                if error.code() != grpc.StatusCode.UNIMPLEMENTED:
+                if error.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    log.info("decode pod %s has no Session; using Decode.Generate", address)
+                    self._no_session.add(address)
+                elif error.code() == grpc.StatusCode.INTERNAL and not session.heard_from_pod:
+                    # A stream the pod closes at once can surface on the client
+                    # as gRPC core's own INTERNAL ("Failed execute_batch")
+                    # instead of the pod's status (e.g. UNIMPLEMENTED): with
+                    # nothing heard on it, this request takes Generate instead.
+                    log.info("session to decode pod %s failed before its first message "
+                             "(%s); using Decode.Generate for %s", address, error.details(),
+                             request.request_id)
+                else:
                     raise
-                log.info("decode pod %s has no Session; using Decode.Generate", address)
-                self._no_session.add(address)
             except BaseException:
                 call.cancel()
                 raise

@@ -76,6 +76,7 @@ class Behaviour:
     no_reserved: bool = False  # decode: answer remote_prefill with tokens, not Reserved
     waiting_tokens: int = 0  # GetLoad's num_waiting_tokens (steers the prefill policy)
     no_session: bool = False  # decode: answer Decode.Session UNIMPLEMENTED (an older pod)
+    session_internal: bool = False  # decode: end every Session at once with INTERNAL
 
 
 class _RequestContext:
@@ -178,6 +179,8 @@ class FakePod(pdserve_pb2_grpc.DecodeServicer, pdserve_pb2_grpc.PrefillServicer)
         """The real pods' multiplexing (pod/session.py) over this fake's Generate."""
         if self.behaviour.no_session:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
+        if self.behaviour.session_internal:
+            await context.abort(grpc.StatusCode.INTERNAL, "Failed \"execute_batch\"")
         self.sessions += 1
         async for batch in SessionMux(self._session_generate, grpc_errors).run(request_iterator):
             yield batch

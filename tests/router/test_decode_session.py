@@ -56,6 +56,24 @@ def test_requests_share_one_session_and_a_cancel_touches_one():
     asyncio.run(main())
 
 
+def test_a_session_that_fails_before_any_message_falls_back_to_generate():
+    """gRPC core can report a stream the pod closed at once as its own
+    INTERNAL rather than the pod's UNIMPLEMENTED: such a request still gets
+    Generate (and the pod is not marked as having no Session)."""
+    async def main():
+        pod, channels = await _pod(session_internal=True), PodChannels()
+        try:
+            call, first = await channels.open_generate(pod.address, _request("a"), 30)
+            assert await _read_all(call, first) == [expected_token(PROMPT, i) for i in range(5)]
+            assert [r.request_id for r in pod.requests] == ["a"]
+            assert pod.address not in channels._no_session
+        finally:
+            await channels.close()
+            await pod.stop()
+
+    asyncio.run(main())
+
+
 def test_a_deadline_fails_the_request_and_cancels_it_on_the_pod():
     async def main():
         pod, channels = await _pod(delay=0.5), PodChannels()
