@@ -13,7 +13,8 @@ it re-lays the weight out for every call. oneDNN can lay the weight out once
 
 - ``auto`` (default): oneDNN prepacked weights on CPU for float32 and
   bfloat16 when torch was built with oneDNN; `F.linear` otherwise (CUDA,
-  float16 on CPUs without AVX512-FP16, a torch without oneDNN).
+  float16, bfloat16 on CPUs without AVX512 or AVX-NE-CONVERT, a torch
+  without oneDNN).
 - ``onednn``: prepacked, or a ValueError naming why it cannot be.
 - ``torch``: always `F.linear` (the reference path).
 
@@ -60,6 +61,10 @@ def onednn_unsupported_reason(dtype: torch.dtype, device: torch.device) -> str |
     if dtype not in (torch.float32, torch.bfloat16):
         # float16 needs AVX512-FP16 / AVX-NE-CONVERT, which most CPUs lack.
         return f"oneDNN prepacking supports float32 and bfloat16, not {dtype}"
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        # oneDNN's bfloat16 linear needs AVX512 (BW/VL/DQ) or AVX-NE-CONVERT
+        return (f"oneDNN's bfloat16 path needs AVX512 or AVX-NE-CONVERT; this CPU has "
+                f"{torch.backends.cpu.get_cpu_capability()}")
     return None
 
 
