@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kv_transfer.errors import InvalidTransition
+from kv_transfer.errors import InvalidTransition, root_reason
 from proto.address import split_host_port
 
 # dtype name -> (torch dtype, bytes per element); the names are the wire names
@@ -210,7 +210,9 @@ class TransferOutcome:
 
     @staticmethod
     def failed(reason: str) -> TransferOutcome:
-        return TransferOutcome(Verdict.FAILED, reason)
+        """Failed for `reason` (unwrapped to the first failure's own when it
+        is a refusal of a frame that came after the transfer ended)."""
+        return TransferOutcome(Verdict.FAILED, root_reason(reason))
 
 
 class TransferState(enum.Enum):

@@ -54,6 +54,25 @@ def make_reason(code: Reason, detail: str = "") -> str:
     return f"{code.value}: {detail}" if detail else code.value
 
 
+_ENDED = "transfer already ended ("
+
+
+def root_reason(reason: str) -> str:
+    """The reason a transfer failed, given what one of its streams was told.
+
+    A frame for a transfer that already ended is refused with the reason it
+    ended with, wrapped ("bad_checksum: transfer already ended (bad_checksum:
+    layer 0 offset 0)"). Whichever stream hears back first, the transfer
+    failed for the inner reason, so that is what a sender reports; the form
+    for a transfer that ended complete, and every other reason, is kept."""
+    _, _, detail = reason.partition(": ")
+    if detail.startswith(_ENDED) and detail.endswith(")"):
+        inner = detail[len(_ENDED):-1]
+        if inner and inner != "complete":
+            return inner
+    return reason
+
+
 class TransferError(Exception):
     """Base class of kv_transfer's own errors."""
 

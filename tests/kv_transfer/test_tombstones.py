@@ -25,3 +25,21 @@ def test_memory_is_bounded_oldest_first():
     assert "a" not in tombstones and tombstones.get("b") == Tombstone("") and "c" in tombstones
     with pytest.raises(ValueError, match="kept must be > 0"):
         Tombstones(0)
+
+
+def test_a_sender_reports_the_first_failure_not_the_late_streams_echo():
+    """Of a transfer's streams, one carries the corrupted frame and another's
+    next frame finds the transfer over; whichever refusal reaches the sender
+    first, the transfer failed for the corruption (the flaky gRPC fault test)."""
+    from kv_transfer.base import TransferOutcome
+    from kv_transfer.errors import root_reason
+
+    echo = str(Tombstone("bad_checksum: layer 0 offset 0").refusal())
+    assert echo == "bad_checksum: transfer already ended (bad_checksum: layer 0 offset 0)"
+    assert root_reason(echo) == "bad_checksum: layer 0 offset 0"
+    assert TransferOutcome.failed(echo).reason == "bad_checksum: layer 0 offset 0"
+    assert root_reason("bad_checksum: layer 0 offset 0") == "bad_checksum: layer 0 offset 0"
+    ended_complete = str(Tombstone("").refusal())
+    assert root_reason(ended_complete) == ended_complete  # no failure to point at
+    assert root_reason("connection_lost: stream 1: StatusCode.UNAVAILABLE") == (
+        "connection_lost: stream 1: StatusCode.UNAVAILABLE")
