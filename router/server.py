@@ -136,7 +136,8 @@ class RouterServer:
                 self.pool, admission.least_tokens_ahead,
                 LocalPrefillSettings(max_tokens=c.local_prefill_max_tokens,
                                      queue_ratio=c.local_prefill_queue_ratio,
-                                     below=c.local_prefill_below),
+                                     below=c.local_prefill_below,
+                                     report_age=2 * c.load_poll_interval),
                 cached_prefix=index.cached_prefix),
         )
         frontend = self._frontend = Frontend(model_name=c.model_name,

@@ -21,7 +21,11 @@ own batch, no KV transfer) when every condition holds:
 4. a decode pod has spare capacity: healthy and not failed for this
    request; no waiting queue in its last report (its scheduler queues what
    it cannot run, so none waiting means it ran fewer than max_num_seqs and
-   had blocks); free KV for prompt + max_tokens; and this router's local
+   had blocks; a waiting count that this router's own recent local
+   prefills explain does not count: those still computing, and those whose
+   first token came back less than `report_age` seconds ago, since the
+   report may predate their first step); free KV for prompt + max_tokens;
+   and this router's local
    prefills still computing there (sent, first token not back) plus this
    one are at most N tokens, so its running batch stalls for at most one
    N-token prefill at a time. Among such pods: the fewest running +
@@ -46,8 +50,10 @@ than that (the reservation reply is then tokens, not Reserved).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -67,11 +73,13 @@ def no_cached_prefix(address: str, token_ids: Sequence[int]) -> int:
 @dataclass(frozen=True, slots=True)
 class LocalPrefillSettings:
     """`max_tokens`: N above (0 = off). `queue_ratio`: R above. `below`: T
-    above (0 = off)."""
+    above (0 = off). `report_age`: how old a pod's load report can be (twice
+    the router's load poll interval)."""
 
     max_tokens: int = 0
     queue_ratio: float = 1.0
     below: int = 0
+    report_age: float = 1.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.max_tokens <= 1 << 20:
@@ -82,6 +90,9 @@ class LocalPrefillSettings:
                              f"got {self.queue_ratio}")
         if not 0 <= self.below <= 1 << 20:
             raise ValueError(f"local prefill below must be in [0, {1 << 20}], got {self.below}")
+        if not 0.0 <= self.report_age <= 3600.0:
+            raise ValueError(f"local prefill report age must be in [0, 3600] seconds, "
+                             f"got {self.report_age}")
 
     @property
     def enabled(self) -> bool:
@@ -113,6 +124,8 @@ class LocalPrefill:
         self._cached_prefix = cached_prefix
         self.settings = settings
         self._computing: dict[str, int] = {}  # address -> prompt tokens sent, no first token
+        # address -> (local prefills computing there, first-token times of recent others)
+        self._mine: dict[str, tuple[int, collections.deque[float]]] = {}
 
     def choose(self, token_ids: Sequence[int], *, max_context: int,
                exclude: frozenset[str]) -> LocalChoice | None:
@@ -165,25 +178,47 @@ class LocalPrefill:
     def computing(self, choice: LocalChoice) -> Iterator[Callable[[], None]]:
         """Count `choice`'s prompt as computing on its pod until the returned
         release is called (at the first token) or the block ends."""
-        self._computing[choice.address] = self._computing.get(choice.address, 0) + choice.new_tokens
+        address = choice.address
+        self._computing[address] = self._computing.get(address, 0) + choice.new_tokens
+        count, released_at = self._mine.get(address, (0, collections.deque()))
+        self._mine[address] = (count + 1, released_at)
         released = False
 
         def release() -> None:
             nonlocal released
             if not released:
                 released = True
-                left = self._computing[choice.address] - choice.new_tokens
+                left = self._computing[address] - choice.new_tokens
                 if left:
-                    self._computing[choice.address] = left
+                    self._computing[address] = left
                 else:
-                    del self._computing[choice.address]
+                    del self._computing[address]
+                count, released_at = self._mine[address]
+                released_at.append(time.monotonic())
+                self._mine[address] = (count - 1, released_at)
 
         try:
             yield release
         finally:
             release()
 
-    @staticmethod
-    def _has_room(pod: PodLoad, max_context: int) -> bool:
+    def _has_room(self, pod: PodLoad, max_context: int) -> bool:
         blocks = math.ceil(max_context / pod.block_size) if pod.block_size else math.inf
-        return pod.num_waiting == 0 and pod.num_free_blocks >= blocks
+        return (pod.num_waiting <= self._explained_waiting(pod.address)
+                and pod.num_free_blocks >= blocks)
+
+    def _explained_waiting(self, address: str) -> int:
+        """Requests in `address`'s last report that may be this router's own
+        local prefills: those computing, and those finished within the
+        report's age (the pod queues a new request until its next step)."""
+        mine = self._mine.get(address)
+        if mine is None:
+            return 0
+        count, released_at = mine
+        horizon = time.monotonic() - self.settings.report_age
+        while released_at and released_at[0] < horizon:
+            released_at.popleft()
+        if not count and not released_at:
+            del self._mine[address]
+            return 0
+        return count + len(released_at)
