@@ -27,8 +27,12 @@ dispatched to P by this router, P's reported queued tokens)) / P's prefill
 throughput. The throughput is learnt from this router's own Prefill calls:
 prompt tokens finished per second of time P had work dispatched (an
 exponentially weighted ratio, so it follows load changes within a few
-requests). Until one prefill finished at P its wait is unknown and nothing
-is shed there.
+requests). Until `MIN_SAMPLES` prefills finished at P its wait is unknown
+and nothing is shed there: a pod's first prefills pay for its warm-up
+(kernel compilation, allocator growth), which once taught the router a
+rate 20x too low and shed requests from an idle pod. Only a request that
+would queue is shed: one that P has room for now is dispatched at once,
+whatever the estimate.
 
 Leaving the queue early (client gone, request deadline) removes the waiter;
 a request whose deadline passes while queued gets 504.
@@ -50,6 +54,8 @@ from router.routing.policy import RoutingPolicy
 
 # Weight of the history in the throughput estimate at each finished prefill.
 _DECAY = 0.8
+# Finished prefills before a pod's throughput is trusted (its warm-up is in the first ones).
+MIN_SAMPLES = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +84,7 @@ class Throughput:
         self._busy_s = 0.0
         self._pending_busy_s = 0.0  # busy time since the last finished prefill
         self._busy_since: float | None = None
+        self.samples = 0  # finished prefills seen
 
     def set_busy(self, busy: bool, now: float) -> None:
         if busy and self._busy_since is None:
@@ -93,10 +100,12 @@ class Throughput:
         self._tokens = self._tokens * _DECAY + num_tokens
         self._busy_s = self._busy_s * _DECAY + self._pending_busy_s
         self._pending_busy_s = 0.0
+        self.samples += 1
 
     @property
     def tokens_per_s(self) -> float | None:
-        if self._tokens <= 0 or self._busy_s <= 0:
+        """None until `MIN_SAMPLES` prefills finished (or without busy time)."""
+        if self.samples < MIN_SAMPLES or self._tokens <= 0 or self._busy_s <= 0:
             return None
         return self._tokens / self._busy_s
 
@@ -150,11 +159,14 @@ class PrefillAdmission:
         self.settings = settings
         self._queues: dict[str, _PodQueue] = {}
 
-    def estimated_wait(self, address: str) -> float | None:
+    def estimated_wait(self, address: str, num_tokens: int | None = None) -> float | None:
         """Seconds a request arriving now would wait for its turn at `address`;
-        None while that pod's throughput is unknown."""
+        None while that pod's throughput is unknown. With `num_tokens` (the
+        request's prompt), 0 when the pod has room for it now: it would not queue."""
         queue = self._queues.get(address)
         if queue is None:
+            return 0.0
+        if num_tokens is not None and not queue.waiters and self._has_room(queue, num_tokens):
             return 0.0
         rate = queue.throughput.tokens_per_s
         ahead = queue.tokens_ahead(self._reported_waiting(address))
@@ -182,7 +194,7 @@ class PrefillAdmission:
         wait would exceed --max-queue-wait, 503 without a pod, 504 when
         `timeout` (the request's time left) runs out in the queue."""
         num_tokens = len(request.prompt_token_ids)
-        address = await self._choose(request, exclude)
+        address = await self._choose(request, num_tokens, exclude)
         queue = self._queue(address)
         if not queue.waiters and self._has_room(queue, num_tokens):
             self._dispatch(address, queue, num_tokens)
@@ -214,7 +226,8 @@ class PrefillAdmission:
 
     # ------------------------------------------------------------ internals
 
-    async def _choose(self, request: GenerationRequest, exclude: frozenset[str]) -> str:
+    async def _choose(self, request: GenerationRequest, num_tokens: int,
+                      exclude: frozenset[str]) -> str:
         try:
             address = await self._policy.choose_prefill(
                 session_id=request.session_id, prompt_token_ids=request.prompt_token_ids,
@@ -222,11 +235,11 @@ class PrefillAdmission:
         except NoPodAvailable as exc:
             raise ApiError(503, exc.reason, code="no_pod_available") from None
         limit = self.settings.max_queue_wait
-        wait = self.estimated_wait(address)
+        wait = self.estimated_wait(address, num_tokens)
         if wait is None or wait <= limit:
             return address
         # the chosen pod is too far behind: the least-waiting other pod, if any has room
-        waits = {p.address: self.estimated_wait(p.address)
+        waits = {p.address: self.estimated_wait(p.address, num_tokens)
                  for p in self._pool.pods("prefill") if p.address not in exclude}
         waits[address] = wait
         best = min(waits, key=lambda a: waits[a] if waits[a] is not None else 0.0)

@@ -10,7 +10,12 @@ import pytest
 from router.api_error import ApiError
 from router.generation import GenerationRequest
 from router.metrics import RouterMetrics
-from router.routing.admission import AdmissionSettings, PrefillAdmission, Throughput
+from router.routing.admission import (
+    MIN_SAMPLES,
+    AdmissionSettings,
+    PrefillAdmission,
+    Throughput,
+)
 from router.routing.base import PodLoad, PodPool
 from router.routing.policy import RoutingPolicy
 from router.sampling import SamplingSpec
@@ -116,9 +121,10 @@ def test_a_prompt_above_the_budget_runs_alone_and_zero_budget_never_queues(run_a
 def test_beyond_the_wait_limit_requests_get_429_and_others_go_on(run_async):
     async def scenario():
         admission, metrics, pool = _admission(dispatch_tokens=100, max_queue_wait=2.0)
-        warm = await admission.admit(_request(50), exclude=frozenset(), timeout=10)
-        await asyncio.sleep(0.1)
-        warm.release(finished_tokens=50)  # ~500 tokens/s
+        for _ in range(MIN_SAMPLES):  # until then the pod's rate is unknown
+            warm = await admission.admit(_request(50), exclude=frozenset(), timeout=10)
+            await asyncio.sleep(0.1)
+            warm.release(finished_tokens=50)  # ~500 tokens/s
         rate = _sample(metrics, "pdserve_router_queue_prefill_tokens_per_second", pod=POD)
         assert 0 < rate <= 600  # 50 tokens in >= 0.1 busy seconds
         running = await admission.admit(_request(100), exclude=frozenset(), timeout=10)
@@ -176,6 +182,7 @@ def test_leaving_the_queue_or_running_out_of_time_frees_the_place(run_async):
 
 
 def test_throughput_counts_busy_time_only():
+    assert MIN_SAMPLES == 3
     meter = Throughput()
     assert meter.tokens_per_s is None
     meter.set_busy(True, 0.0)
@@ -183,9 +190,39 @@ def test_throughput_counts_busy_time_only():
     meter.set_busy(False, 1.0)
     meter.set_busy(True, 50.0)  # idle time between does not count
     meter.finished(100, 51.0)
+    assert meter.tokens_per_s is None  # not yet MIN_SAMPLES prefills
+    meter.finished(100, 52.0)
     assert meter.tokens_per_s == pytest.approx(100.0)
-    meter.finished(300, 52.0)  # faster now: the estimate moves toward it
+    meter.finished(300, 53.0)  # faster now: the estimate moves toward it
     assert 100.0 < meter.tokens_per_s < 300.0
+
+
+def test_a_request_the_pod_has_room_for_is_never_shed(run_async):
+    """A pod's first prefills pay for its warm-up: on a GPU the first one
+    took seconds (kernel compilation) and the router learnt a rate ~20x too
+    low. Requests that fit the dispatch budget go at once whatever the
+    estimate; only those that would queue are shed."""
+    async def scenario():
+        admission, metrics, _ = _admission(dispatch_tokens=1000, max_queue_wait=1.0)
+        for _ in range(MIN_SAMPLES):  # ~20 tokens/s: a cold pod
+            slot = await admission.admit(_request(2), exclude=frozenset(), timeout=10)
+            await asyncio.sleep(0.1)
+            slot.release(finished_tokens=2)
+        rate = _sample(metrics, "pdserve_router_queue_prefill_tokens_per_second", pod=POD)
+        assert 0 < rate <= 25
+        # 4 x 250 tokens fill the budget: each "waits" 250 / 20 s by the estimate, yet runs
+        slots = [await admission.admit(_request(250, f"r{i}"), exclude=frozenset(), timeout=1)
+                 for i in range(4)]
+        assert admission.estimated_wait(POD, 250) > 1.0  # the next would queue: shed
+        with pytest.raises(ApiError) as err:
+            await admission.admit(_request(250, "queued"), exclude=frozenset(), timeout=1)
+        assert err.value.status == 429
+        for slot in slots:
+            slot.release(finished_tokens=250)
+        assert admission.estimated_wait(POD, 250) == 0.0
+        assert _sample(metrics, "pdserve_router_queue_rejected_total") == 1
+
+    run_async(scenario())
 
 
 def test_settings_are_checked():

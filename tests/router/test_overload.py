@@ -28,6 +28,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 
+from router.routing.admission import MIN_SAMPLES
 from tests.integration.pods import start_pods
 from tests.router.router_process import RouterProcess, start_router, wait_ready
 
@@ -155,8 +156,9 @@ def test_beyond_the_wait_limit_requests_get_429_and_the_rest_complete(
     router = _router(tiny_model_dir, pods, prefill_dispatch_tokens=1000, max_queue_wait=0.05)
     try:
         client = _client(router)
-        # the first prefill teaches the router the pod's throughput
-        assert _complete(client, PROMPTS[0]) == undisturbed[0]
+        # the first prefills teach the router the pod's throughput
+        for i in range(MIN_SAMPLES):
+            assert _complete(client, PROMPTS[i]) == undisturbed[i]
         results = _burst(client, PROMPTS)
         shed = [r for r in results if isinstance(r, openai.RateLimitError)]
         done = [(i, r) for i, r in enumerate(results) if isinstance(r, str)]
