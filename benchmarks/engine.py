@@ -38,6 +38,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="BATCH:CONTEXT[,BATCH:CONTEXT...] decode steps to break down "
                              "(matmul / attention / other) beside the weight-read bound; "
                              "'none' to skip")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="no CUDA graphs (the eager baseline for a graphs A/B on CUDA)")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                        default=None, help="default: on for CUDA, off for CPU")
 
 
 def _run(engine, prompts, params) -> tuple[float, float, int, int]:
@@ -93,7 +97,8 @@ def main(args: argparse.Namespace) -> int:
         model_dir=model_dir, dtype=args.dtype, device=args.device, block_size=args.block_size,
         num_blocks=num_blocks, max_num_seqs=max(biggest, 1),
         max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False,
-        matmul_backend=args.matmul_backend))
+        matmul_backend=args.matmul_backend, enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling))
     vocab = engine.model_config.vocab_size
     gen = torch.Generator().manual_seed(0)
     # ignore_eos: every request decodes exactly max_tokens.
@@ -102,7 +107,9 @@ def main(args: argparse.Namespace) -> int:
          params)  # warm-up
     print(f"model {model_dir} ({engine.model_config.num_hidden_layers} layers, hidden "
           f"{engine.model_config.hidden_size}), {args.device} {args.dtype}, torch threads "
-          f"{torch.get_num_threads()}, prompt {args.prompt_len}, max_tokens {args.max_tokens}")
+          f"{torch.get_num_threads()}, prompt {args.prompt_len}, max_tokens {args.max_tokens}, "
+          f"cuda graphs {'off' if engine.runner.graphs is None else 'on'}, async scheduling "
+          f"{'on' if engine.config.use_async_scheduling else 'off'}")
     print("| batch | mode | prefill tok/s | decode tok/s | decode speedup vs sequential |")
     print("|---:|---|---:|---:|---:|")
     for batch in batch_sizes:

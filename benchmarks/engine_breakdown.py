@@ -14,6 +14,11 @@ In one run this module measures:
   matmul (oneDNN / BLAS linears), attention (the native C decode kernel,
   or SDPA and the paged gather; the KV inject), and everything else
   (norms, RoPE, sampling, Python).
+
+On CUDA the bound is the weights over the device's own read bandwidth
+(summing a device buffer, synchronised) and the step is timed to the
+device's completion; the split by op is left out ("-"): CPU self time
+there is launch time, and a CUDA-graph step is one replay.
 """
 
 from __future__ import annotations
@@ -59,14 +64,19 @@ def dense_weight_bytes(model: torch.nn.Module) -> int:
         for m in model.modules() if isinstance(m, Linear))
 
 
-def read_bandwidth_gb_s(megabytes: int = 512, repeats: int = 7) -> float:
-    """Median GB/s of summing a float32 buffer (reads only; larger than any LLC)."""
-    buf = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32)
+def read_bandwidth_gb_s(megabytes: int = 512, repeats: int = 7,
+                        device: torch.device | str = "cpu") -> float:
+    """Median GB/s of summing a float32 buffer on `device` (reads only; larger than any LLC)."""
+    device = torch.device(device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    buf = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32, device=device)
     buf.sum()  # touch every page
+    sync()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         buf.sum()
+        sync()
         times.append(time.perf_counter() - start)
     return buf.numel() * 4 / statistics.median(times) / 1e9
 
@@ -94,10 +104,14 @@ def measure(engine, batch: int, context: int, *, steps: int = 15,
         engine.step()
     for _ in range(2):
         engine.step()  # warm: every request decoding
+    cuda = engine.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     times = []
+    sync()
     for _ in range(steps):
         start = time.perf_counter()
         engine.step()
+        sync()
         times.append((time.perf_counter() - start) * 1e3)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()
@@ -117,21 +131,27 @@ def measure(engine, batch: int, context: int, *, steps: int = 15,
     # Scale the profiled split to the unprofiled step (the profiler adds overhead).
     scale = step_ms / profiled_ms if profiled_ms > 0 else 1.0
     matmul, attention = matmul * scale, attention * scale
+    other = max(step_ms - matmul - attention, 0.0)
+    if cuda:  # CPU self time is launch time there: no split
+        matmul = attention = other = float("nan")
     return StepBreakdown(
         batch=batch, context=context, step_ms=step_ms,
         step_spread_ms=(min(times), max(times)), matmul_ms=matmul, attention_ms=attention,
-        other_ms=max(step_ms - matmul - attention, 0.0),
-        weight_bytes=dense_weight_bytes(engine.model), read_gb_s=read_bandwidth_gb_s())
+        other_ms=other, weight_bytes=dense_weight_bytes(engine.model),
+        read_gb_s=read_bandwidth_gb_s(device=engine.device))
 
 
 def format_table(rows: list[StepBreakdown]) -> str:
     lines = ["| batch | context | step ms (min-max) | matmul | attention | other | "
              "weights MB | read GB/s | bound ms | step / bound |",
              "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    def ms(value: float) -> str:
+        return "-" if value != value else (f"{value:.1f}" if value >= 1 else f"{value:.3f}")
+
     for r in rows:
         lines.append(
-            f"| {r.batch} | {r.context} | {r.step_ms:.1f} ({r.step_spread_ms[0]:.1f}-"
-            f"{r.step_spread_ms[1]:.1f}) | {r.matmul_ms:.1f} | {r.attention_ms:.1f} | "
-            f"{r.other_ms:.1f} | {r.weight_bytes / 1e6:.0f} | {r.read_gb_s:.1f} | "
-            f"{r.bound_ms:.1f} | {r.step_ms / r.bound_ms:.2f}x |")
+            f"| {r.batch} | {r.context} | {ms(r.step_ms)} ({ms(r.step_spread_ms[0])}-"
+            f"{ms(r.step_spread_ms[1])}) | {ms(r.matmul_ms)} | {ms(r.attention_ms)} | "
+            f"{ms(r.other_ms)} | {r.weight_bytes / 1e6:.0f} | {r.read_gb_s:.1f} | "
+            f"{ms(r.bound_ms)} | {r.step_ms / r.bound_ms:.2f}x |")
     return "\n".join(lines)

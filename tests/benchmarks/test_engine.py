@@ -44,3 +44,23 @@ def test_dense_weight_bytes_counts_every_linear_once(tiny_model_dir):
     per_layer = qkv + config.q_size * h + 2 * inter * h + inter * h
     assert engine_breakdown.dense_weight_bytes(model) == 4 * (
         layers * per_layer + config.vocab_size * h)
+
+
+def test_a_cuda_row_has_no_split_and_sub_millisecond_steps_keep_their_digits():
+    nan = float("nan")
+    row = engine_breakdown.StepBreakdown(
+        batch=8, context=300, step_ms=0.6, step_spread_ms=(0.52, 0.61), matmul_ms=nan,
+        attention_ms=nan, other_ms=nan, weight_bytes=183_000_000, read_gb_s=3650.0)
+    line = engine_breakdown.format_table([row]).splitlines()[-1]
+    assert line == ("| 8 | 300 | 0.600 (0.520-0.610) | - | - | - | 183 | 3650.0 | 0.050 "
+                    "| 11.97x |")
+
+
+def test_the_header_says_whether_graphs_and_async_scheduling_are_on(capsys, tiny_model_dir):
+    parser = argparse.ArgumentParser()
+    engine_bench.add_arguments(parser)
+    args = parser.parse_args(["--model", str(tiny_model_dir), "--batch-sizes", "1",
+                              "--prompt-len", "8", "--max-tokens", "2", "--threads", "1",
+                              "--breakdown", "none", "--enforce-eager", "--async-scheduling"])
+    assert engine_bench.main(args) == 0
+    assert "cuda graphs off, async scheduling on" in capsys.readouterr().out
