@@ -22,7 +22,7 @@ from typing import Any
 from engine.grammar import GrammarSpec
 from router.api_error import ApiError, bad_request
 from router.generation import ChatMessage, ParsedRequest
-from router.http.openai_fields import check_refused, choice_count, logits_fields
+from router.http.openai_fields import check_known, check_refused, choice_count, logits_fields
 from router.sampling import SamplingError, SamplingSpec
 from router.structured_output import grammar_from_body
 from router.tools.request import parse_documents, parse_message_tool_fields, parse_tool_request
@@ -94,9 +94,6 @@ def _sampling(body: dict, kind: str, grammar: GrammarSpec | None) -> SamplingSpe
             max_tokens = _int_field(body, "max_tokens")
         else:
             names["max_tokens"] = "max_completion_tokens"
-        if body.get("prompt_logprobs") is not None:
-            raise bad_request("'prompt_logprobs' is only supported on /v1/completions",
-                              "prompt_logprobs")
         echo, prompt_logprobs = False, None
     else:
         logprobs = _int_field(body, "logprobs")
@@ -137,6 +134,7 @@ def _common_fields(body: Any, kind: str, sampling: SamplingSpec | None) -> dict[
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad_request("'model' is required and must be a non-empty string", "model")
+    check_known(body, kind)
     check_refused(body, kind)
     n = choice_count(body)
     stream = _bool_field(body, "stream")
