@@ -23,7 +23,7 @@ The spec is an ordinary `GrammarSpec` (kind "grammar") in the request's
 `SamplingSpec.grammar`, the path response_format takes, so it is compiled
 and refused (400) by the router's `GrammarCheck`, and reaches colocated,
 prefill and decode pods alike. A request that also sets a grammar of its
-own (response_format json, guided_regex, guided_grammar) is refused with a
+own (response_format json, guided_json/choice/regex/grammar) is refused with a
 400 naming that field: its output could not be both.
 """
 
