@@ -80,6 +80,7 @@ CHAT_FIELDS = _BOTH | set(ACCEPTED_WITHOUT_EFFECT) | (set(REFUSED) - {"suffix"})
     "messages", "max_completion_tokens", "top_logprobs",
     "tools", "tool_choice", "parallel_tool_calls", "documents",  # router.tools.request
 }
+FIELDS = {"completion": COMPLETION_FIELDS, "chat": CHAT_FIELDS}
 ENDPOINTS = {"completion": "/v1/completions", "chat": "/v1/chat/completions"}
 # Unknown fields whose 400 can say what the client probably meant.
 _HINTS = {
@@ -91,12 +92,11 @@ _HINTS = {
 def check_known(body: dict[str, Any], kind: str) -> None:
     """400 naming the first field (in the body's order) that `kind`'s
     endpoint does not know: another endpoint's, or nobody's."""
-    known, other = ((COMPLETION_FIELDS, "chat") if kind == "completion"
-                    else (CHAT_FIELDS, "completion"))
+    other = "chat" if kind == "completion" else "completion"
     for name, value in body.items():
-        if name in known or value is None:
+        if name in FIELDS[kind] or value is None:
             continue
-        if name in (CHAT_FIELDS if other == "chat" else COMPLETION_FIELDS):
+        if name in FIELDS[other]:
             raise bad_request(f"'{name}' is a {ENDPOINTS[other]} field; "
                               f"{ENDPOINTS[kind]} does not take it", name)
         hint = f"; {_HINTS[name]}" if name in _HINTS else ""
