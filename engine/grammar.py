@@ -3,7 +3,7 @@ and `GrammarCompiler` (specs compiled by llguidance, cached).
 
 A `GrammarSpec` is plain data: a kind (`json_schema`, `regex`, or
 `grammar`: Lark or GBNF, as llguidance reads them) and its text. It travels
-from the router's API (response_format, guided_regex, guided_grammar)
+from the router's API (response_format, guided_json/choice/regex/grammar)
 through `pdserve.v1.SamplingParams.grammar` into the engine's
 `SamplingParams`; a request without one takes no grammar code at all.
 

@@ -118,9 +118,11 @@ class Frontend:
         loop) and check the context limit; compile a grammar (structured
         outputs or a forced tool call, on the same threads); raise ApiError
         400 on any problem."""
-        sampling = with_call_grammar(parsed.sampling, parsed.tools, self.tool_parser)
-        await self._grammars.check(sampling.grammar, self.run_blocking,
-                                   field="tools" if sampling is not parsed.sampling else None)
+        sampling = with_call_grammar(parsed.sampling, parsed.tools, self.tool_parser,
+                                     grammar_field=parsed.grammar_field)
+        await self._grammars.check(
+            sampling.grammar, self.run_blocking,
+            field="tools" if sampling is not parsed.sampling else parsed.grammar_field)
         size = (self.limits.check_prompt_chars(parsed, self.max_model_len)
                 or len(parsed.prompt_token_ids or ()))
         if size <= INLINE_PROMPT_SIZE and len(parsed.messages) <= INLINE_MESSAGES:

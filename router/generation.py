@@ -59,6 +59,9 @@ class ParsedRequest:
     prompt_token_ids: tuple[int, ...] | None = None
     messages: tuple[ChatMessage, ...] = ()
     sampling: SamplingSpec = SamplingSpec()
+    # the body field sampling.grammar came from (guided_json, ...), for the
+    # 400s that name it; None: the kind's usual name (router.structured_output)
+    grammar_field: str | None = None
     stream: bool = False
     include_usage: bool = False
     user: str | None = None

@@ -5,7 +5,9 @@ A thin servicer over the same `Frontend` the HTTP API uses, on the same
 event loop: `Generate` turns the `GenerateRequest` into a `ParsedRequest`
 (sampling through router.sampling, prompt or messages through
 router.http.requests, so both front doors accept and refuse exactly the
-same requests), tokenizes once and streams one
+same requests; a field this server's proto does not define, which protobuf
+would drop in silence, is refused like an unknown JSON field), tokenizes
+once and streams one
 `GenerateResponse` per delta; the last carries `finish_reason` and `usage`.
 Errors leave through `proto.status.grpc_errors`: an `ApiError` becomes its
 matching code (400 → INVALID_ARGUMENT, 404 → NOT_FOUND, 503 → UNAVAILABLE,
@@ -20,6 +22,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
+from google.protobuf.message import Message
+from google.protobuf.unknown_fields import UnknownFieldSet
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from proto import pdserve_pb2 as pb
@@ -42,6 +46,7 @@ def parsed_request(request: pb.GenerateRequest, default_model: str) -> ParsedReq
     The sampling converts with `sampling_from_proto` (the limits checked
     there, as for HTTP); the prompt or messages go through the OpenAI parser,
     so both front doors accept and refuse exactly the same inputs."""
+    check_known_fields(request)
     inputs = [bool(request.prompt), bool(request.messages), bool(request.prompt_token_ids)]
     if sum(inputs) != 1:
         raise bad_request("set exactly one of prompt, messages, prompt_token_ids", "prompt")
@@ -61,6 +66,27 @@ def parsed_request(request: pb.GenerateRequest, default_model: str) -> ParsedReq
         return parse_chat(body, sampling)
     body["prompt"] = request.prompt or list(request.prompt_token_ids)
     return parse_completion(body, sampling)
+
+
+def check_known_fields(message: Message, path: str = "") -> None:
+    """400 naming the first field `message` (or a message in it) carries
+    that this server's pdserve.v1 does not define: a newer client's field,
+    which protobuf keeps as an unknown field and nothing would read."""
+    unknown = UnknownFieldSet(message)
+    if len(unknown):
+        number = unknown[0].field_number
+        where = f"'{path}' ({message.DESCRIPTOR.full_name})" if path else (
+            message.DESCRIPTOR.full_name)
+        raise bad_request(f"{where} has field number {number}, which this server's proto does "
+                          "not define: the router refuses what it cannot honour",
+                          f"{path}.{number}" if path else str(number))
+    for field, value in message.ListFields():
+        if field.message_type is None or field.message_type.GetOptions().map_entry:
+            continue  # scalars; maps hold scalars here (logit_bias)
+        name = f"{path}.{field.name}" if path else field.name
+        items = enumerate(value) if field.is_repeated else [(None, value)]
+        for index, item in items:
+            check_known_fields(item, name if index is None else f"{name}[{index}]")
 
 
 def response_message(request_id: str, delta: Delta) -> pb.GenerateResponse:

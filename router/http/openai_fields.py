@@ -1,14 +1,25 @@
-"""Which OpenAI request fields this server honours, accepts without effect,
-or refuses: the policy that keeps a client from getting a 200 that silently
+"""Which request fields this server honours, accepts without effect, or
+refuses: the policy that keeps a client from getting a 200 that silently
 differs from what it asked for.
 
 Called by router.http.requests (`_common_fields`, `_sampling`) on the event
-loop, once per request. A field listed in `ACCEPTED_WITHOUT_EFFECT` cannot
-change the output on this server (the reason is beside it); a field in
-`REFUSED` is answered with a 400 naming it unless it holds its neutral
-value. Every field of the installed `openai` package's request types is in
-one of the tables or read by router.http.requests, which
-tests/router/http/test_openai_schema.py checks.
+loop, once per request. The endpoint's field set (`COMPLETION_FIELDS`,
+`CHAT_FIELDS`) lists every top-level field it knows: OpenAI's and the
+router's documented extensions. `check_known` answers any other field with
+a 400 naming it (`min_p`, `use_beam_search`, a typo: the server does not
+honour them, so it must not ignore them), and a field of the other
+endpoint (`messages` or `tools` on /v1/completions, `prompt` on chat) with
+a 400 saying where it belongs. A field set to null counts as not set, as it
+does for OpenAI. The `openai` client's `extra_body={...}` keys arrive as
+top-level fields and are judged like any other.
+
+Of the known fields, one in `ACCEPTED_WITHOUT_EFFECT` cannot change the
+output on this server (the reason is beside it); one in `REFUSED` is
+answered with a 400 naming it unless it holds its neutral value; the rest
+are honoured. Every field of the installed `openai` package's request
+types, and every extension here, has an entry in
+tests/integration/openai_schema_table.py, which
+tests/integration/test_sampling_params.py checks against real pods.
 
 The fields that adjust logits (penalties, `logit_bias`, `min_tokens`,
 `stop_token_ids`) and `n`/`best_of` are read here too; their limits are
@@ -51,12 +62,51 @@ REFUSED: dict[str, tuple[Any, ...]] = {
     "function_call": ("none",),
 }
 
-# Fields of one endpoint only: sent to the other, they are refused by name.
-CHAT_ONLY = ("max_completion_tokens", "top_logprobs")
+# The router's extensions on both endpoints (vLLM's names): sampling fields
+# read by router.http.requests, grammars by router.structured_output.
+EXTENSIONS = frozenset({
+    "top_k", "ignore_eos", "repetition_penalty", "min_tokens", "stop_token_ids",
+    "guided_json", "guided_choice", "guided_regex", "guided_grammar",
+})
+_BOTH = frozenset({
+    "model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options",
+    "logprobs", "presence_penalty", "frequency_penalty", "logit_bias", "n", "best_of", "user",
+    "echo",  # completions honour it; chat only takes its neutral false (REFUSED)
+    "response_format",  # OpenAI's on chat; on completions an extension, as in vLLM
+}) | EXTENSIONS
+# Every top-level field each endpoint knows; anything else is a 400 naming it.
+COMPLETION_FIELDS = _BOTH | {"prompt", "suffix", "prompt_logprobs"}
+CHAT_FIELDS = _BOTH | set(ACCEPTED_WITHOUT_EFFECT) | (set(REFUSED) - {"suffix"}) | {
+    "messages", "max_completion_tokens", "top_logprobs",
+    "tools", "tool_choice", "parallel_tool_calls", "documents",  # router.tools.request
+}
+FIELDS = {"completion": COMPLETION_FIELDS, "chat": CHAT_FIELDS}
+ENDPOINTS = {"completion": "/v1/completions", "chat": "/v1/chat/completions"}
+# Unknown fields whose 400 can say what the client probably meant.
+_HINTS = {
+    "extra_body": "the openai client's extra_body={...} sends its keys as top-level fields",
+    "session_id": "the session id is 'user' or the x-session-id header",
+}
+
+
+def check_known(body: dict[str, Any], kind: str) -> None:
+    """400 naming the first field (in the body's order) that `kind`'s
+    endpoint does not know: another endpoint's, or nobody's."""
+    other = "chat" if kind == "completion" else "completion"
+    for name, value in body.items():
+        if name in FIELDS[kind] or value is None:
+            continue
+        if name in FIELDS[other]:
+            raise bad_request(f"'{name}' is a {ENDPOINTS[other]} field; "
+                              f"{ENDPOINTS[kind]} does not take it", name)
+        hint = f"; {_HINTS[name]}" if name in _HINTS else ""
+        raise bad_request(f"Unrecognized request argument supplied: '{name}' ({ENDPOINTS[kind]} "
+                          f"refuses the fields it does not honour rather than ignore them"
+                          f"{hint})", name)
 
 
 def check_refused(body: dict[str, Any], kind: str) -> None:
-    """400 naming the first field this server cannot honour."""
+    """400 naming the first known field this server cannot honour."""
     for name, neutral in REFUSED.items():
         if name == "echo" and kind == "completion":
             continue
@@ -65,11 +115,6 @@ def check_refused(body: dict[str, Any], kind: str) -> None:
                                          for v in neutral):
             allowed = " or ".join(repr(v) for v in neutral) or "null"
             raise bad_request(f"'{name}' is not supported by this server (only {allowed})", name)
-    if kind == "completion":
-        for name in CHAT_ONLY:
-            if body.get(name) is not None:
-                raise bad_request(f"'{name}' is a /v1/chat/completions field; "
-                                  f"/v1/completions does not take it", name)
 
 
 def _is_int(value: Any) -> bool:

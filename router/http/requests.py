@@ -19,9 +19,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from engine.grammar import GrammarSpec
 from router.api_error import ApiError, bad_request
 from router.generation import ChatMessage, ParsedRequest
-from router.http.openai_fields import check_refused, choice_count, logits_fields
+from router.http.openai_fields import check_known, check_refused, choice_count, logits_fields
 from router.sampling import SamplingError, SamplingSpec
 from router.structured_output import grammar_from_body
 from router.tools.request import parse_documents, parse_message_tool_fields, parse_tool_request
@@ -76,9 +77,10 @@ def _stop_field(value: Any) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def _sampling(body: dict, kind: str) -> SamplingSpec:
-    """The OpenAI fields as a SamplingSpec; its limits are checked there and
-    worded with the name the client used for the field."""
+def _sampling(body: dict, kind: str, grammar: GrammarSpec | None) -> SamplingSpec:
+    """The OpenAI fields as a SamplingSpec (with `grammar`, read by
+    router.structured_output); its limits are checked there and worded with
+    the name the client used for the field."""
     names: dict[str, str] = {}  # SamplingSpec field -> the body's name for it
     if kind == "chat":
         want_logprobs = _bool_field(body, "logprobs")
@@ -92,9 +94,6 @@ def _sampling(body: dict, kind: str) -> SamplingSpec:
             max_tokens = _int_field(body, "max_tokens")
         else:
             names["max_tokens"] = "max_completion_tokens"
-        if body.get("prompt_logprobs") is not None:
-            raise bad_request("'prompt_logprobs' is only supported on /v1/completions",
-                              "prompt_logprobs")
         echo, prompt_logprobs = False, None
     else:
         logprobs = _int_field(body, "logprobs")
@@ -111,7 +110,7 @@ def _sampling(body: dict, kind: str) -> SamplingSpec:
             stop=_stop_field(body.get("stop")),
             ignore_eos=_bool_field(body, "ignore_eos"),
             logprobs=logprobs,
-            grammar=grammar_from_body(body),
+            grammar=grammar,
             **logits_fields(body),
             prompt_logprobs=_prompt_logprobs(echo, logprobs, prompt_logprobs),
             echo=echo,
@@ -135,6 +134,7 @@ def _common_fields(body: Any, kind: str, sampling: SamplingSpec | None) -> dict[
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad_request("'model' is required and must be a non-empty string", "model")
+    check_known(body, kind)
     check_refused(body, kind)
     n = choice_count(body)
     stream = _bool_field(body, "stream")
@@ -151,9 +151,12 @@ def _common_fields(body: Any, kind: str, sampling: SamplingSpec | None) -> dict[
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise bad_request(f"'user' must be a string, got {type(user).__name__}", "user")
+    grammar = grammar_from_body(body) if sampling is None else None
     return dict(
         model=model,
-        sampling=sampling if sampling is not None else _sampling(body, kind),
+        sampling=(sampling if sampling is not None
+                  else _sampling(body, kind, grammar.spec if grammar else None)),
+        grammar_field=grammar.field if grammar else None,
         stream=stream,
         include_usage=include_usage,
         user=user or None,

@@ -23,7 +23,7 @@ The spec is an ordinary `GrammarSpec` (kind "grammar") in the request's
 `SamplingSpec.grammar`, the path response_format takes, so it is compiled
 and refused (400) by the router's `GrammarCheck`, and reaches colocated,
 prefill and decode pods alike. A request that also sets a grammar of its
-own (response_format json, guided_regex, guided_grammar) is refused with a
+own (response_format json, guided_json/choice/regex/grammar) is refused with a
 400 naming that field: its output could not be both.
 """
 
@@ -88,15 +88,16 @@ def call_grammar(tools: ToolRequest, parser: str) -> GrammarSpec:
 
 
 def with_call_grammar(sampling: SamplingSpec, tools: ToolRequest | None,
-                      parser: str | None) -> SamplingSpec:
+                      parser: str | None, *, grammar_field: str | None = None) -> SamplingSpec:
     """`sampling` with the forced-call grammar when `tools` forces a call;
     unchanged otherwise, or when no parser is known (check_served refuses
-    the request then). ApiError 400 when the request has a grammar already."""
+    the request then). ApiError 400 when the request has a grammar already,
+    naming `grammar_field` (the body field it came from) or its kind's field."""
     if not forces_call(tools) or parser is None:
         return sampling
     assert tools is not None
     if sampling.grammar is not None:
-        field = FIELD_OF_KIND[sampling.grammar.kind]
+        field = grammar_field or FIELD_OF_KIND[sampling.grammar.kind]
         forced = "'required'" if tools.choice == "required" else "a named function"
         raise bad_request(f"'{field}' cannot be combined with 'tool_choice' {forced}: the "
                           "forced tool call is itself a grammar on the output", field)

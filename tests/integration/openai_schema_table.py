@@ -1,10 +1,13 @@
-"""The per-field table of tests/integration/test_sampling_params.py's
-`test_every_openai_field_is_honoured_or_refused`: for every field of the
-installed `openai` package's request types (so a field OpenAI adds shows up
-as a missing entry), a check that the router either honours it (an exact
-effect), accepts it because it cannot matter on this server (the reason
-beside it; the output must be what it is without the field), or refuses it
-with a 400 naming it.
+"""The per-field tables of tests/integration/test_sampling_params.py's
+`test_every_openai_field_is_honoured_or_refused`, one per endpoint: for
+every field of the installed `openai` package's request types, of either
+endpoint (so a field OpenAI adds shows up as a missing entry, and a field
+sent to the wrong endpoint is checked too), and for every field the router
+knows (router.http.openai_fields: its extensions), a check that the router
+either honours it (an exact effect), accepts it because it cannot matter on
+this server (the reason beside it; the output must be what it is without
+the field), or refuses it with a 400 naming it. `UNKNOWN_FIELDS` (vLLM's
+fields this server does not honour, a typo) must be refused on both.
 
 The tool fields are checked here against the built-in tiny model, whose
 chat template does not read `tools`, so they are refused by name;
@@ -14,6 +17,8 @@ templates that do.
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -35,7 +40,11 @@ def schema_fields(kind: str) -> set[str]:
 
 
 def _create(client: openai.OpenAI, kind: str, **fields: Any) -> Any:
+    """A greedy 6-token request; a field outside the endpoint's openai
+    signature goes in extra_body (the client sends it as a top-level field)."""
     extra = {"ignore_eos": True, **fields.pop("extra_body", {})}
+    for name in set(fields) - schema_fields(kind):
+        extra[name] = fields.pop(name)
     base: dict[str, Any] = {"model": "tiny", "temperature": 0}
     if kind == "completion":
         base.update(prompt=PROMPT_IDS, max_tokens=6)
@@ -219,6 +228,88 @@ def _required(kind: str) -> Check:
     return check
 
 
+def _top_k(kind: str) -> Check:
+    def check(client: openai.OpenAI, name: str) -> None:
+        # one candidate: seeded sampling at temperature 1 is the greedy output
+        assert _text(_create(client, kind, temperature=1.0, seed=1, top_k=1)) == _text(
+            _create(client, kind))
+    return check
+
+
+def _ignore_eos(kind: str, eos_id: int) -> Check:
+    def check(client: openai.OpenAI, name: str) -> None:
+        forced = {"logit_bias": {str(eos_id): 100}}  # EOS is the greedy token at every step
+        stopped = _create(client, kind, extra_body={"ignore_eos": False}, **forced)
+        assert (stopped.usage.completion_tokens, stopped.choices[0].finish_reason) == (1, "stop")
+        ignored = _create(client, kind, extra_body={"ignore_eos": True}, **forced)
+        assert (ignored.usage.completion_tokens, ignored.choices[0].finish_reason) == (
+            6, "length")
+    return check
+
+
+def _min_tokens(kind: str, eos_id: int) -> Check:
+    def check(client: openai.OpenAI, name: str) -> None:
+        held = _create(client, kind, logit_bias={str(eos_id): 100}, min_tokens=3,
+                       extra_body={"ignore_eos": False})
+        assert (held.usage.completion_tokens, held.choices[0].finish_reason) == (4, "stop")
+        refused(kind, 7)(client, name)  # more than max_tokens (6)
+    return check
+
+
+def _stop_token_ids(kind: str) -> Check:
+    def check(client: openai.OpenAI, name: str) -> None:
+        forced = _create(client, kind, logit_bias={"50": 100}, stop_token_ids=[50])
+        assert (forced.usage.completion_tokens, forced.choices[0].finish_reason) == (1, "stop")
+        refused(kind, [-1])(client, name)
+    return check
+
+
+def _prompt_logprobs(kind: str) -> Check:
+    def check(client: openai.OpenAI, name: str) -> None:
+        entries = _create(client, kind, prompt_logprobs=1).choices[0].model_extra[name]
+        assert len(entries) == len(PROMPT_IDS) and entries[0] is None
+        assert all(str(token) in entries[i] for i, token in enumerate(PROMPT_IDS) if i)
+    return check
+
+
+def guided(kind: str, value: Any, valid: Callable[[str], bool], bad: Any) -> Check:
+    """Honoured (a grammar): the random model's outputs at temperature 1
+    are valid for every seed; `bad` is refused naming the field (for
+    guided_json and guided_regex, by the compiler: the 400 names the field
+    the grammar came from)."""
+    def check(client: openai.OpenAI, name: str) -> None:
+        for seed in range(3):
+            text = _text(_create(client, kind, temperature=1.0, seed=seed, max_tokens=16,
+                                 **{name: value}))
+            assert valid(text), (name, seed, text)
+        refused(kind, bad)(client, name)
+    return check
+
+
+def _guided(kind: str) -> dict[str, Check]:
+    def one_of(options: tuple[Any, ...], parse: Callable[[str], Any]) -> Callable[[str], bool]:
+        def valid(text: str) -> bool:
+            try:
+                return parse(text) in options
+            except ValueError:
+                return False
+        return valid
+
+    ok = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+          "additionalProperties": False}
+    return {
+        "guided_json": guided(kind, ok, one_of(({"ok": True}, {"ok": False}), json.loads),
+                              {"type": "objectx"}),
+        "guided_choice": guided(kind, ["red", "green", "blue"],
+                                one_of(("red", "green", "blue"), str), []),
+        "guided_regex": guided(kind, "[a-f0-9]{4}-(x|y)",
+                               lambda text: re.fullmatch("[a-f0-9]{4}-(x|y)", text) is not None,
+                               "[z-a]"),
+        "guided_grammar": guided(kind, 'root ::= "yes" | "no"', one_of(("yes", "no"), str),
+                                 "start: nothing"),
+    }
+
+
 def _common(kind: str) -> dict[str, Check]:
     return {
         "model": _model(kind),
@@ -238,40 +329,90 @@ def _common(kind: str) -> dict[str, Check]:
     }
 
 
-COMPLETION_FIELDS: dict[str, Check] = {
-    **_common("completion"),
-    "prompt": _required("completion"),
-    "best_of": refused("completion", 3),  # honoured only when == n (router.http.openai_fields)
-    "suffix": refused("completion", "end"),
-    "echo": _echo("completion"),
+def _extensions(kind: str, eos_id: int) -> dict[str, Check]:
+    """The router's extensions of both endpoints (openai_fields.EXTENSIONS)."""
+    return {
+        "top_k": _top_k(kind),
+        "ignore_eos": _ignore_eos(kind, eos_id),
+        "repetition_penalty": differs(kind, 1.5),
+        "min_tokens": _min_tokens(kind, eos_id),
+        "stop_token_ids": _stop_token_ids(kind),
+        "response_format": _response_format(kind),  # an extension on completions, as vLLM's
+        **_guided(kind),
+    }
+
+
+# chat's fields and sample values that would change something if honoured
+CHAT_VALUES: dict[str, Any] = {
+    "messages": MESSAGES, "max_completion_tokens": 3, "top_logprobs": 2,
+    "metadata": {"k": "v"}, "store": True, "service_tier": "auto", "safety_identifier": "id-1",
+    "prompt_cache_key": "k", "prompt_cache_options": {}, "prompt_cache_retention": "24h",
+    "prediction": {"type": "content", "content": "x"},
+    "audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"],
+    "moderation": {"policy": {}}, "reasoning_effort": "high", "verbosity": "low",
+    "web_search_options": {}, "tools": [{"type": "function", "function": {"name": "f"}}],
+    "tool_choice": "auto", "parallel_tool_calls": True, "functions": [{"name": "f"}],
+    "function_call": "auto", "documents": [{"title": "t", "text": "d"}],
+}
+# vLLM's request fields this server does not honour, and typos: a 400 on both endpoints.
+UNKNOWN_FIELDS: dict[str, Any] = {
+    "min_p": 0.1, "use_beam_search": True, "skip_special_tokens": False,
+    "chat_template_kwargs": {"enable_thinking": False}, "add_generation_prompt": False,
+    "guided_decoding_backend": "xgrammar", "typo_field": 1, "temprature": 0.5,
+    "session_id": "s1",
 }
 
-CHAT_FIELDS: dict[str, Check] = {
-    **_common("chat"),
-    "messages": _required("chat"),
-    "max_completion_tokens": _max_tokens("chat"),
-    "top_logprobs": _logprobs("chat"),
-    "metadata": accepted("chat", {"k": "v"}, "tags for stored completions; nothing is stored"),
-    "store": accepted("chat", True, "this server stores no completions"),
-    "service_tier": accepted("chat", "auto", "one tier: every request is served alike"),
-    "safety_identifier": accepted("chat", "id-1", "an abuse-tracking tag nothing here reads"),
-    "prompt_cache_key": accepted("chat", "k", "prefix caching is automatic"),
-    "prompt_cache_options": accepted("chat", {}, "prefix caching is automatic"),
-    "prompt_cache_retention": accepted("chat", "24h", "the prefix cache keeps blocks (LRU)"),
-    "prediction": accepted("chat", {"type": "content", "content": "x"},
-                           "predicted outputs only change speed, never the output"),
-    "audio": refused("chat", {"voice": "alloy", "format": "wav"}),
-    "modalities": refused("chat", ["text", "audio"]),
-    "moderation": refused("chat", {"policy": {}}),
-    "reasoning_effort": refused("chat", "high"),
-    "verbosity": refused("chat", "low"),
-    "web_search_options": refused("chat", {}),
-    "response_format": _response_format("chat"),
-    # the tiny template cannot render tools (see the module docstring)
-    "tools": refused("chat", [{"type": "function", "function": {"name": "f"}}]),
-    "tool_choice": refused("chat", "auto"),
-    "parallel_tool_calls": accepted("chat", True, "without tools there is no call to run in "
-                                    "parallel; with them it is honoured (tests/router/tools)"),
-    "functions": refused("chat", [{"name": "f"}]),  # deprecated: send tools
-    "function_call": refused("chat", "auto"),  # deprecated: send tool_choice
-}
+
+def completion_fields(eos_id: int) -> dict[str, Check]:
+    return {
+        **_common("completion"),
+        **_extensions("completion", eos_id),
+        "prompt": _required("completion"),
+        "best_of": refused("completion", 3),  # honoured only when == n (openai_fields)
+        "suffix": refused("completion", "end"),
+        "echo": _echo("completion"),
+        "prompt_logprobs": _prompt_logprobs("completion"),
+        # chat's own fields: a 400 saying they belong to /v1/chat/completions
+        **{name: refused("completion", value) for name, value in CHAT_VALUES.items()},
+        **{name: refused("completion", value) for name, value in UNKNOWN_FIELDS.items()},
+    }
+
+
+def chat_fields(eos_id: int) -> dict[str, Check]:
+    return {
+        **_common("chat"),
+        **_extensions("chat", eos_id),
+        "messages": _required("chat"),
+        "max_completion_tokens": _max_tokens("chat"),
+        "top_logprobs": _logprobs("chat"),
+        "metadata": accepted("chat", {"k": "v"}, "tags for stored completions; nothing is stored"),
+        "store": accepted("chat", True, "this server stores no completions"),
+        "service_tier": accepted("chat", "auto", "one tier: every request is served alike"),
+        "safety_identifier": accepted("chat", "id-1", "an abuse-tracking tag nothing here reads"),
+        "prompt_cache_key": accepted("chat", "k", "prefix caching is automatic"),
+        "prompt_cache_options": accepted("chat", {}, "prefix caching is automatic"),
+        "prompt_cache_retention": accepted("chat", "24h", "the prefix cache keeps blocks (LRU)"),
+        "prediction": accepted("chat", {"type": "content", "content": "x"},
+                               "predicted outputs only change speed, never the output"),
+        "audio": refused("chat", CHAT_VALUES["audio"]),
+        "modalities": refused("chat", CHAT_VALUES["modalities"]),
+        "moderation": refused("chat", {"policy": {}}),
+        "reasoning_effort": refused("chat", "high"),
+        "verbosity": refused("chat", "low"),
+        "web_search_options": refused("chat", {}),
+        # the tiny template cannot render tools or documents (see the module docstring)
+        "tools": refused("chat", CHAT_VALUES["tools"]),
+        "tool_choice": refused("chat", "auto"),
+        "parallel_tool_calls": accepted("chat", True, "without tools there is no call to run in "
+                                        "parallel; with them it is honoured (tests/router/tools)"),
+        "documents": refused("chat", CHAT_VALUES["documents"]),
+        "functions": refused("chat", [{"name": "f"}]),  # deprecated: send tools
+        "function_call": refused("chat", "auto"),  # deprecated: send tool_choice
+        # the completion fields: a 400 saying they belong to /v1/completions
+        "prompt": refused("chat", "Hello"),
+        "suffix": refused("chat", "end"),
+        "prompt_logprobs": refused("chat", 1),
+        "echo": refused("chat", True),  # vLLM's chat echo; only false is taken
+        "best_of": refused("chat", 3),  # honoured only when == n, as on completions
+        **{name: refused("chat", value) for name, value in UNKNOWN_FIELDS.items()},
+    }

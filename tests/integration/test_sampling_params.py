@@ -20,7 +20,13 @@ import pytest
 
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc
-from tests.integration.openai_schema_table import CHAT_FIELDS, COMPLETION_FIELDS, schema_fields
+from router.http import openai_fields
+from tests.integration.openai_schema_table import (
+    UNKNOWN_FIELDS,
+    chat_fields,
+    completion_fields,
+    schema_fields,
+)
 from tests.integration.pods import start_pod
 from tests.router.router_process import start_router, wait_ready
 
@@ -191,12 +197,16 @@ def test_chat_without_max_tokens_reserves_what_the_pod_holds(cluster):
 
 
 @pytest.mark.parametrize("kind", ["completion", "chat"])
-def test_every_openai_field_is_honoured_or_refused(cluster, kind):
-    """Every field of the installed openai package's request type has an
-    entry; each entry's check runs against the P/D router."""
-    table = COMPLETION_FIELDS if kind == "completion" else CHAT_FIELDS
-    missing = schema_fields(kind) - set(table)
-    assert not missing, f"OpenAI request fields without an entry: {sorted(missing)}"
+def test_every_openai_field_is_honoured_or_refused(cluster, kind, eos_id):
+    """Every field of the installed openai package's request types (both
+    endpoints') and every field the router knows has an entry in this
+    endpoint's table, and so do the unknown fields; each entry's check runs
+    against the P/D router."""
+    table = completion_fields(eos_id) if kind == "completion" else chat_fields(eos_id)
+    fields = (schema_fields("completion") | schema_fields("chat")
+              | openai_fields.COMPLETION_FIELDS | openai_fields.CHAT_FIELDS | set(UNKNOWN_FIELDS))
+    missing = fields - set(table)
+    assert not missing, f"request fields without an entry: {sorted(missing)}"
     client = _client(cluster["pd"])
     for name, check in table.items():
         check(client, name)

@@ -7,7 +7,9 @@ garbage).
 (prefill pod samples the first token under the grammar, a decode pod
 continues it) and a colocated one: every output parses as JSON and
 validates against the schema, and both routers give the same text for the
-same seed. A bad schema is a 400 naming response_format.
+same seed. A bad schema is a 400 naming response_format. vLLM's guided_json
+and guided_choice constrain the output on both routers, and a field the
+server does not honour is a 400 naming it, never a 200 that ignores it.
 """
 
 from __future__ import annotations
@@ -155,3 +157,68 @@ def test_grpc_front_door_carries_the_grammar(routers):
             list(stub.Generate(pb.GenerateRequest(prompt="go", sampling=bad), timeout=60))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "response_format" in info.value.details()
+
+
+CHOICES = ["red", "green", "light blue", "a|b.*", 'say "hi"']
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_guided_json_and_guided_choice_disaggregated_and_colocated(routers, seed):
+    """The schema as an object (chat) and as its JSON text (completions);
+    the choices include regex syntax and quotes, which must come out as
+    written."""
+    texts = {}
+    for name, router in routers.items():
+        client = _client(router)
+        common = dict(model="tiny", temperature=1.0, seed=seed, max_tokens=MAX_TOKENS)
+        chat = client.chat.completions.create(
+            messages=[{"role": "user", "content": "a person"}],
+            extra_body={"guided_json": SCHEMA}, **common)
+        completion = client.completions.create(
+            prompt="person:", extra_body={"guided_json": json.dumps(SCHEMA)}, **common)
+        choice = client.chat.completions.create(
+            messages=[{"role": "user", "content": "pick one"}],
+            extra_body={"guided_choice": CHOICES}, **common)
+        outputs = [(chat.choices[0].message.content, chat.choices[0].finish_reason),
+                   (completion.choices[0].text, completion.choices[0].finish_reason),
+                   (choice.choices[0].message.content, choice.choices[0].finish_reason)]
+        assert all(reason == "stop" for _, reason in outputs), (name, outputs)
+        for text, _ in outputs[:2]:
+            jsonschema.validate(json.loads(text), SCHEMA)
+        assert outputs[2][0] in CHOICES, (name, outputs[2][0])
+        texts[name] = outputs
+    assert texts["pd"] == texts["co"]
+
+
+@pytest.mark.parametrize("name", ["pd", "co"])
+def test_a_field_the_server_does_not_honour_is_a_400_naming_it(routers, name):
+    client = _client(routers[name])
+    chat = dict(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=4)
+    completion = dict(model="tiny", prompt="x", max_tokens=4)
+    cases = [
+        (client.chat.completions.create, chat, {"min_p": 0.1}, "min_p",
+         "Unrecognized request argument supplied: 'min_p' (/v1/chat/completions refuses the "
+         "fields it does not honour rather than ignore them)"),
+        (client.completions.create, completion, {"use_beam_search": True}, "use_beam_search",
+         "Unrecognized request argument supplied: 'use_beam_search' (/v1/completions refuses "
+         "the fields it does not honour rather than ignore them)"),
+        (client.chat.completions.create, chat, {"extra_body": {"top_k": 2}}, "extra_body",
+         "Unrecognized request argument supplied: 'extra_body' (/v1/chat/completions refuses "
+         "the fields it does not honour rather than ignore them; the openai client's "
+         "extra_body={...} sends its keys as top-level fields)"),
+        (client.completions.create, completion,
+         {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools",
+         "'tools' is a /v1/chat/completions field; /v1/completions does not take it"),
+        (client.chat.completions.create, chat, {"prompt": "x"}, "prompt",
+         "'prompt' is a /v1/completions field; /v1/chat/completions does not take it"),
+    ]
+    for create, args, extra, param, message in cases:
+        with pytest.raises(openai.BadRequestError) as info:
+            create(**args, extra_body=extra)
+        assert info.value.body == {"message": message, "type": "invalid_request_error",
+                                   "param": param, "code": None}
+    # the honoured extensions still go through
+    ok = client.completions.create(**completion, extra_body={
+        "top_k": 2, "ignore_eos": True, "repetition_penalty": 1.1, "min_tokens": 4,
+        "stop_token_ids": [7]})
+    assert ok.usage.completion_tokens == 4

@@ -167,3 +167,34 @@ def test_grpc_refuses_prompt_logprobs():
     request = pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(prompt_logprobs=1))
     with pytest.raises(ApiError, match="prompt_logprobs is not supported by the router's gRPC"):
         parsed_request(request, "tiny")
+
+
+def _with_field(message, number: int) -> bytes:
+    """`message` serialized with a varint field `number` appended (what a
+    client built from a newer proto sends)."""
+    return message.SerializeToString() + bytes([(number << 3) & 0x7F | 0x80, number >> 4, 1])
+
+
+@pytest.mark.parametrize(("build", "param", "message"), [
+    (lambda: pb.GenerateRequest.FromString(_with_field(pb.GenerateRequest(prompt="hi"), 99)),
+     "99", "pdserve.v1.GenerateRequest has field number 99, which this server's proto does "
+           "not define: the router refuses what it cannot honour"),
+    (lambda: pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams.FromString(
+        _with_field(pb.SamplingParams(max_tokens=3), 40))),
+     "sampling.40", "'sampling' (pdserve.v1.SamplingParams) has field number 40"),
+    (lambda: pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content="a"),
+                                          pb.ChatMessage.FromString(_with_field(
+                                              pb.ChatMessage(role="user", content="b"), 17))]),
+     "messages[1].17", "'messages[1]' (pdserve.v1.ChatMessage) has field number 17"),
+])
+def test_grpc_refuses_fields_its_proto_does_not_define(build, param, message):
+    from router.api_error import ApiError
+    from router.grpc_server import parsed_request
+
+    with pytest.raises(ApiError) as info:
+        parsed_request(build(), "tiny")
+    assert (info.value.status, info.value.param) == (400, param)
+    assert info.value.message.startswith(message)
+    known = pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(
+        max_tokens=3, logit_bias={5: 1.0}, grammar=pb.Grammar(regex="a")))
+    assert parsed_request(known, "tiny").sampling.max_tokens == 3

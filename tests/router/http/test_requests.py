@@ -160,9 +160,88 @@ def test_echo_and_prompt_logprobs_ask_the_pods_for_prompt_logprobs():
     assert sampling(prompt_logprobs=0, max_tokens=0).prompt_logprobs == 0
     assert sampling(echo=True, logprobs=1, prompt_logprobs=4).prompt_logprobs == 4
     assert sampling(logprobs=3).prompt_logprobs is None  # no echo: outputs only
-    with pytest.raises(ApiError, match="only supported on /v1/completions"):
+    with pytest.raises(ApiError, match="'prompt_logprobs' is a /v1/completions field; "
+                                       "/v1/chat/completions does not take it"):
         parse_chat({"model": "m", "messages": [{"role": "user", "content": "x"}],
                     "prompt_logprobs": 1})
     with pytest.raises(ApiError, match="'echo' is not supported"):
         parse_chat({"model": "m", "messages": [{"role": "user", "content": "x"}],
                     "echo": True})
+
+
+# vLLM's sampling fields this server does not honour, a vLLM chat field, a
+# typo, and a body field no one documents: each a 400 naming it.
+UNKNOWN = [("min_p", 0.1), ("use_beam_search", True), ("skip_special_tokens", False),
+           ("chat_template_kwargs", {"enable_thinking": False}),
+           ("add_generation_prompt", False), ("guided_decoding_backend", "xgrammar"),
+           ("typo_field", 1), ("temprature", 0.5)]
+
+
+@pytest.mark.parametrize(("name", "value"), UNKNOWN)
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_unknown_fields_are_a_400_naming_them(kind, name, value):
+    parse, endpoint = ((parse_completion, "/v1/completions") if kind == "completion"
+                       else (parse_chat, "/v1/chat/completions"))
+    body = _completion(**{name: value}) if kind == "completion" else _chat(**{name: value})
+    with pytest.raises(ApiError) as info:
+        parse(body)
+    assert info.value.body() == {"error": {
+        "message": f"Unrecognized request argument supplied: '{name}' ({endpoint} refuses the "
+                   "fields it does not honour rather than ignore them)",
+        "type": "invalid_request_error", "param": name, "code": None}}
+
+
+def test_unknown_field_hints_and_null_values():
+    with pytest.raises(ApiError) as info:
+        parse_chat(_chat(extra_body={"min_p": 0.1}))
+    assert info.value.param == "extra_body"
+    assert info.value.message.endswith(
+        "rather than ignore them; the openai client's extra_body={...} sends its keys as "
+        "top-level fields)")
+    with pytest.raises(ApiError) as info:
+        parse_completion(_completion(session_id="s1"))
+    assert info.value.param == "session_id"
+    assert info.value.message.endswith(
+        "; the session id is 'user' or the x-session-id header)")
+    # null is "not set", for unknown fields as for OpenAI's own
+    assert parse_chat(_chat(min_p=None, prompt=None)).sampling == parse_chat(_chat()).sampling
+    # the first unknown field in the body's order is the one named
+    with pytest.raises(ApiError) as info:
+        parse_completion({"zeta": 1, "model": "tiny", "prompt": "p", "alpha": 2})
+    assert info.value.param == "zeta"
+
+
+@pytest.mark.parametrize(("name", "value"), [
+    ("messages", [{"role": "user", "content": "hi"}]), ("tools", []), ("tool_choice", "none"),
+    ("parallel_tool_calls", False), ("documents", [{"text": "d"}]),
+    ("max_completion_tokens", 5), ("top_logprobs", 2), ("store", True),
+    ("metadata", {"k": "v"}), ("audio", {"voice": "alloy"}),
+])
+def test_chat_fields_on_completions_are_a_400_naming_them(name, value):
+    with pytest.raises(ApiError) as info:
+        parse_completion(_completion(**{name: value}))
+    assert (info.value.status, info.value.param) == (400, name)
+    assert info.value.message == (f"'{name}' is a /v1/chat/completions field; "
+                                  "/v1/completions does not take it")
+
+
+@pytest.mark.parametrize(("name", "value"), [
+    ("prompt", "hello"), ("suffix", "end"), ("prompt_logprobs", 1),
+])
+def test_completion_fields_on_chat_are_a_400_naming_them(name, value):
+    with pytest.raises(ApiError) as info:
+        parse_chat(_chat(**{name: value}))
+    assert (info.value.status, info.value.param) == (400, name)
+    assert info.value.message == (f"'{name}' is a /v1/completions field; "
+                                  "/v1/chat/completions does not take it")
+
+
+def test_extensions_and_fields_of_both_endpoints_are_known():
+    extensions = dict(top_k=2, ignore_eos=True, repetition_penalty=1.1, min_tokens=1,
+                      stop_token_ids=[7], max_tokens=4, best_of=1, n=1)
+    completion = parse_completion(_completion(**extensions, echo=False, prompt_logprobs=0))
+    chat = parse_chat(_chat(**extensions, echo=False, documents=[{"text": "d"}]))
+    for sampling in (completion.sampling, chat.sampling):
+        assert (sampling.top_k, sampling.ignore_eos, sampling.repetition_penalty,
+                sampling.min_tokens, sampling.stop_token_ids) == (2, True, 1.1, 1, (7,))
+    assert chat.documents == ({"text": "d"},)

@@ -142,6 +142,14 @@ def test_a_grammar_of_the_request_with_a_forced_call_is_refused(grammar, field) 
         assert f"'{field}' cannot be combined with 'tool_choice' {forced}" in info.value.message
 
 
+def test_the_refusal_names_the_field_the_grammar_came_from() -> None:
+    choice = SamplingSpec(grammar=GrammarSpec(GrammarKind.REGEX, "yes|no"))
+    with pytest.raises(ApiError) as info:
+        with_call_grammar(choice, REQUIRED, "hermes", grammar_field="guided_choice")
+    assert (info.value.status, info.value.param) == (400, "guided_choice")
+    assert info.value.message.startswith("'guided_choice' cannot be combined with 'tool_choice'")
+
+
 def test_uncompilable_parameters_are_a_400_naming_tools(tokenizer) -> None:
     bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}
     spec = with_call_grammar(SamplingSpec(), ToolRequest((bad,), choice="required"),
