@@ -53,6 +53,25 @@ def write_ready_file(path: str, ports: dict[str, int]) -> None:
     os.replace(tmp, path)
 
 
+def security_warning(role: str, host: str, port: int, security: PodSecurity) -> str | None:
+    """What the start-up log must warn about when the pod's gRPC port
+    authenticates no caller (None when it does): anyone who can reach the port
+    may then reserve KV blocks, run prompts, abort others' requests and read
+    the pod's cache events. Said at WARNING so it is seen: plaintext is the CLI's
+    default, for loopback set-ups (`pdserve up`, tests); the Helm chart turns
+    authentication on by default (docs/deploy.md, Security)."""
+    if security.tls is None:
+        return (f"{role} pod gRPC on {host}:{port} is plaintext and unauthenticated: anyone "
+                "who can reach this port can call it. Serve it with --tls-cert-file, "
+                "--tls-key-file and --tls-ca-file (mutual TLS), or TLS and --pod-token-file "
+                "(docs/deploy.md, Security)")
+    if not security.tls.mutual and security.token is None:
+        return (f"{role} pod gRPC on {host}:{port} is encrypted but authenticates no caller: "
+                "add --tls-ca-file (client certificates) or --pod-token-file "
+                "(docs/deploy.md, Security)")
+    return None
+
+
 @dataclass(slots=True)
 class PodServer:
     """One pod's gRPC server, assembled by the role's `server.py`.
@@ -93,9 +112,8 @@ class PodServer:
         port = add_port(self.server, f"{self.config.host}:{self.config.port}", security.tls)
         await self.server.start()
         log.info("%s pod gRPC: %s", self.role, security.describe())
-        if security.tls is not None and not security.tls.mutual and security.token is None:
-            log.warning("%s pod gRPC is encrypted but authenticates no caller: add "
-                        "--tls-ca-file (client certificates) or --pod-token-file", self.role)
+        if (warning := security_warning(self.role, self.config.host, port, security)) is not None:
+            log.warning("%s", warning)
         health_server = await self._start_health_server()
         for name in ("", *self.services):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -1,7 +1,8 @@
 """Hypothesis strategies for any protobuf message, from its descriptor: every
 field may be set, to a value of its type drawn from the edges (0, -1, the
 type's limits) or anywhere, strings and bytes short or odd, nested messages
-recursively (bounded depth), repeated and map fields a few items long."""
+recursively (bounded depth), repeated and map fields a few items long; and
+messages made only of fields the receiver does not declare (`unknown_fields`)."""
 
 from __future__ import annotations
 
@@ -80,3 +81,49 @@ def _fill(message: Message, values: dict) -> Message:
 def messages(message_class: type[Message], depth: int = 3) -> st.SearchStrategy[Message]:
     """Random instances of `message_class`."""
     return _dicts(message_class.DESCRIPTOR, depth).map(lambda v: _fill(message_class(), v))
+
+
+# ------------------------------------------------------------------ raw wire format
+
+_MAX_FIELD_NUMBER = 2**29 - 1
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        low, value = value & 0x7F, value >> 7
+        if not value:
+            out.append(low)
+            return bytes(out)
+        out.append(low | 0x80)
+
+
+def _tag(number: int, wire_type: int) -> bytes:
+    return _varint(number << 3 | wire_type)
+
+
+def _wire_field(numbers: st.SearchStrategy[int], depth: int) -> st.SearchStrategy[bytes]:
+    """One field, well formed, of any wire type: varint (0), 64-bit (1),
+    length-delimited (2), a group (3 ... 4, holding more fields) or 32-bit (5)."""
+    kinds = [
+        st.tuples(numbers, st.integers(0, 2**64 - 1)).map(lambda f: _tag(f[0], 0) + _varint(f[1])),
+        st.tuples(numbers, st.binary(min_size=8, max_size=8)).map(lambda f: _tag(f[0], 1) + f[1]),
+        st.tuples(numbers, st.binary(max_size=64)).map(
+            lambda f: _tag(f[0], 2) + _varint(len(f[1])) + f[1]),
+        st.tuples(numbers, st.binary(min_size=4, max_size=4)).map(lambda f: _tag(f[0], 5) + f[1]),
+    ]
+    if depth > 0:
+        kinds.append(st.tuples(numbers, st.lists(_wire_field(numbers, depth - 1), max_size=3))
+                     .map(lambda f: _tag(f[0], 3) + b"".join(f[1]) + _tag(f[0], 4)))
+    return st.one_of(kinds)
+
+
+def unknown_fields(message_class: type[Message], depth: int = 2) -> st.SearchStrategy[bytes]:
+    """Serialized `message_class` made only of fields it does not declare (any
+    number up to 2**29 - 1, any wire type, groups nested `depth` deep): a
+    newer peer's message as this version parses it. proto3 keeps unknown
+    fields and otherwise ignores them, so each one parses."""
+    declared = {field.number for field in message_class.DESCRIPTOR.fields}
+    numbers = (st.integers(1, 40) | st.integers(1, _MAX_FIELD_NUMBER)).filter(
+        lambda n: n not in declared)
+    return st.lists(_wire_field(numbers, depth), max_size=6).map(b"".join)

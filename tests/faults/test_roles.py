@@ -2,13 +2,15 @@
 restarted on the same ports (a new generation) while the prefill pod still
 holds pooled KV connections to the old one.
 
-kill -9 of a prefill or decode pod mid-request is tests/router/test_failover.py
-(the request moves and stays exact) and SIGTERM of a lone pod is
-tests/integration/test_drain.py; here: SIGTERM of each pod role while the
-router streams through it, both signals for the router, and the restart.
-Expected: in-flight requests finish exactly (SIGTERM drains) or fail with a
-clear error at once (kill -9 of the router: there is nobody to move them);
-the surviving pods hold nothing afterwards, and the next request is exact.
+Expected: in-flight requests finish exactly (SIGTERM drains; kill -9 of the
+prefill pod leaves the requests that are already decoding untouched) or fail
+with a clear error at once (kill -9 of the only decode pod, of the prefill
+pod mid-transfer, or of the router: there is nobody to move them to); the
+surviving pods hold nothing afterwards (free blocks, landing bytes, threads,
+sockets: tests/faults/stack.py's baseline), and the next request is exact.
+With several pods of a role the requests move instead and stay exact: kill -9
+there is tests/router/test_failover.py; SIGTERM of a lone pod is
+tests/integration/test_drain.py.
 """
 
 from __future__ import annotations
@@ -127,6 +129,73 @@ def test_sigterm_of_a_pod_mid_stream_finishes_the_stream_then_it_restarts(roles,
     again = roles.generate(LONG)
     assert again.error is None, again.describe()
     assert again.tokens == expected
+
+
+def _in_thread(outcomes: dict[str, Outcome], key: str, call: Callable[[], Outcome]
+               ) -> threading.Thread:
+    thread = threading.Thread(target=lambda: outcomes.update({key: call()}))
+    thread.start()
+    return thread
+
+
+def _wait(condition: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.005)
+
+
+def _is_clear_unavailable(outcome: Outcome, reference: list[int]) -> bool:
+    """Failed fast with a reason, after tokens that were all right so far."""
+    return (outcome.error is not None and outcome.error.code().name == "UNAVAILABLE"
+            and bool(outcome.error.details()) and outcome.tokens == reference[:len(outcome.tokens)])
+
+
+@pytest.mark.parametrize("victim", ["prefill", "decode"])
+def test_kill_9_of_a_pod_during_requests_then_the_survivor_holds_nothing(roles, expected, victim):
+    """Two streams decoding and a third request mid-transfer when `victim`
+    is killed. The decode pod alone finishes what it holds, so a dead prefill
+    pod costs only the request it was prefilling; a dead decode pod costs all
+    three (the only one: nowhere to move them)."""
+    survivor = "decode" if victim == "prefill" else "prefill"
+    baseline = _usage(roles)
+    decode = roles.pods["decode"]
+    outcomes: dict[str, Outcome] = {}
+    threads = []
+    for key in ("stream 1", "stream 2"):  # one after the other: no concurrent transfer
+        decoding = threading.Event()
+        threads.append(_in_thread(outcomes, key, lambda d=decoding: roles.generate(
+            LONG, on_tokens=lambda n, d=d: n >= 5 and d.set())))
+        _wait(decoding.is_set, f"{key} never decoded")
+    received = _received(decode)
+    long_prompt = " ".join(f"k{i}" for i in range(500))  # ~1,000 tokens: ~16 prefill chunks
+    threads.append(_in_thread(outcomes, "mid-transfer",
+                              lambda: roles.generate(4, prompt=long_prompt)))
+    _wait(lambda: _received(decode) > received, "no KV of the long prompt reached the decode pod")
+    assert all(thread.is_alive() for thread in threads), "a request ended before the kill"
+    roles.pods[victim].kill()
+    for thread in threads:
+        thread.join(70)  # past the requests' own 60 s deadline
+        assert not thread.is_alive(), "a request hung after the kill"
+    streams = [outcomes["stream 1"], outcomes["stream 2"]]
+    if victim == "prefill":
+        assert [s.tokens for s in streams] == [expected, expected], [s.describe() for s in streams]
+    else:
+        assert all(_is_clear_unavailable(s, expected) for s in streams), [
+            s.describe() for s in streams]
+        assert all(len(s.tokens) < LONG for s in streams)
+    assert outcomes["mid-transfer"].error is not None, outcomes["mid-transfer"].describe()
+    # the survivor freed everything the dead pod's requests held
+    assert_pods_at_baseline({survivor: roles.pods[survivor]}, {survivor: baseline[survivor]})
+    roles.start_pod(victim)  # same ports, new generation
+    wait_ready(roles.router, timeout=30)
+    again = roles.generate(4, prompt=long_prompt)
+    assert again.error is None, again.describe()
+    assert _is_clear_unavailable(outcomes["mid-transfer"], again.tokens), \
+        outcomes["mid-transfer"].describe()
+    again = roles.generate(LONG)
+    assert again.tokens == expected, again.describe()
+    assert_pods_at_baseline(roles.pods, {**_usage(roles), survivor: baseline[survivor]})
 
 
 def test_decode_pod_restarted_on_the_same_ports_while_prefill_holds_old_connections(

@@ -7,12 +7,19 @@ without either (see tests/helm/chart.py).
 from __future__ import annotations
 
 import base64
+import hashlib
 import importlib
+import json
 import re
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from proto.tls import PodSecurity, TlsFiles, add_port, pod_channel
 from tests.helm.chart import (
     CHART_DIR,
     CLI_FLAGS,
@@ -54,6 +61,7 @@ def test_default_render_objects() -> None:
         ("PodDisruptionBudget", f"{PREFIX}-decode"),
         ("PodDisruptionBudget", f"{PREFIX}-prefill"),
         ("PodDisruptionBudget", f"{PREFIX}-router"),
+        ("Secret", f"{PREFIX}-pod-tls"),
         ("Service", f"{PREFIX}-decode"),
         ("Service", f"{PREFIX}-prefill"),
         ("Service", f"{PREFIX}-router"),
@@ -73,6 +81,10 @@ def test_static_mode_router_gets_headless_service_addresses() -> None:
         "--workers": "1",
         "--prefill-dispatch-tokens": "4096",
         "--max-queue-wait": "30",
+        "--pod-tls-ca-file": f"{POD_TLS_DIR}/ca.crt",
+        "--pod-tls-server-name": "pdserve-pod",
+        "--pod-tls-cert-file": f"{POD_TLS_DIR}/tls.crt",
+        "--pod-tls-key-file": f"{POD_TLS_DIR}/tls.key",
         "--http-header-timeout": "30",
         "--http-keepalive-timeout": "75",
         "--max-concurrent-per-client": "0",
@@ -82,20 +94,28 @@ def test_static_mode_router_gets_headless_service_addresses() -> None:
     }
 
 
+POD_TLS_DIR = "/etc/pdserve/pod-tls"
+# pod gRPC by default: mutual TLS with the chart's generated certificate
+POD_TLS_FLAGS = {"--tls-cert-file": f"{POD_TLS_DIR}/tls.crt",
+                 "--tls-key-file": f"{POD_TLS_DIR}/tls.key",
+                 "--tls-ca-file": f"{POD_TLS_DIR}/ca.crt", "--tls-server-name": "pdserve-pod",
+                 "--health-port": "50070"}
+
+
 def test_default_prefill_and_decode_args() -> None:
     docs = render()
     assert _args(docs, "prefill") == {
         "--model": "/models/tiny", "--host": "0.0.0.0", "--port": "50051",
         "--metrics-port": "9101", "--block-size": "16", "--kv-cache-memory": "2GiB",
         "--device": "auto", "--dtype": "auto", "--kv-streams": "4",
-        "--advertise-host": "$(POD_IP)", "--grace-period": "30",
+        "--advertise-host": "$(POD_IP)", "--grace-period": "30", **POD_TLS_FLAGS,
     }
     assert _args(docs, "decode") == {
         "--model": "/models/tiny", "--host": "0.0.0.0", "--port": "50061",
         "--metrics-port": "9102", "--kv-port": "50062", "--block-size": "128",
         "--kv-transport": "tcp", "--landing-memory": "1GiB", "--transfer-timeout": "30",
         "--reservation-timeout": "600", "--advertise-host": "$(POD_IP)", "--grace-period": "30",
-        "--kv-max-connections": "256", "--kv-frame-timeout": "10",
+        "--kv-max-connections": "256", "--kv-frame-timeout": "10", **POD_TLS_FLAGS,
     }
     for role in ("prefill", "decode"):
         env = container(find(docs, "Deployment", f"{PREFIX}-{role}"), role)["env"]
@@ -117,10 +137,10 @@ def test_default_prefill_and_decode_args() -> None:
          "decode.autoscaling.maxReplicas (4) is below minReplicas (5)"),
         ({"decode": {"kvTransport": "udp"}}, "/decode/kvTransport"),
         ({"tls": {"router": {"enabled": True}}}, "tls.router.enabled needs tls.router.secretName"),
-        ({"tls": {"pods": {"enabled": True}}}, "tls.pods.enabled needs tls.pods.secretName"),
-        ({"podToken": {"value": "t"}}, "podToken needs tls.pods.enabled"),
-        ({"tls": {"pods": {"enabled": True, "secretName": "pods", "clientAuth": False}}},
-         "tls.pods.clientAuth=false leaves pod gRPC unauthenticated"),
+        ({"tls": {"pods": {"enabled": False}}, "podToken": {"value": "t"}},
+         "podToken needs tls.pods.enabled"),
+        ({"tls": {"pods": {"enabled": False}}, "podToken": {"existingSecret": "tokens"}},
+         "podToken needs tls.pods.enabled"),
     ],
 )
 def test_render_refuses(values: dict[str, Any], message: str) -> None:
@@ -193,13 +213,16 @@ def test_probes_target_container_ports(ports: dict[str, Any]) -> None:
             declared = {p["containerPort"] for p in c["ports"]} | {p["name"] for p in c["ports"]}
             probed = _probe_ports(c)
             assert probed and set(probed) <= declared, (deployment["metadata"]["name"], probed)
-            if c["name"] in ("prefill", "decode", "router"):
+            if c["name"] == "router":
                 assert set(probed) == {int(flag_values(c["args"])["--port"])}
+            elif c["name"] in ("prefill", "decode"):  # pod TLS (default): the health port
+                assert set(probed) == {int(flag_values(c["args"])["--health-port"])}
     decode = container(find(docs, "Deployment", f"{PREFIX}-decode"), "decode")
     assert {p["name"]: p["containerPort"] for p in decode["ports"]} == {
         "grpc": ports.get("decode", {}).get("port", 50061),
         "kv": ports.get("decode", {}).get("kvPort", 50062),
         "metrics": 9102,
+        "health": 50070,
     }
 
 
@@ -241,7 +264,8 @@ def test_api_key_from_inline_value_and_existing_secret() -> None:
         "name": f"{PREFIX}-api-key", "key": "api-key"}}} in env
 
     docs = render({"router": {"apiKey": {"existingSecret": "keys", "secretKey": "router"}}})
-    assert [d for d in docs if d["kind"] == "Secret"] == []
+    assert [d["metadata"]["name"] for d in docs if d["kind"] == "Secret"] == [
+        f"{PREFIX}-pod-tls"]
     env = container(find(docs, "Deployment", f"{PREFIX}-router"), "router")["env"]
     assert {"name": "PDSERVE_API_KEY", "valueFrom": {"secretKeyRef": {
         "name": "keys", "key": "router"}}} in env
@@ -341,13 +365,12 @@ def test_objects_match_kubernetes_schemas(values: dict[str, Any]) -> None:
     for doc in checked:
         # strict: unknown fields (typos in a template) fail too.
         kubernetes_validate.validate(doc, "1.30", strict=True)
-    assert len(checked) == (11 if not values else 18)
+    assert len(checked) == (12 if not values else 18)
 
 
 TLS = {"tls": {"router": {"enabled": True, "secretName": "router-tls"},
                "pods": {"enabled": True, "secretName": "pod-tls"}},
        "podToken": {"value": "t0k3n"}}
-POD_TLS_DIR = "/etc/pdserve/pod-tls"
 
 
 def _pod_spec(docs: list[dict[str, Any]], role: str) -> dict[str, Any]:
@@ -420,6 +443,120 @@ def test_pod_token_instead_of_client_certificates() -> None:
     assert [d for d in docs if d["kind"] == "Secret"] == []
     assert {v["name"]: v["secret"]["secretName"] for v in _pod_spec(docs, "router")["volumes"]
             if "secret" in v} == {"pod-tls": "pod-tls", "pod-token": "tokens"}
+
+
+def _annotations(docs: list[dict[str, Any]], role: str) -> dict[str, str]:
+    return find(docs, "Deployment", f"{PREFIX}-{role}")["spec"]["template"]["metadata"][
+        "annotations"]
+
+
+def _checksum(data: dict[str, str]) -> str:
+    """Helm's `toJson | sha256sum` of a Secret's data (compact, keys sorted)."""
+    return hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
+                          ).hexdigest()
+
+
+def _write_pod_tls(secret: dict[str, Any], directory: Path) -> dict[str, str]:
+    """The Secret's files as it mounts them; returns name -> path."""
+    directory.mkdir()
+    paths = {}
+    for name, value in secret["data"].items():
+        (directory / name).write_bytes(base64.b64decode(value))
+        paths[name] = str(directory / name)
+    return paths
+
+
+def _health_check(address: str, tls: TlsFiles) -> grpc.StatusCode:
+    with pod_channel(address, PodSecurity(tls=tls), aio=False) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=10)
+        except grpc.RpcError as exc:
+            return exc.code()
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    return grpc.StatusCode.OK
+
+
+def test_default_pod_grpc_is_mutual_tls_with_a_generated_certificate(tmp_path) -> None:
+    docs = render()
+    secret = find(docs, "Secret", f"{PREFIX}-pod-tls")
+    assert (secret["type"], sorted(secret["data"])) == (
+        "kubernetes.io/tls", ["ca.crt", "tls.crt", "tls.key"])
+    assert secret["metadata"]["annotations"] == {"pdserve.io/server-name": "pdserve-pod"}
+    for role in ("router", "prefill", "decode"):
+        assert {v["name"]: v["secret"]["secretName"] for v in _pod_spec(docs, role)["volumes"]
+                if "secret" in v} == {"pod-tls": f"{PREFIX}-pod-tls"}
+        # the Deployments saw the very bytes the Secret holds (one generation per render)
+        annotations = _annotations(docs, role)
+        assert annotations["checksum/pod-tls"] == _checksum(secret["data"])
+        assert "checksum/pod-token" not in annotations
+    for role in ("prefill", "decode"):
+        assert "--no-tls-client-cert" not in _args(docs, role)
+
+    # The files work as the pods and the router use them: a server with them
+    # requires a client certificate its CA signed, for the name pdserve-pod.
+    files = _write_pod_tls(secret, tmp_path / "pod-tls")
+    other = _write_pod_tls(find(render(), "Secret", f"{PREFIX}-pod-tls"), tmp_path / "other")
+    server = grpc.server(ThreadPoolExecutor(2))
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+    port = add_port(server, "127.0.0.1:0", TlsFiles(
+        cert_file=files["tls.crt"], key_file=files["tls.key"], ca_file=files["ca.crt"]))
+    server.start()
+    try:
+        address = f"127.0.0.1:{port}"
+        router = TlsFiles(cert_file=files["tls.crt"], key_file=files["tls.key"],
+                          ca_file=files["ca.crt"], server_name="pdserve-pod")
+        assert _health_check(address, router) == grpc.StatusCode.OK
+        stranger = TlsFiles(ca_file=files["ca.crt"], server_name="pdserve-pod")
+        assert _health_check(address, stranger) == grpc.StatusCode.UNAVAILABLE
+        # another install's certificate (another render) is not trusted
+        other_install = TlsFiles(cert_file=other["tls.crt"], key_file=other["tls.key"],
+                                 ca_file=files["ca.crt"], server_name="pdserve-pod")
+        assert _health_check(address, other_install) == grpc.StatusCode.UNAVAILABLE
+    finally:
+        server.stop(None)
+
+
+def test_pod_tls_without_client_certificates_gets_a_generated_pod_token() -> None:
+    values = {"tls": {"pods": {"clientAuth": False}}}
+    docs = render(values)
+    secret = find(docs, "Secret", f"{PREFIX}-pod-token")
+    token = base64.b64decode(secret["data"]["pod-token"]).decode()
+    assert re.fullmatch(r"[A-Za-z0-9]{48}", token), token
+    assert base64.b64decode(find(render(values), "Secret", f"{PREFIX}-pod-token")["data"][
+        "pod-token"]).decode() != token  # random per install, never a value baked in
+    for role in ("prefill", "decode"):
+        flags = _args(docs, role)
+        assert (flags["--no-tls-client-cert"], flags["--pod-token-file"]) == (
+            "", "/etc/pdserve/pod-token/pod-token")
+    router = _args(docs, "router")
+    assert router["--pod-token-file"] == "/etc/pdserve/pod-token/pod-token"
+    assert "--pod-tls-cert-file" not in router
+    for role in ("router", "prefill", "decode"):
+        assert {v["name"]: v["secret"]["secretName"] for v in _pod_spec(docs, role)["volumes"]
+                if "secret" in v} == {"pod-tls": f"{PREFIX}-pod-tls",
+                                      "pod-token": f"{PREFIX}-pod-token"}
+        assert _annotations(docs, role)["checksum/pod-token"] == hashlib.sha256(
+            secret["data"]["pod-token"].encode()).hexdigest()
+    assert token not in str([d for d in docs if d["kind"] != "Secret"])
+    # a token of the user's own replaces the generated one
+    docs = render({"tls": {"pods": {"clientAuth": False}},
+                   "podToken": {"existingSecret": "tokens"}})
+    assert [d["metadata"]["name"] for d in docs if d["kind"] == "Secret"] == [
+        f"{PREFIX}-pod-tls"]
+
+
+def test_plaintext_pod_grpc_only_when_asked() -> None:
+    docs = render({"tls": {"pods": {"enabled": False}}})
+    assert [d for d in docs if d["kind"] == "Secret"] == []
+    for role in ("prefill", "decode"):
+        flags = _args(docs, role)
+        assert not {k for k in flags if "tls" in k or "token" in k or k == "--health-port"}
+        assert set(_probe_ports(container(find(docs, "Deployment", f"{PREFIX}-{role}"), role))
+                   ) == {int(flags["--port"])}
+    assert not {k for k in _args(docs, "router") if k.startswith("--pod-")}
+    for role in ("router", "prefill", "decode"):
+        assert not {k for k in _annotations(docs, role) if k.startswith("checksum/")}
 
 
 def _ingress(docs: list[dict[str, Any]], component: str) -> list[tuple[int, Any]]:

@@ -1,15 +1,17 @@
-"""`pod.server`: the ready file and the serve/drain loop."""
+"""`pod.server`: the ready file, the serve/drain loop and the start-up security warning."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 
 import grpc
 import pytest
 
 from pod.drain import DrainGate, DrainState
-from pod.server import write_ready_file
+from pod.server import security_warning, write_ready_file
+from proto.tls import PodSecurity, TlsFiles
 
 
 def test_ready_file_is_written_whole(tmp_path):
@@ -20,7 +22,7 @@ def test_ready_file_is_written_whole(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_pod_server_reports_not_serving_and_exits_1_when_it_can_no_longer_serve(tmp_path):
+def test_pod_server_reports_not_serving_and_exits_1_when_it_can_no_longer_serve(tmp_path, caplog):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from pod.config import ServerConfig
@@ -45,7 +47,32 @@ def test_pod_server_reports_not_serving_and_exits_1_when_it_can_no_longer_serve(
             state["alive"] = False  # e.g. the engine loop died
             return await asyncio.wait_for(task, 30), pod.gate.state
 
-    status, gate_state = asyncio.run(scenario())
+    with caplog.at_level(logging.INFO, logger="pod.server"):
+        status, gate_state = asyncio.run(scenario())
     assert (status, gate_state) == (1, DrainState.STOPPED)
     ports = json.loads(ready.read_text())
     assert sorted(ports) == ["grpc", "kv"] and ports["kv"] == 0 and ports["grpc"] > 0
+    # no TLS, no token: said at WARNING, with the port anyone could call
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [security_warning("prefill", "127.0.0.1", ports["grpc"], PodSecurity())]
+
+
+TLS = TlsFiles(cert_file="tls.crt", key_file="tls.key")  # only paths: nothing is read here
+MUTUAL = TlsFiles(cert_file="tls.crt", key_file="tls.key", ca_file="ca.crt")
+
+
+def test_security_warning_names_what_authenticates_no_caller():
+    assert security_warning("decode", "0.0.0.0", 50061, PodSecurity()) == (
+        "decode pod gRPC on 0.0.0.0:50061 is plaintext and unauthenticated: anyone who can "
+        "reach this port can call it. Serve it with --tls-cert-file, --tls-key-file and "
+        "--tls-ca-file (mutual TLS), or TLS and --pod-token-file (docs/deploy.md, Security)")
+    assert security_warning("prefill", "0.0.0.0", 50051, PodSecurity(tls=TLS)) == (
+        "prefill pod gRPC on 0.0.0.0:50051 is encrypted but authenticates no caller: add "
+        "--tls-ca-file (client certificates) or --pod-token-file (docs/deploy.md, Security)")
+    no_client_cert = TlsFiles(cert_file="tls.crt", key_file="tls.key", ca_file="ca.crt",
+                              require_client_cert=False)
+    assert security_warning("prefill", "0.0.0.0", 1, PodSecurity(tls=no_client_cert)) == (
+        "prefill pod gRPC on 0.0.0.0:1 is encrypted but authenticates no caller: add "
+        "--tls-ca-file (client certificates) or --pod-token-file (docs/deploy.md, Security)")
+    assert security_warning("prefill", "0.0.0.0", 1, PodSecurity(tls=TLS, token="t0k3n")) is None
+    assert security_warning("decode", "0.0.0.0", 1, PodSecurity(tls=MUTUAL)) is None

@@ -98,14 +98,8 @@ breaks sticky sessions and per-pod load tracking).
 {{- if and .Values.tls.router.enabled (not .Values.tls.router.secretName) }}
 {{- fail "tls.router.enabled needs tls.router.secretName: a Secret with tls.crt and tls.key" }}
 {{- end }}
-{{- if and .Values.tls.pods.enabled (not .Values.tls.pods.secretName) }}
-{{- fail "tls.pods.enabled needs tls.pods.secretName: a Secret with tls.crt, tls.key and ca.crt" }}
-{{- end }}
 {{- if and (include "pdserve.podTokenSecretName" .) (not .Values.tls.pods.enabled) }}
 {{- fail "podToken needs tls.pods.enabled: the token is only sent over TLS" }}
-{{- end }}
-{{- if and .Values.tls.pods.enabled (not .Values.tls.pods.clientAuth) (not (include "pdserve.podTokenSecretName" .)) }}
-{{- fail "tls.pods.clientAuth=false leaves pod gRPC unauthenticated: set podToken.value or podToken.existingSecret" }}
 {{- end }}
 {{- if and (eq .Values.model.source "hostPath") (not .Values.model.hostPath.path) }}
 {{- fail "model.source is hostPath but model.hostPath.path is empty: name a directory on the nodes" }}
@@ -198,7 +192,7 @@ volumes:
   {{- if $v.tls.pods.enabled }}
   - name: pod-tls
     secret:
-      secretName: {{ $v.tls.pods.secretName }}
+      secretName: {{ include "pdserve.podTlsSecretName" .root }}
   {{- end }}
   {{- with include "pdserve.podTokenSecretName" .root }}
   - name: pod-token
@@ -238,19 +232,86 @@ volumeMounts:
   {{- end }}
 {{- end }}
 
+{{/*
+Name of the Secret holding pod gRPC's tls.crt, tls.key and ca.crt (with
+tls.pods.enabled): tls.pods.secretName, or the one the chart generates.
+*/}}
+{{- define "pdserve.podTlsSecretName" -}}
+{{- default (printf "%s-pod-tls" (include "pdserve.fullname" .)) .Values.tls.pods.secretName }}
+{{- end }}
+
+{{/* "true" when the chart generates the pod TLS Secret: pod TLS on, no Secret named. */}}
+{{- define "pdserve.generatesPodTls" -}}
+{{- if and .Values.tls.pods.enabled (not .Values.tls.pods.secretName) }}true{{ end }}
+{{- end }}
+
+{{/*
+"true" when the chart generates the pod token: pod TLS without client
+certificates (clientAuth=false) would otherwise authenticate no caller.
+*/}}
+{{- define "pdserve.generatesPodToken" -}}
+{{- if and .Values.tls.pods.enabled (not .Values.tls.pods.clientAuth) (not .Values.podToken.value) (not .Values.podToken.existingSecret) }}true{{ end }}
+{{- end }}
+
 {{/* Name of the Secret holding the pod token, or "" when there is none. */}}
 {{- define "pdserve.podTokenSecretName" -}}
 {{- if .Values.podToken.existingSecret }}
 {{- .Values.podToken.existingSecret }}
-{{- else if .Values.podToken.value }}
+{{- else if or .Values.podToken.value (include "pdserve.generatesPodToken" .) }}
 {{- printf "%s-pod-token" (include "pdserve.fullname" .) }}
 {{- end }}
 {{- end }}
 
-{{/* Restart pods when an inline pod token changes: a Secret file is read once, at start. */}}
-{{- define "pdserve.podTokenChecksum" -}}
+{{/*
+What the chart's own security Secrets hold when the user names none
+(docs/deploy.md, Security), made once per render and kept in
+.Values (key "_generated"), so every template that needs it (the Secrets and the
+Deployments' checksums) sees the same bytes: "podTls" (base64 ca.crt, tls.crt,
+tls.key: a self-signed CA and one certificate for tls.pods.serverName with
+server and client usage, 10 years) and "podToken" (base64, 48 random
+characters). An existing Secret of the same name (`lookup`, i.e. on helm
+upgrade) is reused, so upgrades keep them and restart nothing; a certificate
+made for another serverName is not. `helm template` and --dry-run cannot look
+up: each of their renders generates anew.
+*/}}
+{{- define "pdserve.generated" -}}
+{{- if not (hasKey .Values "_generated") }}
+{{- $generated := dict }}
+{{- if include "pdserve.generatesPodTls" . }}
+{{- $serverName := .Values.tls.pods.serverName }}
+{{- $existing := lookup "v1" "Secret" .Release.Namespace (include "pdserve.podTlsSecretName" .) }}
+{{- $data := $existing.data | default dict }}
+{{- if and (eq (dig "metadata" "annotations" "pdserve.io/server-name" "" $existing) $serverName) (hasKey $data "ca.crt") (hasKey $data "tls.crt") (hasKey $data "tls.key") }}
+{{- $_ := set $generated "podTls" (pick $data "ca.crt" "tls.crt" "tls.key") }}
+{{- else }}
+{{- $ca := genCA (printf "%s pod CA" (include "pdserve.fullname" .)) 3650 }}
+{{- $cert := genSignedCert $serverName nil (list $serverName) 3650 $ca }}
+{{- $_ := set $generated "podTls" (dict "ca.crt" ($ca.Cert | b64enc) "tls.crt" ($cert.Cert | b64enc) "tls.key" ($cert.Key | b64enc)) }}
+{{- end }}
+{{- end }}
+{{- if include "pdserve.generatesPodToken" . }}
+{{- $existing := lookup "v1" "Secret" .Release.Namespace (include "pdserve.podTokenSecretName" .) }}
+{{- $data := $existing.data | default dict }}
+{{- $_ := set $generated "podToken" (get $data .Values.podToken.secretKey | default (randAlphaNum 48 | b64enc)) }}
+{{- end }}
+{{- $_ := set .Values "_generated" $generated }}
+{{- end }}
+{{- end }}
+
+{{/*
+Restart pods when a pod token or certificate the chart writes changes: the
+files are read once, at start. (A Secret the user names is theirs to roll.)
+*/}}
+{{- define "pdserve.securityChecksums" -}}
+{{- include "pdserve.generated" . }}
+{{- $generated := get .Values "_generated" }}
 {{- if and .Values.podToken.value (not .Values.podToken.existingSecret) }}
 checksum/pod-token: {{ .Values.podToken.value | sha256sum }}
+{{- else if hasKey $generated "podToken" }}
+checksum/pod-token: {{ get $generated "podToken" | sha256sum }}
+{{- end }}
+{{- with get $generated "podTls" }}
+checksum/pod-tls: {{ toJson . | sha256sum }}
 {{- end }}
 {{- end }}
 

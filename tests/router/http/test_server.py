@@ -233,3 +233,48 @@ def test_internal_error_keeps_openai_shape_and_serving(tiny_model_dir, monkeypat
                                  json={**body, "prompt": "fine"}) as r:
                 assert r.status == 200
     run(main())
+
+
+def _sample(metrics: str, name: str) -> float:
+    """The value of sample `name` (with its labels, as /metrics writes it); 0 when absent."""
+    for line in metrics.splitlines():
+        if line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+OK = 'pdserve_router_requests_total{outcome="ok"}'
+E2E = 'pdserve_e2e_request_latency_seconds_count{role="router"}'
+E2E_SUM = 'pdserve_e2e_request_latency_seconds_sum{role="router"}'
+
+
+def test_a_finished_request_counts_ok_once_and_one_e2e_latency(tiny_model_dir):
+    """One router process (tests/router/test_workers.py checks the sums over
+    --workers 2): a stream read to its [DONE] and a whole response each add
+    exactly one `ok` and one e2e observation, and no other outcome."""
+    async def main():
+        async with fake_cluster(tiny_model_dir, PD) as (server, _), \
+                aiohttp.ClientSession() as http:
+            async def metrics() -> str:
+                async with http.get(_url(server, "/metrics")) as r:
+                    return await r.text()
+
+            seen = [await metrics()]
+            body = {"model": "tiny", "prompt": "hi", "max_tokens": 5}
+            async with http.post(_url(server, "/v1/completions"),
+                                 json={**body, "stream": True}) as r:
+                events = await _sse(r)
+            seen.append(await metrics())
+            async with http.post(_url(server, "/v1/completions"), json=body) as r:
+                whole = await r.json()
+            seen.append(await metrics())
+        return events, whole, seen
+
+    events, whole, seen = run(main())
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+    assert whole["choices"][0]["finish_reason"] == "length"
+    assert [(_sample(m, OK), _sample(m, E2E)) for m in seen] == [(0, 0), (1, 1), (2, 2)]
+    assert 0 < _sample(seen[1], E2E_SUM) < _sample(seen[2], E2E_SUM)
+    outcomes = {line.split(" ")[0] for m in seen for line in m.splitlines()
+                if line.startswith("pdserve_router_requests_total{")}
+    assert outcomes == {OK}
