@@ -193,7 +193,7 @@ def test_disaggregated_equals_colocated(checkpoint):
      "full_attention rope_type 'linear'"),
     ("gemma3", {"layer_types": ["chunked_attention"] * 4}, "layer_types\\[0\\]"),
     ("gemma3", {"layer_types": ["full_attention"]}, "layer_types has 1 entries"),
-    ("gemma2", {"head_dim": 256}, "head_dim 256 is not supported"),
+    ("gemma2", {"head_dim": 160}, "head_dim 160 is not supported"),
 ])
 def test_unsupported_variants_are_refused_by_name(tmp_path, variant, change, message):
     config_class, _, extra = VARIANTS[variant]
