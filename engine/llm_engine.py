@@ -88,7 +88,7 @@ class LLMEngine:
         if self.model.device.type == "cpu" and Backend.parse(config.kernel_backend) is Backend.AUTO:
             native.library()  # build or load the CPU attention now, not in the first step
         mc = self.model_config
-        if mc.head_dim not in HEAD_DIMS:  # e.g. Phi-3-mini's 96: refused now, not at step 1
+        if mc.head_dim not in HEAD_DIMS:  # refused now, not at the first step
             raise UnsupportedModelError(
                 f"{config.model_dir}: head_dim={mc.head_dim} is not supported by the paged "
                 f"attention kernels (supported: {', '.join(map(str, HEAD_DIMS))})")

@@ -31,6 +31,7 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
 
 from kernels import kv_copy, norm, paged_attention, prefill_attention, rotary
+from kernels.checks import HEAD_DIMS
 
 CAPABILITIES = (80, 90)
 _PTR = {"fp32": "*fp32", "fp16": "*fp16", "bf16": "*bf16"}
@@ -73,19 +74,20 @@ def decode_specs(config: paged_attention.DecodeAttentionConfig) -> list[KernelSp
         "context_lens_ptr": "*i32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
         "scale_log2": "fp32", "sliding_window": "i32", "softcap_log2": "fp32",
         **dict.fromkeys(ints, "i32"),
-        **dict.fromkeys(("HEAD_DIM", "BLOCK_SIZE", "GROUP_PAD", "TILE_N", "DOT_FP32",
-                         "SOFTCAP"), "constexpr"),
+        **dict.fromkeys(("HEAD_DIM", "BLOCK_D", "BLOCK_SIZE", "GROUP_PAD", "HEAD_SLICES",
+                         "TILE_N", "DOT_FP32", "SOFTCAP"), "constexpr"),
     }
     constexprs = {
-        "HEAD_DIM": config.head_dim, "BLOCK_SIZE": config.block_size,
-        "GROUP_PAD": config.group_pad, "TILE_N": config.tile_n,
+        "HEAD_DIM": config.head_dim, "BLOCK_D": config.block_d, "BLOCK_SIZE": config.block_size,
+        "GROUP_PAD": config.group_pad, "HEAD_SLICES": config.head_slices,
+        "TILE_N": config.tile_n,
         # What the launcher passes on a GPU (the interpreter-only bf16 case is off).
         "DOT_FP32": config.dtype == "fp32",
         # The soft-capped variant (Gemma 2) is compiled when first used.
         "SOFTCAP": False,
     }
     label = (f"decode {config.dtype} D={config.head_dim} bs={config.block_size} "
-             f"group<={config.group_pad} tile={config.tile_n}")
+             f"group<={config.group_pad}{_sliced(config.head_slices)} tile={config.tile_n}")
     return [KernelSpec(label, paged_attention._decode_partial_kernel, signature, constexprs,
                        config.num_warps)]
 
@@ -99,31 +101,39 @@ def prefill_specs(config: prefill_attention.PrefillAttentionConfig) -> list[Kern
         "query_start_ptr": "*i32", "context_lens_ptr": "*i32", "tile_seq_ptr": "*i32",
         "tile_start_ptr": "*i32", "scale_log2": "fp32", "sliding_window": "i32",
         "softcap_log2": "fp32", **dict.fromkeys(ints, "i32"),
-        **dict.fromkeys(("HEAD_DIM", "BLOCK_SIZE", "GROUP_PAD", "BLOCK_M", "TILE_N",
-                         "DOT_FP32", "SOFTCAP"), "constexpr"),
+        **dict.fromkeys(("HEAD_DIM", "BLOCK_D", "BLOCK_SIZE", "GROUP_PAD", "HEAD_SLICES",
+                         "BLOCK_M", "TILE_N", "DOT_FP32", "SOFTCAP"), "constexpr"),
     }
     constexprs = {
-        "HEAD_DIM": config.head_dim, "BLOCK_SIZE": config.block_size,
-        "GROUP_PAD": config.group_pad, "BLOCK_M": config.block_m, "TILE_N": config.tile_n,
+        "HEAD_DIM": config.head_dim, "BLOCK_D": config.block_d, "BLOCK_SIZE": config.block_size,
+        "GROUP_PAD": config.group_pad, "HEAD_SLICES": config.head_slices,
+        "BLOCK_M": config.block_m, "TILE_N": config.tile_n,
         "DOT_FP32": config.dtype == "fp32", "SOFTCAP": False,
     }
     label = (f"prefill {config.dtype} D={config.head_dim} bs={config.block_size} "
-             f"group<={config.group_pad} tile={config.tile_n}")
+             f"group<={config.group_pad}{_sliced(config.head_slices)} tile={config.tile_n}")
     return [KernelSpec(label, prefill_attention._prefill_kernel, signature, constexprs,
                        config.num_warps)]
+
+
+def _sliced(head_slices: int) -> str:
+    # A sliced group (head_slices programs per KV head) is its own variant.
+    return f"x{head_slices}" if head_slices > 1 else ""
 
 
 def reduce_specs() -> list[KernelSpec]:
     specs = []
     for dtype in ("fp32", "fp16", "bf16"):
-        for head_dim in (64, 128):
+        for head_dim in HEAD_DIMS:
             signature = {
                 "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": _PTR[dtype],
                 "num_splits": "i32", "stride_pb": "i32", "stride_ph": "i32",
                 "stride_ob": "i32", "stride_oh": "i32",
-                "HEAD_DIM": "constexpr", "SPLITS_PAD": "constexpr",
+                "HEAD_DIM": "constexpr", "BLOCK_D": "constexpr", "SPLITS_PAD": "constexpr",
             }
-            constexprs = {"HEAD_DIM": head_dim, "SPLITS_PAD": paged_attention.MAX_SPLITS}
+            constexprs = {"HEAD_DIM": head_dim,
+                          "BLOCK_D": paged_attention.padded_head_dim(head_dim),
+                          "SPLITS_PAD": paged_attention.MAX_SPLITS}
             specs.append(KernelSpec(f"decode-reduce {dtype} D={head_dim}",
                                     paged_attention._decode_reduce_kernel, signature,
                                     constexprs, 4))
@@ -168,9 +178,11 @@ def rotary_specs(config: rotary.RotaryConfig) -> list[KernelSpec]:
     signature = {
         "positions_ptr": "*i64", "x_ptr": ptr, "out_ptr": ptr, "cos_sin_ptr": "*fp32",
         "num_heads": "i32", "stride_xt": "i32", "stride_xh": "i32", "stride_ot": "i32",
-        "stride_oh": "i32", "HALF": "constexpr", "HEADS_TILE": "constexpr",
+        "stride_oh": "i32", "HALF": "constexpr", "HALF_PAD": "constexpr",
+        "HEADS_TILE": "constexpr",
     }
-    constexprs = {"HALF": config.head_dim // 2, "HEADS_TILE": rotary.HEADS_TILE}
+    constexprs = {"HALF": config.head_dim // 2, "HALF_PAD": config.half_pad,
+                  "HEADS_TILE": rotary.HEADS_TILE}
     return [KernelSpec(f"rope {config.dtype} D={config.head_dim}", rotary._rotary_kernel,
                        signature, constexprs, 4)]
 
@@ -196,6 +208,9 @@ def representative_specs() -> list[KernelSpec]:
             (torch.float16, 128, 16, 8), (torch.bfloat16, 128, 128, 4),
             (torch.float32, 128, 256, 1), (torch.bfloat16, 64, 32, 32),
             (torch.float16, 64, 64, 64), (torch.float32, 64, 128, 8),
+            (torch.float16, 96, 16, 4), (torch.float32, 96, 64, 40),
+            (torch.bfloat16, 256, 16, 2), (torch.float16, 256, 128, 64),
+            (torch.float32, 256, 32, 8), (torch.float32, 256, 16, 64),
         )
     ]
     norms = [
@@ -204,18 +219,23 @@ def representative_specs() -> list[KernelSpec]:
         norm.rms_norm_config(torch.float32, torch.float32, 200, True),
     ]
     specs = [s for c in decode for s in decode_specs(c)]
-    specs += [reduce_specs()[2], reduce_specs()[5]]
+    reduces = ("fp16 D=64", "bf16 D=128", "fp32 D=96", "bf16 D=256")
+    specs += [s for s in reduce_specs() if s.label.removeprefix("decode-reduce ") in reduces]
     prefills = [
         prefill_attention.prefill_config(dtype, head_dim, block_size, group)
         for dtype, head_dim, block_size, group in (
             (torch.bfloat16, 128, 16, 4), (torch.float16, 128, 256, 8),
             (torch.float32, 64, 128, 1), (torch.bfloat16, 64, 32, 64),
+            (torch.bfloat16, 96, 16, 8), (torch.float32, 96, 32, 2),
+            (torch.float16, 256, 16, 1), (torch.bfloat16, 256, 64, 40),
+            (torch.float32, 256, 16, 4), (torch.float32, 256, 256, 20),
         )
     ]
     specs += [s for c in prefills for s in prefill_specs(c)]
     specs += [s for c in kv_copy.all_copy_configs() for s in copy_specs(c)]
     specs += [s for c in norms for s in rms_norm_specs(c)]
     specs += rotary_specs(rotary.rotary_config(torch.bfloat16, 128))
+    specs += rotary_specs(rotary.rotary_config(torch.float16, 96))
     return specs
 
 

@@ -13,9 +13,11 @@ from __future__ import annotations
 import torch
 
 FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
-# Head dims the Triton kernels are compiled for (power-of-two tiles); the
-# reference accepts the same set so both backends serve the same models.
-HEAD_DIMS: tuple[int, ...] = (64, 128)
+# Head dims the Triton kernels are compiled for; the reference and the native
+# kernels accept the same set so every backend serves the same models. 96
+# (Phi-3-mini/3.5-mini) runs in 128-wide tiles with the head-dim axis masked;
+# 256 (Gemma 2 2B/9B, Gemma 3 1B) in its own tiles.
+HEAD_DIMS: tuple[int, ...] = (64, 96, 128, 256)
 BLOCK_SIZES: tuple[int, ...] = (16, 32, 64, 128, 256)
 # Query heads per KV head the decode kernel pads to a tile of at most 64 rows.
 MAX_GQA_GROUP = 64

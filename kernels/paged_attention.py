@@ -5,12 +5,20 @@ Work split: one program per (sequence, KV head, split). A split is a range of
 `tile_n` tokens, loading for each token its block id from the block table
 (so a tile may span several small blocks, or sit inside one large block), and
 keeps an online softmax for *all* query heads of its KV head at once (GQA:
-the group is padded to a tile of >= 16 rows so both products are `tl.dot`s).
-It writes the split's normalised output and its log-sum-exp (base 2); the
-reduce kernel then merges the splits of each (sequence, query head).
+the group is padded to a tile of >= 16 rows so both products are `tl.dot`s;
+where that tile would not fit one program, `head_slices` programs share the
+KV head, each taking a slice of the group). It writes the split's normalised
+output and its log-sum-exp (base 2); the reduce kernel then merges the
+splits of each (sequence, query head).
+
+Head dims: the head-dim axis is a tile of BLOCK_D = the head dim rounded up
+to a power of two (Triton's tiles are powers of two). 96 runs in 128 with
+every load and store masked on that axis (`head_dim_mask`): padding lanes
+load zeros, add nothing to q.k, and are never written. For 64, 128 and 256
+the mask is a constant and folds away (their compiled code is unchanged).
 
 Called by `kernels.dispatch.paged_decode_attention` after `kernels.checks`;
-`tests/kernels/test_aot_compile.py` compiles every configuration
+`tests/kernels/test_aot.py` compiles every configuration
 `decode_config` can return (`all_decode_configs`) for sm_80 and sm_90.
 """
 
@@ -44,9 +52,13 @@ class DecodeAttentionConfig:
     dtype: str  # "fp32" | "fp16" | "bf16"
     head_dim: int
     block_size: int
-    group_pad: int  # query heads per KV head, padded to a power of two >= 16
+    group_pad: int  # query heads per program, a power of two >= 16
     tile_n: int  # tokens per inner iteration
     num_warps: int
+    # Programs per KV head, each taking group_pad of its query heads: 1 but
+    # where a whole padded group does not fit one program (fp32 at head_dim
+    # 256, group > 32: q alone would take 64 KiB of shared memory).
+    head_slices: int = 1
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPE_NAMES.values():
@@ -55,6 +67,18 @@ class DecodeAttentionConfig:
             raise ValueError(f"head_dim {self.head_dim} / block_size {self.block_size} unsupported")
         if self.group_pad not in GROUP_PADS:
             raise ValueError(f"group_pad {self.group_pad} not one of {GROUP_PADS}")
+        if self.head_slices not in (1, 2) or self.group_pad * self.head_slices > MAX_GQA_GROUP:
+            raise ValueError(f"head_slices {self.head_slices} of {self.group_pad} heads "
+                             "unsupported")
+
+    @property
+    def block_d(self) -> int:
+        return padded_head_dim(self.head_dim)
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """The head-dim tile (constexpr BLOCK_D): head_dim rounded up to a power of two."""
+    return 1 << (head_dim - 1).bit_length()
 
 
 def decode_config(dtype: torch.dtype, head_dim: int, block_size: int,
@@ -63,18 +87,29 @@ def decode_config(dtype: torch.dtype, head_dim: int, block_size: int,
     if not 1 <= group <= MAX_GQA_GROUP:
         raise ValueError(f"GQA group {group} outside 1..{MAX_GQA_GROUP}")
     group_pad = max(16, 1 << (group - 1).bit_length())
+    block_d = padded_head_dim(head_dim)  # 96 runs in 128-wide tiles: same choices
     # Chosen from ptxas's allocation on sm_80 and sm_90 (docs/kernels.md):
     # the largest token tile whose K, V, scores and accumulator stay in
     # registers without spilling. 8 warps: with 4, the 64-token
     # half-precision tiles spill at head_dim 128. Exact fp32 dots run on
     # FMA units with larger register tiles, hence the smaller token tiles
-    # and, for the widest group at head_dim 128, 16 warps.
-    tile_n, num_warps = 64, 8
-    if dtype == torch.float32 and (head_dim == 128 or group_pad == 64):
+    # and, for the widest group at head_dim 128, 16 warps. At head_dim 256
+    # every tile is twice as wide: 32 tokens (16 for the 64-row group) in
+    # half precision, 16 in fp32, whose 64-row group also overflows shared
+    # memory (q alone is 64 KiB) and runs as two programs of 32 heads.
+    tile_n, num_warps, head_slices = 64, 8, 1
+    if block_d == 256:
+        if dtype == torch.float32:
+            tile_n = 16
+            if group_pad == 64:
+                group_pad, head_slices = 32, 2
+        else:
+            tile_n = 16 if group_pad == 64 else 32
+    elif dtype == torch.float32 and (block_d == 128 or group_pad == 64):
         tile_n = 32
-        num_warps = 16 if head_dim == 128 and group_pad == 64 else 8
+        num_warps = 16 if block_d == 128 and group_pad == 64 else 8
     return DecodeAttentionConfig(_DTYPE_NAMES[dtype], head_dim, block_size, group_pad, tile_n,
-                                 num_warps)
+                                 num_warps, head_slices)
 
 
 def all_decode_configs() -> list[DecodeAttentionConfig]:
@@ -131,16 +166,31 @@ def soft_cap_log2(scores, softcap_log2):
 
 
 @triton.jit
+def head_dim_mask(dims, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """`dims < HEAD_DIM` for a head-dim tile `dims = arange(0, BLOCK_D)`. A
+    constant true when the head fills its tile, so `mask & head_dim_mask(...)`
+    folds back to `mask` and the unpadded variants compile to the code they
+    had before padding existed."""
+    if HEAD_DIM == BLOCK_D:
+        ok = tl.full([BLOCK_D], 1, tl.int1)
+    else:
+        ok = dims < HEAD_DIM
+    return ok
+
+
+@triton.jit
 def _decode_partial_kernel(
     q_ptr, k_ptr, v_ptr, block_tables_ptr, context_lens_ptr, part_out_ptr, part_lse_ptr,
     scale_log2, sliding_window, softcap_log2, partition_size, group,
     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt,
     stride_pb, stride_ph, stride_ps,
-    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr,
-    TILE_N: tl.constexpr, DOT_FP32: tl.constexpr, SOFTCAP: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    GROUP_PAD: tl.constexpr, HEAD_SLICES: tl.constexpr, TILE_N: tl.constexpr,
+    DOT_FP32: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    kv_head = tl.program_id(1) // HEAD_SLICES
+    first_row = (tl.program_id(1) % HEAD_SLICES) * GROUP_PAD  # 0 unless the group is sliced
     split = tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq)
     window_start = tl.where(sliding_window > 0, tl.maximum(context_len - sliding_window, 0), 0)
@@ -151,22 +201,26 @@ def _decode_partial_kernel(
     # token, so the running max is finite after the first one).
     end = tl.where(lo < hi, hi, first)
 
-    rows = tl.arange(0, GROUP_PAD)
-    dims = tl.arange(0, HEAD_DIM)
+    rows = first_row + tl.arange(0, GROUP_PAD)
+    dims = tl.arange(0, BLOCK_D)
+    # Padding lanes of the head dim (96 in a 128 tile) load as 0, so they add
+    # nothing to q.k and their output columns (0) are never stored.
+    dim_ok = head_dim_mask(dims, HEAD_DIM, BLOCK_D)
     row_ok = rows < group
     q_heads = kv_head * group + rows
     q = tl.load(q_ptr + seq * stride_qb + q_heads[:, None] * stride_qh + dims[None, :],
-                mask=row_ok[:, None], other=0.0)
+                mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_sum = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     for start in range(first, end, TILE_N):
         pos = start + tl.arange(0, TILE_N)
         valid = (pos >= lo) & (pos < hi)
         block = tl.load(table_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         token = block * stride_kb + (pos % BLOCK_SIZE) * stride_kt + kv_head * stride_kh
-        k_t = tl.load(k_ptr + token[None, :] + dims[:, None], mask=valid[None, :], other=0.0)
+        k_t = tl.load(k_ptr + token[None, :] + dims[:, None],
+                      mask=dim_ok[:, None] & valid[None, :], other=0.0)
         if DOT_FP32:
             scores = tl.dot(q.to(tl.float32), k_t.to(tl.float32), input_precision="ieee")
         else:
@@ -179,7 +233,8 @@ def _decode_partial_kernel(
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(scores - m_new[:, None])
         l_sum = l_sum * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + token[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
+        v = tl.load(v_ptr + token[:, None] + dims[None, :],
+                    mask=valid[:, None] & dim_ok[None, :], other=0.0)
         if DOT_FP32:
             pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:
@@ -191,7 +246,8 @@ def _decode_partial_kernel(
     out = acc / tl.where(nonempty, l_sum, 1.0)[:, None]
     lse = tl.where(nonempty, m + tl.log2(tl.where(nonempty, l_sum, 1.0)), float("-inf"))
     base = seq * stride_pb + q_heads * stride_ph + split * stride_ps
-    tl.store(part_out_ptr + base[:, None] * HEAD_DIM + dims[None, :], out, mask=row_ok[:, None])
+    tl.store(part_out_ptr + base[:, None] * HEAD_DIM + dims[None, :], out,
+             mask=row_ok[:, None] & dim_ok[None, :])
     tl.store(part_lse_ptr + base, lse, mask=row_ok)
 
 
@@ -199,12 +255,13 @@ def _decode_partial_kernel(
 def _decode_reduce_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, num_splits,
     stride_pb, stride_ph, stride_ob, stride_oh,
-    HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_PAD: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_PAD)
-    dims = tl.arange(0, HEAD_DIM)
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = head_dim_mask(dims, HEAD_DIM, BLOCK_D)
     base = seq * stride_pb + head * stride_ph + splits
     lse = tl.load(part_lse_ptr + base, mask=splits < num_splits, other=float("-inf"))
     top = tl.max(lse, axis=0)
@@ -213,11 +270,11 @@ def _decode_reduce_kernel(
     top = tl.where(top > float("-inf"), top, 0.0)
     weight = tl.where(lse > float("-inf"), tl.exp2(lse - top), 0.0)
     parts = tl.load(part_out_ptr + base[:, None] * HEAD_DIM + dims[None, :],
-                    mask=(weight > 0)[:, None], other=0.0)
+                    mask=(weight > 0)[:, None] & dim_ok[None, :], other=0.0)
     total = tl.sum(weight, axis=0)
     out = tl.sum(parts * weight[:, None], axis=0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + seq * stride_ob + head * stride_oh + dims,
-             out.to(out_ptr.dtype.element_ty))
+             out.to(out_ptr.dtype.element_ty), mask=dim_ok)
 
 
 def paged_decode_attention_triton(
@@ -262,19 +319,20 @@ def paged_decode_attention_triton(
                            device=q.device)
     part_lse = torch.empty((batch, num_q_heads, splits), dtype=torch.float32, device=q.device)
     key, value = kv_cache[0], kv_cache[1]
-    _decode_partial_kernel[(batch, num_kv_heads, splits)](
+    _decode_partial_kernel[(batch, num_kv_heads * config.head_slices, splits)](
         q, key, value, block_tables, context_lens, part_out, part_lse,
         scale * LOG2E, sliding_window or 0, (softcap or 1.0) * LOG2E, partition, group,
         q.stride(0), q.stride(1), key.stride(0), key.stride(1), key.stride(2),
         block_tables.stride(0),
         part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
-        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, GROUP_PAD=config.group_pad,
-        TILE_N=config.tile_n, DOT_FP32=dot_in_fp32(q.dtype), SOFTCAP=softcap is not None,
+        HEAD_DIM=head_dim, BLOCK_D=config.block_d, BLOCK_SIZE=block_size,
+        GROUP_PAD=config.group_pad, HEAD_SLICES=config.head_slices, TILE_N=config.tile_n,
+        DOT_FP32=dot_in_fp32(q.dtype), SOFTCAP=softcap is not None,
         num_warps=config.num_warps,
     )
     _decode_reduce_kernel[(batch, num_q_heads)](
         part_out, part_lse, out, splits,
         part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, SPLITS_PAD=MAX_SPLITS, num_warps=4,
+        HEAD_DIM=head_dim, BLOCK_D=config.block_d, SPLITS_PAD=MAX_SPLITS, num_warps=4,
     )
     return out

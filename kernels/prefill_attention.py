@@ -9,11 +9,15 @@ covers both the cached prefix and the causal part.
 
 Work split: one program per (query tile, KV head). A query tile is BLOCK_M
 consecutive new tokens of one sequence times all query heads of the KV
-head, flattened into 64 rows (BLOCK_M = 64 / group_pad), so GQA heads share
-every K/V load. The program walks key tiles of `tile_n` tokens from the
-window start of its first token to its last token, with a causal (and
-sliding-window) mask per row and an online softmax in base 2. The tile list
-is built on the host from query_start_loc (one small device-to-host copy).
+head, flattened into `rows` rows (BLOCK_M = rows / group_pad; 64 rows, fewer
+at head dim 256), so GQA heads share every K/V load; a padded group wider
+than `rows` is cut into `head_slices` programs of `rows` heads each. The
+program walks key tiles of `tile_n` tokens from the window start of its
+first token to its last token, with a causal (and sliding-window) mask per
+row and an online softmax in base 2. The tile list is built on the host
+from query_start_loc (one small device-to-host copy). The head-dim axis is
+padded to a power of two as in the decode kernel (96 in a 128 tile, every
+load and store masked on it; `head_dim_mask`).
 
 Called by `kernels.dispatch.paged_prefill_attention` after
 `kernels.checks.check_prefill_attention`.
@@ -28,9 +32,15 @@ import triton
 import triton.language as tl
 
 from kernels.checks import BLOCK_SIZES, HEAD_DIMS, MAX_GQA_GROUP
-from kernels.paged_attention import LOG2E, dot_in_fp32, soft_cap_log2
+from kernels.paged_attention import (
+    LOG2E,
+    dot_in_fp32,
+    head_dim_mask,
+    padded_head_dim,
+    soft_cap_log2,
+)
 
-ROWS = 64  # query rows (tokens x heads) per program
+ROWS = 64  # query rows (tokens x heads) per program (fewer at head_dim 256: prefill_config)
 NO_WINDOW = 1 << 30  # the window passed when there is none: longer than any context
 _DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
@@ -42,19 +52,32 @@ class PrefillAttentionConfig:
     dtype: str
     head_dim: int
     block_size: int
-    group_pad: int  # query heads per KV head, padded to a power of two
+    group_pad: int  # query heads per program: the group padded to a power of two, <= rows
     tile_n: int
     num_warps: int
+    rows: int = ROWS  # query rows (tokens x heads) per program
+    head_slices: int = 1  # programs per KV head (group_pad * head_slices heads)
 
     def __post_init__(self) -> None:
         if self.head_dim not in HEAD_DIMS or self.block_size not in BLOCK_SIZES:
             raise ValueError(f"head_dim {self.head_dim} / block_size {self.block_size} unsupported")
         if self.group_pad & (self.group_pad - 1) or not 1 <= self.group_pad <= MAX_GQA_GROUP:
             raise ValueError(f"group_pad {self.group_pad} must be a power of two <= 64")
+        if self.rows not in (16, 32, 64) or self.group_pad > self.rows:
+            raise ValueError(f"rows {self.rows} must be 16, 32 or 64 and >= group_pad "
+                             f"{self.group_pad}")
+        if self.head_slices & (self.head_slices - 1) or (
+                self.group_pad * self.head_slices > MAX_GQA_GROUP):
+            raise ValueError(f"head_slices {self.head_slices} of {self.group_pad} heads "
+                             "unsupported")
 
     @property
     def block_m(self) -> int:
-        return ROWS // self.group_pad
+        return self.rows // self.group_pad
+
+    @property
+    def block_d(self) -> int:
+        return padded_head_dim(self.head_dim)
 
 
 def prefill_config(dtype: torch.dtype, head_dim: int, block_size: int, group: int
@@ -63,16 +86,30 @@ def prefill_config(dtype: torch.dtype, head_dim: int, block_size: int, group: in
     if not 1 <= group <= MAX_GQA_GROUP:
         raise ValueError(f"GQA group {group} outside 1..{MAX_GQA_GROUP}")
     group_pad = 1 << (group - 1).bit_length()
-    # Every program holds 64 query rows. Chosen from ptxas's allocation
-    # (docs/kernels.md): 64-token tiles with 8 warps for fp16/bf16; exact fp32
-    # dots run on FMA units with larger register tiles: 16-token tiles, and
-    # 16 warps at head_dim 128 (8 spill there; 16 spill at head_dim 64).
-    if dtype == torch.float32:
-        tile_n, num_warps = 16, (16 if head_dim == 128 else 8)
+    block_d = padded_head_dim(head_dim)  # 96 runs in 128-wide tiles: same choices
+    # Chosen from ptxas's allocation (docs/kernels.md). Up to head_dim 128
+    # every program holds 64 query rows: 64-token tiles with 8 warps for
+    # fp16/bf16; exact fp32 dots run on FMA units with larger register
+    # tiles: 16-token tiles, and 16 warps at head_dim 128 (8 spill there; 16
+    # spill at head_dim 64). At head_dim 256 no 64-row program is free of
+    # spills: 32 rows with 32-token key tiles and 8 warps in half precision
+    # (16-token ones for a group of 1, whose 32 query tokens per program
+    # spill with 32), 16 rows with 16-token tiles in fp32, 4 warps for
+    # groups of 2-8 and 8 otherwise (on sm_80, 8 warps spill for groups of
+    # 2-8 and 4 for a sliced group); wider groups are sliced.
+    rows = ROWS
+    if block_d == 256:
+        if dtype == torch.float32:
+            rows, tile_n, num_warps = 16, 16, (4 if 2 <= group_pad <= 8 else 8)
+        else:
+            rows, tile_n, num_warps = 32, (16 if group_pad == 1 else 32), 8
+    elif dtype == torch.float32:
+        tile_n, num_warps = 16, (16 if block_d == 128 else 8)
     else:
         tile_n, num_warps = 64, 8
-    return PrefillAttentionConfig(_DTYPE_NAMES[dtype], head_dim, block_size, group_pad, tile_n,
-                                  num_warps)
+    head_slices = max(1, group_pad // rows)
+    return PrefillAttentionConfig(_DTYPE_NAMES[dtype], head_dim, block_size,
+                                  group_pad // head_slices, tile_n, num_warps, rows, head_slices)
 
 
 def all_prefill_configs() -> list[PrefillAttentionConfig]:
@@ -81,7 +118,7 @@ def all_prefill_configs() -> list[PrefillAttentionConfig]:
         for dtype in _DTYPE_NAMES
         for head_dim in HEAD_DIMS
         for block_size in BLOCK_SIZES
-        for group in (1, 2, 3, 5, 9, 17, 33)  # one group per group_pad
+        for group in (1, 2, 3, 5, 9, 17, 33)  # one group per padded group
     ]
 
 
@@ -90,12 +127,13 @@ def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, query_start_ptr, context_lens_ptr,
     tile_seq_ptr, tile_start_ptr, scale_log2, sliding_window, softcap_log2, group,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_kt, stride_kh, stride_bt,
-    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr,
-    BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, DOT_FP32: tl.constexpr,
-    SOFTCAP: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    GROUP_PAD: tl.constexpr, HEAD_SLICES: tl.constexpr, BLOCK_M: tl.constexpr,
+    TILE_N: tl.constexpr, DOT_FP32: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     tile = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    kv_head = tl.program_id(1) // HEAD_SLICES
+    first_head = (tl.program_id(1) % HEAD_SLICES) * GROUP_PAD  # 0 unless the group is sliced
     seq = tl.load(tile_seq_ptr + tile)
     m_start = tl.load(tile_start_ptr + tile)
     q_begin = tl.load(query_start_ptr + seq)
@@ -103,28 +141,30 @@ def _prefill_kernel(
     first_pos = tl.load(context_lens_ptr + seq) - qlen
 
     rows = tl.arange(0, BLOCK_M * GROUP_PAD)
-    dims = tl.arange(0, HEAD_DIM)
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = head_dim_mask(dims, HEAD_DIM, BLOCK_D)  # padding lanes: loaded as 0, not stored
     tok = m_start + rows // GROUP_PAD
-    head = kv_head * group + rows % GROUP_PAD
-    row_ok = (tok < qlen) & (rows % GROUP_PAD < group)
+    head = kv_head * group + rows % GROUP_PAD + first_head
+    row_ok = (tok < qlen) & (rows % GROUP_PAD + first_head < group)
     pos_q = first_pos + tok
     # Lowest visible key per row (no window = a window longer than any context).
     row_lo = tl.maximum(pos_q + 1 - sliding_window, 0)
     q_off = (q_begin + tok).to(tl.int64)
     q = tl.load(q_ptr + q_off[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
-                mask=row_ok[:, None], other=0.0)
+                mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
     hi = tl.minimum(first_pos + m_start + BLOCK_M, first_pos + qlen)
     lo = tl.maximum(first_pos + m_start + 1 - sliding_window, 0)
     m = tl.full([BLOCK_M * GROUP_PAD], float("-inf"), tl.float32)
     l_sum = tl.zeros([BLOCK_M * GROUP_PAD], tl.float32)
-    acc = tl.zeros([BLOCK_M * GROUP_PAD, HEAD_DIM], tl.float32)
+    acc = tl.zeros([BLOCK_M * GROUP_PAD, BLOCK_D], tl.float32)
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     for start in range(lo - lo % TILE_N, hi, TILE_N):
         pos = start + tl.arange(0, TILE_N)
         kv_ok = (pos >= lo) & (pos < hi)
         block = tl.load(table_row + pos // BLOCK_SIZE, mask=kv_ok, other=0).to(tl.int64)
         token = block * stride_kb + (pos % BLOCK_SIZE) * stride_kt + kv_head * stride_kh
-        k_t = tl.load(k_ptr + token[None, :] + dims[:, None], mask=kv_ok[None, :], other=0.0)
+        k_t = tl.load(k_ptr + token[None, :] + dims[:, None],
+                      mask=dim_ok[:, None] & kv_ok[None, :], other=0.0)
         if DOT_FP32:
             scores = tl.dot(q.to(tl.float32), k_t.to(tl.float32), input_precision="ieee")
         else:
@@ -141,7 +181,8 @@ def _prefill_kernel(
         alpha = tl.exp2(m - m_use)
         p = tl.exp2(scores - m_use[:, None])
         l_sum = l_sum * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + token[:, None] + dims[None, :], mask=kv_ok[:, None], other=0.0)
+        v = tl.load(v_ptr + token[:, None] + dims[None, :],
+                    mask=kv_ok[:, None] & dim_ok[None, :], other=0.0)
         if DOT_FP32:
             pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:
@@ -150,7 +191,7 @@ def _prefill_kernel(
         m = m_new
     out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
     tl.store(out_ptr + q_off[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
 
 
 def _tiles(query_start_loc: torch.Tensor, block_m: int, device: torch.device
@@ -191,13 +232,14 @@ def paged_prefill_attention_triton(
     if tile_seq.numel() == 0:
         return out
     key, value = kv_cache[0], kv_cache[1]
-    _prefill_kernel[(tile_seq.numel(), num_kv_heads)](
+    _prefill_kernel[(tile_seq.numel(), num_kv_heads * config.head_slices)](
         q, key, value, out, block_tables, query_start_loc, context_lens, tile_seq, tile_start,
         scale * LOG2E, sliding_window or NO_WINDOW, (softcap or 1.0) * LOG2E, group,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         key.stride(0), key.stride(1), key.stride(2), block_tables.stride(0),
-        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, GROUP_PAD=config.group_pad,
-        BLOCK_M=config.block_m, TILE_N=config.tile_n, DOT_FP32=dot_in_fp32(q.dtype),
-        SOFTCAP=softcap is not None, num_warps=config.num_warps,
+        HEAD_DIM=head_dim, BLOCK_D=config.block_d, BLOCK_SIZE=block_size,
+        GROUP_PAD=config.group_pad, HEAD_SLICES=config.head_slices, BLOCK_M=config.block_m,
+        TILE_N=config.tile_n, DOT_FP32=dot_in_fp32(q.dtype), SOFTCAP=softcap is not None,
+        num_warps=config.num_warps,
     )
     return out

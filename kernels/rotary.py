@@ -3,7 +3,9 @@
 For a head vector x = [x1, x2] (halves of D) at position p, with c, s the
 cos/sin row p of the cache: out = [x1*c - x2*s, x2*c + x1*s], in fp32,
 stored in x.dtype. Scalings such as llama3's are baked into the cache by the
-model, so the kernel only applies it. One program rotates HEADS_TILE heads
+model, so the kernel only applies it. A half is a tile of HALF_PAD = HALF
+rounded up to a power of two (head dim 96: 48 in 64), every load and store
+masked to the HALF real lanes. One program rotates HEADS_TILE heads
 of one token; q and k are two launches of the same kernel. Outputs are new
 tensors (inputs untouched), matching the torch reference.
 
@@ -20,6 +22,7 @@ import triton
 import triton.language as tl
 
 from kernels.checks import HEAD_DIMS
+from kernels.paged_attention import head_dim_mask
 
 HEADS_TILE = 4
 _DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
@@ -36,6 +39,12 @@ class RotaryConfig:
         if self.head_dim not in HEAD_DIMS:
             raise ValueError(f"head_dim {self.head_dim} not one of {HEAD_DIMS}")
 
+    @property
+    def half_pad(self) -> int:
+        """Lanes of a half's tile (constexpr HALF_PAD): head_dim / 2 rounded up to a power
+        of two."""
+        return 1 << (self.head_dim // 2 - 1).bit_length()
+
 
 def rotary_config(dtype: torch.dtype, head_dim: int) -> RotaryConfig:
     """The one place a RoPE variant is chosen (launcher and AOT test share it)."""
@@ -50,15 +59,17 @@ def all_rotary_configs() -> list[RotaryConfig]:
 def _rotary_kernel(
     positions_ptr, x_ptr, out_ptr, cos_sin_ptr, num_heads,
     stride_xt, stride_xh, stride_ot, stride_oh,
-    HALF: tl.constexpr, HEADS_TILE: tl.constexpr,
+    HALF: tl.constexpr, HALF_PAD: tl.constexpr, HEADS_TILE: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * HEADS_TILE + tl.arange(0, HEADS_TILE)
-    dims = tl.arange(0, HALF)
-    mask = (heads < num_heads)[:, None]
+    dims = tl.arange(0, HALF_PAD)
+    dim_ok = head_dim_mask(dims, HALF, HALF_PAD)  # lanes past HALF: never loaded or stored
+    mask = (heads < num_heads)[:, None] & dim_ok[None, :]
     position = tl.load(positions_ptr + token)
-    cos = tl.load(cos_sin_ptr + position * (2 * HALF) + dims)[None, :]
-    sin = tl.load(cos_sin_ptr + position * (2 * HALF) + HALF + dims)[None, :]
+    cos = tl.load(cos_sin_ptr + position * (2 * HALF) + dims, mask=dim_ok, other=0.0)[None, :]
+    sin = tl.load(cos_sin_ptr + position * (2 * HALF) + HALF + dims, mask=dim_ok,
+                  other=0.0)[None, :]
     src = x_ptr + token * stride_xt + heads[:, None] * stride_xh + dims[None, :]
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
@@ -70,7 +81,7 @@ def _rotary_kernel(
 
 def _rotate(
     positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: torch.Tensor,
-    out: torch.Tensor | None,
+    out: torch.Tensor | None, config: RotaryConfig,
 ) -> torch.Tensor:
     num_tokens, num_heads, head_dim = x.shape
     if out is None:
@@ -83,7 +94,7 @@ def _rotate(
     _rotary_kernel[(num_tokens, triton.cdiv(num_heads, HEADS_TILE))](
         positions, x, out, cos_sin_cache, num_heads,
         x.stride(0), x.stride(1), out.stride(0), out.stride(1),
-        HALF=head_dim // 2, HEADS_TILE=HEADS_TILE, num_warps=4,
+        HALF=head_dim // 2, HALF_PAD=config.half_pad, HEADS_TILE=HEADS_TILE, num_warps=4,
     )
     return out
 
@@ -102,6 +113,6 @@ def rotary_embedding_triton(
     Returns new (q, k), or writes the preallocated q_out / k_out. Positions
     must be < cos_sin_cache.shape[0] (not checked: that needs a device sync).
     """
-    rotary_config(q.dtype, q.shape[2])  # refuses shapes no compiled variant covers
-    return (_rotate(positions, q, cos_sin_cache, q_out),
-            _rotate(positions, k, cos_sin_cache, k_out))
+    config = rotary_config(q.dtype, q.shape[2])  # refuses shapes no compiled variant covers
+    return (_rotate(positions, q, cos_sin_cache, q_out, config),
+            _rotate(positions, k, cos_sin_cache, k_out, config))

@@ -107,7 +107,8 @@ class GemmaConfig:
         head_dim = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
         if head_dim not in HEAD_DIMS:
             # Refused here rather than at the first forward pass (the released
-            # Gemma 2 2B/9B and Gemma 3 1B checkpoints have head_dim 256).
+            # checkpoints have 256 (Gemma 2 2B/9B, Gemma 3 1B) or 128 (Gemma 2
+            # 27B), both run).
             raise UnsupportedModelError(
                 f"{source}: head_dim {head_dim} is not supported by the attention kernels "
                 f"(supported: {', '.join(map(str, HEAD_DIMS))})")

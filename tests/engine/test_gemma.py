@@ -8,8 +8,9 @@ within 1e-4, and 16 greedy tokens (decode steps far past the window) through
 `LLMEngine`, each transformers' argmax given the tokens before it, with each
 step's top logprobs within 1e-4. The
 disaggregated path (prefill engine + per-layer KV capture, decode engine +
-inject) must give the colocated output. Variants the engine does not run are
-refused by name at load time.
+inject) must give the colocated output. Each architecture runs at head_dim
+64 and at the released checkpoints' 256 (Gemma 2 2B/9B, Gemma 3 1B).
+Variants the engine does not run are refused by name at load time.
 """
 
 from __future__ import annotations
@@ -39,19 +40,31 @@ COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
               num_attention_heads=4, num_key_value_heads=2, head_dim=64,
               sliding_window=WINDOW, max_position_embeddings=256, rms_norm_eps=1e-6,
               query_pre_attn_scalar=48, pad_token_id=0, attn_implementation="eager")
+# Gemma 2: alternating sliding/global layers, both soft-caps (small enough
+# to bend most scores of this model).
+GEMMA2 = dict(attn_logit_softcapping=2.0, final_logit_softcapping=10.0,
+              rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+# Gemma 3: q/k norms, global every 2nd layer, a different RoPE base locally.
+GEMMA3 = dict(sliding_window_pattern=2, final_logit_softcapping=10.0,
+              rope_parameters={
+                  "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+                  "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})
+# The released 2B/9B and 1B checkpoints' head_dim (Gemma 3 1B: 4 query
+# heads over 1 KV head) and its query_pre_attn_scalar.
+HEAD_DIM_256 = dict(head_dim=256, query_pre_attn_scalar=256)
 VARIANTS = {
-    # Gemma 2: alternating sliding/global layers, both soft-caps (small
-    # enough to bend most scores of this model).
-    "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM,
-               dict(attn_logit_softcapping=2.0, final_logit_softcapping=10.0,
-                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
-    # Gemma 3: q/k norms, global every 2nd layer, a different RoPE base locally.
-    "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM,
-               dict(sliding_window_pattern=2, final_logit_softcapping=10.0,
-                    rope_parameters={
-                        "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
-                        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})),
+    "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM, GEMMA2),
+    "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, GEMMA3),
+    "gemma2_head_dim_256": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM,
+                            {**GEMMA2, **HEAD_DIM_256}),
+    "gemma3_head_dim_256": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM,
+                            {**GEMMA3, **HEAD_DIM_256, "num_key_value_heads": 1}),
 }
+
+
+def _fields(variant: str) -> dict:
+    """The variant's config fields: COMMON with its own on top."""
+    return {**COMMON, **VARIANTS[variant][2]}
 
 
 def _randomize(model: torch.nn.Module, seed: int) -> None:
@@ -71,11 +84,11 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
 
 
 def _make_checkpoint(root: Path, variant: str, seed: int = 0) -> tuple[Path, torch.nn.Module]:
-    config_class, model_class, extra = VARIANTS[variant]
+    config_class, model_class, _ = VARIANTS[variant]
     tokenizer = build_tokenizer()
     vocab = tokenizer.get_vocab()
     config = config_class(vocab_size=len(vocab), bos_token_id=vocab[BOS_TOKEN],
-                          eos_token_id=vocab[END_OF_TEXT_TOKEN], **COMMON, **extra)
+                          eos_token_id=vocab[END_OF_TEXT_TOKEN], **_fields(variant))
     torch.manual_seed(seed)
     hf_model = model_class(config).float().eval()
     _randomize(hf_model, seed)
@@ -111,12 +124,15 @@ def _hf_logprobs(hf_model, prompt: list[int], output: list[int]) -> torch.Tensor
 def test_config_parses_gemma_fields(checkpoint):
     variant, path, _ = checkpoint
     config = ModelConfig.from_pretrained(path)
-    gemma = config.gemma
+    gemma, fields = config.gemma, _fields(variant)
     assert config.sliding_window is None and config.tie_word_embeddings
+    assert (config.head_dim, config.num_key_value_heads) == (fields["head_dim"],
+                                                             fields["num_key_value_heads"])
     assert gemma.layer_types == ("sliding_attention", "full_attention") * 2
-    assert gemma.sliding_window == WINDOW and gemma.query_pre_attn_scalar == 48
+    assert gemma.sliding_window == WINDOW
+    assert gemma.query_pre_attn_scalar == fields["query_pre_attn_scalar"]
     assert gemma.final_logit_softcapping == 10.0
-    if variant == "gemma2":
+    if variant.startswith("gemma2"):
         assert gemma.attn_logit_softcapping == 2.0 and not gemma.qk_norm
         assert gemma.rope_theta == gemma.rope_local_theta == 10000.0
     else:
@@ -142,18 +158,33 @@ def test_greedy_generation_matches_transformers(checkpoint, kernel_backend):
     """Chunked prefill (8-token chunks over 16-token blocks, so chunks read
     their context back from the cache) and 16 decode steps past the window,
     through the native C kernels (auto on CPU) and the torch references.
-    (Interpreted Triton is too slow for an engine test here; its soft-capped
-    kernels are checked in tests/kernels/test_attention_softcap.py.)"""
+    (Interpreted Triton is too slow for every variant here: see the next
+    test; its soft-capped kernels are checked in
+    tests/kernels/test_attention_softcap.py.)"""
     _, path, hf_model = checkpoint
+    _check_greedy(path, hf_model, kernel_backend, max_tokens=16)
+
+
+@pytest.mark.parametrize("variant", ["gemma2_head_dim_256", "gemma3_head_dim_256"])
+def test_greedy_generation_with_triton_kernels_at_head_dim_256(tmp_path, variant):
+    """The Triton kernels (interpreted on CPU) in the engine at head_dim
+    256, where their tiles differ from 64/128's: RoPE, KV inject and
+    soft-capped decode attention, fewer steps to stay fast."""
+    pytest.importorskip("triton")
+    path, hf_model = _make_checkpoint(tmp_path, variant)
+    _check_greedy(path, hf_model, "triton", max_tokens=6)
+
+
+def _check_greedy(path: Path, hf_model, kernel_backend: str, max_tokens: int) -> None:
     engine = LLMEngine(EngineConfig(model_dir=str(path), dtype="float32", num_blocks=32,
                                     max_num_batched_tokens=8, max_num_seqs=4,
                                     kernel_backend=kernel_backend))
     prompts = [_prompt(2, 3 * WINDOW + 5), _prompt(3, WINDOW - 3)]
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=3)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=3)
     results = engine.generate(prompts, params)
     for prompt, result in zip(prompts, results, strict=True):
         tokens = list(result.token_ids)
-        assert len(tokens) == 16
+        assert len(tokens) == max_tokens
         want = _hf_logprobs(hf_model, prompt, tokens)
         assert tokens == want.argmax(-1).tolist()  # transformers' greedy choice at every step
         for step, got in enumerate(result.logprobs):
@@ -193,11 +224,11 @@ def test_disaggregated_equals_colocated(checkpoint):
      "full_attention rope_type 'linear'"),
     ("gemma3", {"layer_types": ["chunked_attention"] * 4}, "layer_types\\[0\\]"),
     ("gemma3", {"layer_types": ["full_attention"]}, "layer_types has 1 entries"),
-    ("gemma2", {"head_dim": 256}, "head_dim 256 is not supported"),
+    ("gemma2", {"head_dim": 160}, "head_dim 160 is not supported"),
 ])
 def test_unsupported_variants_are_refused_by_name(tmp_path, variant, change, message):
-    config_class, _, extra = VARIANTS[variant]
-    raw = config_class(vocab_size=1100, **COMMON, **extra).to_dict()
+    config_class = VARIANTS[variant][0]
+    raw = config_class(vocab_size=1100, **_fields(variant)).to_dict()
     raw["architectures"] = [VARIANTS[variant][1].__name__]
     raw.update(change)
     with pytest.raises((UnsupportedModelError, ValueError), match=message):

@@ -34,7 +34,8 @@ transformers = pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.timeout(300)
 
-# head_dim 64: the paged attention kernels run 64 and 128.
+# head_dim 64 (hidden / heads) unless a variant says otherwise; the Phi-3
+# variants of head_dim 96 are Phi-3-mini's and Phi-3.5-mini's (3072 / 32).
 _COMMON = dict(num_hidden_layers=2, num_key_value_heads=2, intermediate_size=128,
                max_position_embeddings=1024, bos_token_id=0, eos_token_id=1, pad_token_id=None)
 VARIANTS: dict[str, tuple[str, dict]] = {
@@ -48,6 +49,14 @@ VARIANTS: dict[str, tuple[str, dict]] = {
         rope_scaling={"rope_type": "longrope",
                       "short_factor": [1.0 + 0.1 * i for i in range(24)],
                       "long_factor": [2.0 + 0.5 * i for i in range(24)]})),
+    # Phi-3-mini-4k style: head_dim 96 (192 / 2), a window on every layer.
+    "phi3_head_dim_96": ("Phi3", dict(hidden_size=192, num_attention_heads=2, sliding_window=24)),
+    # Phi-3.5-mini style: head_dim 96 with LongRoPE (48 factors per list).
+    "phi3_head_dim_96_longrope": ("Phi3", dict(
+        hidden_size=192, num_attention_heads=2, original_max_position_embeddings=256,
+        rope_scaling={"rope_type": "longrope",
+                      "short_factor": [1.0 + 0.05 * i for i in range(48)],
+                      "long_factor": [2.0 + 0.25 * i for i in range(48)]})),
     "mixtral": ("Mixtral", dict(hidden_size=64, num_attention_heads=4, head_dim=64,
                                 num_local_experts=4, num_experts_per_tok=2)),
 }
@@ -70,15 +79,19 @@ def _redraw(model: torch.nn.Module, seed: int) -> None:
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
 def hf_checkpoint(request, tmp_path_factory) -> tuple[Path, torch.nn.Module]:
-    family, fields = VARIANTS[request.param]
+    return _checkpoint(request.param, tmp_path_factory)
+
+
+def _checkpoint(variant: str, tmp_path_factory) -> tuple[Path, torch.nn.Module]:
+    family, fields = VARIANTS[variant]
     tokenizer = build_tokenizer()
     vocab_size = tokenizer.get_vocab_size()
     config = getattr(transformers, f"{family}Config")(vocab_size=vocab_size,
                                                       **_COMMON, **fields)
     torch.manual_seed(0)
     model = getattr(transformers, f"{family}ForCausalLM")(config).float().eval()
-    _redraw(model, seed=sorted(VARIANTS).index(request.param))
-    path = tmp_path_factory.mktemp("hf") / request.param
+    _redraw(model, seed=sorted(VARIANTS).index(variant))
+    path = tmp_path_factory.mktemp("hf") / variant
     model.save_pretrained(path)
     write_tokenizer(path, tokenizer, config.max_position_embeddings)
     return path, model
@@ -107,15 +120,30 @@ def test_logits_match_transformers(hf_checkpoint):
     assert (got - expected).abs().max().item() < 1e-4
 
 
-def test_engine_greedy_matches_transformers(hf_checkpoint):
+@pytest.mark.parametrize("kernel_backend", ["auto", "torch"])  # native C on CPU; references
+def test_engine_greedy_matches_transformers(hf_checkpoint, kernel_backend):
     path, hf_model = hf_checkpoint
     engine = LLMEngine(EngineConfig(model_dir=str(path), dtype="float32", num_blocks=32,
-                                    max_num_batched_tokens=24))  # two prefill chunks
+                                    max_num_batched_tokens=24,  # two prefill chunks
+                                    kernel_backend=kernel_backend))
     prompts = [_prompt(30, seed=2), _prompt(7, seed=3)]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     results = engine.generate(prompts, params)
     for prompt, result in zip(prompts, results, strict=True):
         assert list(result.token_ids) == _hf_greedy(hf_model, prompt, 16)
+
+
+def test_engine_greedy_with_triton_kernels_at_head_dim_96(tmp_path_factory):
+    """The Triton kernels (interpreted on CPU) in the engine at head_dim 96,
+    the one that runs in padded, masked tiles: fewer tokens to stay fast."""
+    pytest.importorskip("triton")
+    path, hf_model = _checkpoint("phi3_head_dim_96", tmp_path_factory)
+    engine = LLMEngine(EngineConfig(model_dir=str(path), dtype="float32", num_blocks=32,
+                                    max_num_batched_tokens=24, kernel_backend="triton"))
+    prompts = [_prompt(30, seed=2), _prompt(7, seed=3)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    for prompt, result in zip(prompts, engine.generate(prompts, params), strict=True):
+        assert list(result.token_ids) == _hf_greedy(hf_model, prompt, 6)
 
 
 def test_disaggregated_equals_colocated(hf_checkpoint):

@@ -139,12 +139,12 @@ def test_engine_refuses_context_beyond_longrope_original(tmp_path) -> None:
 def test_engine_refuses_head_dims_the_kernels_lack(tmp_path) -> None:
     from tests.engine.test_hf_parity import transformers  # skips without transformers
 
-    config = transformers.Phi3Config(  # Phi-3-mini's head_dim 96 (3072 / 32)
-        vocab_size=64, hidden_size=192, intermediate_size=64, num_hidden_layers=1,
+    config = transformers.Phi3Config(  # head_dim 80 (160 / 2): no kernel runs it
+        vocab_size=64, hidden_size=160, intermediate_size=64, num_hidden_layers=1,
         num_attention_heads=2, num_key_value_heads=1, pad_token_id=None, bos_token_id=0,
         eos_token_id=1)
     transformers.Phi3ForCausalLM(config).save_pretrained(tmp_path)
     with pytest.raises(UnsupportedModelError) as info:
         LLMEngine(EngineConfig(model_dir=str(tmp_path), num_blocks=8))
-    assert str(info.value) == (f"{tmp_path}: head_dim=96 is not supported by the paged "
-                               "attention kernels (supported: 64, 128)")
+    assert str(info.value) == (f"{tmp_path}: head_dim=80 is not supported by the paged "
+                               "attention kernels (supported: 64, 96, 128, 256)")

@@ -58,12 +58,12 @@ def test_all_specs_cover_every_selectable_config():
     labels = [spec.label for spec in aot.all_specs()]
     assert len(labels) == len(set(labels))
     expected = (
-        len(paged_attention.all_decode_configs()) + 6  # partial kernels + reduce kernels
+        len(paged_attention.all_decode_configs()) + 3 * 4  # partial kernels + reduce kernels
         + len(prefill_attention.all_prefill_configs())
         + 2 * len(kv_copy.all_copy_configs())  # inject and extract
         + len(norm.all_rms_norm_configs()) + len(rotary.all_rotary_configs())
     )
-    assert len(labels) == expected == 90 + 6 + 210 + 8 + 126 + 6
+    assert len(labels) == expected == 180 + 12 + 420 + 8 + 126 + 12
     assert {s.label for s in aot.representative_specs()} <= set(labels)
 
 

@@ -35,6 +35,9 @@ CASES = {
     "cap_only": (16, 64, 2, 4, [(40, 23), (17, 17), (5, 1)], None, 1.5),
     "cap_and_window": (32, 128, 1, 2, [(150, 37), (9, 0), (66, 66)], 20, 0.7),
     "cap_wide_group": (64, 64, 1, 8, [(130, 5)], 8, 3.0),
+    # Gemma 2's head dim (its 2B and 9B checkpoints), and Phi-3-mini's padded 96.
+    "cap_head_dim_256": (16, 256, 2, 2, [(40, 9), (33, 33), (5, 1)], 16, 1.0),
+    "cap_head_dim_96": (32, 96, 1, 3, [(70, 6)], None, 2.0),
 }
 
 

@@ -70,6 +70,8 @@ QKV_CASES = {
     "padding_row": (16, 64, 2, 3, [40, 0, 7], None),
     "window_big_blocks": (128, 128, 2, 2, [300, 5, 129], 40),
     "odd_batch_group5": (32, 64, 1, 5, [3, 64, 65, 1, 31], None),
+    "head_dim_96": (16, 96, 4, 3, [300, 1, 0, 40], None),  # Phi-3-mini: 32 / 32 heads of 96
+    "head_dim_256_window": (32, 256, 1, 4, [129, 7, 300], 64),  # Gemma 3 1B: 4 / 1 of 256
 }
 
 

@@ -29,7 +29,8 @@ def _cuda(case):
 @compiled_only
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("block_size", [16, 32, 64, 128, 256])
-@pytest.mark.parametrize("head_dim,group", [(64, 1), (128, 4), (128, 8), (64, 40)])
+@pytest.mark.parametrize("head_dim,group", [(64, 1), (128, 4), (128, 8), (64, 40), (96, 3),
+                                            (256, 2), (256, 40)])
 @pytest.mark.parametrize("window", [None, 300])
 def test_decode_attention_on_gpu(dtype, block_size, head_dim, group, window):
     from kernels.paged_attention import paged_decode_attention_triton
@@ -49,7 +50,8 @@ def test_decode_attention_on_gpu(dtype, block_size, head_dim, group, window):
 @compiled_only
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("block_size", [16, 128, 256])
-@pytest.mark.parametrize("head_dim,group", [(64, 1), (128, 8), (128, 20)])
+@pytest.mark.parametrize("head_dim,group", [(64, 1), (128, 8), (128, 20), (96, 8), (256, 1),
+                                            (256, 2), (256, 40)])
 @pytest.mark.parametrize("window", [None, 300])
 def test_prefill_attention_on_gpu(dtype, block_size, head_dim, group, window):
     from kernels.prefill_attention import paged_prefill_attention_triton
@@ -71,14 +73,15 @@ def test_prefill_attention_on_gpu(dtype, block_size, head_dim, group, window):
 
 @compiled_only
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_kv_copy_on_gpu(dtype):
+@pytest.mark.parametrize("head_dim", [96, 128, 256])
+def test_kv_copy_on_gpu(dtype, head_dim):
     from kernels.kv_copy import extract_kv_triton, inject_kv_triton
 
     gen = torch.Generator().manual_seed(3)
-    cache = torch.randn((2, 300, 128, 8, 128), generator=gen).to(dtype).cuda()
+    cache = torch.randn((2, 300, 128, 8, head_dim), generator=gen).to(dtype).cuda()
     slots = torch.randperm(300 * 128, generator=gen)[:5000].cuda()
     slots[::97] = -1
-    src = torch.randn((2, 5000, 8, 128), generator=gen).to(dtype).cuda()
+    src = torch.randn((2, 5000, 8, head_dim), generator=gen).to(dtype).cuda()
     expected = cache.clone()
     reference.inject_kv_reference(expected, src, slots)
     inject_kv_triton(cache, src, slots)
@@ -105,7 +108,7 @@ def test_rms_norm_on_gpu(dtype, hidden):
 
 @compiled_only
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
 def test_rotary_on_gpu(dtype, head_dim):
     from kernels.rotary import rotary_embedding_triton
 

@@ -23,6 +23,10 @@ CASES = {
     "padding_row": (64, 64, 1, 16, [130, 0], None),
     "wide_group_window": (128, 128, 1, 20, [129, 1], 128),
     "head_dim_80": (16, 80, 2, 3, [47, 16, 1], None),
+    "head_dim_96": (16, 96, 2, 3, [47, 16, 1, 0], None),  # Phi-3-mini
+    "head_dim_96_window": (32, 96, 4, 8, [300, 33], 100),
+    "head_dim_256": (16, 256, 2, 2, [70, 1, 33], None),  # Gemma 2 2B/9B, Gemma 3 1B
+    "head_dim_256_window": (64, 256, 1, 4, [300, 5], 50),
 }
 
 
@@ -130,7 +134,8 @@ def test_rms_norm_matches_reference(rows, hidden, with_residual, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-@pytest.mark.parametrize("q_heads,k_heads,head_dim", [(4, 1, 64), (16, 4, 128), (6, 2, 80)])
+@pytest.mark.parametrize("q_heads,k_heads,head_dim",
+                         [(4, 1, 64), (16, 4, 128), (6, 2, 80), (8, 2, 96), (4, 1, 256)])
 def test_rotary_matches_reference_on_split_views(q_heads, k_heads, head_dim, dtype):
     gen = generator(q_heads * head_dim)
     rows, max_pos = 13, 512
@@ -169,19 +174,21 @@ def test_dispatch_auto_on_cpu_takes_native_norm_and_rotary(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_inject_kv_matches_reference_with_padding_and_strided_rows(dtype):
-    gen = generator(17)
-    cache = randn((2, 6, 16, 2, 64), dtype, gen)
+@pytest.mark.parametrize("head_dim", [64, 96, 256])
+def test_inject_kv_matches_reference_with_padding_and_strided_rows(head_dim, dtype):
+    gen = generator(17 + head_dim)
+    cache = randn((2, 6, 16, 2, head_dim), dtype, gen)
     expected = cache.clone()
     # src as the attention context builds it: K and V rows of a qkv split, stacked
-    k, v = randn((9, 2, 64), dtype, gen), randn((9, 2, 64), dtype, gen)
+    k, v = randn((9, 2, head_dim), dtype, gen), randn((9, 2, head_dim), dtype, gen)
     src = torch.stack((k, v))
     slots = torch.tensor([5, -1, 17, 95, 0, -3, 40, 41, 64])
     reference.inject_kv_reference(expected, src, slots)
     assert native.supports_inject(cache, src, slots)
     native.inject_kv(cache, src, slots)
     assert torch.equal(cache, expected)
-    wide = randn((2, 9, 2, 128), dtype, gen)[..., :64]  # rows strided, head rows not adjacent
+    # rows strided, head rows not adjacent
+    wide = randn((2, 9, 2, 2 * head_dim), dtype, gen)[..., :head_dim]
     assert not native.supports_inject(cache, wide, slots)
 
 

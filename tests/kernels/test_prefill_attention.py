@@ -4,7 +4,9 @@
 Sequences mix a cached prefix with new tokens (qlen < context_len), a whole
 prompt (qlen == context_len), one new token, an empty slot (qlen 0), token
 counts not a multiple of the query tile, sliding windows, GQA groups of
-several padded widths and all three dtypes. Outputs are NaN-poisoned.
+several padded widths, every head dim (96 padded and masked; 256 with its
+smaller programs and groups sliced over several) and all three dtypes.
+Outputs are NaN-poisoned.
 """
 
 from __future__ import annotations
@@ -36,6 +38,12 @@ CASES = {
     "whole_prompts": (32, 128, 1, 1, [(70, 70), (3, 3)], None),
     "window_and_empty": (64, 64, 1, 8, [(150, 37), (9, 0), (66, 66)], 20),
     "wide_group": (128, 128, 1, 20, [(130, 5)], None),
+    "head_dim_96": (16, 96, 2, 3, [(40, 23), (17, 17), (9, 0)], None),
+    "head_dim_96_window": (32, 96, 1, 8, [(70, 70)], 20),
+    "head_dim_256": (32, 256, 2, 2, [(70, 40), (5, 1), (20, 20)], 20),
+    "head_dim_256_one_head": (16, 256, 2, 1, [(50, 37)], None),
+    "head_dim_256_group_20": (16, 256, 1, 20, [(30, 9)], None),
+    "head_dim_256_group_40": (64, 256, 1, 40, [(12, 3)], 5),
 }
 
 
@@ -71,7 +79,8 @@ def _float64_loop(q, paged, starts, window):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-@pytest.mark.parametrize("name", ["prefix_plus_chunk", "window_and_empty"])
+@pytest.mark.parametrize("name", ["prefix_plus_chunk", "window_and_empty", "head_dim_96",
+                                  "head_dim_256"])
 def test_prefill_reference_matches_float64_loop(name, dtype):
     block_size, head_dim, kv_heads, group, seqs, window = CASES[name]
     paged, q, starts = _case(len(name), dtype, block_size, head_dim, kv_heads, group, seqs)
@@ -88,11 +97,14 @@ def test_prefill_kernel_matches_reference(name, dtype):
     block_size, head_dim, kv_heads, group, seqs, window = CASES[name]
     paged, q, starts = _case(list(CASES).index(name) * 3 + DTYPES.index(dtype), dtype,
                              block_size, head_dim, kv_heads, group, seqs)
-    out = torch.full_like(q, float("nan"))
+    # A view of a wider NaN buffer: the gap catches writes past a head.
+    wide = torch.full((*q.shape[:2], head_dim + 32), float("nan"), dtype=dtype)
+    out = wide[..., :head_dim]
     got = paged_prefill_attention_triton(
         q, paged.kv_cache, paged.block_tables, starts, paged.context_lens,
         scale=paged.scale, sliding_window=window, out=out)
     assert got is out
+    assert torch.isnan(wide[..., head_dim:]).all()
     expected = reference.paged_prefill_attention_reference(
         q, paged.kv_cache, paged.block_tables, starts, paged.context_lens,
         scale=paged.scale, sliding_window=window)
@@ -117,4 +129,16 @@ def test_prefill_configs():
     assert prefill_config(torch.bfloat16, 128, 16, 8).block_m == 8
     assert prefill_config(torch.bfloat16, 128, 16, 1).block_m == 64
     assert prefill_config(torch.float32, 128, 16, 20).group_pad == 32
-    assert len(set(all_prefill_configs())) == 3 * 2 * 5 * 7
+    assert len(set(all_prefill_configs())) == 3 * 4 * 5 * 7
+    # 96 runs in the 128-wide tiles, with 128's choices.
+    assert prefill_config(torch.float32, 96, 16, 3).block_d == 128
+    assert prefill_config(torch.float32, 96, 16, 3).num_warps == 16
+    # 256: 32 rows in half precision, 16 in fp32; wider groups are sliced.
+    assert prefill_config(torch.bfloat16, 256, 16, 2).block_m == 16
+    assert prefill_config(torch.bfloat16, 256, 16, 1).tile_n == 16
+    sliced = prefill_config(torch.float16, 256, 16, 40)
+    assert (sliced.group_pad, sliced.head_slices, sliced.block_m) == (32, 2, 1)
+    sliced = prefill_config(torch.float32, 256, 16, 20)
+    assert (sliced.group_pad, sliced.head_slices, sliced.block_m) == (16, 2, 1)
+    assert sliced.num_warps == 8 and prefill_config(torch.float32, 256, 16, 3).num_warps == 4
+    assert prefill_config(torch.float32, 256, 16, 33).head_slices == 4

@@ -51,20 +51,22 @@ def dense_decode_attention(case, sliding_window):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize(
-    "lens,window,block_size,kv_heads,group",
+    "lens,window,block_size,kv_heads,group,head_dim",
     [
-        ([1], None, 16, 1, 1),
-        ([17, 1, 40, 5], None, 16, 2, 4),
-        ([70, 3], 9, 32, 1, 3),
-        ([130, 0, 64], 64, 64, 2, 2),
+        ([1], None, 16, 1, 1, 64),
+        ([17, 1, 40, 5], None, 16, 2, 4, 64),
+        ([70, 3], 9, 32, 1, 3, 64),
+        ([130, 0, 64], 64, 64, 2, 2, 64),
+        ([33, 2], None, 16, 2, 3, 96),
+        ([40, 0, 17], 20, 32, 1, 4, 256),
     ],
 )
 def test_paged_decode_attention_reference_matches_dense(
-    dtype, lens, window, block_size, kv_heads, group
+    dtype, lens, window, block_size, kv_heads, group, head_dim
 ):
     case = make_paged_case(
         sum(lens) + block_size, lens, dtype=dtype, num_kv_heads=kv_heads, group=group,
-        head_dim=64, block_size=block_size,
+        head_dim=head_dim, block_size=block_size,
     )
     got = reference.paged_decode_attention_reference(
         case.q, case.kv_cache, case.block_tables, case.context_lens,
@@ -117,7 +119,7 @@ def test_rms_norm_reference_matches_formula(dtype, with_residual):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
 def test_rotary_reference_matches_complex_rotation(dtype, head_dim):
     gen = generator(head_dim)
     positions = torch.tensor([0, 5, 1023, 77, 5], dtype=torch.int64)

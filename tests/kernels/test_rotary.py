@@ -1,7 +1,8 @@
 """Triton neox RoPE (interpreter on CPU) against the torch reference.
 
 One token, odd token counts, head counts not a multiple of the head tile,
-repeated and unsorted positions, strided q (a slice of a fused qkv tensor).
+repeated and unsorted positions, strided q (a slice of a fused qkv tensor),
+every head dim (96: halves of 48 in a masked 64-lane tile).
 Outputs are NaN-poisoned; inputs must come back untouched.
 """
 
@@ -21,6 +22,8 @@ CASES = {
     "one_token": (1, 1, 1, 64),
     "odd_heads": (7, 5, 3, 128),
     "gqa": (11, 8, 2, 64),
+    "head_dim_96": (7, 6, 2, 96),
+    "head_dim_256": (5, 4, 1, 256),
 }
 
 
@@ -36,10 +39,13 @@ def test_rotary_matches_reference(name, dtype):
     q, k = qkv[:, :q_heads], qkv[:, q_heads : q_heads + kv_heads]
     before = qkv.clone()
     cache = rope_cache(300, head_dim)
-    q_out = torch.full(q.shape, float("nan"), dtype=dtype)
-    k_out = torch.full(k.shape, float("nan"), dtype=dtype)
+    # Outputs are views of wider NaN buffers: the gaps catch writes past a head.
+    q_wide = torch.full((num_tokens, q_heads, head_dim + 32), float("nan"), dtype=dtype)
+    k_wide = torch.full((num_tokens, kv_heads, head_dim + 32), float("nan"), dtype=dtype)
+    q_out, k_out = q_wide[..., :head_dim], k_wide[..., :head_dim]
     got_q, got_k = rotary_embedding_triton(positions, q, k, cache, q_out=q_out, k_out=k_out)
     assert got_q is q_out and got_k is k_out
+    assert torch.isnan(q_wide[..., head_dim:]).all() and torch.isnan(k_wide[..., head_dim:]).all()
     want_q, want_k = reference.rotary_embedding_reference(positions, q, k, cache)
     assert_close(q_out, want_q)
     assert_close(k_out, want_k)
@@ -47,4 +53,6 @@ def test_rotary_matches_reference(name, dtype):
 
 
 def test_rotary_configs():
-    assert len(all_rotary_configs()) == 6
+    assert len(all_rotary_configs()) == 12
+    assert {c.head_dim: c.half_pad for c in all_rotary_configs()} == {
+        64: 32, 96: 64, 128: 64, 256: 128}
