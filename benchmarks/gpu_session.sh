@@ -11,7 +11,8 @@
 # Needs python3 with torch (CUDA), triton and the project's dependencies;
 # WHEELS=DIR installs wheels from DIR into /tmp/site first (a bare machine).
 # STEPS (default "tests engine kernels ttft serve") picks steps; SERVE_LOADS
-# the `bench serve` loads, each INPUT:OUTPUT:PROMPTS:CONCURRENCY.
+# the `bench serve` loads, each INPUT:OUTPUT:PROMPTS:CONCURRENCY; PYTEST_ARGS more
+# pytest arguments for the GPU tests (e.g. "-n 8": pytest-xdist is on the device).
 set -u
 cd "$(dirname "$0")/.."
 OUT_DIR=${OUT_DIR:-gpu-out}
@@ -50,7 +51,7 @@ BASE=$($PY -c "from engine.make_model import ensure_model; print(ensure_model('b
 has() { [[ " ${STEPS:-tests engine kernels ttft serve} " == *" $1 "* ]]; }
 
 has tests && TAIL=40 step gpu-tests "${T_TESTS:-130}" env TRITON_INTERPRET=0 $PY -m pytest -q -m gpu \
-  -p no:cacheprovider -o addopts= tests/kernels/test_gpu.py tests/engine/test_cuda_graphs_gpu.py \
+  -p no:cacheprovider -o addopts= ${PYTEST_ARGS:-} tests/kernels/test_gpu.py tests/engine/test_cuda_graphs_gpu.py \
   tests/kv_transfer/test_device.py tests/engine/test_linear.py tests/kernels/test_dispatch.py
 
 # CUDA graphs against eager in bfloat16, then float32 with graphs
