@@ -12,15 +12,16 @@ it re-lays the weight out for every call. oneDNN can lay the weight out once
 `MatmulBackend`:
 
 - ``auto`` (default): oneDNN prepacked weights on CPU for float32 and
-  bfloat16 when torch was built with oneDNN; `F.linear` otherwise (CUDA,
-  float16, bfloat16 on CPUs without AVX512 or AVX-NE-CONVERT, a torch
-  without oneDNN).
+  bfloat16 when torch was built with oneDNN (bfloat16 packed as float32
+  where the CPU lacks oneDNN's bfloat16 linear: `Linear.prepack_onednn`);
+  `F.linear` otherwise (CUDA, float16, a torch without oneDNN).
 - ``onednn``: prepacked, or a ValueError naming why it cannot be.
 - ``torch``: always `F.linear` (the reference path).
 
 `prepack(module, backend)` is called once by `LLMEngine` after the weights
 are loaded and before the first step. A prepacked `Linear` drops its plain
-weight (the blocked copy replaces it, so memory does not double); its
+weight (the blocked copy replaces it, so memory does not double, except
+for a bfloat16 weight packed as float32); its
 `weight` attribute then holds the blocked tensor, which only
 `mkldnn._linear_pointwise` can read. float32 results differ from `F.linear`
 by rounding only (a different summation order): ~1e-6 relative, and they do
@@ -61,11 +62,14 @@ def onednn_unsupported_reason(dtype: torch.dtype, device: torch.device) -> str |
     if dtype not in (torch.float32, torch.bfloat16):
         # float16 needs AVX512-FP16 / AVX-NE-CONVERT, which most CPUs lack.
         return f"oneDNN prepacking supports float32 and bfloat16, not {dtype}"
-    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        # oneDNN's bfloat16 linear needs AVX512 (BW/VL/DQ) or AVX-NE-CONVERT
-        return (f"oneDNN's bfloat16 path needs AVX512 or AVX-NE-CONVERT; this CPU has "
-                f"{torch.backends.cpu.get_cpu_capability()}")
     return None
+
+
+def upcasts_bfloat16() -> bool:
+    """True where oneDNN has no bfloat16 linear (it needs AVX512 BW/VL/DQ or
+    AVX-NE-CONVERT; an AVX2-only CPU has neither): a prepacked bfloat16
+    `Linear` then computes in float32 (see `Linear.prepack_onednn`)."""
+    return not torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def _empty(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
@@ -95,16 +99,37 @@ class Linear(nn.Module):
                        else _empty(out_features, in_features, dtype=dtype, device=device))
         self.bias = _empty(out_features, dtype=dtype, device=device) if bias else None
         self.prepacked = False
+        self.upcast = False  # prepacked in float32 for a bfloat16 model (see prepack_onednn)
 
     def prepack_onednn(self) -> None:
-        """Replace the weight by oneDNN's blocked layout (once; engine loop thread)."""
+        """Replace the weight by oneDNN's blocked layout (once; engine loop thread).
+
+        A bfloat16 weight on a CPU without oneDNN's bfloat16 linear
+        (`upcasts_bfloat16`) is packed as float32 instead, and `forward`
+        converts the activations to float32 and the result back. That is a
+        bfloat16 GEMM in all but speed: a product of two bfloat16 values is
+        exact in float32 and oneDNN's bfloat16 GEMM accumulates in float32
+        too, so only the summation order differs. On this project's AVX2
+        EPYC it ran 2.2x faster than `F.linear` in bfloat16 (2.7 against
+        5.9 ms at [8, 1024] x [1024, 5632], two threads), at twice the
+        weight memory."""
         if self.prepacked:
             return
-        packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
+        weight = self.weight.detach()
+        if weight.dtype == torch.bfloat16 and upcasts_bfloat16():
+            weight = weight.float()
+            if self.bias is not None:
+                self.bias = nn.Parameter(self.bias.detach().float(), requires_grad=False)
+            self.upcast = True
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         self.weight = nn.Parameter(packed, requires_grad=False)
         self.prepacked = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.upcast:
+            out = torch.ops.mkldnn._linear_pointwise(x.float(), self.weight, self.bias,
+                                                     "none", [], "")
+            return out.to(x.dtype)
         if self.prepacked:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

@@ -17,8 +17,6 @@ from engine.layers.linear import (
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
                                   reason="torch built without oneDNN")
 CPU = torch.device("cpu")
-# oneDNN's bfloat16 linear needs AVX512 or AVX-NE-CONVERT (an AVX2-only CPU has neither)
-BF16_PACKS = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 # float32: a different summation order only; bfloat16: the output is rounded
 # to 8 mantissa bits, so one ulp of a value ~32 is 0.25.
@@ -37,11 +35,7 @@ def _linear(in_f: int, out_f: int, bias: bool, dtype: torch.dtype, seed: int) ->
 
 
 @needs_onednn
-@pytest.mark.parametrize("dtype", [
-    torch.float32,
-    pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
-        not BF16_PACKS, reason="oneDNN bfloat16 needs AVX512 or AVX-NE-CONVERT")),
-], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("rows", [1, 3, 8, 67])
 @pytest.mark.parametrize("shape,bias", [((64, 96), False), ((130, 33), True), ((256, 512), False)])
 def test_prepacked_matches_f_linear(dtype, rows, shape, bias):
@@ -94,14 +88,36 @@ def test_resolve_backend():
         resolve_backend("onednn", torch.float32, torch.device("cuda"))
     assert "float16" in onednn_unsupported_reason(torch.float16, CPU)
     assert resolve_backend("auto", torch.float16, CPU) is MatmulBackend.TORCH
-    if BF16_PACKS:
+    if torch.backends.mkldnn.is_available():
         assert resolve_backend("auto", torch.bfloat16, CPU) is MatmulBackend.ONEDNN
-    elif torch.backends.mkldnn.is_available():
-        # an AVX2-only CPU: bfloat16 runs through F.linear, and onednn says why not
-        assert resolve_backend("auto", torch.bfloat16, CPU) is MatmulBackend.TORCH
-        with pytest.raises(ValueError, match="bfloat16 path needs AVX512 or AVX-NE-CONVERT; "
-                                             "this CPU has AVX2"):
-            resolve_backend("onednn", torch.bfloat16, CPU)
+
+
+@needs_onednn
+@pytest.mark.parametrize("bias", [False, True])
+def test_bfloat16_without_onednns_bf16_linear_is_a_float32_gemm_of_the_same_values(
+        monkeypatch, bias):
+    """Where oneDNN has no bfloat16 linear (AVX2-only CPUs) a bfloat16 layer is
+    packed as float32: exactly the float32 layer of the same (bfloat16) values,
+    rounded back to bfloat16, and within bfloat16's tolerance of F.linear."""
+    import engine.layers.linear as linear
+
+    monkeypatch.setattr(linear, "upcasts_bfloat16", lambda: True)
+    layer = _linear(256, 200, bias, torch.bfloat16, seed=5)
+    as_float = _linear(256, 200, bias, torch.float32, seed=5)
+    with torch.no_grad():  # the same bfloat16 values, held in float32
+        as_float.weight.copy_(layer.weight.float())
+        if bias:
+            as_float.bias.copy_(layer.bias.float())
+    x = torch.randn(8, 256, generator=torch.Generator().manual_seed(6)).bfloat16()
+    expected = F.linear(x.float(), layer.weight.float(),
+                        None if not bias else layer.bias.float())
+    prepack(layer, MatmulBackend.ONEDNN)
+    prepack(as_float, MatmulBackend.ONEDNN)
+    assert layer.upcast and layer.weight.dtype == torch.float32
+    got = layer(x)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, as_float(x.float()).bfloat16())
+    torch.testing.assert_close(got.float(), expected, **TOLERANCE[torch.bfloat16])
 
 
 @needs_onednn
