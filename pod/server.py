@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import json
 import logging
 import os
@@ -53,13 +54,24 @@ def write_ready_file(path: str, ports: dict[str, int]) -> None:
     os.replace(tmp, path)
 
 
+def is_loopback(host: str) -> bool:
+    """Whether `host` (the address the pod binds) is reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a name other than localhost
+        return False
+
+
 def security_warning(role: str, host: str, port: int, security: PodSecurity) -> str | None:
     """What the start-up log must warn about when the pod's gRPC port
     authenticates no caller (None when it does): anyone who can reach the port
     may then reserve KV blocks, run prompts, abort others' requests and read
-    the pod's cache events. Said at WARNING so it is seen: plaintext is the CLI's
-    default, for loopback set-ups (`pdserve up`, tests); the Helm chart turns
-    authentication on by default (docs/deploy.md, Security)."""
+    the pod's cache events. Said at WARNING so it is seen, unless the pod binds
+    a loopback address: plaintext is the CLI's default, for loopback set-ups
+    (`pdserve up`, tests); the Helm chart turns authentication on by default
+    (docs/deploy.md, Security)."""
     if security.tls is None:
         return (f"{role} pod gRPC on {host}:{port} is plaintext and unauthenticated: anyone "
                 "who can reach this port can call it. Serve it with --tls-cert-file, "
@@ -113,7 +125,9 @@ class PodServer:
         await self.server.start()
         log.info("%s pod gRPC: %s", self.role, security.describe())
         if (warning := security_warning(self.role, self.config.host, port, security)) is not None:
-            log.warning("%s", warning)
+            # on loopback (`pdserve up`, tests) only this host can call it: not worth a warning
+            log.log(logging.INFO if is_loopback(self.config.host) else logging.WARNING,
+                    "%s", warning)
         health_server = await self._start_health_server()
         for name in ("", *self.services):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)

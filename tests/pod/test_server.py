@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from pod.drain import DrainGate, DrainState
-from pod.server import security_warning, write_ready_file
+from pod.server import is_loopback, security_warning, write_ready_file
 from proto.tls import PodSecurity, TlsFiles
 
 
@@ -52,9 +52,17 @@ def test_pod_server_reports_not_serving_and_exits_1_when_it_can_no_longer_serve(
     assert (status, gate_state) == (1, DrainState.STOPPED)
     ports = json.loads(ready.read_text())
     assert sorted(ports) == ["grpc", "kv"] and ports["kv"] == 0 and ports["grpc"] > 0
-    # no TLS, no token: said at WARNING, with the port anyone could call
-    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert warnings == [security_warning("prefill", "127.0.0.1", ports["grpc"], PodSecurity())]
+    # no TLS, no token: said with the port anyone could call; at INFO, since a
+    # pod on loopback is reachable from this machine only (at WARNING elsewhere)
+    said = [(r.levelno, r.getMessage()) for r in caplog.records
+            if r.getMessage().startswith("prefill pod gRPC on ")]
+    assert said == [(logging.INFO, security_warning("prefill", "127.0.0.1", ports["grpc"],
+                                                    PodSecurity()))]
+
+
+def test_only_a_loopback_address_is_reachable_from_this_machine_alone():
+    assert all(is_loopback(h) for h in ("127.0.0.1", "127.0.0.2", "::1", "[::1]", "localhost"))
+    assert not any(is_loopback(h) for h in ("0.0.0.0", "10.0.0.5", "::", "pod-0.svc", ""))
 
 
 TLS = TlsFiles(cert_file="tls.crt", key_file="tls.key")  # only paths: nothing is read here
