@@ -34,6 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="torch intra-op threads (default: torch's choice)")
     parser.add_argument("--matmul-backend", default="auto", choices=("auto", "onednn", "torch"),
                         help="dense projections: oneDNN prepacked weights or F.linear")
+    parser.add_argument("--decode-matmul", default="auto", choices=("auto", "native", "off"),
+                        help="decode rows: the native panel GEMM (auto: float32 on AVX2 + "
+                             "FMA) or the matmul backend's (off)")
     parser.add_argument("--breakdown", default="8:300",
                         help="BATCH:CONTEXT[,BATCH:CONTEXT...] decode steps to break down "
                              "(matmul / attention / other) beside the weight-read bound; "
@@ -97,7 +100,8 @@ def main(args: argparse.Namespace) -> int:
         model_dir=model_dir, dtype=args.dtype, device=args.device, block_size=args.block_size,
         num_blocks=num_blocks, max_num_seqs=max(biggest, 1),
         max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False,
-        matmul_backend=args.matmul_backend, enforce_eager=args.enforce_eager,
+        matmul_backend=args.matmul_backend, decode_matmul=args.decode_matmul,
+        enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling))
     vocab = engine.model_config.vocab_size
     gen = torch.Generator().manual_seed(0)
@@ -125,7 +129,8 @@ def main(args: argparse.Namespace) -> int:
     if points:
         from benchmarks import engine_breakdown
 
-        print(f"\nDecode step breakdown (matmul backend {engine.matmul_backend.value}):")
+        print(f"\nDecode step breakdown (matmul backend {engine.matmul_backend.value}, decode "
+              f"rows {'native' if engine.decode_rows is not None else 'the same'}):")
         rows = [engine_breakdown.measure(engine, b, c) for b, c in points]
         print(engine_breakdown.format_table(rows))
     return 0

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-MATMUL_OPS = ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::bmm",
-              "aten::matmul", "aten::linear")
+MATMUL_OPS = ("mkldnn::_linear_pointwise", "pdserve_native::gemm_panels", "aten::mm",
+              "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear")
 ATTENTION_OPS = ("aten::_scaled_dot_product_flash_attention_for_cpu",
                  "aten::_scaled_dot_product_attention_math", "aten::index_select",
                  "aten::index_put_", "aten::index", "aten::_softmax", "aten::einsum",

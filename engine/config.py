@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.layers.linear import MatmulBackend
+from engine.layers.linear import DecodeMatmul, MatmulBackend
 from kernels.dispatch import Backend
 
 _DTYPES = ("float32", "float16", "bfloat16")
@@ -65,6 +65,10 @@ class EngineConfig:
     kernel_backend: str = "auto"
     # Dense projections: auto|onednn|torch, see engine/layers/linear.py.
     matmul_backend: str = "auto"
+    # Decode rows' dense projections on CPU: auto|native|off, see
+    # engine/layers/linear.py (DecodeMatmul). auto: the native panel GEMM for
+    # float32 on AVX2 + FMA, at twice the weight memory.
+    decode_matmul: str = "auto"
     # Plan and launch step N+1 while step N computes (docs/engine.md, Async
     # scheduling). None: on for CUDA, ASYNC_SCHEDULING_ON_CPU on CPU.
     async_scheduling: bool | None = None
@@ -115,5 +119,6 @@ class EngineConfig:
                              f"got {self.scheduling_policy!r}")
         Backend.parse(self.kernel_backend)  # ValueError naming the allowed values
         MatmulBackend.parse(self.matmul_backend)
+        DecodeMatmul.parse(self.decode_matmul)
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")

@@ -26,11 +26,25 @@ for a bfloat16 weight packed as float32); its
 `mkldnn._linear_pointwise` can read. float32 results differ from `F.linear`
 by rounding only (a different summation order): ~1e-6 relative, and they do
 not depend on the number of rows in the batch.
+
+Decode rows (`DecodeMatmul`): oneDNN's small-batch kernel computes no
+faster than the weights arrive and does not overlap the two, so a float32
+decode step at batch 8 read its weights at ~8 GB/s here. Under ``auto`` a
+float32 model on a CPU with AVX2 and FMA also keeps each prepacked weight
+in the native kernel's 16-column panels (`kernels.native.gemm_panels`,
+twice the weight memory), and the leading decode rows of every dense input
+(`DecodeRows`, set by the model runner for each forward) go through it:
+1.4x faster than oneDNN at 8 rows (docs/benchmarks.md, "Decode GEMM").
+Prefill rows stay on oneDNN, whose large-M kernel is the faster one. A
+decode token thus takes the same path whether its step also holds a
+prefill chunk or not, on a colocated pod as on a decode pod.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +65,71 @@ class MatmulBackend(enum.Enum):
         except ValueError:
             allowed = "|".join(b.value for b in cls)
             raise ValueError(f"matmul backend {value!r} unknown; expected {allowed}") from None
+
+
+class DecodeMatmul(enum.Enum):
+    """Who multiplies decode rows on CPU: ``auto`` (the native panel GEMM
+    where `native_unsupported_reason` is None, else the prefill's backend),
+    ``native`` (that, or a ValueError naming why not), ``off``."""
+
+    AUTO = "auto"
+    NATIVE = "native"
+    OFF = "off"
+
+    @classmethod
+    def parse(cls, value: str | DecodeMatmul) -> DecodeMatmul:
+        if isinstance(value, cls):
+            return value
+        try:
+            return cls(str(value).strip().lower())
+        except ValueError:
+            allowed = "|".join(m.value for m in cls)
+            raise ValueError(f"decode matmul {value!r} unknown; expected {allowed}") from None
+
+
+class DecodeRows:
+    """How many leading rows of the dense inputs of the current forward are
+    decode rows: the model runner sets it around each forward and logits
+    call (`leading`); 0 outside them. One per engine, shared by its `Linear`s."""
+
+    __slots__ = ("count",)
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    @contextlib.contextmanager
+    def leading(self, count: int) -> Iterator[None]:
+        previous, self.count = self.count, count
+        try:
+            yield
+        finally:
+            self.count = previous
+
+
+def native_unsupported_reason(dtype: torch.dtype, device: torch.device,
+                              backend: MatmulBackend) -> str | None:
+    """Why decode rows cannot take the native panel GEMM, or None if they can."""
+    from kernels import native
+
+    if backend is not MatmulBackend.ONEDNN:
+        return f"the dense projections run on {backend.value}, not oneDNN"
+    if device.type != "cpu" or dtype != torch.float32:
+        return f"the native decode GEMM is for float32 on CPU, not {dtype} on {device.type}"
+    if not native.gemm_available():
+        return "the native kernels did not build, or this CPU lacks AVX2 and FMA"
+    return None
+
+
+def resolve_decode_matmul(value: DecodeMatmul | str, dtype: torch.dtype, device: torch.device,
+                          backend: MatmulBackend) -> bool:
+    """Whether decode rows take the native GEMM; ``native`` where it cannot -> ValueError."""
+    value = DecodeMatmul.parse(value)
+    if value is DecodeMatmul.OFF:
+        return False
+    reason = native_unsupported_reason(dtype, device, backend)
+    if value is DecodeMatmul.NATIVE and reason:
+        raise ValueError(f"decode matmul 'native' unavailable: {reason}")
+    return reason is None
 
 
 def onednn_unsupported_reason(dtype: torch.dtype, device: torch.device) -> str | None:
@@ -100,6 +179,19 @@ class Linear(nn.Module):
         self.bias = _empty(out_features, dtype=dtype, device=device) if bias else None
         self.prepacked = False
         self.upcast = False  # prepacked in float32 for a bfloat16 model (see prepack_onednn)
+        # The native decode GEMM's copy of the weight and the rows it takes
+        # (pack_native); None: every row goes the one path.
+        self.panels: torch.Tensor | None = None
+        self.decode_rows: DecodeRows | None = None
+
+    def pack_native(self, decode_rows: DecodeRows) -> None:
+        """Keep the float32 weight in the native GEMM's panels as well (before
+        `prepack_onednn` replaces it); the leading `decode_rows.count` rows of
+        each input then take that kernel."""
+        from kernels import native
+
+        self.panels = native.pack_panels(self.weight.detach())
+        self.decode_rows = decode_rows
 
     def prepack_onednn(self) -> None:
         """Replace the weight by oneDNN's blocked layout (once; engine loop thread).
@@ -126,6 +218,22 @@ class Linear(nn.Module):
         self.prepacked = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.panels is not None and self.decode_rows.count and x.dim() == 2:
+            return self._decode_rows_native(x, self.decode_rows.count)
+        return self._dense(x)
+
+    def _decode_rows_native(self, x: torch.Tensor, count: int) -> torch.Tensor:
+        from kernels import native
+
+        if count >= x.shape[0]:
+            return native.gemm_panels(x, self.panels, self.out_features, self.bias)
+        out = torch.empty((x.shape[0], self.out_features), dtype=x.dtype)
+        native.gemm_panels(x[:count], self.panels, self.out_features, self.bias,
+                           out=out[:count])
+        out[count:] = self._dense(x[count:])
+        return out
+
+    def _dense(self, x: torch.Tensor) -> torch.Tensor:
         if self.upcast:
             out = torch.ops.mkldnn._linear_pointwise(x.float(), self.weight, self.bias,
                                                      "none", [], "")
@@ -147,14 +255,19 @@ def resolve_backend(backend: MatmulBackend | str, dtype: torch.dtype,
     return backend
 
 
-def prepack(module: nn.Module, backend: MatmulBackend) -> int:
-    """Prepack every `Linear` under `module` for a resolved backend; returns how many."""
+def prepack(module: nn.Module, backend: MatmulBackend,
+            decode_rows: DecodeRows | None = None) -> int:
+    """Prepack every `Linear` under `module` for a resolved backend, and with
+    `decode_rows` keep the native decode GEMM's panels too (float32,
+    `resolve_decode_matmul` said yes); returns how many were prepacked."""
     if backend is not MatmulBackend.ONEDNN:
         return 0
     count = 0
     with torch.inference_mode():
         for layer in module.modules():
             if isinstance(layer, Linear):
+                if decode_rows is not None:
+                    layer.pack_native(decode_rows)
                 layer.prepack_onednn()
                 count += 1
     return count

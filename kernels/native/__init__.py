@@ -4,7 +4,10 @@ Why C: at decode batch sizes a CPU step pays for work torch ops cannot
 avoid. Decode attention through torch must first gather each sequence's
 scattered blocks into a contiguous copy, then read it again in SDPA
 (`kernels.cpu_attention`); `paged_decode.c` reads every K/V row once, in
-place, in the cache's own dtype. RMSNorm and RoPE are 8-10 small torch ops
+place, in the cache's own dtype. `gemm.c` is the
+dense projection of decode rows (float32, weights packed in 16-column
+panels), which oneDNN's small-batch kernel leaves at half the read
+bandwidth (`pack_panels`, `gemm_panels`). RMSNorm and RoPE are 8-10 small torch ops
 each, whose dispatch costs more than their arithmetic, and the KV inject's
 skip of padding slots is a boolean-mask gather and scatter; `elementwise.c`
 does each in one call. `fused.c` goes further for the decode step: SwiGLU's
@@ -30,13 +33,14 @@ import torch
 
 from kernels.native.loader import build, default_cache_dir, library
 
-__all__ = ["NativeKernelError", "DecodeQKVCall", "build", "default_cache_dir",
-           "inject_kv", "library", "paged_decode_attention", "rms_norm", "rotary_embedding",
-           "silu_and_mul", "supports", "supports_inject", "supports_qkv",
-           "supports_rms_norm", "supports_rotary"]
+__all__ = ["NativeKernelError", "DecodeQKVCall", "PANEL", "build", "default_cache_dir",
+           "gemm_available", "gemm_panels", "inject_kv", "library", "pack_panels",
+           "paged_decode_attention", "rms_norm", "rotary_embedding", "silu_and_mul", "supports",
+           "supports_inject", "supports_qkv", "supports_rms_norm", "supports_rotary"]
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 PROFILER_NAME = "pdserve_native::paged_decode_attention"
+GEMM_PROFILER_NAME = "pdserve_native::gemm_panels"
 # Nonzero return codes of the C functions.
 _ERRORS = {1: "out of memory", 2: "unsupported shape or dtype",
            3: "a context length, block id or position is out of range"}
@@ -254,3 +258,58 @@ class DecodeQKVCall:
                     *self._step_args)
             _check(code, "decode qkv attention")
         return out
+
+
+PANEL = 16  # output columns per panel of a packed weight (gemm.c)
+
+
+def gemm_available() -> bool:
+    """Whether `gemm_panels` runs here: the library built, for a CPU with AVX2 and FMA."""
+    lib = library()
+    return lib is not None and bool(lib.pdserve_gemm_available())
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """A float32 weight [N, K] (F.linear's layout) as gemm.c's panels
+    [ceil(N / 16), K, 16]: panel j holds output columns 16 j .. 16 j + 15,
+    K-major, zero past N."""
+    if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
+        raise ValueError(f"pack_panels takes a float32 CPU weight [N, K], got "
+                         f"{weight.dtype} {tuple(weight.shape)} on {weight.device}")
+    n, k = weight.shape
+    num_panels = -(-n // PANEL)
+    padded = weight.new_zeros(num_panels * PANEL, k)
+    padded[:n] = weight
+    return padded.view(num_panels, PANEL, k).transpose(1, 2).contiguous()
+
+
+def gemm_panels(x: torch.Tensor, panels: torch.Tensor, out_features: int,
+                bias: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
+                num_threads: int | None = None) -> torch.Tensor:
+    """x [M, K] float32 (rows may be strided) @ the packed weight's
+    transpose (+ bias): [M, out_features], written to `out` (rows contiguous,
+    may be strided apart) when given. Each output element is one
+    multiply-add chain over K in order: a row's result does not depend on
+    M or on the thread count."""
+    if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu":
+        raise ValueError(f"gemm_panels takes float32 CPU rows [M, K], got {x.dtype} "
+                         f"{tuple(x.shape)} on {x.device}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    rows, in_features = x.shape
+    if panels.shape[1] != in_features or panels.shape[0] * PANEL < out_features:
+        raise ValueError(f"x has {in_features} features; panels {tuple(panels.shape)} "
+                         f"do not hold a [{out_features}, {in_features}] weight")
+    if out is None:
+        out = torch.empty((rows, out_features), dtype=torch.float32)
+    elif out.shape != (rows, out_features) or out.stride(1) != 1:
+        raise ValueError(f"out must be [{rows}, {out_features}] with contiguous rows")
+    if bias is not None and not bias.is_contiguous():
+        bias = bias.contiguous()
+    with _profiled(GEMM_PROFILER_NAME):
+        code = library().pdserve_gemm_panels(
+            x.data_ptr(), x.stride(0), rows, panels.data_ptr(), in_features, out_features,
+            None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
+            num_threads or torch.get_num_threads())
+    _check(code, "gemm_panels")
+    return out

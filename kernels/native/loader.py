@@ -41,6 +41,8 @@ SIGNATURES = {
     "pdserve_silu_and_mul": [_P, _L, _P, _L, _L, _I, _I],
     "pdserve_decode_qkv_attention": [_P, _L, _P, _P, _P, _P, _L, _P, _P, _P] + [_I] * 8
     + [_L, _I, _F, _F, _I],
+    "pdserve_gemm_available": [],
+    "pdserve_gemm_panels": [_P, _L, _L, _P, _L, _L, _P, _P, _L, _I],
 }
 
 

@@ -48,6 +48,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, block_size: int,
                         "everywhere (default: $PDSERVE_KERNEL_BACKEND, else auto).")
     g.add_argument("--matmul-backend", choices=("auto", "onednn", "torch"), default="auto",
                    help="Dense projections on CPU: oneDNN prepacked weights (auto) or F.linear.")
+    g.add_argument("--decode-matmul", choices=("auto", "native", "off"), default="auto",
+                   help="Decode rows' dense projections on CPU: the native panel GEMM "
+                        "(auto: float32 on AVX2 + FMA; it keeps a second copy of the "
+                        "weights) or the --matmul-backend's (off; docs/engine.md).")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="Plan and launch each engine step while the previous one computes "
                         "(default: on for CUDA, off on CPU, where it measured no gain; "
@@ -124,6 +128,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         seed=args.seed,
         kernel_backend=args.kernel_backend,
         matmul_backend=args.matmul_backend,
+        decode_matmul=args.decode_matmul,
         async_scheduling=args.async_scheduling,
         enforce_eager=args.enforce_eager,
     )

@@ -7,15 +7,22 @@ import torch
 import torch.nn.functional as F
 
 from engine.layers.linear import (
+    DecodeMatmul,
+    DecodeRows,
     Linear,
     MatmulBackend,
     onednn_unsupported_reason,
     prepack,
     resolve_backend,
+    resolve_decode_matmul,
 )
+from kernels import native
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
                                   reason="torch built without oneDNN")
+needs_native_gemm = pytest.mark.skipif(
+    not torch.backends.mkldnn.is_available() or not native.gemm_available(),
+    reason="no oneDNN, or no native GEMM (no compiler, or no AVX2 + FMA)")
 CPU = torch.device("cpu")
 
 # float32: a different summation order only; bfloat16: the output is rounded
@@ -130,5 +137,62 @@ def test_engine_matmul_backends_agree_token_for_token(make_engine):
     for backend in ("torch", "onednn"):
         engine = make_engine(matmul_backend=backend)
         assert engine.matmul_backend is MatmulBackend(backend)
+        outputs.append([r.token_ids for r in engine.generate(prompts, params)])
+    assert outputs[0] == outputs[1]
+
+
+@needs_native_gemm
+@pytest.mark.parametrize("bias", [False, True])
+def test_leading_decode_rows_take_the_native_gemm_the_rest_onednn(bias):
+    layer = _linear(300, 70, bias, torch.float32, seed=7)
+    weight = layer.weight.detach().clone()
+    b = None if not bias else layer.bias.detach().clone()
+    rows = DecodeRows()
+    prepack(layer, MatmulBackend.ONEDNN, rows)
+    assert layer.prepacked and layer.panels is not None
+    onednn_only = _linear(300, 70, bias, torch.float32, seed=7)
+    prepack(onednn_only, MatmulBackend.ONEDNN)
+    x = torch.randn(9, 300, generator=torch.Generator().manual_seed(8))
+    native_rows = native.gemm_panels(x, native.pack_panels(weight), 70, b)
+    assert rows.count == 0 and torch.equal(layer(x), onednn_only(x))  # outside a forward
+    for count in (9, 20):  # every row a decode row
+        with rows.leading(count):
+            assert torch.equal(layer(x), native_rows)
+    with rows.leading(4):  # 4 decode rows, then prefill rows
+        mixed = layer(x)
+    assert rows.count == 0
+    assert torch.equal(mixed[:4], native_rows[:4])
+    assert torch.equal(mixed[4:], onednn_only(x[4:]))
+    torch.testing.assert_close(mixed, F.linear(x, weight, b), **TOLERANCE[torch.float32])
+
+
+def test_resolve_decode_matmul():
+    assert DecodeMatmul.parse(" Native ") is DecodeMatmul.NATIVE
+    with pytest.raises(ValueError, match="auto\\|native\\|off"):
+        DecodeMatmul.parse("onednn")
+    onednn, plain = MatmulBackend.ONEDNN, MatmulBackend.TORCH
+    assert resolve_decode_matmul("off", torch.float32, CPU, onednn) is False
+    assert resolve_decode_matmul("auto", torch.float32, CPU, plain) is False
+    assert resolve_decode_matmul("auto", torch.bfloat16, CPU, onednn) is False
+    with pytest.raises(ValueError, match="projections run on torch, not oneDNN"):
+        resolve_decode_matmul("native", torch.float32, CPU, plain)
+    with pytest.raises(ValueError, match="float32 on CPU, not torch.bfloat16"):
+        resolve_decode_matmul("native", torch.bfloat16, CPU, onednn)
+    assert resolve_decode_matmul("auto", torch.float32, CPU, onednn) is native.gemm_available()
+
+
+@needs_native_gemm
+def test_engine_decode_rows_native_or_not_agree_token_for_token(make_engine):
+    """A mixed batch (decode rows beside prefill chunks, chunked prefill)
+    gives the same greedy tokens with decode rows on the native GEMM as on oneDNN."""
+    from engine.sampling_params import SamplingParams
+
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(10, 1100, (n,), generator=g).tolist() for n in (3, 40, 17, 90)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    outputs = []
+    for decode_matmul in ("off", "native"):
+        engine = make_engine(decode_matmul=decode_matmul, max_num_batched_tokens=32)
+        assert (engine.decode_rows is not None) is (decode_matmul == "native")
         outputs.append([r.token_ids for r in engine.generate(prompts, params)])
     assert outputs[0] == outputs[1]

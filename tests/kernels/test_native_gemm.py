@@ -1,0 +1,80 @@
+"""kernels/native/gemm.c (the decode rows' float32 GEMM over 16-column
+panels) against a float64 torch reference on fresh random inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import native
+
+pytestmark = pytest.mark.skipif(not native.gemm_available(),
+                                reason="native GEMM unavailable (no compiler, or no AVX2 + FMA)")
+
+
+def _case(seed: int, rows: int, k: int, n: int, bias: bool):
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(n, k, generator=g)
+    x = torch.randn(rows, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    return x, weight, b
+
+
+def _reference(x, weight, bias):
+    out = x.double() @ weight.double().t()
+    return (out if bias is None else out + bias.double()).float()
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 13, 96, 97, 200])
+@pytest.mark.parametrize("k,n,bias", [(1, 1, False), (7, 15, True), (256, 16, False),
+                                      (257, 17, True), (1000, 100, False), (64, 300, True)])
+def test_matches_float64_reference(rows, k, n, bias, threads):
+    x, weight, b = _case(rows * 1009 + k * 31 + n, rows, k, n, bias)
+    panels = native.pack_panels(weight)
+    assert panels.shape == (-(-n // 16), k, 16)
+    got = native.gemm_panels(x, panels, n, b, num_threads=threads)
+    assert got.shape == (rows, n) and got.dtype == torch.float32
+    # float32 sums of k products: rounding grows with sqrt(k) * |x| |w|.
+    torch.testing.assert_close(got, _reference(x, weight, b), rtol=1e-5,
+                               atol=1e-5 * (k ** 0.5) * 4)
+
+
+def test_a_row_does_not_depend_on_the_batch_or_the_threads():
+    """One multiply-add chain per output in k order: bit-identical whether a
+    row is alone, in a group of 4, 2 or 1, or computed by another thread."""
+    x, weight, b = _case(3, 13, 700, 90, True)
+    panels = native.pack_panels(weight)
+    together = native.gemm_panels(x, panels, 90, b, num_threads=2)
+    for threads in (1, 3):
+        assert torch.equal(native.gemm_panels(x, panels, 90, b, num_threads=threads), together)
+    for i in range(13):
+        assert torch.equal(native.gemm_panels(x[i : i + 1], panels, 90, b), together[i : i + 1])
+    assert torch.equal(native.gemm_panels(x[5:11], panels, 90, b), together[5:11])
+
+
+def test_strided_rows_in_and_out():
+    x, weight, _ = _case(4, 6, 100, 40, False)
+    wide = torch.randn(6, 150)
+    wide[:, 20:120] = x
+    out = torch.full((6, 64), float("nan"))
+    panels = native.pack_panels(weight)
+    native.gemm_panels(wide[:, 20:120], panels, 40, out=out[:, 10:50])
+    torch.testing.assert_close(out[:, 10:50], _reference(x, weight, None), rtol=1e-5, atol=1e-4)
+    assert out[:, :10].isnan().all() and out[:, 50:].isnan().all()  # nothing else written
+
+
+def test_zero_rows_and_refusals():
+    _, weight, _ = _case(5, 1, 32, 20, False)
+    panels = native.pack_panels(weight)
+    assert native.gemm_panels(torch.empty(0, 32), panels, 20).shape == (0, 20)
+    with pytest.raises(ValueError, match="float32 CPU rows"):
+        native.gemm_panels(torch.randn(2, 32).double(), panels, 20)
+    with pytest.raises(ValueError, match="x has 31 features"):
+        native.gemm_panels(torch.randn(2, 31), panels, 20)
+    with pytest.raises(ValueError, match="do not hold a \\[40, 32\\] weight"):
+        native.gemm_panels(torch.randn(2, 32), panels, 40)
+    with pytest.raises(ValueError, match="out must be \\[2, 20\\]"):
+        native.gemm_panels(torch.randn(2, 32), panels, 20, out=torch.empty(2, 21))
+    with pytest.raises(ValueError, match="float32 CPU weight"):
+        native.pack_panels(weight.bfloat16())
