@@ -64,3 +64,20 @@ def test_the_header_says_whether_graphs_and_async_scheduling_are_on(capsys, tiny
                               "--breakdown", "none", "--enforce-eager", "--async-scheduling"])
     assert engine_bench.main(args) == 0
     assert "cuda graphs off, async scheduling on" in capsys.readouterr().out
+
+
+def test_decode_gemm_benchmark_prints_a_row_per_batch(capsys, tiny_model_dir):
+    from benchmarks import decode_gemm
+    from kernels import native
+
+    if not native.gemm_available():
+        pytest.skip("native GEMM unavailable (no compiler, or no AVX2 + FMA)")
+    parser = argparse.ArgumentParser()
+    decode_gemm.add_arguments(parser)
+    args = parser.parse_args(["--model", str(tiny_model_dir), "--rows", "1,3", "--repeats", "1",
+                              "--threads", "1"])
+    assert decode_gemm.main(args) == 0
+    rows = [line.split("|") for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| ") and line[2].isdigit()]
+    assert [r[1].strip() for r in rows] == ["1", "3"]
+    assert all(float(r[2].split()[0]) > 0 and r[7].strip().endswith("x") for r in rows)
