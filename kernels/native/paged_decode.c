@@ -11,12 +11,22 @@
  * 0 leaves scores as they are. D must be a
  * multiple of 16 (one 16-float vector per 16 dims).
  *
- * A work item is one sequence and a range of its KV heads. For each visible
- * token it loads the token's K row once (all heads of the range are
- * adjacent in memory) and scores it against the Hq / Hkv query heads of each
- * KV head; then a softmax per query head; then one pass over the V rows
- * accumulating the weighted sum. Every K/V row is read once, in place.
- * Items are dealt round-robin to `num_threads` OpenMP threads.
+ * A work item is one sequence and a range of its KV heads. Its visible
+ * tokens are taken CHUNK at a time (a chunk may cross block boundaries;
+ * the last one may be short). Three passes (paged_decode_simd.h has their
+ * inner loops, AVX2 where the host has it):
+ *   scores  per chunk and KV head: the chunk's K rows (used in place for
+ *           float32, else converted once into a small buffer) are scored
+ *           against each of the Hq / Hkv query heads of that KV head, TILE
+ *           dot products at a time with one reduction for all of them;
+ *   softmax per query head over its row of scores (soft-capped first);
+ *   values  per chunk and KV head: each query head's accumulator takes the
+ *           chunk's V rows weighted by its CHUNK probabilities.
+ * Before this layout one score was one dot product and one horizontal sum,
+ * with the softcap test and a scalar expf per score: ~5-13x slower
+ * (docs/kernels.md, "Decode attention").
+ * Every K/V row is read from the cache once, in place. Items are dealt
+ * round-robin to `num_threads` OpenMP threads.
  *
  * Bounds: a context length above W * BS or a used block id outside
  * [0, num_blocks) stops the item with status 3 instead of reading out of
@@ -28,6 +38,7 @@
 #include <string.h>
 
 #include "dtypes.h"
+#include "paged_decode_simd.h"
 #include "vec.h"
 
 typedef struct {
@@ -45,121 +56,195 @@ typedef struct {
   int status;
 } Job;
 
-static inline float hsum(vfloat v) {
-  float s = 0.0f;
-  for (int i = 0; i < LANES; i++) s += v[i];
-  return s;
+/* A storage type: n elements (n a multiple of LANES) to and from float32.
+ * K and V rows of float32 are read in place; the others are converted a
+ * row at a time into scratch, once per chunk. */
+typedef struct {
+  size_t size;
+  int is_float32; /* rows are used in place, never converted */
+  void (*to_floats)(const void *src, long n, float *dst);
+  void (*from_floats)(const float *src, long n, void *dst);
+} Dtype;
+
+static void f32_to_floats(const void *src, long n, float *dst) {
+  memcpy(dst, src, sizeof(float) * n);
+}
+static void f32_from_floats(const float *src, long n, void *dst) {
+  memcpy(dst, src, sizeof(float) * n);
+}
+static void bf16_to_floats(const void *src, long n, float *dst) {
+  bf16_row_to_floats(src, n, dst);
+}
+static void bf16_from_floats(const float *src, long n, void *dst) {
+  for (long i = 0; i < n; i += LANES) store_bf16((uint16_t *)dst + i, load_f32(src + i));
+}
+static void f16_to_floats(const void *src, long n, float *dst) {
+  f16_row_to_floats(src, n, dst);
+}
+static void f16_from_floats(const float *src, long n, void *dst) {
+  for (long i = 0; i < n; i += LANES) store_f16((_Float16 *)dst + i, load_f32(src + i));
 }
 
-/* One kernel per element type: ELEM is the storage type, LOADV loads 16
- * elements as floats, LOAD1/STORE1 convert one element. */
-#define DEFINE_KERNEL(NAME, ELEM, LOADV, LOAD1, STORE1)                                     \
-  static void NAME(Job *job, float *scores, vfloat *query, vfloat *acc) {                   \
-    const int group = job->num_q_heads / job->num_kv_heads;                                 \
-    const int D = job->head_dim, BS = job->block_size, chunks = D / LANES;                  \
-    const int heads = job->heads_per_item, items_per_seq = job->num_kv_heads / heads;       \
-    const int rows = heads * group; /* query heads of one item */                          \
-    const long token_stride = (long)job->num_kv_heads * D;                                  \
-    const long block_stride = (long)BS * token_stride;                                      \
-    const long value_offset = (long)job->num_blocks * block_stride;                         \
-    const ELEM *cache = (const ELEM *)job->cache;                                           \
-    const int num_items = job->batch * items_per_seq;                                       \
-    for (int item = job->first_item; item < num_items; item += job->item_step) {            \
-      const int b = item / items_per_seq, h0 = (item % items_per_seq) * heads;              \
-      const long head0 = ((long)b * job->num_q_heads + (long)h0 * group) * D;               \
-      ELEM *out = (ELEM *)job->out + head0;                                                 \
-      const int len = job->lens[b];                                                         \
-      if (len < 0 || len > job->table_width * BS) { job->status = 3; break; }               \
-      const int start = (job->window > 0 && len > job->window) ? len - job->window : 0;     \
-      const int n = len - start;                                                            \
-      if (n == 0) {                                                                         \
-        for (long i = 0; i < (long)rows * D; i++) out[i] = STORE1(0.0f);                    \
-        continue;                                                                           \
-      }                                                                                     \
-      const int32_t *table = job->tables + (long)b * job->table_stride;                     \
-      int bad_block = 0;                                                                    \
-      for (int i = start / BS; i <= (len - 1) / BS; i++)                                    \
-        bad_block |= table[i] < 0 || table[i] >= job->num_blocks;                           \
-      if (bad_block) { job->status = 3; break; }                                            \
-      const ELEM *q = (const ELEM *)job->q + b * job->q_stride + (long)h0 * group * D;     \
-      for (int r = 0; r < rows; r++)                                                        \
-        for (int c = 0; c < chunks; c++) {                                                  \
-          vfloat v;                                                                         \
-          for (int i = 0; i < LANES; i++) v[i] = LOAD1(q[(long)r * D + c * LANES + i]);    \
-          query[r * chunks + c] = v * job->scale;                                           \
-        }                                                                                   \
-      for (int t = start; t < len; t++) {                                                   \
-        const ELEM *k = cache + (long)table[t / BS] * block_stride                          \
-                        + (long)(t % BS) * token_stride + (long)h0 * D;                     \
-        for (int h = 0; h < heads; h++)                                                     \
-          for (int g = 0; g < group; g++) {                                                 \
-            const int r = h * group + g;                                                    \
-            vfloat s = {0};                                                                 \
-            for (int c = 0; c < chunks; c++)                                                \
-              s += query[r * chunks + c] * LOADV(k + (long)h * D + c * LANES);              \
-            const float score = hsum(s);                                                    \
-            scores[(long)r * n + (t - start)] =                                             \
-                job->softcap > 0.0f ? job->softcap * tanhf(score / job->softcap) : score;   \
-          }                                                                                 \
-      }                                                                                     \
-      for (int r = 0; r < rows; r++) {                                                      \
-        float *row = scores + (long)r * n;                                                  \
-        float top = row[0];                                                                 \
-        for (int i = 1; i < n; i++) top = row[i] > top ? row[i] : top;                      \
-        float sum = 0.0f;                                                                   \
-        for (int i = 0; i < n; i++) { row[i] = expf(row[i] - top); sum += row[i]; }         \
-        const float inv = 1.0f / sum;                                                       \
-        for (int i = 0; i < n; i++) row[i] *= inv;                                          \
-        for (int c = 0; c < chunks; c++) acc[r * chunks + c] = (vfloat){0};                 \
-      }                                                                                     \
-      for (int t = start; t < len; t++) {                                                   \
-        const ELEM *v = cache + value_offset + (long)table[t / BS] * block_stride           \
-                        + (long)(t % BS) * token_stride + (long)h0 * D;                     \
-        for (int h = 0; h < heads; h++)                                                     \
-          for (int c = 0; c < chunks; c++) {                                                \
-            const vfloat value = LOADV(v + (long)h * D + c * LANES);                        \
-            for (int g = 0; g < group; g++) {                                               \
-              const int r = h * group + g;                                                  \
-              acc[r * chunks + c] += scores[(long)r * n + (t - start)] * value;             \
-            }                                                                               \
-          }                                                                                 \
-      }                                                                                     \
-      for (int r = 0; r < rows; r++)                                                        \
-        for (int c = 0; c < chunks; c++)                                                    \
-          for (int i = 0; i < LANES; i++)                                                   \
-            out[(long)r * D + c * LANES + i] = STORE1(acc[r * chunks + c][i]);              \
-    }                                                                                       \
+static const Dtype DTYPES[3] = {
+    {sizeof(float), 1, f32_to_floats, f32_from_floats},
+    {sizeof(uint16_t), 0, bf16_to_floats, bf16_from_floats},
+    {sizeof(_Float16), 0, f16_to_floats, f16_from_floats},
+};
+
+/* Per-thread scratch (64-byte aligned); `stride` floats between rows of
+ * `scores`: a multiple of LANES with room for a last chunk's CHUNK scores
+ * past the longest context. */
+typedef struct {
+  float *scores; /* [rows, stride]: scores, then probabilities */
+  float *query;  /* [rows, D]: the item's query heads times `scale` */
+  float *acc;    /* [rows, D]: the weighted sums of V */
+  float *rows;   /* [CHUNK, D]: one chunk's K or V rows of one head as float32 */
+  long stride;
+} Scratch;
+
+/* The work item being run: sequence b, KV heads [h0, h0 + heads). */
+typedef struct {
+  int b, h0, heads, group, start, len; /* visible tokens: [start, len) */
+  const int32_t *table;
+} Item;
+
+/* Element offsets (into one half of the cache) of the rows of KV head h0 of
+ * tokens t0 .. t0 + count - 1; a short chunk repeats its last row, so every
+ * chunk has CHUNK readable rows (whose probabilities are 0 past the end). */
+static void chunk_offsets(const Job *job, const Item *it, int t0, int count, long off[CHUNK]) {
+  const int BS = job->block_size;
+  const long token_stride = (long)job->num_kv_heads * job->head_dim;
+  int block = t0 / BS, slot = t0 % BS;
+  for (int j = 0; j < count; j++) {
+    off[j] = ((long)it->table[block] * BS + slot) * token_stride + (long)it->h0 * job->head_dim;
+    if (++slot == BS) {
+      block++;
+      slot = 0;
+    }
   }
+  for (int j = count; j < CHUNK; j++) off[j] = off[count - 1];
+}
 
-DEFINE_KERNEL(run_f32, float, load_f32, F32_LOAD, F32_STORE)
-DEFINE_KERNEL(run_bf16, uint16_t, load_bf16, bf16_to_f32, f32_to_bf16)
-DEFINE_KERNEL(run_f16, _Float16, load_f16, F16_LOAD, F16_STORE)
+/* Float32 rows of head h0 + h for a chunk: in place for float32, else
+ * converted into `buf` (each distinct row once). */
+static inline void chunk_rows(const Dtype *dt, const void *half, const long off[CHUNK],
+                              long head_offset, int count, int D, float *buf,
+                              const float *rows[CHUNK]) {
+  for (int j = 0; j < count; j++) {
+    if (dt->is_float32) {
+      rows[j] = (const float *)half + off[j] + head_offset;
+    } else {
+      dt->to_floats((const char *)half + (off[j] + head_offset) * dt->size, D,
+                    buf + (long)j * D);
+      rows[j] = buf + (long)j * D;
+    }
+  }
+  for (int j = count; j < CHUNK; j++) rows[j] = rows[count - 1];
+}
 
-typedef void (*Kernel)(Job *, float *, vfloat *, vfloat *);
+/* Raw scores of every query head of the item over its visible tokens. */
+static void score_keys(const Job *job, const Dtype *dt, const Item *it, Scratch *s) {
+  const int D = job->head_dim;
+  for (int t0 = it->start; t0 < it->len; t0 += CHUNK) {
+    const int count = it->len - t0 < CHUNK ? it->len - t0 : CHUNK;
+    long off[CHUNK];
+    chunk_offsets(job, it, t0, count, off);
+    for (int h = 0; h < it->heads; h++) {
+      const float *rows[CHUNK];
+      chunk_rows(dt, job->cache, off, (long)h * D, count, D, s->rows, rows);
+      for (int g = 0; g < it->group; g++) {
+        const long r = (long)h * it->group + g;
+        float *out = s->scores + r * s->stride + (t0 - it->start);
+        for (int j = 0; j < count; j += TILE) dot_tile(s->query + r * D, rows + j, D, out + j);
+      }
+    }
+  }
+}
+
+/* acc[r] = sum over visible tokens t of p[r, t] * V[t], per query head r. */
+static void accumulate_values(const Job *job, const Dtype *dt, const Item *it, Scratch *s) {
+  const int D = job->head_dim;
+  const char *values = (const char *)job->cache
+                       + (long)job->num_blocks * job->block_size * job->num_kv_heads * D * dt->size;
+  memset(s->acc, 0, sizeof(float) * it->heads * it->group * D);
+  for (int t0 = it->start; t0 < it->len; t0 += CHUNK) {
+    const int count = it->len - t0 < CHUNK ? it->len - t0 : CHUNK;
+    long off[CHUNK];
+    chunk_offsets(job, it, t0, count, off);
+    for (int h = 0; h < it->heads; h++) {
+      const float *rows[CHUNK];
+      chunk_rows(dt, values, off, (long)h * D, count, D, s->rows, rows);
+      for (int g = 0; g < it->group; g++) {
+        const long r = (long)h * it->group + g;
+        accumulate(s->acc + r * D, s->scores + r * s->stride + (t0 - it->start), rows, D);
+      }
+    }
+  }
+}
+
+/* One work item; 0, or 3 for a context length or used block id out of range. */
+static int run_item(const Job *job, const Dtype *dt, int item, Scratch *s) {
+  const int items_per_seq = job->num_kv_heads / job->heads_per_item, D = job->head_dim;
+  Item it = {.b = item / items_per_seq, .heads = job->heads_per_item,
+             .group = job->num_q_heads / job->num_kv_heads};
+  it.h0 = (item % items_per_seq) * it.heads;
+  const long rows = (long)it.heads * it.group;
+  const long head0 = (long)it.h0 * it.group * D; /* first query head's offset in a row */
+  char *out = (char *)job->out + ((long)it.b * job->num_q_heads * D + head0) * dt->size;
+  it.len = job->lens[it.b];
+  if (it.len < 0 || it.len > job->table_width * job->block_size) return 3;
+  it.start = (job->window > 0 && it.len > job->window) ? it.len - job->window : 0;
+  if (it.len == it.start) { /* all three types' 0.0 is all zero bits */
+    memset(out, 0, rows * D * dt->size);
+    return 0;
+  }
+  it.table = job->tables + (long)it.b * job->table_stride;
+  for (int i = it.start / job->block_size; i <= (it.len - 1) / job->block_size; i++)
+    if (it.table[i] < 0 || it.table[i] >= job->num_blocks) return 3;
+  dt->to_floats((const char *)job->q + ((long)it.b * job->q_stride + head0) * dt->size,
+                rows * D, s->query);
+  for (long i = 0; i < rows * D; i++) s->query[i] *= job->scale;
+  score_keys(job, dt, &it, s);
+  for (long r = 0; r < rows; r++)
+    softmax_row(s->scores + r * s->stride, it.len - it.start, job->softcap);
+  accumulate_values(job, dt, &it, s);
+  dt->from_floats(s->acc, rows * D, out);
+  return 0;
+}
 
 typedef struct {
   Job job;
-  Kernel kernel;
+  const Dtype *dtype;
 } ThreadJob;
 
-/* Per-thread scratch: scores for every query head of an item over the
- * longest context, and the item's queries and accumulators. */
+/* Allocates the thread's scratch (one block) and runs its items; the first
+ * failing item stops the thread with its status. */
 static void run_job(ThreadJob *work) {
   Job *job = &work->job;
+  /* A length above the table's span is refused (status 3) before its scores
+   * are written: no room for it, however large it is. */
   long max_len = 0;
   for (int b = 0; b < job->batch; b++)
     if (job->lens[b] > max_len) max_len = job->lens[b];
+  if (max_len > (long)job->table_width * job->block_size)
+    max_len = (long)job->table_width * job->block_size;
   const long rows = (long)job->heads_per_item * (job->num_q_heads / job->num_kv_heads);
-  const long chunks = job->head_dim / LANES;
-  float *scores = malloc(sizeof(float) * (rows * max_len + 1));
-  vfloat *vectors = aligned_alloc(sizeof(vfloat), sizeof(vfloat) * 2 * rows * chunks);
-  if (scores == NULL || vectors == NULL) {
+  const long D = job->head_dim;
+  const long stride = (max_len + CHUNK + LANES - 1) / LANES * LANES;
+  /* every part a multiple of LANES floats, so each is 64-byte aligned and
+   * the size a multiple of the alignment, as aligned_alloc requires */
+  const long floats = rows * (stride + 2 * D) + CHUNK * D;
+  float *block = aligned_alloc(sizeof(vfloat), sizeof(float) * floats);
+  if (block == NULL) {
     job->status = 1;
-  } else {
-    work->kernel(job, scores, vectors, vectors + rows * chunks);
+    return;
   }
-  free(scores);
-  free(vectors);
+  Scratch scratch = {block, block + rows * stride, block + rows * (stride + D),
+                     block + rows * (stride + 2 * D), stride};
+  const int num_items = job->batch * (job->num_kv_heads / job->heads_per_item);
+  for (int item = job->first_item; item < num_items && job->status == 0; item += job->item_step)
+    job->status = run_item(job, work->dtype, item, &scratch);
+  free(block);
 }
 
 #define MAX_THREADS 64
@@ -176,8 +261,7 @@ int pdserve_paged_decode_attention(const void *q, long q_stride, const void *cac
   if (batch <= 0) return 0;
   if (num_kv_heads <= 0 || num_q_heads % num_kv_heads != 0) return 2;
   if (head_dim <= 0 || head_dim % LANES != 0) return 2;
-  Kernel kernel = dtype == 0 ? run_f32 : dtype == 1 ? run_bf16 : dtype == 2 ? run_f16 : NULL;
-  if (kernel == NULL) return 2;
+  if (dtype < 0 || dtype > 2) return 2;
   if (num_threads < 1) num_threads = 1;
   if (num_threads > MAX_THREADS) num_threads = MAX_THREADS;
   /* Whole sequences per item when there are enough of them to keep every
@@ -193,7 +277,7 @@ int pdserve_paged_decode_attention(const void *q, long q_stride, const void *cac
                         num_kv_heads, head_dim, num_blocks, block_size, table_width, table_stride,
                         window, scale, softcap,
                         heads_per_item, i, num_threads, 0};
-    jobs[i].kernel = kernel;
+    jobs[i].dtype = &DTYPES[dtype];
   }
   /* OpenMP from the libgomp torch already loaded (same soname, so the
    * loader reuses it): the work runs on torch's own thread pool, whose

@@ -107,4 +107,23 @@ static inline vfloat vexp(vfloat x) {
   return p * scale;
 }
 
+/* tanh(x) per lane, as Cephes' tanhf: x + x^3 P(x^2) for |x| < 0.625,
+ * else sign(x) (1 - 2 / (exp(2|x|) + 1)) (no cancellation there: the result
+ * is above 0.55); a few ulp from tanhf. exp's clamp makes large |x| +-1. */
+static inline vfloat vtanh(vfloat x) {
+  const vfloat zero = {0};
+  const vint negative = (vint)(x < zero);
+  const vfloat ax = vselect(negative, -x, x);
+  vfloat large = 1.0f - 2.0f / (vexp(ax + ax) + 1.0f);
+  large = vselect(negative, -large, large);
+  const vfloat s = x * x;
+  vfloat p = zero - 5.70498872745e-3f;
+  p = p * s + 2.06390887954e-2f;
+  p = p * s - 5.37397155531e-2f;
+  p = p * s + 1.33314422036e-1f;
+  p = p * s - 3.33332819422e-1f;
+  const vfloat small = p * s * x + x;
+  return vselect((vint)(ax < zero + 0.625f), small, large);
+}
+
 #endif

@@ -49,6 +49,56 @@ def test_matches_reference(name, dtype, threads):
     assert_close(got, expected)
 
 
+# The kernel scores TILE = 8 tokens at a time and takes CHUNK = 32 per step
+# (paged_decode_simd.h): lengths around and between those, chunks that cross
+# blocks of 16 and 128, windows starting off both grids.
+TILING_LENS = [1, 7, 8, 9, 31, 33, 300, 1025]
+TILING_VARIANTS = {
+    # name: (sliding_window, softcap, scale factor, threads)
+    "full": (None, None, 1.0, 1),
+    # starts at len - 37: 263 for 300, 988 for 1025 (neither a multiple of 8)
+    "window": (37, None, 1.0, 2),
+    # softcap 2 puts scores on both sides of tanh's |x| = 0.625 branch; the
+    # larger scale gives peaked softmaxes (exp far below 0)
+    "window_softcap_sharp": (100, 2.0, 6.0, 3),
+}
+
+
+@pytest.mark.parametrize("variant", list(TILING_VARIANTS))
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("head_dim", [64, 96, 256])
+@pytest.mark.parametrize("block_size", [16, 128])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_tiling_matches_reference(dtype, block_size, head_dim, group, variant):
+    window, softcap, sharpen, threads = TILING_VARIANTS[variant]
+    case = make_paged_case(block_size + head_dim + 7 * group + len(variant), TILING_LENS,
+                           dtype=dtype, num_kv_heads=2, group=group, head_dim=head_dim,
+                           block_size=block_size)
+    scale = case.scale * sharpen
+    expected = reference.paged_decode_attention_reference(
+        case.q, case.kv_cache, case.block_tables, case.context_lens, scale=scale,
+        sliding_window=window, softcap=softcap)
+    got = native.paged_decode_attention(case.q, case.kv_cache, case.block_tables,
+                                        case.context_lens, scale=scale, sliding_window=window,
+                                        softcap=softcap, num_threads=threads)
+    assert_close(got, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("length", [9, 1025])
+def test_one_sequence_split_over_threads_by_kv_head_matches_reference(dtype, length):
+    # batch 1 on 4 threads: each thread takes one of the 4 KV heads
+    case = make_paged_case(length, [length], dtype=dtype, num_kv_heads=4, group=4,
+                           head_dim=64, block_size=16)
+    expected = reference.paged_decode_attention_reference(
+        case.q, case.kv_cache, case.block_tables, case.context_lens, scale=case.scale,
+        sliding_window=length - 5)
+    got = native.paged_decode_attention(case.q, case.kv_cache, case.block_tables,
+                                        case.context_lens, scale=case.scale,
+                                        sliding_window=length - 5, num_threads=4)
+    assert_close(got, expected)
+
+
 def test_rows_of_length_zero_are_zeros_even_with_a_garbage_table_row():
     case = make_paged_case(3, [0, 20], dtype=torch.float32, num_kv_heads=2, group=2,
                            head_dim=64, block_size=16)
