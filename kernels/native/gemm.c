@@ -8,7 +8,8 @@
  * read, because its small-M kernel computes no faster than the weights
  * arrive and does not overlap the two. This kernel streams each panel once,
  * prefetched ahead, and keeps it in L1 while every 4-row group of the
- * batch uses it (docs/benchmarks.md, "Decode GEMM").
+ * batch uses it, the later groups prefetching the panel's next block
+ * meanwhile (docs/benchmarks.md, "Decode GEMM").
  *
  * Layout: `panels` [ceil(N / 16)][K][16] float32: panel j holds output
  * columns 16 j .. 16 j + 15 (zero past N), K-major, so a panel streams
@@ -29,6 +30,7 @@
 #define KC 256       /* k rows of a panel per pass: 16 KB, stays in L1 */
 #define MB 96        /* rows per block (accumulators: MB x 16 floats, 6 KB) */
 #define PREFETCH 32  /* k rows ahead (2 KB) the first row group prefetches */
+enum { NONE, NEAR, NEXT_BLOCK };
 
 /* c<r><h>: row r, columns 8h .. 8h + 7 of the panel. */
 #define LOAD_ROW(r) \
@@ -41,9 +43,16 @@
     c##r##0 = _mm256_fmadd_ps(a, b0, c##r##0);                             \
     c##r##1 = _mm256_fmadd_ps(a, b1, c##r##1);                             \
   } while (0)
+/* prefetch: NEAR (the first group: PREFETCH rows ahead, into L1), NEXT_BLOCK
+ * (the later groups: the panel's next KC rows, into L2, so memory stays busy
+ * while they compute from L1), or NONE. */
 #define K_LOOP(BODY)                                                                    \
+  _Pragma("GCC unroll 4")                                                               \
   for (long k = 0; k < kc; k++) {                                                       \
-    if (prefetch) _mm_prefetch((const char *)(p + (k + PREFETCH) * PANEL), _MM_HINT_T0); \
+    if (prefetch == NEAR)                                                               \
+      _mm_prefetch((const char *)(p + (k + PREFETCH) * PANEL), _MM_HINT_T0);            \
+    else if (prefetch == NEXT_BLOCK)                                                    \
+      _mm_prefetch((const char *)(p + (k + KC) * PANEL), _MM_HINT_T1);                  \
     const __m256 b0 = _mm256_loadu_ps(p + k * PANEL), b1 = _mm256_loadu_ps(p + k * PANEL + 8); \
     BODY                                                                                \
   }
@@ -98,13 +107,16 @@ int pdserve_gemm_panels(const float *x, long x_stride, long M, const float *pane
           const long kc = K - k0 < KC ? K - k0 : KC;
           const float *p = pj + k0 * PANEL;
           long m = 0;
-          int prefetch = 1; /* the first group brings the panel in; the rest find it in L1 */
-          for (; m + 4 <= rows; m += 4, prefetch = 0)
+          /* The first group brings the panel in; the rest find it in L1 and
+           * fetch the next block meanwhile (the last block has none). */
+          const int later = k0 + KC < K ? NEXT_BLOCK : NONE;
+          int prefetch = NEAR;
+          for (; m + 4 <= rows; m += 4, prefetch = later)
             rows4(xb + m * x_stride + k0, x_stride, p, kc, acc + m * PANEL, prefetch);
           if (rows - m >= 2) {
             rows2(xb + m * x_stride + k0, x_stride, p, kc, acc + m * PANEL, prefetch);
             m += 2;
-            prefetch = 0;
+            prefetch = later;
           }
           if (rows - m == 1) rows1(xb + m * x_stride + k0, x_stride, p, kc, acc + m * PANEL, prefetch);
         }
