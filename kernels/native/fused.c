@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "dtypes.h"
+#include "paged_decode_simd.h" /* exp8 */
 #include "rope.h"
 #include "vec.h"
 
@@ -49,7 +50,30 @@ int pdserve_paged_decode_attention(const void *q, long q_stride, const void *cac
     }                                                                                      \
   }
 
+#if defined(__AVX2__) && defined(__FMA__)
+/* float32 on AVX2: the same arithmetic 8 lanes at a time with exp8, which
+ * GCC compiles without the spills of the 16-lane vexp (paged_decode_simd.h):
+ * SiLU was ~1.2 ms of a batch-8 decode step of the base model. */
+static void silu_mul_f32(const float *x, long x_stride, float *out, long rows, long inter,
+                         int num_threads) {
+  if (rows * inter < SILU_PARALLEL_MIN) num_threads = 1;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+  for (long i = 0; i < rows; i++) {
+    const float *gate = x + i * x_stride, *up = gate + inter;
+    float *o = out + i * inter;
+    long j = 0;
+    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+    for (; j + 8 <= inter; j += 8) {
+      const __m256 g = _mm256_loadu_ps(gate + j);
+      const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_xor_ps(g, sign))));
+      _mm256_storeu_ps(o + j, _mm256_mul_ps(silu, _mm256_loadu_ps(up + j)));
+    }
+    for (; j < inter; j++) o[j] = gate[j] / (1.0f + expf(-gate[j])) * up[j];
+  }
+}
+#else
 DEFINE_SILU_MUL(silu_mul_f32, float, load_f32, store_f32, round_f32, F32_LOAD, F32_STORE)
+#endif
 DEFINE_SILU_MUL(silu_mul_bf16, uint16_t, load_bf16, store_bf16, round_bf16, bf16_to_f32,
                 f32_to_bf16)
 DEFINE_SILU_MUL(silu_mul_f16, _Float16, load_f16, store_f16, round_f16, F16_LOAD, F16_STORE)
