@@ -80,16 +80,19 @@ def main(args: argparse.Namespace) -> int:
             times.append((time.perf_counter() - start) * 1e3)
         return statistics.median(times), min(times)
 
+    def passes(xs: dict[int, torch.Tensor]) -> tuple[tuple[float, float], ...]:
+        mine = timed(lambda: [native.gemm_panels(xs[k], p, n)
+                              for (k, n), p in zip(shapes, panels, strict=True)])
+        onednn = timed(lambda: [torch.ops.mkldnn._linear_pointwise(xs[k], p, None, "none", [], "")
+                                for (k, _), p in zip(shapes, packed, strict=True)])
+        plain = (float("nan"), float("nan")) if args.no_f_linear else timed(
+            lambda: [F.linear(xs[k], w) for (k, _), w in zip(shapes, weights, strict=True)])
+        return mine, onednn, plain
+
     with torch.inference_mode():
         for rows in (int(r) for r in args.rows.split(",")):
-            xs = {k: torch.randn(rows, k, generator=g) for k in {k for k, _ in shapes}}
-            mine = timed(lambda: [native.gemm_panels(xs[k], p, n)
-                                  for (k, n), p in zip(shapes, panels, strict=True)])
-            onednn = timed(lambda: [torch.ops.mkldnn._linear_pointwise(xs[k], p, None, "none",
-                                                                       [], "")
-                                    for (k, _), p in zip(shapes, packed, strict=True)])
-            plain = (float("nan"), float("nan")) if args.no_f_linear else timed(
-                lambda: [F.linear(xs[k], w) for (k, _), w in zip(shapes, weights, strict=True)])
+            mine, onednn, plain = passes(
+                {k: torch.randn(rows, k, generator=g) for k in {k for k, _ in shapes}})
             print(f"| {rows} | {mine[0]:.1f} ({mine[1]:.1f}) | {onednn[0]:.1f} ({onednn[1]:.1f}) "
                   f"| {plain[0]:.1f} ({plain[1]:.1f}) | {total / mine[0] / 1e6:.1f} | "
                   f"{mine[0] / bound_ms:.2f}x | {onednn[0] / mine[0]:.2f}x |", flush=True)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 import importlib
 
-HELP = ("Benchmarks: engine, decode-gemm, kernels, transfer, transfer-split, ttft, router, peer, disagg, "
-        "first-gap, routing "
+HELP = ("Benchmarks: engine, decode-gemm, kernels, transfer, transfer-split, ttft, router, "
+        "peer, disagg, first-gap, routing "
         "(each against its baseline); serve (a load generator) and serve-plot; soak "
         "(mixed load, cancellations and a pod restart).")
 
