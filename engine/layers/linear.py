@@ -51,6 +51,18 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def _parse_choice(cls: type[enum.Enum], value: object, what: str) -> enum.Enum:
+    """A member of `cls` from itself or its value (case and spaces ignored);
+    ValueError naming `what` and the allowed values otherwise."""
+    if isinstance(value, cls):
+        return value
+    try:
+        return cls(str(value).strip().lower())
+    except ValueError:
+        allowed = "|".join(m.value for m in cls)
+        raise ValueError(f"{what} {value!r} unknown; expected {allowed}") from None
+
+
 class MatmulBackend(enum.Enum):
     AUTO = "auto"
     ONEDNN = "onednn"
@@ -58,13 +70,7 @@ class MatmulBackend(enum.Enum):
 
     @classmethod
     def parse(cls, value: str | MatmulBackend) -> MatmulBackend:
-        if isinstance(value, cls):
-            return value
-        try:
-            return cls(str(value).strip().lower())
-        except ValueError:
-            allowed = "|".join(b.value for b in cls)
-            raise ValueError(f"matmul backend {value!r} unknown; expected {allowed}") from None
+        return _parse_choice(cls, value, "matmul backend")
 
 
 class DecodeMatmul(enum.Enum):
@@ -78,13 +84,7 @@ class DecodeMatmul(enum.Enum):
 
     @classmethod
     def parse(cls, value: str | DecodeMatmul) -> DecodeMatmul:
-        if isinstance(value, cls):
-            return value
-        try:
-            return cls(str(value).strip().lower())
-        except ValueError:
-            allowed = "|".join(m.value for m in cls)
-            raise ValueError(f"decode matmul {value!r} unknown; expected {allowed}") from None
+        return _parse_choice(cls, value, "decode matmul")
 
 
 class DecodeRows:
