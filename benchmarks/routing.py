@@ -3,8 +3,10 @@
     stacks      `pdserve up --prefill N --decode D` for each N of
                 --prefill-counts (2 and 4) and each --routing-policy of
                 --policies: round-robin, session-sticky, first-tokens (the
-                router's default), cache-aware; every run on fresh pods, so
-                no run warms another's caches
+                router's default), cache-aware, and cache-aware+miss-only
+                (cache-aware with the decode pod's prefix cache on: it holds
+                a prompt's leading blocks and is sent only the rest); every
+                run on fresh pods, so no run warms another's caches
     workload    --trace-requests lines of the trace from line --trace-start
                 (default: its last 500, where prefixes are shared most: the
                 oracle below is 0.69 there, 0.09 over its first 500), scaled
@@ -24,7 +26,9 @@
                 and round-robin's p90 / it;
                 KV bytes the prefill pods sent / the bytes of every prompt's
                 full context (layers x 2 x kv heads x head dim x dtype size
-                per token)
+                per token); the decode side's hit fraction, measured on its
+                own: the bytes the decode pods held (their
+                pdserve_kv_transfer_saved_bytes_total) / held + received
 
 Runs one stack at a time: measure on an otherwise quiet machine. The issue's
 targets (cache-aware with 4 prefill pods: hit ratio >= 0.9x the oracle, p90
@@ -50,10 +54,13 @@ from benchmarks.routing_trace import (
 from benchmarks.serve_trace import TraceScaling, load_trace, trace_sessions
 from benchmarks.serve_workload import Vocabulary
 
-HELP = ("Prefill routing policies (round-robin, session-sticky, first-tokens, cache-aware) on "
+HELP = ("Prefill routing policies (round-robin, session-sticky, first-tokens, cache-aware, "
+        "cache-aware+miss-only) on "
         "the Mooncake trace with 2 and 4 prefill pods: prefix hit ratio vs the trace's oracle, "
         "p90 TTFT, KV bytes sent vs full context.")
-POLICIES = ("round-robin", "session-sticky", "first-tokens", "cache-aware")
+POLICIES = ("round-robin", "session-sticky", "first-tokens", "cache-aware",
+            "cache-aware+miss-only")
+MISS_ONLY = "+miss-only"  # the policy, and the decode pods' prefix cache on
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -141,14 +148,20 @@ def figures(result: dict, oracle: float, bytes_per_token: int,
     prompt_tokens = sum(r["prompt_len"] for r in ok)
     cached = sum(r["cached_tokens"] for r in ok)
     hit = cached / prompt_tokens if prompt_tokens else None
-    sent = result["server_metrics"]["kv_bytes_sent"]
+    metrics = result["server_metrics"]
+    sent = metrics["kv_bytes_sent"]
     full = prompt_tokens * bytes_per_token
+    held, received = metrics.get("kv_bytes_saved"), metrics.get("kv_bytes_received")
+    decode_hit = (held / (held + received) if held is not None and received is not None
+                  and held + received else None)
     return {"prompt_tokens": prompt_tokens, "cached_tokens": cached, "hit_ratio": hit,
             "oracle_hit_ratio": oracle, "reachable_hit_ratio": reachable,
             "hit_vs_oracle": hit / oracle if hit is not None and oracle else None,
             "ttft_p90_ms": result["ttft_ms"]["p90"], "ttft_p50_ms": result["ttft_ms"]["p50"],
             "kv_bytes_sent": sent, "kv_bytes_full_context": full,
             "kv_sent_vs_full": sent / full if sent is not None and full else None,
+            "decode_kv_hit_fraction": decode_hit,
+            "kv_saved_vs_full": 1 - sent / full if sent is not None and full else None,
             "errors": result["errors"]}
 
 
@@ -166,8 +179,8 @@ def print_table(rows: dict[int, dict[str, dict]]) -> None:
         return "—" if value is None else format(value, fmt) + unit
 
     print("\n| prefill pods | policy | hit ratio | oracle | vs oracle | reachable | "
-          "p90 TTFT ms | RR p90 / p90 | KV sent / full |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+          "p90 TTFT ms | RR p90 / p90 | KV sent / full | decode hit fraction |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for count, per_policy in rows.items():
         for policy, r in per_policy.items():
             print(f"| {count} | {policy} | {cell(r['hit_ratio'], '.3f')} | "
@@ -175,9 +188,11 @@ def print_table(rows: dict[int, dict[str, dict]]) -> None:
                   f"{cell(r['reachable_hit_ratio'], '.3f')} | "
                   f"{cell(r['ttft_p90_ms'], ',.0f')} | "
                   f"{cell(r['ttft_p90_gain_vs_round_robin'], '.2f', 'x')} | "
-                  f"{cell(r['kv_sent_vs_full'], '.2f')} |")
+                  f"{cell(r['kv_sent_vs_full'], '.2f')} | "
+                  f"{cell(r.get('decode_kv_hit_fraction'), '.2f')} |")
     print("\ntargets (issue 12): cache-aware, 4 prefill pods: vs oracle >= 0.9x, "
-          "RR p90 / p90 >= 3x")
+          "RR p90 / p90 >= 3x; cache-miss-only transfer: 1 - KV sent / full >= the "
+          "decode hit fraction")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -218,8 +233,11 @@ def main(args: argparse.Namespace) -> int:
                 "trace", conversations if policy == "session-sticky" else sessions, None,
                 {**description, "sessions": policy == "session-sticky"})
             name = f"prefill{count}-{policy}"
+            routing = policy.removesuffix(MISS_ONLY)
             up_args = ["--prefill", str(count), "--decode", str(args.decode),
-                       f"--router-arg=--routing-policy={policy}", *args.up_arg]
+                       f"--router-arg=--routing-policy={routing}", *args.up_arg]
+            if policy.endswith(MISS_ONLY):
+                up_args.append("--decode-arg=--prefix-cache")
             try:
                 (result,) = disagg.run_topology(name, up_args, model_dir, [workload], args,
                                                 out_dir).values()

@@ -9,6 +9,10 @@ Before the load and after it, every `--metrics-url` (a pod's Prometheus
                                    prefill role (sent) and the decode role
                                    (received); 0 on a colocated pod, which
                                    transfers nothing
+    kv_bytes_saved                 `pdserve_kv_transfer_saved_bytes_total`:
+                                   what decode pods held in their prefix
+                                   caches and so did not receive
+                                   (cache-miss-only transfer)
 
 The "after" read waits until the counters settle (two reads 0.2 s apart
 agree, at most `settle_s`): a prefill pod counts a transfer's bytes when the
@@ -37,6 +41,7 @@ COUNTERS = {
     "prefix_cache_hits": ("pdserve_prefix_cache_hits_total", None),
     "kv_bytes_sent": ("pdserve_kv_transfer_bytes_total", "prefill"),
     "kv_bytes_received": ("pdserve_kv_transfer_bytes_total", "decode"),
+    "kv_bytes_saved": ("pdserve_kv_transfer_saved_bytes_total", "decode"),
 }
 
 

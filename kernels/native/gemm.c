@@ -35,6 +35,7 @@
  * rows from 22.9-25.9 to 20.0-21.8 ms and 16 rows from 32.8-35.4 to
  * 29.1-31.8 ms; 32 and 128 rows of KC, 32 and 128 of PREFETCH were no better. */
 enum { NONE, NEAR, NEXT_BLOCK };
+#define PARALLEL_MIN (1L << 20) /* multiply-adds of a call worth a second thread */
 
 /* c<r><h>: row r, columns 8h .. 8h + 7 of the panel. */
 #define LOAD_ROW(r) \
@@ -96,6 +97,9 @@ int pdserve_gemm_panels(const float *x, long x_stride, long M, const float *pane
   if (num_threads < 1) num_threads = 1;
   const long num_panels = (N + PANEL - 1) / PANEL;
   if (num_threads > num_panels) num_threads = (int)num_panels;
+  /* Below ~10 us of work a fork costs more than it saves (torch forks no
+   * sooner): a small model's projections stay on the calling thread. */
+  if (M * K * N < PARALLEL_MIN) num_threads = 1;
   /* OpenMP from the libgomp torch already loaded (paged_decode.c). */
 #pragma omp parallel num_threads(num_threads)
   {

@@ -67,9 +67,48 @@ def test_figures_of_one_run():
     row = routing.figures(result, oracle=0.4, bytes_per_token=10)
     assert (row["hit_ratio"], row["hit_vs_oracle"], row["kv_sent_vs_full"]) == pytest.approx(
         (0.32, 0.8, 0.5))
+    assert row["decode_kv_hit_fraction"] is None  # no decode counters in this report
     rows = {2: {"round-robin": dict(row, ttft_p90_ms=60.0), "cache-aware": row}}
     routing.add_ttft_gains(rows)
     assert rows[2]["cache-aware"]["ttft_p90_gain_vs_round_robin"] == 3.0
+
+
+def test_decode_hit_fraction_is_what_the_decode_pods_held_of_what_they_needed():
+    result = {"requests": [{"error": None, "prompt_len": 100, "cached_tokens": 50}],
+              "server_metrics": {"kv_bytes_sent": 400.0, "kv_bytes_received": 400.0,
+                                 "kv_bytes_saved": 600.0},
+              "errors": 0, "ttft_ms": {"p50": 10.0, "p90": 20.0}}
+    row = routing.figures(result, oracle=0.5, bytes_per_token=10)
+    assert row["decode_kv_hit_fraction"] == pytest.approx(0.6)
+    assert row["kv_saved_vs_full"] == pytest.approx(0.6)
+
+
+def test_miss_only_runs_cache_aware_with_the_decode_prefix_cache(
+        tiny_model_dir, tmp_path, monkeypatch, capsys):
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": t, "input_length": n,
+                                         "output_length": 8, "hash_ids": list(ids)}) + "\n"
+                             for t, n, ids in LINES))
+    seen = {}
+
+    def fake_run(name, up_args, model_dir, workloads, args, out_dir):
+        seen[name] = up_args
+        ok = {"error": None, "prompt_len": 10, "cached_tokens": 0}
+        return {"trace": {"requests": [ok], "errors": 0, "ttft_ms": {"p50": 1.0, "p90": 2.0},
+                          "server_metrics": {"kv_bytes_sent": 1.0, "kv_bytes_received": 1.0,
+                                             "kv_bytes_saved": 0.0}}}
+
+    monkeypatch.setattr(routing.disagg, "run_topology", fake_run)
+    args = _args(["--model", str(tiny_model_dir), "--prefill-counts", "2", "--policies",
+                  "cache-aware,cache-aware+miss-only", "--trace", str(trace),
+                  "--trace-start", "0", "--out-dir", str(tmp_path / "out")])
+    assert routing.main(args) == 0
+    plain, miss_only = seen["prefill2-cache-aware"], seen["prefill2-cache-aware+miss-only"]
+    assert "--router-arg=--routing-policy=cache-aware" in plain and "--router-arg=" \
+        "--routing-policy=cache-aware" in miss_only
+    assert "--decode-arg=--prefix-cache" in miss_only
+    assert "--decode-arg=--prefix-cache" not in plain
+    assert "| 2 | cache-aware+miss-only |" in capsys.readouterr().out
 
 
 def _args(argv: list[str]) -> argparse.Namespace:

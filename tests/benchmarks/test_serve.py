@@ -28,7 +28,7 @@ FIELDS = {
     "total_token_throughput", *STATS, "goodput", "server_metrics", "requests",
 }
 METRICS = {"urls", "note", "prefix_cache_queries", "prefix_cache_hits", "kv_bytes_sent",
-           "kv_bytes_received", "prefix_cache_hit_rate"}
+           "kv_bytes_received", "kv_bytes_saved", "prefix_cache_hit_rate"}
 
 
 @pytest.fixture(scope="module")

@@ -13,37 +13,57 @@ router, tests drive it as the router would) has its own KV proxy
 
 Baseline: per pod, its KV blocks all free, nothing running or waiting, no
 landing bytes in use (GetLoad and /metrics), and its OS threads and open
-sockets (from /proc) no more than after warm-up.
+sockets (from /proc) no more than after warm-up (threads: up to THREAD_SLACK more,
+for pools that grow lazily; see there).
 """
 
 from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tests.faults.proxy import FaultProxy
 from tests.integration.flows import load
 from tests.integration.pods import PodProcess
 from tests.router.router_process import RouterProcess
 
+# Threads a pod may hold above its baseline: its lazily grown pools (asyncio's
+# default executor, the gRPC servers' and the engine's OpenMP team for a new
+# calling thread) start a worker only when a task finds the others busy,
+# which CPU contention decides; twice in full-suite runs on the 2-core CI
+# machine a pod held one more thread than at baseline, for good, after a
+# fuzz test. That is a pool at a new size, not a leak: a thread leaked per
+# request or per fault would pass the slack within a few tests and fail
+# them (the message lists the threads by name).
+THREAD_SLACK = 2
+
 
 @dataclass(frozen=True)
 class Usage:
     threads: int
     sockets: int
+    # Thread names and how many of each, for the failure message only.
+    names: tuple[tuple[str, int], ...] = field(default=(), compare=False)
 
 
 def usage(pid: int) -> Usage:
     """OS threads and open sockets of process `pid` (Linux /proc)."""
-    threads = len(os.listdir(f"/proc/{pid}/task"))
+    names: dict[str, int] = {}
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/comm", encoding="utf-8") as f:
+                name = f.read().strip()
+        except OSError:  # ended while listing
+            continue
+        names[name] = names.get(name, 0) + 1
     sockets = 0
     for fd in os.listdir(f"/proc/{pid}/fd"):
         try:
             sockets += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:")
         except OSError:  # closed while listing
             pass
-    return Usage(threads, sockets)
+    return Usage(sum(names.values()), sockets, tuple(sorted(names.items())))
 
 
 @dataclass
@@ -99,7 +119,7 @@ def assert_pods_at_baseline(pods: dict[str, PodProcess], baseline: dict[str, Usa
             now = usage(pod.process.pid)
             base = baseline[name]
             if (free, running, waiting, landing) != (total, 0, 0, 0) or (
-                    now.threads > base.threads or now.sockets > base.sockets):
+                    now.threads > base.threads + THREAD_SLACK or now.sockets > base.sockets):
                 held[name] = dict(free=free, total=total, running=running, waiting=waiting,
                                   landing=landing, usage=now, baseline=base)
         if not held:

@@ -43,14 +43,16 @@ def test_matches_float64_reference(rows, k, n, bias, threads):
 def test_a_row_does_not_depend_on_the_batch_or_the_threads():
     """One multiply-add chain per output in k order: bit-identical whether a
     row is alone, in a group of 4, 2 or 1, or computed by another thread."""
-    x, weight, b = _case(3, 13, 700, 90, True)
+    # 13 x 700 x 200 multiply-adds: past gemm.c's PARALLEL_MIN, so the batch
+    # is split over threads while a lone row (below it) runs on one.
+    x, weight, b = _case(3, 13, 700, 200, True)
     panels = native.pack_panels(weight)
-    together = native.gemm_panels(x, panels, 90, b, num_threads=2)
+    together = native.gemm_panels(x, panels, 200, b, num_threads=2)
     for threads in (1, 3):
-        assert torch.equal(native.gemm_panels(x, panels, 90, b, num_threads=threads), together)
+        assert torch.equal(native.gemm_panels(x, panels, 200, b, num_threads=threads), together)
     for i in range(13):
-        assert torch.equal(native.gemm_panels(x[i : i + 1], panels, 90, b), together[i : i + 1])
-    assert torch.equal(native.gemm_panels(x[5:11], panels, 90, b), together[5:11])
+        assert torch.equal(native.gemm_panels(x[i : i + 1], panels, 200, b), together[i : i + 1])
+    assert torch.equal(native.gemm_panels(x[5:11], panels, 200, b), together[5:11])
 
 
 def test_strided_rows_in_and_out():
