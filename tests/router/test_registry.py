@@ -26,6 +26,19 @@ from router.registry.redis_registry import RedisPodSource
 from router.registry.static import StaticPodSource, parse_addresses
 
 
+async def eventually(predicate, timeout: float = 10.0, interval: float = 0.02) -> None:
+    """Wait until `predicate()` holds; fail with its last value after `timeout` seconds.
+
+    The registry's changes land at a poll after a TTL or a grace, so a fixed sleep
+    is a race on a loaded machine; waiting for the condition is not.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not predicate():
+        assert loop.time() < deadline, f"condition not met within {timeout} s"
+        await asyncio.sleep(interval)
+
+
 class LoadServicer(pdserve_pb2_grpc.PrefillServicer, pdserve_pb2_grpc.DecodeServicer):
     def __init__(self, report: pdserve_pb2.LoadReport) -> None:
         self.report = report
@@ -99,29 +112,25 @@ def test_poller_reports_loads_and_drops_dead_pods_within_an_interval(run_async) 
                 }
             # load changes show up at the next poll
             p1.servicer.report.num_waiting_tokens = 10
-            await asyncio.sleep(0.3)
-            assert {p.address: p.num_waiting_tokens for p in pool.pods("prefill")}[p1.address] == 10
+            await eventually(lambda: {p.address: p.num_waiting_tokens
+                                      for p in pool.pods("prefill")}[p1.address] == 10)
             # a dead pod leaves within one interval, and comes back when it answers again
             await d1.stop()
-            await asyncio.sleep(0.35)
-            assert pool.pods("decode") == []
+            await eventually(lambda: pool.pods("decode") == [])
             assert not pool.is_ready()
             assert pool.state(d1.address)[0] is PodState.UNHEALTHY
             assert pool.known("decode") == [d1.address]
             # health NOT_SERVING and draining also take a pod out
             await p2.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
             p1.servicer.report.draining = True
-            await asyncio.sleep(0.3)
-            assert pool.pods("prefill") == []
-            assert pool.state(p1.address) == (PodState.UNHEALTHY, "draining")
+            await eventually(lambda: pool.pods("prefill") == []
+                             and pool.state(p1.address) == (PodState.UNHEALTHY, "draining"))
             p1.servicer.report.draining = False
-            await asyncio.sleep(0.3)
-            assert [p.address for p in pool.pods("prefill")] == [p1.address]
+            await eventually(lambda: [p.address for p in pool.pods("prefill")] == [p1.address])
             # the server can take a pod out at once; the next good poll returns it
             pool.mark_unhealthy(p1.address, "connect failed")
             assert pool.pods("prefill") == []
-            await asyncio.sleep(0.3)
-            assert [p.address for p in pool.pods("prefill")] == [p1.address]
+            await eventually(lambda: [p.address for p in pool.pods("prefill")] == [p1.address])
         finally:
             await pool.close()
             for server in (p1, p2):
@@ -168,21 +177,18 @@ def test_redis_registry_adds_new_pods_and_drops_expired_ones(redis_url: str, run
                                     ttl_s=0.6)
                 beat.start()
                 beats.append(beat)
-            await asyncio.sleep(0.3)
-            assert [p.address for p in pool.pods("prefill")] == [p1.address]
-            assert [p.address for p in pool.pods("decode")] == [d1.address]
+            await eventually(lambda: [p.address for p in pool.pods("prefill")] == [p1.address]
+                             and [p.address for p in pool.pods("decode")] == [d1.address])
             # a crashed pod stops refreshing: its key expires and the pod leaves the pool
             beats[0]._stop.set()
             beats[0]._thread.join()
-            await asyncio.sleep(0.9)
-            assert pool.known("prefill") == []
+            await eventually(lambda: pool.known("prefill") == [])
             assert [p.address for p in pool.pods("decode")] == [d1.address]
             # a clean stop (on drain) deletes the key at once; the draining pod leaves
             # at the next poll
             d1.servicer.report.draining = True
             beats[1].stop()
-            await asyncio.sleep(0.25)
-            assert pool.known("decode") == []
+            await eventually(lambda: pool.known("decode") == [])
         finally:
             for beat in beats:
                 beat.stop()
@@ -246,16 +252,14 @@ def test_a_pod_missing_from_redis_stays_while_it_answers_until_the_grace_passes(
             client.set(pod_key("prefill", p1.address),
                        json.dumps({"address": p1.address, "role": "prefill", "model": "m"}))
             await d1.stop()
-            await asyncio.sleep(0.3)
-            assert pool.known("decode") == []
-            await asyncio.sleep(0.9)  # past the grace: the re-registered pod is still there
+            await eventually(lambda: pool.known("decode") == [])
+            await asyncio.sleep(1.2)  # past the grace: the re-registered pod is still there
             assert [p.address for p in pool.pods("prefill")] == [p1.address]
             # a pod that stays missing leaves once the grace has passed
             client.flushall()
             await asyncio.sleep(0.5)
             assert pool.known("prefill") == [p1.address]
-            await asyncio.sleep(0.8)
-            assert pool.known("prefill") == []
+            await eventually(lambda: pool.known("prefill") == [])
         finally:
             await pool.close()
             client.close()
