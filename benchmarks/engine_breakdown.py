@@ -55,13 +55,20 @@ class StepBreakdown:
 
 
 def dense_weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of every weight a decode step streams: all parameters but the
-    embedding table (unless lm_head shares it, then it is counted once as lm_head)."""
+    """Bytes of every weight a decode step must stream, in the model's own
+    dtype: all parameters but the embedding table (unless lm_head shares it,
+    then it is counted once as lm_head). A bfloat16 layer that a CPU without
+    bfloat16 arithmetic packs as float32 (`Linear.upcast`) counts as
+    bfloat16: the bound is what the checkpoint's weights cost to read, not
+    what a path that widens them in memory reads."""
     from engine.layers.linear import Linear
 
-    return sum(m.weight.numel() * m.weight.element_size() + (
-        m.bias.numel() * m.bias.element_size() if m.bias is not None else 0)
-        for m in model.modules() if isinstance(m, Linear))
+    def size(m: Linear) -> int:
+        element = 2 if m.upcast else m.weight.element_size()
+        return (m.in_features * m.out_features
+                + (m.out_features if m.bias is not None else 0)) * element
+
+    return sum(size(m) for m in model.modules() if isinstance(m, Linear))
 
 
 def read_bandwidth_gb_s(megabytes: int = 512, repeats: int = 7,

@@ -37,7 +37,10 @@ twice the weight memory), and the leading decode rows of every dense input
 1.4x faster than oneDNN at 8 rows (docs/benchmarks.md, "Decode GEMM").
 Prefill rows stay on oneDNN, whose large-M kernel is the faster one. A
 decode token thus takes the same path whether its step also holds a
-prefill chunk or not, on a colocated pod as on a decode pod.
+prefill chunk or not, on a colocated pod as on a decode pod. A bfloat16
+model on a CPU whose oneDNN has no bfloat16 linear (`upcasts_bfloat16`)
+keeps bfloat16 panels for its decode rows (`kernels.native.gemm_panels_bf16`:
+half the bytes of the float32 copy its prefill rows use).
 """
 
 from __future__ import annotations
@@ -113,9 +116,12 @@ def native_unsupported_reason(dtype: torch.dtype, device: torch.device,
 
     if backend is not MatmulBackend.ONEDNN:
         return f"the dense projections run on {backend.value}, not oneDNN"
-    if device.type != "cpu" or dtype != torch.float32:
-        return f"the native decode GEMM is for float32 on CPU, not {dtype} on {device.type}"
-    if not native.gemm_available():
+    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        return (f"the native decode GEMM is for float32 and bfloat16 on CPU, not {dtype} on "
+                f"{device.type}")
+    available = native.gemm_available() if dtype == torch.float32 else (
+        native.gemm_bf16_available())
+    if not available:
         return "the native kernels did not build, or this CPU lacks AVX2 and FMA"
     return None
 
@@ -129,6 +135,10 @@ def resolve_decode_matmul(value: DecodeMatmul | str, dtype: torch.dtype, device:
     reason = native_unsupported_reason(dtype, device, backend)
     if value is DecodeMatmul.NATIVE and reason:
         raise ValueError(f"decode matmul 'native' unavailable: {reason}")
+    if reason is None and dtype == torch.bfloat16 and not upcasts_bfloat16():
+        # oneDNN multiplies bfloat16 natively on this CPU (AVX512-BF16 or
+        # AMX): the bfloat16 panels were measured only where it cannot.
+        return value is DecodeMatmul.NATIVE
     return reason is None
 
 
@@ -185,12 +195,14 @@ class Linear(nn.Module):
         self.decode_rows: DecodeRows | None = None
 
     def pack_native(self, decode_rows: DecodeRows) -> None:
-        """Keep the float32 weight in the native GEMM's panels as well (before
-        `prepack_onednn` replaces it); the leading `decode_rows.count` rows of
-        each input then take that kernel."""
+        """Keep the weight in the native GEMM's panels as well, in its own
+        dtype (float32 or bfloat16; before `prepack_onednn` replaces it); the
+        leading `decode_rows.count` rows of each input then take that kernel."""
         from kernels import native
 
-        self.panels = native.pack_panels(self.weight.detach())
+        weight = self.weight.detach()
+        pack = native.pack_panels_bf16 if weight.dtype == torch.bfloat16 else native.pack_panels
+        self.panels = pack(weight)
         self.decode_rows = decode_rows
 
     def prepack_onednn(self) -> None:
@@ -225,11 +237,11 @@ class Linear(nn.Module):
     def _decode_rows_native(self, x: torch.Tensor, count: int) -> torch.Tensor:
         from kernels import native
 
+        gemm = native.gemm_panels_bf16 if x.dtype == torch.bfloat16 else native.gemm_panels
         if count >= x.shape[0]:
-            return native.gemm_panels(x, self.panels, self.out_features, self.bias)
+            return gemm(x, self.panels, self.out_features, self.bias)
         out = torch.empty((x.shape[0], self.out_features), dtype=x.dtype)
-        native.gemm_panels(x[:count], self.panels, self.out_features, self.bias,
-                           out=out[:count])
+        gemm(x[:count], self.panels, self.out_features, self.bias, out=out[:count])
         out[count:] = self._dense(x[count:])
         return out
 

@@ -7,7 +7,9 @@ scattered blocks into a contiguous copy, then read it again in SDPA
 place, in the cache's own dtype. `gemm.c` is the
 dense projection of decode rows (float32, weights packed in 16-column
 panels), which oneDNN's small-batch kernel leaves at half the read
-bandwidth (`pack_panels`, `gemm_panels`). RMSNorm and RoPE are 8-10 small torch ops
+bandwidth (`pack_panels`, `gemm_panels`); `gemm_bf16.c` the same from
+bfloat16 panels, widened in registers, for CPUs where oneDNN has no
+bfloat16 linear (`pack_panels_bf16`, `gemm_panels_bf16`). RMSNorm and RoPE are 8-10 small torch ops
 each, whose dispatch costs more than their arithmetic, and the KV inject's
 skip of padding slots is a boolean-mask gather and scatter; `elementwise.c`
 does each in one call. `fused.c` goes further for the decode step: SwiGLU's
@@ -34,7 +36,8 @@ import torch
 from kernels.native.loader import build, default_cache_dir, library
 
 __all__ = ["NativeKernelError", "DecodeQKVCall", "PANEL", "build", "default_cache_dir",
-           "gemm_available", "gemm_panels", "inject_kv", "library", "pack_panels",
+           "gemm_available", "gemm_bf16_available", "gemm_panels", "gemm_panels_bf16",
+           "inject_kv", "pack_panels_bf16", "library", "pack_panels",
            "paged_decode_attention", "rms_norm", "rotary_embedding", "silu_and_mul", "supports",
            "supports_inject", "supports_qkv", "supports_rms_norm", "supports_rotary"]
 
@@ -312,4 +315,63 @@ def gemm_panels(x: torch.Tensor, panels: torch.Tensor, out_features: int,
             None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
             num_threads or torch.get_num_threads())
     _check(code, "gemm_panels")
+    return out
+
+
+# Where pack_panels_bf16 puts column c of a panel row: the two unpacks of
+# gemm_bf16.c against zero turn positions 0-3, 8-11 into columns 0-7 and
+# positions 4-7, 12-15 into columns 8-15 (position p holds column _BF16_ORDER[p]).
+_BF16_ORDER = (0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15)
+
+
+def gemm_bf16_available() -> bool:
+    """Whether `gemm_panels_bf16` runs here (the library built, AVX2 and FMA)."""
+    lib = library()
+    return lib is not None and bool(lib.pdserve_gemm_bf16_available())
+
+
+def pack_panels_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """A bfloat16 weight [N, K] as gemm_bf16.c's panels [ceil(N / 16), K, 16]
+    (bfloat16; each panel row's columns in the order gemm_bf16.c unpacks)."""
+    if weight.dim() != 2 or weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
+        raise ValueError(f"pack_panels_bf16 takes a bfloat16 CPU weight [N, K], got "
+                         f"{weight.dtype} {tuple(weight.shape)} on {weight.device}")
+    n, k = weight.shape
+    num_panels = -(-n // PANEL)
+    padded = weight.new_zeros(num_panels * PANEL, k)
+    padded[:n] = weight
+    order = torch.tensor(_BF16_ORDER)
+    return padded.view(num_panels, PANEL, k)[:, order].transpose(1, 2).contiguous()
+
+
+def gemm_panels_bf16(x: torch.Tensor, panels: torch.Tensor, out_features: int,
+                     bias: torch.Tensor | None = None, *, out: torch.Tensor | None = None,
+                     num_threads: int | None = None) -> torch.Tensor:
+    """x [M, K] bfloat16 (rows may be strided) @ the packed bfloat16 weight's
+    transpose (+ a float32 bias), accumulated in float32 and rounded once to
+    bfloat16: [M, out_features] bfloat16, into `out` (contiguous rows) when
+    given. A row's result does not depend on M or on the thread count."""
+    if x.dim() != 2 or x.dtype != torch.bfloat16 or x.device.type != "cpu":
+        raise ValueError(f"gemm_panels_bf16 takes bfloat16 CPU rows [M, K], got {x.dtype} "
+                         f"{tuple(x.shape)} on {x.device}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    rows, in_features = x.shape
+    if (panels.dtype != torch.bfloat16 or panels.shape[1] != in_features
+            or panels.shape[0] * PANEL < out_features):
+        raise ValueError(f"x has {in_features} features; panels {panels.dtype} "
+                         f"{tuple(panels.shape)} do not hold a [{out_features}, "
+                         f"{in_features}] bfloat16 weight")
+    if out is None:
+        out = torch.empty((rows, out_features), dtype=torch.bfloat16)
+    elif out.shape != (rows, out_features) or out.stride(1) != 1 or out.dtype != x.dtype:
+        raise ValueError(f"out must be bfloat16 [{rows}, {out_features}] with contiguous rows")
+    if bias is not None:
+        bias = bias.float().contiguous()
+    with _profiled(GEMM_PROFILER_NAME):
+        code = library().pdserve_gemm_panels_bf16(
+            x.data_ptr(), x.stride(0), rows, panels.data_ptr(), in_features, out_features,
+            None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
+            num_threads or torch.get_num_threads())
+    _check(code, "gemm_panels_bf16")
     return out

@@ -44,6 +44,14 @@ def test_dense_weight_bytes_counts_every_linear_once(tiny_model_dir):
     per_layer = qkv + config.q_size * h + 2 * inter * h + inter * h
     assert engine_breakdown.dense_weight_bytes(model) == 4 * (
         layers * per_layer + config.vocab_size * h)
+    # bfloat16 counts 2 bytes a weight, also where prepacking widened it to float32
+    from engine.layers.linear import Linear, MatmulBackend, prepack
+
+    half, _ = load_model(tiny_model_dir, dtype="bfloat16")
+    prepack(half, MatmulBackend.ONEDNN)
+    assert any(m.prepacked for m in half.modules() if isinstance(m, Linear))
+    assert engine_breakdown.dense_weight_bytes(half) == 2 * (
+        layers * per_layer + config.vocab_size * h)
 
 
 def test_a_cuda_row_has_no_split_and_sub_millisecond_steps_keep_their_digits():

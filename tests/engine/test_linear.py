@@ -173,12 +173,58 @@ def test_resolve_decode_matmul():
     onednn, plain = MatmulBackend.ONEDNN, MatmulBackend.TORCH
     assert resolve_decode_matmul("off", torch.float32, CPU, onednn) is False
     assert resolve_decode_matmul("auto", torch.float32, CPU, plain) is False
-    assert resolve_decode_matmul("auto", torch.bfloat16, CPU, onednn) is False
+    assert resolve_decode_matmul("auto", torch.float16, CPU, onednn) is False
     with pytest.raises(ValueError, match="projections run on torch, not oneDNN"):
         resolve_decode_matmul("native", torch.float32, CPU, plain)
-    with pytest.raises(ValueError, match="float32 on CPU, not torch.bfloat16"):
-        resolve_decode_matmul("native", torch.bfloat16, CPU, onednn)
+    with pytest.raises(ValueError, match="float32 and bfloat16 on CPU, not torch.float16"):
+        resolve_decode_matmul("native", torch.float16, CPU, onednn)
     assert resolve_decode_matmul("auto", torch.float32, CPU, onednn) is native.gemm_available()
+
+
+@needs_native_gemm
+def test_resolve_decode_matmul_bfloat16(monkeypatch):
+    """bfloat16 decode rows take the native GEMM under auto only where oneDNN
+    cannot multiply bfloat16 itself (it upcasts); `native` forces them."""
+    import engine.layers.linear as linear
+
+    onednn = MatmulBackend.ONEDNN
+    monkeypatch.setattr(linear, "upcasts_bfloat16", lambda: True)
+    assert resolve_decode_matmul("auto", torch.bfloat16, CPU, onednn) is True
+    monkeypatch.setattr(linear, "upcasts_bfloat16", lambda: False)
+    assert resolve_decode_matmul("auto", torch.bfloat16, CPU, onednn) is False
+    assert resolve_decode_matmul("native", torch.bfloat16, CPU, onednn) is True
+    assert resolve_decode_matmul("off", torch.bfloat16, CPU, onednn) is False
+
+
+@needs_native_gemm
+@pytest.mark.parametrize("bias", [False, True])
+def test_bfloat16_decode_rows_read_bfloat16_panels(monkeypatch, bias):
+    """A bfloat16 layer on a CPU that upcasts keeps its weight as bfloat16
+    panels for decode rows (half the bytes of the float32 copy the prefill
+    rows use): those rows are gemm_panels_bf16's, the rest the float32
+    oneDNN path's, and both within bfloat16's tolerance of F.linear."""
+    import engine.layers.linear as linear
+
+    monkeypatch.setattr(linear, "upcasts_bfloat16", lambda: True)
+    layer = _linear(300, 70, bias, torch.bfloat16, seed=11)
+    weight = layer.weight.detach().clone()
+    b = None if not bias else layer.bias.detach().float()
+    rows = DecodeRows()
+    prepack(layer, MatmulBackend.ONEDNN, rows)
+    assert layer.upcast and layer.panels.dtype == torch.bfloat16
+    onednn_only = _linear(300, 70, bias, torch.bfloat16, seed=11)
+    prepack(onednn_only, MatmulBackend.ONEDNN)
+    x = torch.randn(9, 300, generator=torch.Generator().manual_seed(12)).bfloat16()
+    native_rows = native.gemm_panels_bf16(x, native.pack_panels_bf16(weight), 70, b)
+    with rows.leading(9):
+        assert torch.equal(layer(x), native_rows)
+    with rows.leading(4):
+        mixed = layer(x)
+    assert mixed.dtype == torch.bfloat16
+    assert torch.equal(mixed[:4], native_rows[:4])
+    assert torch.equal(mixed[4:], onednn_only(x[4:]))
+    expected = F.linear(x.float(), weight.float(), b)
+    torch.testing.assert_close(mixed.float(), expected, **TOLERANCE[torch.bfloat16])
 
 
 @needs_native_gemm

@@ -1,0 +1,215 @@
+/* The dense projections of decode rows for a bfloat16 model: bfloat16
+ * x [M, K] times a bfloat16 weight packed in 16-column panels, for small M.
+ *
+ * A bfloat16 decode step streams every weight once, like a float32 one
+ * (gemm.c), but half the bytes. On a CPU without bfloat16 arithmetic (the
+ * project's AVX2 EPYC: oneDNN has no bfloat16 linear there) the dense path
+ * multiplies a float32 copy of each weight (engine/layers/linear.py,
+ * `Linear.prepack_onednn`), so a bfloat16 step read as many bytes as a
+ * float32 one. This kernel reads the bfloat16 panels and widens them in
+ * registers (a bfloat16 value is the top half of the float32 with the same
+ * value, so widening is exact: one unpack against zero).
+ *
+ * Arithmetic: x is widened to float32, every product is exact in float32,
+ * each output element is ONE fused multiply-add chain over k = 0 .. K - 1 in
+ * order (then + the float32 bias), rounded once to bfloat16 (nearest even,
+ * as torch rounds): a bfloat16 GEMM with float32 accumulation, like oneDNN's
+ * and torch's, up to summation order; a row's result does not depend on M,
+ * on which rows share its group, or on the thread count.
+ *
+ * Layout: `panels` [ceil(N / 16)][K][16] uint16 (bfloat16 bits). Within a
+ * panel row the 16 columns are stored in the order the unpacks produce
+ * natural order from (pack_panels_bf16 in kernels/native/__init__.py):
+ * positions 0-3 hold columns 0-3, 4-7 columns 8-11, 8-11 columns 4-7,
+ * 12-15 columns 12-15. `_mm256_unpacklo_epi16(0, w)` then yields columns
+ * 0-7 as float32 and `_mm256_unpackhi_epi16(0, w)` columns 8-15.
+ *
+ * A separate file from gemm.c because only the panel load, the x widening
+ * and the rounding store differ, and each is in the hot loop or its edge;
+ * the blocking (k-blocks kept in L1 while every 4-row group uses them,
+ * prefetch ahead) is gemm.c's, at twice the k rows per byte.
+ *
+ * AVX2 + FMA only; elsewhere pdserve_gemm_bf16_available() is 0 and the
+ * caller keeps the float32 dense path.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+#define PANEL 16
+#define KC 128       /* k rows of a panel per pass: 4 KB of bfloat16, stays in L1 */
+#define MB 96        /* rows per block (accumulators: MB x 16 floats, 6 KB) */
+#define PREFETCH 128 /* k rows ahead (4 KB) the first row group prefetches */
+enum { NONE, NEAR, NEXT_BLOCK };
+#define PARALLEL_MIN (1L << 20) /* multiply-adds of a call worth a second thread */
+
+#define LOAD_ROW(r) \
+  __m256 c##r##0 = _mm256_load_ps(acc + (r) * PANEL), c##r##1 = _mm256_load_ps(acc + (r) * PANEL + 8)
+#define STORE_ROW(r) \
+  (_mm256_store_ps(acc + (r) * PANEL, c##r##0), _mm256_store_ps(acc + (r) * PANEL + 8, c##r##1))
+#define FMA_ROW(r)                                                         \
+  do {                                                                     \
+    const __m256 a = _mm256_broadcast_ss(x + (r) * x_stride + k);          \
+    c##r##0 = _mm256_fmadd_ps(a, b0, c##r##0);                             \
+    c##r##1 = _mm256_fmadd_ps(a, b1, c##r##1);                             \
+  } while (0)
+/* One k row of the panel: 16 bfloat16 (32 bytes) widened to two float32 x 8. */
+#define K_LOOP(BODY)                                                                    \
+  const __m256i zero = _mm256_setzero_si256();                                          \
+  _Pragma("GCC unroll 4")                                                               \
+  for (long k = 0; k < kc; k++) {                                                       \
+    if (prefetch == NEAR)                                                               \
+      _mm_prefetch((const char *)(p + (k + PREFETCH) * PANEL), _MM_HINT_T0);            \
+    else if (prefetch == NEXT_BLOCK)                                                    \
+      _mm_prefetch((const char *)(p + (k + KC) * PANEL), _MM_HINT_T1);                  \
+    const __m256i w = _mm256_loadu_si256((const __m256i *)(p + k * PANEL));             \
+    const __m256 b0 = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, w));             \
+    const __m256 b1 = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, w));             \
+    BODY                                                                                \
+  }
+
+static inline void rows4(const float *x, long x_stride, const uint16_t *p, long kc, float *acc,
+                         int prefetch) {
+  LOAD_ROW(0); LOAD_ROW(1); LOAD_ROW(2); LOAD_ROW(3);
+  K_LOOP(FMA_ROW(0); FMA_ROW(1); FMA_ROW(2); FMA_ROW(3);)
+  STORE_ROW(0); STORE_ROW(1); STORE_ROW(2); STORE_ROW(3);
+}
+
+static inline void rows2(const float *x, long x_stride, const uint16_t *p, long kc, float *acc,
+                         int prefetch) {
+  LOAD_ROW(0); LOAD_ROW(1);
+  K_LOOP(FMA_ROW(0); FMA_ROW(1);)
+  STORE_ROW(0); STORE_ROW(1);
+}
+
+static inline void rows1(const float *x, long x_stride, const uint16_t *p, long kc, float *acc,
+                         int prefetch) {
+  LOAD_ROW(0);
+  K_LOOP(FMA_ROW(0);)
+  STORE_ROW(0);
+}
+
+/* n bfloat16 -> float32, exact. */
+static void widen(const uint16_t *src, float *dst, long n) {
+  long i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m128i h = _mm_loadu_si128((const __m128i *)(src + i));
+    _mm256_storeu_si256((__m256i *)(dst + i),
+                        _mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  for (; i < n; i++) {
+    const uint32_t bits = (uint32_t)src[i] << 16;
+    memcpy(dst + i, &bits, sizeof bits);
+  }
+}
+
+/* 8 float32 -> bfloat16 bits in the low 16 of each 32-bit lane, rounded to
+ * nearest even; a NaN stays a (quiet) NaN, as dtypes.h's f32_to_bf16. */
+static inline __m256i round8(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_srli_epi32(
+      _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+  const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(0x40));
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  return _mm256_blendv_epi8(rounded, quiet, nan);
+}
+
+/* out[0..cols) = bfloat16(acc[0..cols) (+ bias)); acc holds a panel's 16 columns. */
+static inline void store_row(const float *acc, const float *bias, long cols, uint16_t *out) {
+  __m256 lo = _mm256_load_ps(acc), hi = _mm256_load_ps(acc + 8);
+  if (bias != NULL) {
+    if (cols == PANEL) {
+      lo = _mm256_add_ps(lo, _mm256_loadu_ps(bias));
+      hi = _mm256_add_ps(hi, _mm256_loadu_ps(bias + 8));
+    } else {
+      float b[PANEL] __attribute__((aligned(32))) = {0};
+      memcpy(b, bias, sizeof(float) * cols);
+      lo = _mm256_add_ps(lo, _mm256_load_ps(b));
+      hi = _mm256_add_ps(hi, _mm256_load_ps(b + 8));
+    }
+  }
+  /* packus interleaves the two 128-bit lanes; permute 0xD8 restores order. */
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(round8(lo), round8(hi)),
+                                                  0xD8);
+  if (cols == PANEL) {
+    _mm256_storeu_si256((__m256i *)out, packed);
+  } else {
+    uint16_t tmp[PANEL] __attribute__((aligned(32)));
+    _mm256_store_si256((__m256i *)tmp, packed);
+    memcpy(out, tmp, sizeof(uint16_t) * cols);
+  }
+}
+
+int pdserve_gemm_bf16_available(void) { return 1; }
+
+/* out[m][n] = bfloat16(sum_k x[m][k] * W[n][k] (+ bias[n])) for m < M, n < N;
+ * x and out bfloat16 with rows `x16_stride` / `out_stride` elements apart,
+ * bias float32 or NULL. Returns 0, 1 (out of memory) or 2 (a shape it does
+ * not take). */
+int pdserve_gemm_panels_bf16(const uint16_t *x16, long x16_stride, long M,
+                             const uint16_t *panels, long K, long N, const float *bias,
+                             uint16_t *out, long out_stride, int num_threads) {
+  if (M < 0 || K < 1 || N < 1) return 2;
+  if (M == 0) return 0;
+  if (num_threads < 1) num_threads = 1;
+  const long num_panels = (N + PANEL - 1) / PANEL;
+  if (num_threads > num_panels) num_threads = (int)num_panels;
+  if (M * K * N < PARALLEL_MIN) num_threads = 1;
+  /* The rows widened once (M is a decode batch: small), K floats apart. */
+  float *x = malloc(sizeof(float) * M * K);
+  if (x == NULL) return 1;
+  for (long m = 0; m < M; m++) widen(x16 + m * x16_stride, x + m * K, K);
+#pragma omp parallel num_threads(num_threads)
+  {
+    float acc[MB * PANEL] __attribute__((aligned(64)));
+    const long x_stride = K;  /* the widened rows */
+    for (long m0 = 0; m0 < M; m0 += MB) {
+      const long rows = M - m0 < MB ? M - m0 : MB;
+      const float *xb = x + m0 * x_stride;
+#pragma omp for schedule(static)
+      for (long j = 0; j < num_panels; j++) {
+        const uint16_t *pj = panels + j * K * PANEL;
+        memset(acc, 0, sizeof(float) * PANEL * rows);
+        for (long k0 = 0; k0 < K; k0 += KC) {
+          const long kc = K - k0 < KC ? K - k0 : KC;
+          const uint16_t *p = pj + k0 * PANEL;
+          long m = 0;
+          const int later = k0 + KC < K ? NEXT_BLOCK : NONE;
+          int prefetch = NEAR;
+          for (; m + 4 <= rows; m += 4, prefetch = later)
+            rows4(xb + m * x_stride + k0, x_stride, p, kc, acc + m * PANEL, prefetch);
+          if (rows - m >= 2) {
+            rows2(xb + m * x_stride + k0, x_stride, p, kc, acc + m * PANEL, prefetch);
+            m += 2;
+            prefetch = later;
+          }
+          if (rows - m == 1) rows1(xb + m * x_stride + k0, x_stride, p, kc, acc + m * PANEL, prefetch);
+        }
+        const long cols = (j + 1) * PANEL <= N ? PANEL : N - j * PANEL;
+        for (long m = 0; m < rows; m++)
+          store_row(acc + m * PANEL, bias == NULL ? NULL : bias + j * PANEL, cols,
+                    out + (m0 + m) * out_stride + j * PANEL);
+      }
+    }
+  }
+  free(x);
+  return 0;
+}
+
+#else /* no AVX2 + FMA: the caller keeps the float32 dense path */
+
+int pdserve_gemm_bf16_available(void) { return 0; }
+
+int pdserve_gemm_panels_bf16(const uint16_t *x16, long x_stride, long M, const uint16_t *panels,
+                             long K, long N, const float *bias, uint16_t *out, long out_stride,
+                             int num_threads) {
+  (void)x16; (void)x_stride; (void)M; (void)panels; (void)K; (void)N; (void)bias; (void)out;
+  (void)out_stride; (void)num_threads;
+  return 2;
+}
+
+#endif
