@@ -193,15 +193,17 @@ static void block_large(const float *x, long x_stride, long rows, const float *a
   }
 }
 
-/* Two ways to share the work, neither with a barrier after the packing:
+/* Two ways to share the work, neither with a barrier inside the call:
  * - from SPLIT_ROWS_MIN rows a thread, each thread takes whole blocks of
  *   rows (dynamically: a thread that shares its core gets fewer), packs
  *   them into its own buffer and runs every panel. Each thread reads all
  *   of the weights, once per block, as each would anyway at MB_L rows.
- * - below, the threads pack all rows together, once, and each takes a
- *   share of the panels: the weights are read once per block in all.
- * A barrier per block (the threads packing each block together) measured
- * 1.02x against 1.11x of oneDNN while another process held a core. */
+ * - below, the calling thread packs all rows first (at most ~2 % of the
+ *   call's work) and each thread takes a share of the panels: the weights
+ *   are read once per block in all.
+ * While another process held a core, a barrier cost a scheduler tick
+ * (~4 ms) each: packing each block together (a barrier per block) measured
+ * 1.02x against 1.11x of oneDNN at 1,024 rows. */
 static int gemm_large(const float *x, long x_stride, long M, const float *panels, long K,
                       long N, const float *bias, float *out, long out_stride, int num_threads) {
   const long num_panels = (N + PANEL - 1) / PANEL;
@@ -231,12 +233,11 @@ static int gemm_large(const float *x, long x_stride, long M, const float *panels
   const long tiles = M / MR;
   float *packed = aligned_alloc(64, sizeof(float) * ((tiles * MR * K + 15) / 16 * 16 + 16));
   if (packed == NULL) return 1;
+  for (long t = 0; t < tiles; t++)
+    pack_rows6(x + t * MR * x_stride, x_stride, K, packed + t * MR * K);
 #pragma omp parallel num_threads(num_threads)
   {
     float acc[MB_L * PANEL] __attribute__((aligned(64)));
-#pragma omp for schedule(static)
-    for (long t = 0; t < tiles; t++)
-      pack_rows6(x + t * MR * x_stride, x_stride, K, packed + t * MR * K);
     const long team = omp_get_num_threads(), me = omp_get_thread_num();
     const long j0 = num_panels * me / team, j1 = num_panels * (me + 1) / team;
     for (long m0 = 0; m0 < M; m0 += MB_L)
