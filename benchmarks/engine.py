@@ -129,8 +129,8 @@ def main(args: argparse.Namespace) -> int:
     if points:
         from benchmarks import engine_breakdown
 
-        print(f"\nDecode step breakdown (matmul backend {engine.matmul_backend.value}, decode "
-              f"rows {'native' if engine.decode_rows is not None else 'the same'}):")
+        print(f"\nDecode step breakdown (matmul backend {engine.matmul_backend.value}, "
+              f"projections on {'the native GEMM' if engine.native_gemm else 'it'}):")
         rows = [engine_breakdown.measure(engine, b, c) for b, c in points]
         print(engine_breakdown.format_table(rows))
     return 0
