@@ -35,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--matmul-backend", default="auto", choices=("auto", "onednn", "torch"),
                         help="dense projections: oneDNN prepacked weights or F.linear")
     parser.add_argument("--decode-matmul", default="auto", choices=("auto", "native", "off"),
-                        help="decode rows: the native panel GEMM (auto: float32 on AVX2 + "
+                        help="float32 projections: the native panel GEMM (auto: on AVX2 + "
                              "FMA) or the matmul backend's (off)")
     parser.add_argument("--breakdown", default="8:300",
                         help="BATCH:CONTEXT[,BATCH:CONTEXT...] decode steps to break down "

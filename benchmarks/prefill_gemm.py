@@ -10,6 +10,12 @@ alternating order (native first in even rounds, oneDNN first in odd), so a
 noisy machine slows both alike; the table gives, per row count, the median
 and min of `--rounds` passes, the GFLOPS of the medians, and oneDNN's time
 over native's: of the medians, and the median of the rounds' own ratios.
+
+`--engine-prompt-len N` then times the same two paths end to end: two
+engines of the model (float32, `decode_matmul` auto: every projection on
+the native GEMM; off: on oneDNN), a random N-token prompt generating one
+token, alternating engines for `--rounds` rounds (needs a model, not only
+its shapes: 'base' is made on first use).
 """
 
 from __future__ import annotations
@@ -32,6 +38,50 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="torch intra-op threads, and the native GEMM's (default: torch's)")
     parser.add_argument("--by-shape", action="store_true",
                         help="also a row per projection shape (medians of the same rounds)")
+    parser.add_argument("--engine-prompt-len", type=int, default=0,
+                        help="then the prefill of an N-token prompt end to end, native "
+                             "against oneDNN engines (0: skip)")
+
+
+def _engine_prefill(model: str, prompt_len: int, rounds: int) -> None:
+    """Median and min ms of generating 1 token from a `prompt_len`-token
+    prompt, engines with every projection on the native GEMM and on oneDNN,
+    alternating."""
+    import torch
+
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.make_model import ensure_model
+    from engine.sampling_params import SamplingParams
+
+    model_dir = ensure_model(model) if model in ("tiny", "base") else model
+    engines = {}
+    for name, decode_matmul in (("native", "auto"), ("oneDNN", "off")):
+        engines[name] = LLMEngine(EngineConfig(
+            model_dir=model_dir, dtype="float32", device="cpu", num_blocks=prompt_len // 16 + 8,
+            max_num_seqs=1, max_num_batched_tokens=max(2048, prompt_len),
+            enable_prefix_caching=False, decode_matmul=decode_matmul))
+    assert engines["native"].native_gemm and not engines["oneDNN"].native_gemm
+    vocab = engines["native"].model_config.vocab_size
+    prompt = torch.randint(10, vocab, (prompt_len,), generator=torch.Generator().manual_seed(1))
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    times: dict[str, list[float]] = {name: [] for name in engines}
+    tokens = {}
+    for i in range(rounds + 1):  # round 0: warm-up
+        for name in (("native", "oneDNN") if i % 2 == 0 else ("oneDNN", "native")):
+            start = time.perf_counter()
+            tokens[name] = engines[name].generate([prompt.tolist()], params)[0].token_ids
+            if i:
+                times[name].append((time.perf_counter() - start) * 1e3)
+    print(f"\nprefill of a {prompt_len}-token prompt, 1 token generated, {rounds} rounds "
+          f"(same greedy token: {tokens['native'] == tokens['oneDNN']}):")
+    print("| engine | ms, median (min) |")
+    print("|---|---:|")
+    for name, t in times.items():
+        print(f"| {name} | {statistics.median(t):.0f} ({min(t):.0f}) |")
+    ratio = statistics.median(o / n for n, o in zip(times["native"], times["oneDNN"],
+                                                      strict=True))
+    print(f"| oneDNN / native, median of round ratios | {ratio:.2f}x |", flush=True)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -98,4 +148,6 @@ def main(args: argparse.Namespace) -> int:
                     b = statistics.median(shape_times[False][k, n]) * 1e3
                     print(f"| {rows}, [{k}, {n}] x{shapes.count((k, n))} | {a:.2f} | {b:.2f} | "
                           f"| | {b / a:.2f}x | |")
+    if args.engine_prompt_len:
+        _engine_prefill(args.model, args.engine_prompt_len, args.rounds)
     return 0

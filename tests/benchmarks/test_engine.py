@@ -92,7 +92,7 @@ def test_prefill_gemm_benchmark_prints_a_row_per_row_count(capsys, tiny_model_di
     parser = argparse.ArgumentParser()
     prefill_gemm.add_arguments(parser)
     args = parser.parse_args(["--model", str(tiny_model_dir), "--rows", "16,40", "--rounds", "2",
-                              "--threads", "1", "--by-shape"])
+                              "--threads", "1", "--by-shape", "--engine-prompt-len", "20"])
     assert prefill_gemm.main(args) == 0
     out = capsys.readouterr().out
     rows = [line.split("|") for line in out.splitlines()
@@ -100,3 +100,6 @@ def test_prefill_gemm_benchmark_prints_a_row_per_row_count(capsys, tiny_model_di
     assert [r[1].strip() for r in rows] == ["16", "40"]
     assert all(float(r[2].split()[0]) > 0 and r[6].strip().endswith("x") for r in rows)
     assert "| 40, [" in out  # the per-shape rows
+    assert "prefill of a 20-token prompt, 1 token generated, 2 rounds (same greedy token: True)" \
+        in out
+    assert "| native |" in out and "| oneDNN |" in out
