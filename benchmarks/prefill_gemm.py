@@ -1,5 +1,5 @@
 """The dense projections of a prefill on CPU: the native panel GEMM
-(kernels/native/gemm.c, its 6-row tiles from 16 rows) against oneDNN's
+(kernels/native/gemm.c, its 6-row tiles from 24 rows) against oneDNN's
 prepacked inner product, per row count.
 
 Weights are a whole model's per-layer projections (`--model`'s qkv, o,

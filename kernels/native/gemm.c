@@ -3,8 +3,8 @@
  *
  * Built with the other sources into one library (kernels/native/loader.py).
  *
- * Decode rows (M < LARGE_M). A decode step at batch 8 streams every weight
- * once for 8 rows of activations. oneDNN's prepacked inner product does
+ * Decode rows (M < LARGE_M = 24). A decode step at batch 8 streams every
+ * weight once for 8 rows of activations. oneDNN's prepacked inner product does
  * that at ~8 GB/s on this project's AVX2 EPYC, about half of what two cores
  * read, because its small-M kernel computes no faster than the weights
  * arrive and does not overlap the two. This path streams each panel once,
@@ -98,11 +98,11 @@ static inline void rows1(const float *x, long x_stride, const float *p, long kc,
  * rows K floats apart would share L1 sets (K = 1024: all 6 in one set) and
  * defeat the prefetchers. A block of up to MB_L rows sweeps each panel's
  * KC_L x 16 blocks in turn: a block stays in L1 while the block's 32 tiles
- * use it, and the second tile prefetches the stream's next block into L2
- * (the weights are read M / MB_L times, so they come from memory, not cache).
+ * use it, and the tiles prefetch the stream's next block into L2 (the
+ * weights are read M / MB_L times, so they come from memory, not cache).
  * The tiles of a block keep their partial sums in `acc` between k-blocks:
  * a store and a load are exact, so each output is still one chain. */
-#define LARGE_M 16       /* rows from which this path is the faster (measured below) */
+#define LARGE_M 24       /* rows from which this path is the faster (measured below) */
 #define MR 6             /* rows of a tile */
 #define KC_L 256         /* k rows of a panel block: 16 KB in L1 */
 #define MB_L 192         /* rows a panel block serves (accumulators: 12 KB) */
@@ -119,14 +119,14 @@ static inline void rows1(const float *x, long x_stride, const float *p, long kc,
          c##r##1 = first ? _mm256_setzero_ps() : _mm256_load_ps(acc + (r) * PANEL + 8)
 
 /* acc[r][0..15] = (first ? 0 : acc[r][0..15]) + ap[0..kc)[r] . p[0..kc)[0..15],
- * r < 6; `prefetch`: the next KC_L rows of the panel stream into L2 meanwhile. */
+ * r < 6; meanwhile the panel rows pf[0 .. pf_rows) into L2, one a k. */
 static inline void rows6(const float *ap, const float *p, long kc, float *acc, int first,
-                         int prefetch) {
+                         const float *pf, long pf_rows) {
   LOAD_OR_ZERO(0); LOAD_OR_ZERO(1); LOAD_OR_ZERO(2);
   LOAD_OR_ZERO(3); LOAD_OR_ZERO(4); LOAD_OR_ZERO(5);
   _Pragma("GCC unroll 4")
   for (long k = 0; k < kc; k++) {
-    if (prefetch) _mm_prefetch((const char *)(p + (kc + k) * PANEL), _MM_HINT_T1);
+    if (k < pf_rows) _mm_prefetch((const char *)(pf + k * PANEL), _MM_HINT_T1);
     const __m256 b0 = _mm256_load_ps(p + k * PANEL), b1 = _mm256_load_ps(p + k * PANEL + 8);
     FMA_PACKED(0); FMA_PACKED(1); FMA_PACKED(2); FMA_PACKED(3); FMA_PACKED(4); FMA_PACKED(5);
   }
@@ -174,13 +174,21 @@ static void block_large(const float *x, long x_stride, long rows, const float *a
                         const float *panels, long K, long N, long j0, long j1,
                         const float *bias, float *out, long out_stride, float *acc) {
   const long tiles = rows / MR;
-  const long prefetcher = tiles > 1 ? 1 : 0; /* the first tile waits on the block */
+  /* The tiles after the first (which waits on the block) share out the
+   * prefetch of the stream's next block: this panel's next KC_L rows, or the
+   * next panel's first. One tile prefetching it all took 1.13x the CPU
+   * time at 32 rows, where a block's compute barely covers its stream. */
+  const long helpers = tiles > 1 ? tiles - 1 : 1, share = (KC_L + helpers - 1) / helpers;
   for (long j = j0; j < j1; j++) {
     for (long k0 = 0; k0 < K; k0 += KC_L) {
       const long kc = K - k0 < KC_L ? K - k0 : KC_L;
       const float *p = panels + (j * K + k0) * PANEL;
-      for (long t = 0; t < tiles; t++)
-        rows6(ap + t * MR * K + MR * k0, p, kc, acc + t * MR * PANEL, k0 == 0, t == prefetcher);
+      for (long t = 0; t < tiles; t++) {
+        const long h = tiles > 1 ? t - 1 : t, from = h * share;
+        const long count = h < 0 || from >= KC_L ? 0 : KC_L - from < share ? KC_L - from : share;
+        rows6(ap + t * MR * K + MR * k0, p, kc, acc + t * MR * PANEL, k0 == 0,
+              p + (kc + from) * PANEL, count);
+      }
       long m = tiles * MR;
       if (k0 == 0) memset(acc + m * PANEL, 0, sizeof(float) * PANEL * (rows - m));
       for (; m + 4 <= rows; m += 4)

@@ -154,7 +154,7 @@ def test_native_gemm_takes_every_row_in_place_of_onednn(bias):
     assert layer.native and not layer.prepacked
     assert torch.equal(layer.weight, native.pack_panels(weight))  # the only copy
     panels = native.pack_panels(weight)
-    for rows in (1, 4, 9, 40):  # the 4-row path, then the 6-row tiles from 16 rows
+    for rows in (1, 4, 9, 40):  # the 4-row path, then the 6-row tiles from 24 rows
         x = torch.randn(rows, 300, generator=torch.Generator().manual_seed(rows))
         got = layer(x)
         assert torch.equal(got, native.gemm_panels(x, panels, 70, b))

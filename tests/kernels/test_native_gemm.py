@@ -1,5 +1,5 @@
 """kernels/native/gemm.c (the float32 GEMM over 16-column panels: 4-row
-groups below 16 rows, packed 6-row tiles from 16) against a float64 torch
+groups below 24 rows, packed 6-row tiles from 24) against a float64 torch
 reference on fresh random inputs."""
 
 from __future__ import annotations
@@ -42,11 +42,11 @@ def test_matches_float64_reference(rows, k, n, bias, threads):
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
-@pytest.mark.parametrize("rows", [6, 12, 16, 37, 96, 200, 385, 1030])
+@pytest.mark.parametrize("rows", [6, 12, 24, 37, 96, 200, 385, 1030])
 @pytest.mark.parametrize("k,n,bias", [(7, 15, True), (257, 17, True), (300, 100, False),
                                       (1000, 33, True)])
 def test_prefill_rows_match_float64_reference(rows, k, n, bias, threads):
-    """From 16 rows the 6-row tiles: packed rows, a remainder under 6 rows,
+    """From 24 rows the 6-row tiles: packed rows, a remainder under 6 rows,
     blocks of 192 rows, panels shared out (under 192 rows a thread) or rows."""
     x, weight, b = _case(rows * 7919 + k * 13 + n, rows, k, n, bias)
     got = native.gemm_panels(x, native.pack_panels(weight), n, b, num_threads=threads)
@@ -55,7 +55,7 @@ def test_prefill_rows_match_float64_reference(rows, k, n, bias, threads):
                                atol=1e-5 * (k ** 0.5) * 4)
 
 
-@pytest.mark.parametrize("rows,threads", [(16, 2), (37, 3), (200, 2), (1030, 2), (1030, 3)])
+@pytest.mark.parametrize("rows,threads", [(24, 2), (37, 3), (200, 2), (1030, 2), (1030, 3)])
 def test_prefill_rows_equal_the_same_rows_alone(rows, threads):
     """The 6-row path (any block, tile or remainder, any thread split) gives
     each row bit for bit what the decode path gives it alone: one FMA chain
