@@ -35,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--matmul-backend", default="auto", choices=("auto", "onednn", "torch"),
                         help="dense projections: oneDNN prepacked weights or F.linear")
     parser.add_argument("--decode-matmul", default="auto", choices=("auto", "native", "off"),
-                        help="decode rows: the native panel GEMM (auto: float32 on AVX2 + "
+                        help="float32 projections: the native panel GEMM (auto: on AVX2 + "
                              "FMA) or the matmul backend's (off)")
     parser.add_argument("--breakdown", default="8:300",
                         help="BATCH:CONTEXT[,BATCH:CONTEXT...] decode steps to break down "
@@ -129,8 +129,8 @@ def main(args: argparse.Namespace) -> int:
     if points:
         from benchmarks import engine_breakdown
 
-        print(f"\nDecode step breakdown (matmul backend {engine.matmul_backend.value}, decode "
-              f"rows {'native' if engine.decode_rows is not None else 'the same'}):")
+        print(f"\nDecode step breakdown (matmul backend {engine.matmul_backend.value}, "
+              f"projections on {'the native GEMM' if engine.native_gemm else 'it'}):")
         rows = [engine_breakdown.measure(engine, b, c) for b, c in points]
         print(engine_breakdown.format_table(rows))
     return 0

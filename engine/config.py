@@ -65,9 +65,9 @@ class EngineConfig:
     kernel_backend: str = "auto"
     # Dense projections: auto|onednn|torch, see engine/layers/linear.py.
     matmul_backend: str = "auto"
-    # Decode rows' dense projections on CPU: auto|native|off, see
-    # engine/layers/linear.py (DecodeMatmul). auto: the native panel GEMM for
-    # float32 on AVX2 + FMA, at twice the weight memory.
+    # A float32 model's dense projections on CPU, decode and prefill rows:
+    # auto|native|off, see engine/layers/linear.py (DecodeMatmul). auto: the
+    # native panel GEMM (in place of oneDNN's copy) on AVX2 + FMA.
     decode_matmul: str = "auto"
     # Plan and launch step N+1 while step N computes (docs/engine.md, Async
     # scheduling). None: on for CUDA, ASYNC_SCHEDULING_ON_CPU on CPU.

@@ -47,7 +47,7 @@ from engine.grammar import GrammarCompiler, model_tokenizer
 from engine.grammar_batch import GrammarBatch
 from engine.kv_cache import allocate_kv_caches, kv_bytes_per_block, num_blocks_for_budget
 from engine.kv_hook import LayerKVHook
-from engine.layers.linear import DecodeRows, prepack, resolve_backend, resolve_decode_matmul
+from engine.layers.linear import prepack, resolve_backend, resolve_decode_matmul
 from engine.loader import load_model
 from engine.model_runner import ModelRunner, slots_for
 from engine.outputs import (
@@ -84,12 +84,10 @@ class LLMEngine:
                                                    kernel_backend=config.kernel_backend)
         self.matmul_backend = resolve_backend(config.matmul_backend, self.model.dtype,
                                               self.model.device)
-        # Decode rows on the native panel GEMM (float32 CPU): the runner says
-        # how many leading rows of each forward are decode rows.
-        self.decode_rows = DecodeRows() if resolve_decode_matmul(
-            config.decode_matmul, self.model.dtype, self.model.device,
-            self.matmul_backend) else None
-        prepack(self.model, self.matmul_backend, self.decode_rows)
+        # Every projection on the native panel GEMM (float32 CPU), or oneDNN's.
+        self.native_gemm = resolve_decode_matmul(config.decode_matmul, self.model.dtype,
+                                                 self.model.device, self.matmul_backend)
+        prepack(self.model, self.matmul_backend, self.native_gemm)
         if self.model.device.type == "cpu" and Backend.parse(config.kernel_backend) is Backend.AUTO:
             native.library()  # build or load the CPU attention now, not in the first step
         mc = self.model_config
@@ -122,8 +120,7 @@ class LLMEngine:
                                   max_num_batched_tokens=config.max_num_batched_tokens,
                                   max_model_len=self.max_model_len,
                                   enforce_eager=config.enforce_eager,
-                                  async_scheduling=config.use_async_scheduling,
-                                  decode_rows=self.decode_rows)
+                                  async_scheduling=config.use_async_scheduling)
         self.sampler = Sampler(config.seed)
         self.async_scheduling = config.use_async_scheduling
         self.eos_token_ids = frozenset(mc.eos_token_ids) | _generation_eos_ids(config.model_dir)

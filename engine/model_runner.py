@@ -29,7 +29,6 @@ stream-ordered copies; docs/engine.md, Async scheduling).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -40,7 +39,6 @@ from engine.cuda_graphs import DecodeGraphs, capture_sizes, eager_reason
 from engine.host_copy import to_device
 from engine.kv_hook import LayerKVHook, LayerKVSpan
 from engine.layer_attention import layer_attention
-from engine.layers.linear import DecodeRows
 from engine.model import LlamaForCausalLM
 from engine.paged_attention_context import PagedAttentionContext, PrefillChunk
 from engine.prompt_logprobs import (
@@ -82,10 +80,6 @@ class PreparedStep:
     placeholder_rows: torch.Tensor
     placeholder_sources: torch.Tensor
     prompt_logprobs: PromptLogprobsPlan | None = None  # rows scoring prompt tokens
-    # Leading rows that are decode rows (one new token each), of the forward
-    # and of the sampled rows: the native decode GEMM's (DecodeRows).
-    num_decode_rows: int = 0
-    num_decode_samples: int = 0
 
 
 def slots_for(block_ids: Sequence[int], block_size: int, start: int, end: int,
@@ -102,18 +96,14 @@ class ModelRunner:
 
     `max_num_seqs`, `max_num_batched_tokens` and `max_model_len` size the
     buffers (a step never holds more); `enforce_eager` turns CUDA graphs off;
-    `async_scheduling` says a step may be prepared while another is in flight;
-    `decode_rows` (the engine's, when decode rows take the native GEMM) is
-    set to each forward's leading decode rows.
+    `async_scheduling` says a step may be prepared while another is in flight.
     """
 
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[torch.Tensor], block_size: int,
                  *, layer_kv_hook: LayerKVHook | None = None, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
-                 enforce_eager: bool = False, async_scheduling: bool = False,
-                 decode_rows: DecodeRows | None = None) -> None:
+                 enforce_eager: bool = False, async_scheduling: bool = False) -> None:
         self.model = model
-        self.decode_rows = decode_rows
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.layer_kv_hook = layer_kv_hook
@@ -180,13 +170,7 @@ class ModelRunner:
             input_ids=input_ids, positions=positions, context=ctx, graph_bucket=bucket,
             sample_rows=sample_rows, sampling_requests=tuple(sampling),
             placeholder_rows=rows, placeholder_sources=sources,
-            prompt_logprobs=plan_prompt_logprobs(ordered, self.device),
-            num_decode_rows=len(decode),
-            num_decode_samples=sum(1 for s in decode if s.samples))
-
-    def _decode_rows(self, count: int) -> contextlib.AbstractContextManager:
-        return (contextlib.nullcontext() if self.decode_rows is None
-                else self.decode_rows.leading(count))
+            prompt_logprobs=plan_prompt_logprobs(ordered, self.device))
 
     def _index_tensors(self, *index_lists: Sequence[int]) -> tuple[torch.Tensor, ...]:
         return tuple(to_device(torch.tensor(values, dtype=torch.long), self.device)
@@ -202,11 +186,9 @@ class ModelRunner:
         if step.graph_bucket is not None:
             hidden = self.graphs.run(step.graph_bucket)
         else:
-            with self._decode_rows(step.num_decode_rows):
-                hidden = self.model(step.input_ids, step.positions, step.context)
+            hidden = self.model(step.input_ids, step.positions, step.context)
         if step.sampling_requests:
-            with self._decode_rows(step.num_decode_samples):
-                logits = self.model.compute_logits(hidden[step.sample_rows])
+            logits = self.model.compute_logits(hidden[step.sample_rows])
         else:
             logits = hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
         prompt_logprobs = None

@@ -11,43 +11,46 @@ it re-lays the weight out for every call. oneDNN can lay the weight out once
 
 `MatmulBackend`:
 
-- ``auto`` (default): oneDNN prepacked weights on CPU for float32 and
-  bfloat16 when torch was built with oneDNN (bfloat16 packed as float32
+- ``auto`` (default): oneDNN prepacked weights on CPU for float32 (unless
+  the native GEMM takes them, below) and bfloat16 when torch was built
+  with oneDNN (bfloat16 packed as float32
   where the CPU lacks oneDNN's bfloat16 linear: `Linear.prepack_onednn`);
   `F.linear` otherwise (CUDA, float16, a torch without oneDNN).
 - ``onednn``: prepacked, or a ValueError naming why it cannot be.
 - ``torch``: always `F.linear` (the reference path).
 
-`prepack(module, backend)` is called once by `LLMEngine` after the weights
-are loaded and before the first step. A prepacked `Linear` drops its plain
-weight (the blocked copy replaces it, so memory does not double, except
-for a bfloat16 weight packed as float32); its
-`weight` attribute then holds the blocked tensor, which only
+`prepack(module, backend, native_gemm)` is called once by `LLMEngine` after
+the weights are loaded and before the first step. A prepacked `Linear`
+drops its plain weight (the blocked copy replaces it, so memory does not
+double, except for a bfloat16 weight packed as float32); its `weight`
+attribute then holds the blocked tensor, which only
 `mkldnn._linear_pointwise` can read. float32 results differ from `F.linear`
 by rounding only (a different summation order): ~1e-6 relative, and they do
 not depend on the number of rows in the batch.
 
-Decode rows (`DecodeMatmul`): oneDNN's small-batch kernel computes no
-faster than the weights arrive and does not overlap the two, so a float32
-decode step at batch 8 read its weights at ~8 GB/s here. Under ``auto`` a
-float32 model on a CPU with AVX2 and FMA also keeps each prepacked weight
-in the native kernel's 16-column panels (`kernels.native.gemm_panels`,
-twice the weight memory), and the leading decode rows of every dense input
-(`DecodeRows`, set by the model runner for each forward) go through it:
-1.4x faster than oneDNN at 8 rows (docs/benchmarks.md, "Decode GEMM").
-Prefill rows stay on oneDNN, whose large-M kernel is the faster one. A
-decode token thus takes the same path whether its step also holds a
-prefill chunk or not, on a colocated pod as on a decode pod. A bfloat16
-model on a CPU whose oneDNN has no bfloat16 linear (`upcasts_bfloat16`)
-keeps bfloat16 panels for its decode rows (`kernels.native.gemm_panels_bf16`:
-half the bytes of the float32 copy its prefill rows use).
+The native GEMM (`DecodeMatmul`, the `decode_matmul` setting; the name is
+from when only decode rows took it): oneDNN's small-batch kernel computes
+no faster than the weights arrive and does not overlap the two, so a
+float32 decode step at batch 8 read its weights at ~8 GB/s here. Under
+``auto`` a float32 model on a CPU with AVX2 and FMA keeps each weight in
+the native kernel's 16-column panels instead of oneDNN's copy
+(`Linear.pack_native`, `kernels.native.gemm_panels`), and every row of
+every input goes through it: 1.4x faster than oneDNN at 8 rows, and
+faster from 32 rows to 2,048 with the 6-row tiles of its prefill path
+(docs/benchmarks.md, "Decode GEMM" and "Prefill GEMM"). One copy of the
+weights, as with oneDNN alone. Decode and prefill rows take the same
+kernel and a row's result does not depend on the rows beside it, so a
+decode token computes the same whether its step also holds a prefill
+chunk or not, on a colocated pod as on a decode pod. A bfloat16 model on a
+CPU whose oneDNN has no bfloat16 linear (`upcasts_bfloat16`) keeps its
+weights as bfloat16 panels the same way (`kernels.native.gemm_panels_bf16`,
+widened in registers): half the bytes of the float32 copy oneDNN would
+multiply there, and one copy of the weights instead of two.
 """
 
 from __future__ import annotations
 
-import contextlib
 import enum
-from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -77,9 +80,10 @@ class MatmulBackend(enum.Enum):
 
 
 class DecodeMatmul(enum.Enum):
-    """Who multiplies decode rows on CPU: ``auto`` (the native panel GEMM
-    where `native_unsupported_reason` is None, else the prefill's backend),
-    ``native`` (that, or a ValueError naming why not), ``off``."""
+    """Who multiplies a float32 model's rows on CPU, decode and prefill rows
+    alike: ``auto`` (the native panel GEMM where `native_unsupported_reason`
+    is None, else the matmul backend), ``native`` (that, or a ValueError
+    naming why not), ``off`` (the matmul backend)."""
 
     AUTO = "auto"
     NATIVE = "native"
@@ -90,34 +94,15 @@ class DecodeMatmul(enum.Enum):
         return _parse_choice(cls, value, "decode matmul")
 
 
-class DecodeRows:
-    """How many leading rows of the dense inputs of the current forward are
-    decode rows: the model runner sets it around each forward and logits
-    call (`leading`); 0 outside them. One per engine, shared by its `Linear`s."""
-
-    __slots__ = ("count",)
-
-    def __init__(self) -> None:
-        self.count = 0
-
-    @contextlib.contextmanager
-    def leading(self, count: int) -> Iterator[None]:
-        previous, self.count = self.count, count
-        try:
-            yield
-        finally:
-            self.count = previous
-
-
 def native_unsupported_reason(dtype: torch.dtype, device: torch.device,
                               backend: MatmulBackend) -> str | None:
-    """Why decode rows cannot take the native panel GEMM, or None if they can."""
+    """Why the projections cannot take the native panel GEMM, or None if they can."""
     from kernels import native
 
     if backend is not MatmulBackend.ONEDNN:
         return f"the dense projections run on {backend.value}, not oneDNN"
     if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
-        return (f"the native decode GEMM is for float32 and bfloat16 on CPU, not {dtype} on "
+        return (f"the native GEMM is for float32 and bfloat16 on CPU, not {dtype} on "
                 f"{device.type}")
     available = native.gemm_available() if dtype == torch.float32 else (
         native.gemm_bf16_available())
@@ -128,7 +113,8 @@ def native_unsupported_reason(dtype: torch.dtype, device: torch.device,
 
 def resolve_decode_matmul(value: DecodeMatmul | str, dtype: torch.dtype, device: torch.device,
                           backend: MatmulBackend) -> bool:
-    """Whether decode rows take the native GEMM; ``native`` where it cannot -> ValueError."""
+    """Whether the projections take the native GEMM; ``native`` where it cannot ->
+    ValueError."""
     value = DecodeMatmul.parse(value)
     if value is DecodeMatmul.OFF:
         return False
@@ -169,8 +155,8 @@ def _empty(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Pa
 class Linear(nn.Module):
     """y = x W^T (+ b); weight [out_features, in_features] like HF's.
 
-    Plain until `prepack_onednn()`; after it, `weight` is oneDNN's blocked
-    copy and `forward` calls oneDNN directly.
+    Plain until `prepack_onednn()` or `pack_native()`; after either, `weight`
+    is that backend's copy of it and `forward` calls that backend directly.
     """
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool,
@@ -187,23 +173,27 @@ class Linear(nn.Module):
         self.weight = (shared_weight if shared_weight is not None
                        else _empty(out_features, in_features, dtype=dtype, device=device))
         self.bias = _empty(out_features, dtype=dtype, device=device) if bias else None
-        self.prepacked = False
+        self.prepacked = False  # weight: oneDNN's blocked copy (prepack_onednn)
         self.upcast = False  # prepacked in float32 for a bfloat16 model (see prepack_onednn)
-        # The native decode GEMM's copy of the weight and the rows it takes
-        # (pack_native); None: every row goes the one path.
-        self.panels: torch.Tensor | None = None
-        self.decode_rows: DecodeRows | None = None
+        self.native = False  # weight: the native GEMM's panels (pack_native)
 
-    def pack_native(self, decode_rows: DecodeRows) -> None:
-        """Keep the weight in the native GEMM's panels as well, in its own
-        dtype (float32 or bfloat16; before `prepack_onednn` replaces it); the
-        leading `decode_rows.count` rows of each input then take that kernel."""
+    def pack_native(self) -> None:
+        """Replace the weight by the native GEMM's panels ([ceil(N / 16), K, 16]
+        in the weight's dtype, `kernels.native.pack_panels` or
+        `pack_panels_bf16`; once, engine loop thread): every row of every
+        input then takes kernels/native/gemm.c or gemm_bf16.c."""
         from kernels import native
 
+        if self.native or self.prepacked:
+            return
         weight = self.weight.detach()
         pack = native.pack_panels_bf16 if weight.dtype == torch.bfloat16 else native.pack_panels
-        self.panels = pack(weight)
-        self.decode_rows = decode_rows
+        panels = pack(weight)
+        if self.bias is not None and weight.dtype == torch.bfloat16:
+            # gemm_bf16.c adds a float32 bias (the exact values) to its float32 sums
+            self.bias = nn.Parameter(self.bias.detach().float(), requires_grad=False)
+        self.weight = nn.Parameter(panels, requires_grad=False)
+        self.native = True
 
     def prepack_onednn(self) -> None:
         """Replace the weight by oneDNN's blocked layout (once; engine loop thread).
@@ -217,7 +207,7 @@ class Linear(nn.Module):
         EPYC it ran 2.2x faster than `F.linear` in bfloat16 (2.7 against
         5.9 ms at [8, 1024] x [1024, 5632], two threads), at twice the
         weight memory."""
-        if self.prepacked:
+        if self.prepacked or self.native:
             return
         weight = self.weight.detach()
         if weight.dtype == torch.bfloat16 and upcasts_bfloat16():
@@ -230,22 +220,8 @@ class Linear(nn.Module):
         self.prepacked = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.panels is not None and self.decode_rows.count and x.dim() == 2:
-            return self._decode_rows_native(x, self.decode_rows.count)
-        return self._dense(x)
-
-    def _decode_rows_native(self, x: torch.Tensor, count: int) -> torch.Tensor:
-        from kernels import native
-
-        gemm = native.gemm_panels_bf16 if x.dtype == torch.bfloat16 else native.gemm_panels
-        if count >= x.shape[0]:
-            return gemm(x, self.panels, self.out_features, self.bias)
-        out = torch.empty((x.shape[0], self.out_features), dtype=x.dtype)
-        gemm(x[:count], self.panels, self.out_features, self.bias, out=out[:count])
-        out[count:] = self._dense(x[count:])
-        return out
-
-    def _dense(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native:
+            return self._native(x)
         if self.upcast:
             out = torch.ops.mkldnn._linear_pointwise(x.float(), self.weight, self.bias,
                                                      "none", [], "")
@@ -253,6 +229,13 @@ class Linear(nn.Module):
         if self.prepacked:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+    def _native(self, x: torch.Tensor) -> torch.Tensor:
+        from kernels import native
+
+        gemm = native.gemm_panels_bf16 if x.dtype == torch.bfloat16 else native.gemm_panels
+        out = gemm(x.reshape(-1, self.in_features), self.weight, self.out_features, self.bias)
+        return out.view(*x.shape[:-1], self.out_features)
 
 
 def resolve_backend(backend: MatmulBackend | str, dtype: torch.dtype,
@@ -267,19 +250,21 @@ def resolve_backend(backend: MatmulBackend | str, dtype: torch.dtype,
     return backend
 
 
-def prepack(module: nn.Module, backend: MatmulBackend,
-            decode_rows: DecodeRows | None = None) -> int:
-    """Prepack every `Linear` under `module` for a resolved backend, and with
-    `decode_rows` keep the native decode GEMM's panels too (float32,
-    `resolve_decode_matmul` said yes); returns how many were prepacked."""
+def prepack(module: nn.Module, backend: MatmulBackend, native_gemm: bool = False) -> int:
+    """Pack every `Linear` under `module` for a resolved backend, once: oneDNN's
+    blocked copy of each weight, or with `native_gemm` (`resolve_decode_matmul`
+    said yes: float32, or bfloat16 where oneDNN upcasts it, on CPU) the native
+    GEMM's panels instead.
+    Returns how many were packed."""
     if backend is not MatmulBackend.ONEDNN:
         return 0
     count = 0
     with torch.inference_mode():
         for layer in module.modules():
             if isinstance(layer, Linear):
-                if decode_rows is not None:
-                    layer.pack_native(decode_rows)
-                layer.prepack_onednn()
+                if native_gemm:
+                    layer.pack_native()
+                else:
+                    layer.prepack_onednn()
                 count += 1
     return count

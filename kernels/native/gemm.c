@@ -1,30 +1,37 @@
-/* The dense projections of decode rows: float32 x [M, K] times a weight
- * packed in 16-column panels, for small M.
+/* The dense projections of float32 models on CPU: x [M, K] times a weight
+ * packed in 16-column panels, for decode rows (small M) and prefill rows.
  *
  * Built with the other sources into one library (kernels/native/loader.py).
- * A decode step at batch 8 streams every weight once for 8 rows of
- * activations. oneDNN's prepacked inner product (the prefill path) does
+ *
+ * Decode rows (M < LARGE_M = 24). A decode step at batch 8 streams every
+ * weight once for 8 rows of activations. oneDNN's prepacked inner product does
  * that at ~8 GB/s on this project's AVX2 EPYC, about half of what two cores
  * read, because its small-M kernel computes no faster than the weights
- * arrive and does not overlap the two. This kernel streams each panel once,
+ * arrive and does not overlap the two. This path streams each panel once,
  * prefetched ahead, and keeps it in L1 while every 4-row group of the
  * batch uses it, the later groups prefetching the panel's next block
  * meanwhile (docs/benchmarks.md, "Decode GEMM").
  *
+ * Prefill rows (M >= LARGE_M) are compute-bound: a 6-row x 16-column
+ * register tile over rows of x first packed k-interleaved (gemm_large).
+ *
  * Layout: `panels` [ceil(N / 16)][K][16] float32: panel j holds output
  * columns 16 j .. 16 j + 15 (zero past N), K-major, so a panel streams
  * sequentially. Each output element is one fused multiply-add chain over
- * k = 0 .. K - 1 in order, then + bias: a row's result does not depend on
- * M, on which rows share its group, or on the thread count.
+ * k = 0 .. K - 1 in order, from 0, then + bias, on either path: a row's
+ * result does not depend on M, on which rows share its group, on the path
+ * or on the thread count.
  *
  * AVX2 + FMA only (the library is built with -march=native); elsewhere
  * pdserve_gemm_available() is 0 and the caller keeps oneDNN.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
+#include <omp.h>
 
 #define PANEL 16
 #define KC 64        /* k rows of a panel per pass: 4 KB, stays in L1 (tuned below) */
@@ -84,22 +91,179 @@ static inline void rows1(const float *x, long x_stride, const float *p, long kc,
   STORE_ROW(0);
 }
 
+/* Prefill rows: 6 rows x 16 columns a tile. 12 accumulators + the panel's
+ * k row (2) + a broadcast fill 15 of the 16 ymm registers, for 12 FMAs per
+ * 8 loads (rows4: 8 per 6). Rows are packed first, 6 at a time with k
+ * interleaved ([K][6]): a tile then reads one sequential stream, where 6
+ * rows K floats apart would share L1 sets (K = 1024: all 6 in one set) and
+ * defeat the prefetchers. A block of up to MB_L rows sweeps each panel's
+ * KC_L x 16 blocks in turn: a block stays in L1 while the block's 32 tiles
+ * use it, and the tiles prefetch the stream's next block into L2 (the
+ * weights are read M / MB_L times, so they come from memory, not cache).
+ * The tiles of a block keep their partial sums in `acc` between k-blocks:
+ * a store and a load are exact, so each output is still one chain. */
+#define LARGE_M 24       /* rows from which this path is the faster (measured below) */
+#define MR 6             /* rows of a tile */
+#define KC_L 256         /* k rows of a panel block: 16 KB in L1 */
+#define MB_L 192         /* rows a panel block serves (accumulators: 12 KB) */
+#define SPLIT_ROWS_MIN 192 /* rows a thread needs to take rows, not panels (gemm_large) */
+
+#define FMA_PACKED(r)                                                      \
+  do {                                                                     \
+    const __m256 a = _mm256_broadcast_ss(ap + MR * k + (r));               \
+    c##r##0 = _mm256_fmadd_ps(a, b0, c##r##0);                             \
+    c##r##1 = _mm256_fmadd_ps(a, b1, c##r##1);                             \
+  } while (0)
+#define LOAD_OR_ZERO(r)                                                                    \
+  __m256 c##r##0 = first ? _mm256_setzero_ps() : _mm256_load_ps(acc + (r) * PANEL),        \
+         c##r##1 = first ? _mm256_setzero_ps() : _mm256_load_ps(acc + (r) * PANEL + 8)
+
+/* acc[r][0..15] = (first ? 0 : acc[r][0..15]) + ap[0..kc)[r] . p[0..kc)[0..15],
+ * r < 6; meanwhile the panel rows pf[0 .. pf_rows) into L2, one a k. */
+static inline void rows6(const float *ap, const float *p, long kc, float *acc, int first,
+                         const float *pf, long pf_rows) {
+  LOAD_OR_ZERO(0); LOAD_OR_ZERO(1); LOAD_OR_ZERO(2);
+  LOAD_OR_ZERO(3); LOAD_OR_ZERO(4); LOAD_OR_ZERO(5);
+  _Pragma("GCC unroll 4")
+  for (long k = 0; k < kc; k++) {
+    if (k < pf_rows) _mm_prefetch((const char *)(pf + k * PANEL), _MM_HINT_T1);
+    const __m256 b0 = _mm256_load_ps(p + k * PANEL), b1 = _mm256_load_ps(p + k * PANEL + 8);
+    FMA_PACKED(0); FMA_PACKED(1); FMA_PACKED(2); FMA_PACKED(3); FMA_PACKED(4); FMA_PACKED(5);
+  }
+  STORE_ROW(0); STORE_ROW(1); STORE_ROW(2); STORE_ROW(3); STORE_ROW(4); STORE_ROW(5);
+}
+
+/* x[0..5][0..K) as ap[k][r], 8 k at a time. */
+static void pack_rows6(const float *x, long x_stride, long K, float *ap) {
+  long k = 0;
+  for (; k + 8 <= K; k += 8) {
+    float t[MR][8] __attribute__((aligned(32)));
+    for (int r = 0; r < MR; r++) _mm256_store_ps(t[r], _mm256_loadu_ps(x + r * x_stride + k));
+    for (int q = 0; q < 8; q++)
+      for (int r = 0; r < MR; r++) ap[MR * (k + q) + r] = t[r][q];
+  }
+  for (; k < K; k++)
+    for (int r = 0; r < MR; r++) ap[MR * k + r] = x[r * x_stride + k];
+}
+
+/* out[0 .. rows)[panel j's columns] = acc (+ bias). */
+static void store_panel(const float *acc, long rows, long j, long N, const float *bias,
+                        float *out, long out_stride) {
+  const long cols = (j + 1) * PANEL <= N ? PANEL : N - j * PANEL;
+  const float *bj = bias == NULL ? NULL : bias + j * PANEL;
+  for (long m = 0; m < rows; m++) {
+    float *o = out + m * out_stride + j * PANEL;
+    const float *a = acc + m * PANEL;
+    if (cols < PANEL) {
+      for (long c = 0; c < cols; c++) o[c] = bj != NULL ? a[c] + bj[c] : a[c];
+      continue;
+    }
+    __m256 a0 = _mm256_load_ps(a), a1 = _mm256_load_ps(a + 8);
+    if (bj != NULL) {
+      a0 = _mm256_add_ps(a0, _mm256_loadu_ps(bj));
+      a1 = _mm256_add_ps(a1, _mm256_loadu_ps(bj + 8));
+    }
+    _mm256_storeu_ps(o, a0);
+    _mm256_storeu_ps(o + 8, a1);
+  }
+}
+
+/* Rows x[0 .. rows) times panels j0 .. j1 - 1 into out[0 .. rows): `ap`
+ * holds their whole tiles packed, the last rows % 6 are read from x. */
+static void block_large(const float *x, long x_stride, long rows, const float *ap,
+                        const float *panels, long K, long N, long j0, long j1,
+                        const float *bias, float *out, long out_stride, float *acc) {
+  const long tiles = rows / MR;
+  /* The tiles after the first (which waits on the block) share out the
+   * prefetch of the stream's next block: this panel's next KC_L rows, or the
+   * next panel's first. One tile prefetching it all took 1.13x the CPU
+   * time at 32 rows, where a block's compute barely covers its stream. */
+  const long helpers = tiles > 1 ? tiles - 1 : 1, share = (KC_L + helpers - 1) / helpers;
+  for (long j = j0; j < j1; j++) {
+    for (long k0 = 0; k0 < K; k0 += KC_L) {
+      const long kc = K - k0 < KC_L ? K - k0 : KC_L;
+      const float *p = panels + (j * K + k0) * PANEL;
+      for (long t = 0; t < tiles; t++) {
+        const long h = tiles > 1 ? t - 1 : t, from = h * share;
+        const long count = h < 0 || from >= KC_L ? 0 : KC_L - from < share ? KC_L - from : share;
+        rows6(ap + t * MR * K + MR * k0, p, kc, acc + t * MR * PANEL, k0 == 0,
+              p + (kc + from) * PANEL, count);
+      }
+      long m = tiles * MR;
+      if (k0 == 0) memset(acc + m * PANEL, 0, sizeof(float) * PANEL * (rows - m));
+      for (; m + 4 <= rows; m += 4)
+        rows4(x + m * x_stride + k0, x_stride, p, kc, acc + m * PANEL, NONE);
+      for (; m + 2 <= rows; m += 2)
+        rows2(x + m * x_stride + k0, x_stride, p, kc, acc + m * PANEL, NONE);
+      if (m < rows) rows1(x + m * x_stride + k0, x_stride, p, kc, acc + m * PANEL, NONE);
+    }
+    store_panel(acc, rows, j, N, bias, out, out_stride);
+  }
+}
+
+/* Two ways to share the work, neither with a barrier inside the call:
+ * - from SPLIT_ROWS_MIN rows a thread, each thread takes whole blocks of
+ *   rows (dynamically: a thread that shares its core gets fewer), packs
+ *   them into its own buffer and runs every panel. Each thread reads all
+ *   of the weights, once per block, as each would anyway at MB_L rows.
+ * - below, the calling thread packs all rows first (at most ~2 % of the
+ *   call's work) and each thread takes a share of the panels: the weights
+ *   are read once per block in all.
+ * While another process held a core, a barrier cost a scheduler tick
+ * (~4 ms) each: packing each block together (a barrier per block) measured
+ * 1.02x against 1.11x of oneDNN at 1,024 rows. */
+static int gemm_large(const float *x, long x_stride, long M, const float *panels, long K,
+                      long N, const float *bias, float *out, long out_stride, int num_threads) {
+  const long num_panels = (N + PANEL - 1) / PANEL;
+  if (M >= SPLIT_ROWS_MIN * num_threads) {
+    long blocks = (M + MB_L - 1) / MB_L;
+    blocks = (blocks + num_threads - 1) / num_threads * num_threads;
+    const long mb = ((M + blocks - 1) / blocks + MR - 1) / MR * MR;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+      float acc[MB_L * PANEL] __attribute__((aligned(64)));
+      float *ap = aligned_alloc(64, sizeof(float) * ((mb * K + 15) / 16 * 16));
+      failed = ap == NULL;
+#pragma omp for schedule(dynamic, 1) nowait
+      for (long m0 = 0; m0 < M; m0 += mb) {
+        if (ap == NULL) continue;
+        const long rows = M - m0 < mb ? M - m0 : mb;
+        for (long t = 0; t < rows / MR; t++)
+          pack_rows6(x + (m0 + t * MR) * x_stride, x_stride, K, ap + t * MR * K);
+        block_large(x + m0 * x_stride, x_stride, rows, ap, panels, K, N, 0, num_panels, bias,
+                    out + m0 * out_stride, out_stride, acc);
+      }
+      free(ap);
+    }
+    return failed;
+  }
+  const long tiles = M / MR;
+  float *packed = aligned_alloc(64, sizeof(float) * ((tiles * MR * K + 15) / 16 * 16 + 16));
+  if (packed == NULL) return 1;
+  for (long t = 0; t < tiles; t++)
+    pack_rows6(x + t * MR * x_stride, x_stride, K, packed + t * MR * K);
+#pragma omp parallel num_threads(num_threads)
+  {
+    float acc[MB_L * PANEL] __attribute__((aligned(64)));
+    const long team = omp_get_num_threads(), me = omp_get_thread_num();
+    const long j0 = num_panels * me / team, j1 = num_panels * (me + 1) / team;
+    for (long m0 = 0; m0 < M; m0 += MB_L)
+      block_large(x + m0 * x_stride, x_stride, M - m0 < MB_L ? M - m0 : MB_L,
+                  packed + m0 * K, panels, K, N, j0, j1, bias, out + m0 * out_stride,
+                  out_stride, acc);
+  }
+  free(packed);
+  return 0;
+}
+
 int pdserve_gemm_available(void) { return 1; }
 
-/* out[m][n] = sum_k x[m][k] * W[n][k] (+ bias[n]) for m < M, n < N.
- * x rows `x_stride` floats apart, out rows `out_stride` apart; bias may be
- * NULL. Returns 0, or 2 for a shape it does not take. */
-int pdserve_gemm_panels(const float *x, long x_stride, long M, const float *panels, long K,
-                        long N, const float *bias, float *out, long out_stride,
-                        int num_threads) {
-  if (M < 0 || K < 1 || N < 1) return 2;
-  if (M == 0) return 0;
-  if (num_threads < 1) num_threads = 1;
+/* Decode rows: groups of 4, 2, 1 rows straight from x. */
+static void gemm_small(const float *x, long x_stride, long M, const float *panels, long K,
+                       long N, const float *bias, float *out, long out_stride,
+                       int num_threads) {
   const long num_panels = (N + PANEL - 1) / PANEL;
-  if (num_threads > num_panels) num_threads = (int)num_panels;
-  /* Below ~10 us of work a fork costs more than it saves (torch forks no
-   * sooner): a small model's projections stay on the calling thread. */
-  if (M * K * N < PARALLEL_MIN) num_threads = 1;
   /* OpenMP from the libgomp torch already loaded (paged_decode.c). */
 #pragma omp parallel num_threads(num_threads)
   {
@@ -140,6 +304,25 @@ int pdserve_gemm_panels(const float *x, long x_stride, long M, const float *pane
       }
     }
   }
+}
+
+/* out[m][n] = sum_k x[m][k] * W[n][k] (+ bias[n]) for m < M, n < N.
+ * x rows `x_stride` floats apart, out rows `out_stride` apart; bias may be
+ * NULL. Returns 0, 1 when out of memory, or 2 for a shape it does not take. */
+int pdserve_gemm_panels(const float *x, long x_stride, long M, const float *panels, long K,
+                        long N, const float *bias, float *out, long out_stride,
+                        int num_threads) {
+  if (M < 0 || K < 1 || N < 1) return 2;
+  if (M == 0) return 0;
+  if (num_threads < 1) num_threads = 1;
+  const long num_panels = (N + PANEL - 1) / PANEL;
+  if (num_threads > num_panels) num_threads = (int)num_panels;
+  /* Below ~10 us of work a fork costs more than it saves (torch forks no
+   * sooner): a small model's projections stay on the calling thread. */
+  if (M * K * N < PARALLEL_MIN) num_threads = 1;
+  if (M >= LARGE_M)
+    return gemm_large(x, x_stride, M, panels, K, N, bias, out, out_stride, num_threads);
+  gemm_small(x, x_stride, M, panels, K, N, bias, out, out_stride, num_threads);
   return 0;
 }
 

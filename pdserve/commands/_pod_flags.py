@@ -49,10 +49,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, block_size: int,
     g.add_argument("--matmul-backend", choices=("auto", "onednn", "torch"), default="auto",
                    help="Dense projections on CPU: oneDNN prepacked weights (auto) or F.linear.")
     g.add_argument("--decode-matmul", choices=("auto", "native", "off"), default="auto",
-                   help="Decode rows' dense projections on CPU: the native panel GEMM "
-                        "(auto: float32, and bfloat16 where oneDNN upcasts it, on AVX2 + FMA; "
-                        "it keeps a second copy of the weights) or the --matmul-backend's "
-                        "(off; docs/engine.md).")
+                   help="A float32 (or, where oneDNN upcasts it, bfloat16) model's dense "
+                        "projections on CPU, decode and prefill rows: the native panel GEMM "
+                        "(auto: on AVX2 + FMA, in place of oneDNN's copy of the weights) or "
+                        "the --matmul-backend's (off; docs/engine.md).")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="Plan and launch each engine step while the previous one computes "
                         "(default: on for CUDA, off on CPU, where it measured no gain; "

@@ -9,14 +9,15 @@ from __future__ import annotations
 import argparse
 import importlib
 
-HELP = ("Benchmarks: engine, decode-gemm, kernels, transfer, transfer-split, ttft, router, "
-        "peer, disagg, first-gap, routing "
+HELP = ("Benchmarks: engine, decode-gemm, prefill-gemm, kernels, transfer, transfer-split, "
+        "ttft, router, peer, disagg, first-gap, routing "
         "(each against its baseline); serve (a load generator) and serve-plot; soak "
         "(mixed load, cancellations and a pod restart).")
 
 BENCHMARKS: dict[str, str] = {
     "engine": "benchmarks.engine",
     "decode-gemm": "benchmarks.decode_gemm",
+    "prefill-gemm": "benchmarks.prefill_gemm",
     "kernels": "benchmarks.kernels",
     "transfer": "benchmarks.transfer",
     "transfer-split": "benchmarks.transfer_split",

@@ -1,4 +1,5 @@
-"""engine/layers/linear.py: prepacked oneDNN linears against F.linear on fresh random inputs."""
+"""engine/layers/linear.py: prepacked oneDNN and native-GEMM linears against
+F.linear on fresh random inputs."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import torch.nn.functional as F
 
 from engine.layers.linear import (
     DecodeMatmul,
-    DecodeRows,
     Linear,
     MatmulBackend,
     onednn_unsupported_reason,
@@ -143,27 +143,28 @@ def test_engine_matmul_backends_agree_token_for_token(make_engine):
 
 @needs_native_gemm
 @pytest.mark.parametrize("bias", [False, True])
-def test_leading_decode_rows_take_the_native_gemm_the_rest_onednn(bias):
+def test_native_gemm_takes_every_row_in_place_of_onednn(bias):
+    """With the native GEMM a layer holds its panels only (no oneDNN copy, no
+    plain weight), and decode-sized and prefill-sized inputs alike (and a
+    3-d input) get exactly what gemm.c gives them."""
     layer = _linear(300, 70, bias, torch.float32, seed=7)
     weight = layer.weight.detach().clone()
     b = None if not bias else layer.bias.detach().clone()
-    rows = DecodeRows()
-    prepack(layer, MatmulBackend.ONEDNN, rows)
-    assert layer.prepacked and layer.panels is not None
-    onednn_only = _linear(300, 70, bias, torch.float32, seed=7)
-    prepack(onednn_only, MatmulBackend.ONEDNN)
-    x = torch.randn(9, 300, generator=torch.Generator().manual_seed(8))
-    native_rows = native.gemm_panels(x, native.pack_panels(weight), 70, b)
-    assert rows.count == 0 and torch.equal(layer(x), onednn_only(x))  # outside a forward
-    for count in (9, 20):  # every row a decode row
-        with rows.leading(count):
-            assert torch.equal(layer(x), native_rows)
-    with rows.leading(4):  # 4 decode rows, then prefill rows
-        mixed = layer(x)
-    assert rows.count == 0
-    assert torch.equal(mixed[:4], native_rows[:4])
-    assert torch.equal(mixed[4:], onednn_only(x[4:]))
-    torch.testing.assert_close(mixed, F.linear(x, weight, b), **TOLERANCE[torch.float32])
+    assert prepack(layer, MatmulBackend.ONEDNN, native_gemm=True) == 1
+    assert layer.native and not layer.prepacked
+    assert torch.equal(layer.weight, native.pack_panels(weight))  # the only copy
+    panels = native.pack_panels(weight)
+    for rows in (1, 4, 9, 40):  # the 4-row path, then the 6-row tiles from 24 rows
+        x = torch.randn(rows, 300, generator=torch.Generator().manual_seed(rows))
+        got = layer(x)
+        assert torch.equal(got, native.gemm_panels(x, panels, 70, b))
+        torch.testing.assert_close(got, F.linear(x, weight, b), **TOLERANCE[torch.float32])
+    x = torch.randn(2, 20, 300, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(layer(x), native.gemm_panels(x.reshape(40, 300), panels, 70, b)
+                       .view(2, 20, 70))
+    prepack(layer, MatmulBackend.ONEDNN, native_gemm=True)  # once only
+    layer.prepack_onednn()
+    assert layer.native and not layer.prepacked
 
 
 def test_resolve_decode_matmul():
@@ -183,8 +184,8 @@ def test_resolve_decode_matmul():
 
 @needs_native_gemm
 def test_resolve_decode_matmul_bfloat16(monkeypatch):
-    """bfloat16 decode rows take the native GEMM under auto only where oneDNN
-    cannot multiply bfloat16 itself (it upcasts); `native` forces them."""
+    """bfloat16 takes the native GEMM under auto only where oneDNN cannot
+    multiply bfloat16 itself (it upcasts); `native` forces it."""
     import engine.layers.linear as linear
 
     onednn = MatmulBackend.ONEDNN
@@ -198,39 +199,32 @@ def test_resolve_decode_matmul_bfloat16(monkeypatch):
 
 @needs_native_gemm
 @pytest.mark.parametrize("bias", [False, True])
-def test_bfloat16_decode_rows_read_bfloat16_panels(monkeypatch, bias):
-    """A bfloat16 layer on a CPU that upcasts keeps its weight as bfloat16
-    panels for decode rows (half the bytes of the float32 copy the prefill
-    rows use): those rows are gemm_panels_bf16's, the rest the float32
-    oneDNN path's, and both within bfloat16's tolerance of F.linear."""
-    import engine.layers.linear as linear
-
-    monkeypatch.setattr(linear, "upcasts_bfloat16", lambda: True)
+def test_bfloat16_native_gemm_holds_bfloat16_panels_only(bias):
+    """A bfloat16 layer on the native GEMM keeps its weight as bfloat16 panels
+    only (half the bytes of the float32 copy oneDNN multiplies on an AVX2
+    CPU): every row is gemm_panels_bf16's, within bfloat16's tolerance of
+    F.linear."""
     layer = _linear(300, 70, bias, torch.bfloat16, seed=11)
     weight = layer.weight.detach().clone()
     b = None if not bias else layer.bias.detach().float()
-    rows = DecodeRows()
-    prepack(layer, MatmulBackend.ONEDNN, rows)
-    assert layer.upcast and layer.panels.dtype == torch.bfloat16
-    onednn_only = _linear(300, 70, bias, torch.bfloat16, seed=11)
-    prepack(onednn_only, MatmulBackend.ONEDNN)
-    x = torch.randn(9, 300, generator=torch.Generator().manual_seed(12)).bfloat16()
-    native_rows = native.gemm_panels_bf16(x, native.pack_panels_bf16(weight), 70, b)
-    with rows.leading(9):
-        assert torch.equal(layer(x), native_rows)
-    with rows.leading(4):
-        mixed = layer(x)
-    assert mixed.dtype == torch.bfloat16
-    assert torch.equal(mixed[:4], native_rows[:4])
-    assert torch.equal(mixed[4:], onednn_only(x[4:]))
-    expected = F.linear(x.float(), weight.float(), b)
-    torch.testing.assert_close(mixed.float(), expected, **TOLERANCE[torch.bfloat16])
+    assert prepack(layer, MatmulBackend.ONEDNN, native_gemm=True) == 1
+    assert layer.native and not layer.prepacked and not layer.upcast
+    assert layer.weight.dtype == torch.bfloat16
+    assert torch.equal(layer.weight, native.pack_panels_bf16(weight))  # the only copy
+    for rows in (1, 9, 40):
+        x = torch.randn(rows, 300, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        got = layer(x)
+        assert got.dtype == torch.bfloat16
+        assert torch.equal(got, native.gemm_panels_bf16(x, layer.weight, 70, b))
+        torch.testing.assert_close(got.float(), F.linear(x.float(), weight.float(), b),
+                                   **TOLERANCE[torch.bfloat16])
 
 
 @needs_native_gemm
-def test_engine_decode_rows_native_or_not_agree_token_for_token(make_engine):
+def test_engine_native_gemm_or_onednn_agree_token_for_token(make_engine):
     """A mixed batch (decode rows beside prefill chunks, chunked prefill)
-    gives the same greedy tokens with decode rows on the native GEMM as on oneDNN."""
+    gives the same greedy tokens with every projection on the native GEMM as
+    on oneDNN."""
     from engine.sampling_params import SamplingParams
 
     g = torch.Generator().manual_seed(9)
@@ -239,6 +233,9 @@ def test_engine_decode_rows_native_or_not_agree_token_for_token(make_engine):
     outputs = []
     for decode_matmul in ("off", "native"):
         engine = make_engine(decode_matmul=decode_matmul, max_num_batched_tokens=32)
-        assert (engine.decode_rows is not None) is (decode_matmul == "native")
+        assert engine.native_gemm is (decode_matmul == "native")
+        qkv = engine.model.model.layers[0].self_attn.qkv_proj
+        assert (qkv.native, qkv.prepacked) == ((True, False) if engine.native_gemm
+                                               else (False, True))
         outputs.append([r.token_ids for r in engine.generate(prompts, params)])
     assert outputs[0] == outputs[1]

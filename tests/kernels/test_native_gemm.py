@@ -1,5 +1,6 @@
-"""kernels/native/gemm.c (the decode rows' float32 GEMM over 16-column
-panels) against a float64 torch reference on fresh random inputs."""
+"""kernels/native/gemm.c (the float32 GEMM over 16-column panels: 4-row
+groups below 24 rows, packed 6-row tiles from 24) against a float64 torch
+reference on fresh random inputs."""
 
 from __future__ import annotations
 
@@ -38,6 +39,35 @@ def test_matches_float64_reference(rows, k, n, bias, threads):
     # float32 sums of k products: rounding grows with sqrt(k) * |x| |w|.
     torch.testing.assert_close(got, _reference(x, weight, b), rtol=1e-5,
                                atol=1e-5 * (k ** 0.5) * 4)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("rows", [6, 12, 24, 37, 96, 200, 385, 1030])
+@pytest.mark.parametrize("k,n,bias", [(7, 15, True), (257, 17, True), (300, 100, False),
+                                      (1000, 33, True)])
+def test_prefill_rows_match_float64_reference(rows, k, n, bias, threads):
+    """From 24 rows the 6-row tiles: packed rows, a remainder under 6 rows,
+    blocks of 192 rows, panels shared out (under 192 rows a thread) or rows."""
+    x, weight, b = _case(rows * 7919 + k * 13 + n, rows, k, n, bias)
+    got = native.gemm_panels(x, native.pack_panels(weight), n, b, num_threads=threads)
+    assert got.shape == (rows, n)
+    torch.testing.assert_close(got, _reference(x, weight, b), rtol=1e-5,
+                               atol=1e-5 * (k ** 0.5) * 4)
+
+
+@pytest.mark.parametrize("rows,threads", [(24, 2), (37, 3), (200, 2), (1030, 2), (1030, 3)])
+def test_prefill_rows_equal_the_same_rows_alone(rows, threads):
+    """The 6-row path (any block, tile or remainder, any thread split) gives
+    each row bit for bit what the decode path gives it alone: one FMA chain
+    over k in order per output on both."""
+    x, weight, b = _case(rows, rows, 515, 70, True)
+    panels = native.pack_panels(weight)
+    together = native.gemm_panels(x, panels, 70, b, num_threads=threads)
+    picks = sorted({0, 5, 6, 15, rows // 2, rows - 7, rows - 1} & set(range(rows)))
+    for i in picks:
+        assert torch.equal(native.gemm_panels(x[i : i + 1], panels, 70, b), together[i : i + 1])
+    assert torch.equal(native.gemm_panels(x[:8], panels, 70, b), together[:8])  # 4-row groups
+    assert torch.equal(native.gemm_panels(x, panels, 70, b, num_threads=1), together)
 
 
 def test_a_row_does_not_depend_on_the_batch_or_the_threads():
