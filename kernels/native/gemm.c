@@ -107,6 +107,24 @@ static inline void rows1(const float *x, long x_stride, const float *p, long kc,
 #define KC_L 256         /* k rows of a panel block: 16 KB in L1 */
 #define MB_L 192         /* rows a panel block serves (accumulators: 12 KB) */
 #define SPLIT_ROWS_MIN 192 /* rows a thread needs to take rows, not panels (gemm_large) */
+/* Measured on the AVX2 EPYC against oneDNN's prepacked inner product over
+ * the base model's per-layer projections at 1,024 rows, two threads,
+ * interleaved in one process (the machine shared with other jobs, so
+ * ratios of medians; "CPU" = process CPU time, which such sharing disturbs
+ * less). Tiles straight from x, KC_L 256 / MB_L 96: 1.01-1.04x. Rows
+ * packed: 1.01-1.05x; plus the next block's prefetch: 1.10-1.15x (one
+ * thread: 75 -> 82 GFLOPS of ~92 peak; a tile in L1 alone reaches 88-90).
+ * k-blocks outermost (x's block in L2, partial sums in out): 0.89-0.98x.
+ * All of x packed, then each panel over every block: 1.02x CPU. KC_L 128
+ * to 512 by MB_L 96 to 384: 1.11-1.17x CPU, no setting clear of the noise.
+ * Rows over panels for the threads with 192 rows a thread and more: 1.11x
+ * where the panel split with a barrier per block gave 1.02x while another
+ * process held a core. 4-row groups against these tiles, CPU time over
+ * every dense weight: 16 rows 58.6 / 62.9 ms, 24 rows 82.5 / 73.3, 32 rows
+ * 83.3 / 83.5, 48 rows 145.7 / 116.8 (LARGE_M). After all of it, `pdserve
+ * bench prefill-gemm` (06:55 UTC, docs/benchmarks.md, "Prefill GEMM"):
+ * 1,192 against 1,369 ms at 1,024 rows (1.15x), 1.12-1.52x from 32 to
+ * 2,048 rows. */
 
 #define FMA_PACKED(r)                                                      \
   do {                                                                     \
