@@ -43,6 +43,8 @@ SIGNATURES = {
     + [_L, _I, _F, _F, _I],
     "pdserve_gemm_available": [],
     "pdserve_gemm_panels": [_P, _L, _L, _P, _L, _L, _P, _P, _L, _I],
+    "pdserve_prefill_attention_available": [],
+    "pdserve_prefill_attention": [_P, _L, _P, _L, _P, _L, _P, _L] + [_I] * 7 + [_F, _I],
 }
 
 
