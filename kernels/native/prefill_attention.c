@@ -112,7 +112,6 @@ typedef struct {
   float *s;           /* [KEYS][QROWS]: a tile's scores, then probabilities */
   float *alpha;       /* [QROWS]: the tile's rescale of each row */
   float *kbuf, *vbuf; /* [KEYS][D]: a tile's K / V as float32 (other dtypes) */
-  float *row;         /* [D]: one query row as float32 */
   int32_t *qpos;      /* [SUBS][QROWS]: each row's position */
 } Scratch;
 
@@ -324,6 +323,26 @@ static const float *tile_rows(const Job *job, const char *base, long stride, int
   return buf;
 }
 
+/* dst[c][r] = src[r][c] for an 8 x 8 block (rows `*_stride` floats apart). */
+static inline void transpose8(const float *src, long src_stride, float *dst, long dst_stride) {
+  __m256 r[8], t[8], u[8];
+  for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(src + i * src_stride);
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]); /* r_i0 r_(i+1)0 r_i1 r_(i+1)1 | cols 4, 5 */
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]); /* cols 2, 3 | 6, 7 */
+  }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);     /* col 0 of 4 rows | col 4 */
+    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xee); /* col 1 | col 5 */
+    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+  }
+  for (int c = 0; c < 4; c++) {
+    _mm256_storeu_ps(dst + c * dst_stride, _mm256_permute2f128_ps(u[c], u[c + 4], 0x20));
+    _mm256_storeu_ps(dst + (c + 4) * dst_stride, _mm256_permute2f128_ps(u[c], u[c + 4], 0x31));
+  }
+}
+
 static inline int min_int(int a, int b) { return a < b ? a : b; }
 static inline int max_int(int a, int b) { return a > b ? a : b; }
 
@@ -342,16 +361,34 @@ static void run_item(const Job *job, Scratch *sc, int item) {
   const int rows = heads * count, subs = (rows + QROWS - 1) / QROWS;
   const int offset = job->L - job->n;
 
+  /* The item's q rows and output rows are far apart in memory (the
+   * layer's other items come between): all their lines requested at once,
+   * not one row's at a time as they are read. */
+  const long size = job->dtype == 0 ? sizeof(float) : sizeof(uint16_t), bytes = heads * D * size;
+  for (int i = i0; i < i0 + count; i++) {
+    const char *src = job->q + (i * job->q_stride + (long)head0 * D) * size;
+    const char *dst = job->out + (i * job->out_stride + (long)head0 * D) * size;
+    for (long c = 0; c < bytes; c += 64) {
+      _mm_prefetch(src + c, _MM_HINT_T0);
+      __builtin_prefetch(dst + c, 1, 3);
+    }
+  }
+  /* Queries scaled into o (free until the first tile), then transposed. */
   const float scale2 = job->scale * 1.44269504088896341f; /* scores in base 2 */
+  const __m256 vscale = _mm256_set1_ps(scale2);
   for (int r = 0; r < subs * QROWS; r++) {
     const int real = r < rows ? r : rows - 1;
     const int i = i0 + real / heads, head = head0 + real % heads;
-    const int sub = r / QROWS, lane = r % QROWS;
+    float *row = sc->o + (long)r * D;
     sc->qpos[r] = offset + i;
-    load_floats(job->dtype, job->q, i * job->q_stride + (long)head * D, D, sc->row);
-    float *qt = sc->qt + (long)sub * D * QROWS;
-    for (int d = 0; d < D; d++) qt[d * QROWS + lane] = sc->row[d] * scale2;
+    load_floats(job->dtype, job->q, i * job->q_stride + (long)head * D, D, row);
+    for (int d = 0; d < D; d += 8) _mm256_store_ps(row + d, _mm256_mul_ps(_mm256_load_ps(row + d), vscale));
   }
+  for (int sub = 0; sub < subs; sub++)
+    for (int g = 0; g < QROWS; g += 8)
+      for (int d = 0; d < D; d += 8)
+        transpose8(sc->o + ((long)sub * QROWS + g) * D + d, D,
+                   sc->qt + (long)sub * D * QROWS + (long)d * QROWS + g, QROWS);
   for (int r = 0; r < subs * QROWS; r++) {
     sc->m[r] = MASKED;
     sc->l[r] = 0.0f;
@@ -387,8 +424,8 @@ static void run_item(const Job *job, Scratch *sc, int item) {
   for (int r = 0; r < rows; r++) {
     const int i = i0 + r / heads, head = head0 + r % heads;
     float *o = sc->o + (long)r * D;
-    const float inv = 1.0f / sc->l[r]; /* >= 1: the row sees its own key */
-    for (int d = 0; d < D; d++) o[d] *= inv;
+    const __m256 inv = _mm256_set1_ps(1.0f / sc->l[r]); /* l >= 1: the row sees its own key */
+    for (int d = 0; d < D; d += 8) _mm256_store_ps(o + d, _mm256_mul_ps(_mm256_load_ps(o + d), inv));
     store_floats(job->dtype, o, D, job->out, i * job->out_stride + (long)head * D);
   }
 }
@@ -404,7 +441,6 @@ static Scratch carve(float *block, int D) {
   s.alpha = p, p += QROWS;
   s.kbuf = p, p += KEYS * D;
   s.vbuf = p, p += KEYS * D;
-  s.row = p, p += D;
   s.qpos = (int32_t *)p;
   return s;
 }
@@ -413,7 +449,7 @@ static Scratch carve(float *block, int D) {
  * rounded up to 64 bytes as aligned_alloc requires. */
 static size_t scratch_floats(int D) {
   const size_t floats = (size_t)SUBS * D * QROWS * 2 + SUBS * QROWS * 2 + KEYS * QROWS + QROWS +
-                        KEYS * D * 2 + D + SUBS * QROWS;
+                        KEYS * D * 2 + SUBS * QROWS;
   return (floats + 15) / 16 * 16;
 }
 
