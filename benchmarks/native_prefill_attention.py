@@ -20,7 +20,9 @@ shared machine drift then hits both alike):
   rounds.
 
 Shapes default to the `base` model's attention (16 query heads, 4 KV heads,
-head_dim 64), float32, two threads. About a minute with the defaults.
+head_dim 64), float32, two threads. About two minutes with the defaults.
+On a machine shared with other work, `--threads 1 --cpu-time
+--engine-prompt 0` compares the kernels by the CPU time they got.
 
     PYTHONPATH=. python -m benchmarks.native_prefill_attention
 
@@ -47,8 +49,8 @@ from kernels import native
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def interleaved(arms: dict[str, Callable[[], object]], *, rounds: int,
-                calls: int) -> dict[str, list[float]]:
+def interleaved(arms: dict[str, Callable[[], object]], *, rounds: int, calls: int,
+                clock: Callable[[], float] = time.perf_counter) -> dict[str, list[float]]:
     """Seconds per round for each arm: the fastest of `calls` calls, the arms
     taking turns round by round (after one warm-up call each)."""
     for fn in arms.values():
@@ -58,9 +60,9 @@ def interleaved(arms: dict[str, Callable[[], object]], *, rounds: int,
         for name, fn in arms.items():
             best = float("inf")
             for _ in range(calls):
-                t0 = time.perf_counter()
+                t0 = clock()
                 fn()
-                best = min(best, time.perf_counter() - t0)
+                best = min(best, clock() - t0)
             samples[name].append(best)
     return samples
 
@@ -83,7 +85,8 @@ def kernel_table(args: argparse.Namespace) -> None:
     spec = LayerAttention(scale, None)
     print(f"kernel: one layer, whole prompt; dtype {args.dtype}, Hq {args.q_heads}, "
           f"Hkv {args.kv_heads}, D {args.head_dim}, torch threads {torch.get_num_threads()}; "
-          f"{args.rounds} rounds x {args.calls} calls, ms per call")
+          f"{args.rounds} rounds x {args.calls} calls, ms per call "
+          f"({'CPU time of the calling thread' if args.cpu_time else 'wall clock'})")
     print("| L | SDPA median | SDPA min | native median | native min | SDPA GFLOPS | "
           "native GFLOPS | speedup (medians) |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -97,7 +100,8 @@ def kernel_table(args: argparse.Namespace) -> None:
         samples = interleaved({
             "sdpa": functools.partial(sdpa, q, k, v, spec),
             "native": functools.partial(native.prefill_attention, q, k, v, scale=scale),
-        }, rounds=args.rounds, calls=args.calls)
+        }, rounds=args.rounds, calls=args.calls,
+            clock=time.thread_time if args.cpu_time else time.perf_counter)
         flops = 4.0 * length * (length + 1) / 2 * args.head_dim * args.q_heads
         med = {name: statistics.median(s) for name, s in samples.items()}
         low = {name: min(s) for name, s in samples.items()}
@@ -159,12 +163,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--calls", type=int, default=3, help="calls per arm and round")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="with --threads 1: time the kernels by the calling thread's CPU "
+                             "time, which leaves out the time other processes had the core")
     parser.add_argument("--model", default="base",
                         help="engine model: a directory, or 'tiny' / 'base' (built-in)")
     parser.add_argument("--engine-prompt", type=int, default=1024,
                         help="prompt tokens of the engine measurement; 0 skips it")
     parser.add_argument("--engine-rounds", type=int, default=9)
     args = parser.parse_args(argv)
+    if args.cpu_time and args.threads != 1:
+        parser.error("--cpu-time needs --threads 1 (the work runs on the calling thread)")
     if not native.prefill_attention_available():
         raise SystemExit("native prefill attention unavailable (no compiler, or no AVX2 + FMA)")
     torch.set_num_threads(args.threads)

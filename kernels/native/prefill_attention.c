@@ -77,19 +77,15 @@
 #include <immintrin.h>
 
 #include "paged_decode_simd.h" /* bf16 / f16 row conversions */
+#include "prefill_attention_simd.h"
 
 /* Measured on the AVX2 EPYC (L = 1024, one thread, rounds interleaved):
- * 24 rows were ~5 % faster than 16 (SUBS 4), SUBS 1-4 and KEYS 24-96 within
- * the noise of a shared machine. QROWS 16 (six, six and four rows in the
- * value pass) also works. */
-#define QROWS 24 /* query rows per sub-block: the lanes of NV registers */
-#define SUBS 3   /* sub-blocks per work item, sharing each key tile */
-#define KEYS 48  /* keys per tile (a multiple of KB) */
-#define NV (QROWS / 8)
-#define KB (12 / NV) /* keys scored together: twelve accumulators */
+ * QROWS 24 was ~5-8 % faster than 16 (with SUBS 4); SUBS 1-10 and KEYS
+ * 24-96 were within the noise of a shared machine. QROWS 16 (six, six and
+ * four rows in the value pass) also works. */
+#define SUBS 3  /* sub-blocks per work item, sharing each key tile */
+#define KEYS 48 /* keys per tile (a multiple of KB) */
 #define MAX_HEAD_DIM 256
-#define MASKED (-1e30f) /* a hidden score, and the max before any key: finite, so
-                         * 2^(m - m') is 1, not NaN, while a row has seen none */
 #define MAX_THREADS 64
 #define PACK_MIN_BLOCKS 4 /* float32 K/V are repacked from this many query blocks on */
 #define PACK_ROWS 64      /* keys per packing task */
@@ -141,179 +137,6 @@ static void store_floats(int dtype, const float *src, int count, char *base, lon
   }
 }
 
-/* The keys of a tile a sub-block's rows see: lanes whose row cannot see
- * key `key` are all ones in hidden(), for rows at positions `pos` with
- * windows from `first` (pos - window + 1, or far below 0 without one). */
-typedef struct {
-  int key0;   /* the tile's first key */
-  int masked; /* 0: every row sees every key of the tile */
-  __m256i pos[NV], first[NV];
-} Visibility;
-
-static inline Visibility visibility(int key0, int masked, const int32_t *qpos, int window) {
-  Visibility vis = {key0, masked};
-  const __m256i shift = _mm256_set1_epi32(window > 0 ? window - 1 : 1 << 30);
-  for (int x = 0; x < NV; x++) {
-    vis.pos[x] = _mm256_load_si256((const __m256i *)(qpos + 8 * x));
-    vis.first[x] = _mm256_sub_epi32(vis.pos[x], shift);
-  }
-  return vis;
-}
-
-static inline __m256 hidden(const Visibility *vis, int j, int x) {
-  const __m256i key = _mm256_set1_epi32(vis->key0 + j);
-  return _mm256_castsi256_ps(_mm256_or_si256(_mm256_cmpgt_epi32(key, vis->pos[x]),
-                                             _mm256_cmpgt_epi32(vis->first[x], key)));
-}
-
-/* s[j][0..QROWS) = k[j] . qt[.][0..QROWS) for j < count (rows of k `ks`
- * apart), hidden scores set to MASKED, and top[lane] = max(top[lane], the
- * row's scores). Rows of s up to the next multiple of KB are written too
- * (repeating the last key, never reading past it) and ignored.
- * Not inlined, here and in value_rows: inlined into the item loop, GCC
- * spilled their accumulators or reloaded operands once per FMA. */
-static __attribute__((noinline)) void score_tile(const float *qt, const float *k, long ks,
-                                                 int count, int D, const Visibility *vis,
-                                                 float *s, float *top) {
-  __m256 t[NV];
-  for (int x = 0; x < NV; x++) t[x] = _mm256_load_ps(top + 8 * x);
-  for (int j0 = 0; j0 < count; j0 += KB) {
-    const float *r[KB];
-    for (int j = 0; j < KB; j++) r[j] = k + (j0 + j < count ? j0 + j : count - 1) * ks;
-    __m256 a[KB][NV];
-#pragma GCC unroll 6
-    for (int j = 0; j < KB; j++)
-#pragma GCC unroll 3
-      for (int x = 0; x < NV; x++) a[j][x] = _mm256_setzero_ps();
-#pragma GCC unroll 2
-    for (int d = 0; d < D; d++) {
-      __m256 q[NV];
-#pragma GCC unroll 3
-      for (int x = 0; x < NV; x++) q[x] = _mm256_load_ps(qt + d * QROWS + 8 * x);
-#pragma GCC unroll 6
-      for (int j = 0; j < KB; j++) {
-        const __m256 b = _mm256_broadcast_ss(r[j] + d);
-#pragma GCC unroll 3
-        for (int x = 0; x < NV; x++) a[j][x] = _mm256_fmadd_ps(b, q[x], a[j][x]);
-      }
-    }
-#pragma GCC unroll 6
-    for (int j = 0; j < KB; j++)
-#pragma GCC unroll 3
-      for (int x = 0; x < NV; x++) {
-        if (vis->masked)
-          a[j][x] = _mm256_blendv_ps(a[j][x], _mm256_set1_ps(MASKED), hidden(vis, j0 + j, x));
-        _mm256_store_ps(s + (j0 + j) * QROWS + 8 * x, a[j][x]);
-        if (j0 + j < count) t[x] = _mm256_max_ps(t[x], a[j][x]);
-      }
-  }
-  for (int x = 0; x < NV; x++) _mm256_store_ps(top + 8 * x, t[x]);
-}
-
-/* 2^x per lane for x <= 0, which is all a softmax against its running max
- * needs: n = round(x), 2^(x - n) by Cephes' exp2f polynomial on [-1/2, 1/2]
- * (within ~2 ulp), times 2^n built in the exponent bits. x is clamped to
- * >= -126, where 2^x leaves float32's normal range (so a masked key gives
- * 2^-126, which the caller clears), and 2^0 is exactly 1. The scores come
- * in base 2 (log2 e is folded into the query scale): against
- * paged_decode_simd.h's exp8, no multiply by log2 e, no two-part n ln 2
- * reduction and no upper clamp, which took the softmax from ~0.43 to
- * ~0.26 ns per score on the AVX2 EPYC. NaN stays NaN. */
-static inline __m256 exp2_nonpositive8(__m256 x) {
-  x = _mm256_max_ps(_mm256_set1_ps(-126.0f), x); /* x second: NaN stays */
-  const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m256 f = _mm256_sub_ps(x, n);
-  __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
-  const __m256i bits = _mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-}
-
-/* The online softmax step of one sub-block once score_tile has raised
- * m_new above the tile's scores: the scores become probabilities against
- * it, alpha[lane] = exp(m - m_new) rescales what came before, l is updated
- * and m becomes m_new. */
-static inline void softmax_tile(float *s, int count, const Visibility *vis, const float *m_new,
-                                float *m, float *l, float *alpha) {
-  __m256 top[NV], sum[NV];
-#pragma GCC unroll 3
-  for (int x = 0; x < NV; x++) {
-    top[x] = _mm256_load_ps(m_new + 8 * x);
-    const __m256 a = exp2_nonpositive8(_mm256_sub_ps(_mm256_load_ps(m + 8 * x), top[x]));
-    _mm256_store_ps(alpha + 8 * x, a);
-    _mm256_store_ps(m + 8 * x, top[x]);
-    sum[x] = _mm256_mul_ps(_mm256_load_ps(l + 8 * x), a);
-  }
-  for (int j = 0; j < count; j++)
-#pragma GCC unroll 3
-    for (int x = 0; x < NV; x++) {
-      float *row = s + j * QROWS + 8 * x;
-      __m256 p = exp2_nonpositive8(_mm256_sub_ps(_mm256_load_ps(row), top[x]));
-      if (vis->masked) /* 2^x never returns 0 here: clear the hidden keys */
-        p = _mm256_andnot_ps(hidden(vis, j, x), p);
-      _mm256_store_ps(row, p);
-      sum[x] = _mm256_add_ps(sum[x], p);
-    }
-#pragma GCC unroll 3
-  for (int x = 0; x < NV; x++) _mm256_store_ps(l + 8 * x, sum[x]);
-}
-
-/* o[r] = alpha[r] o[r] + sum_j p[j][r] v[j] for NR rows r (o rows D apart,
- * p rows QROWS apart, v rows `vs` apart), 16 dimensions at a time. */
-static inline __attribute__((always_inline)) void value_rows(float *o, const float *alpha,
-                                                             const float *p, const float *v,
-                                                             long vs, int count, int D,
-                                                             const int NR) {
-  for (int d0 = 0; d0 < D; d0 += 16) {
-    __m256 a[6][2];
-#pragma GCC unroll 6
-    for (int r = 0; r < NR; r++) {
-      const __m256 w = _mm256_broadcast_ss(alpha + r);
-      a[r][0] = _mm256_mul_ps(w, _mm256_load_ps(o + r * D + d0));
-      a[r][1] = _mm256_mul_ps(w, _mm256_load_ps(o + r * D + d0 + 8));
-    }
-    for (int j = 0; j < count; j++) {
-      const float *x = v + j * vs + d0;
-      const __m256 v0 = _mm256_loadu_ps(x), v1 = _mm256_loadu_ps(x + 8);
-#pragma GCC unroll 6
-      for (int r = 0; r < NR; r++) {
-        const __m256 w = _mm256_broadcast_ss(p + j * QROWS + r);
-        a[r][0] = _mm256_fmadd_ps(w, v0, a[r][0]);
-        a[r][1] = _mm256_fmadd_ps(w, v1, a[r][1]);
-      }
-    }
-#pragma GCC unroll 6
-    for (int r = 0; r < NR; r++) {
-      _mm256_store_ps(o + r * D + d0, a[r][0]);
-      _mm256_store_ps(o + r * D + d0 + 8, a[r][1]);
-    }
-  }
-}
-
-static __attribute__((noinline)) void value_rows6(float *o, const float *alpha, const float *p,
-                                                  const float *v, long vs, int count, int D) {
-  value_rows(o, alpha, p, v, vs, count, D, 6);
-}
-
-static __attribute__((noinline)) void value_rows4(float *o, const float *alpha, const float *p,
-                                                  const float *v, long vs, int count, int D) {
-  value_rows(o, alpha, p, v, vs, count, D, 4);
-}
-
-/* The rows in blocks of six (QROWS 24), or six, six and four (QROWS 16). */
-static inline void value_tile(float *o, const float *alpha, const float *p, const float *v,
-                              long vs, int count, int D) {
-  int r = 0;
-  for (; r + 6 <= QROWS; r += 6) value_rows6(o + r * D, alpha + r, p + r, v, vs, count, D);
-  if (QROWS - r == 4) value_rows4(o + r * D, alpha + r, p + r, v, vs, count, D);
-}
-
 /* The float32 rows of head h from key `key` on, and their stride. */
 static inline const float *key_rows(const Job *job, const float *packed, const char *base,
                                     long stride, int h, int key, long *rows_stride) {
@@ -337,111 +160,120 @@ static void pack_rows(const Job *job, int lo, int hi) {
     }
 }
 
-/* dst[c][r] = src[r][c] for an 8 x 8 block (rows `*_stride` floats apart). */
-static inline void transpose8(const float *src, long src_stride, float *dst, long dst_stride) {
-  __m256 r[8], t[8], u[8];
-  for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(src + i * src_stride);
-  for (int i = 0; i < 8; i += 2) {
-    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]); /* r_i0 r_(i+1)0 r_i1 r_(i+1)1 | cols 4, 5 */
-    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]); /* cols 2, 3 | 6, 7 */
-  }
-  for (int i = 0; i < 8; i += 4) {
-    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);     /* col 0 of 4 rows | col 4 */
-    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xee); /* col 1 | col 5 */
-    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xee);
-  }
-  for (int c = 0; c < 4; c++) {
-    _mm256_storeu_ps(dst + c * dst_stride, _mm256_permute2f128_ps(u[c], u[c + 4], 0x20));
-    _mm256_storeu_ps(dst + (c + 4) * dst_stride, _mm256_permute2f128_ps(u[c], u[c + 4], 0x31));
-  }
-}
-
 static inline int min_int(int a, int b) { return a < b ? a : b; }
 static inline int max_int(int a, int b) { return a > b ? a : b; }
 
-/* One work item. Items are numbered KV head by KV head and, within one,
- * from the last query block (the most keys) to the first: the threads
- * share one head's K/V rows in the caches at a time, and the smallest
- * items come last, to even out the threads' ends. */
-static void run_item(const Job *job, Scratch *sc, int item) {
-  const int D = job->D, per_head = job->blocks * job->slices;
-  const int h = item / per_head, slice = item % job->slices;
-  const int block = job->blocks - 1 - (item % per_head) / job->slices;
-  const int head0 = h * job->group + slice * job->slice_heads;
-  const int heads = min_int(job->slice_heads, job->group - slice * job->slice_heads);
-  const int i0 = block * job->positions;
-  const int count = min_int(job->positions, job->n - i0);
-  const int rows = heads * count, subs = (rows + QROWS - 1) / QROWS;
-  const int offset = job->L - job->n;
+/* A work item: query heads [head0, head0 + heads) of KV head h at query
+ * positions i0 .. i0 + count - 1, as `rows` rows (row r: position
+ * i0 + r / heads, head head0 + r % heads) in `subs` sub-blocks. */
+typedef struct {
+  int h, head0, heads, i0, count, rows, subs;
+} Item;
 
+/* Items are numbered KV head by KV head and, within one, from the last
+ * query block (the most keys) to the first: the threads share one head's
+ * K/V in the caches at a time, and the smallest items come last, to even
+ * out the threads' ends. */
+static Item item_at(const Job *job, int index) {
+  const int per_head = job->blocks * job->slices, slice = index % job->slices;
+  const int block = job->blocks - 1 - (index % per_head) / job->slices;
+  Item it = {.h = index / per_head, .i0 = block * job->positions};
+  it.head0 = it.h * job->group + slice * job->slice_heads;
+  it.heads = min_int(job->slice_heads, job->group - slice * job->slice_heads);
+  it.count = min_int(job->positions, job->n - it.i0);
+  it.rows = it.heads * it.count;
+  it.subs = (it.rows + QROWS - 1) / QROWS;
+  return it;
+}
+
+/* The item's queries, scaled and transposed, into sc->qt, their positions
+ * into sc->qpos (padding rows repeat the last row); m, l and o reset. */
+static void load_queries(const Job *job, const Item *it, Scratch *sc) {
+  const int D = job->D;
   /* The item's q rows and output rows are far apart in memory (the
    * layer's other items come between): all their lines requested at once,
    * not one row's at a time as they are read. */
-  const long size = job->dtype == 0 ? sizeof(float) : sizeof(uint16_t), bytes = heads * D * size;
-  for (int i = i0; i < i0 + count; i++) {
-    const char *src = job->q + (i * job->q_stride + (long)head0 * D) * size;
-    const char *dst = job->out + (i * job->out_stride + (long)head0 * D) * size;
+  const long size = job->dtype == 0 ? sizeof(float) : sizeof(uint16_t);
+  const long bytes = it->heads * D * size;
+  for (int i = it->i0; i < it->i0 + it->count; i++) {
+    const char *src = job->q + (i * job->q_stride + (long)it->head0 * D) * size;
+    const char *dst = job->out + (i * job->out_stride + (long)it->head0 * D) * size;
     for (long c = 0; c < bytes; c += 64) {
       _mm_prefetch(src + c, _MM_HINT_T0);
       __builtin_prefetch(dst + c, 1, 3);
     }
   }
-  /* Queries scaled into o (free until the first tile), then transposed. */
-  const float scale2 = job->scale * 1.44269504088896341f; /* scores in base 2 */
-  const __m256 vscale = _mm256_set1_ps(scale2);
-  for (int r = 0; r < subs * QROWS; r++) {
-    const int real = r < rows ? r : rows - 1;
-    const int i = i0 + real / heads, head = head0 + real % heads;
+  /* Scaled into o (free until the first tile), then transposed. */
+  const __m256 scale = _mm256_set1_ps(job->scale * 1.44269504088896341f); /* base 2 */
+  for (int r = 0; r < it->subs * QROWS; r++) {
+    const int real = r < it->rows ? r : it->rows - 1;
+    const int i = it->i0 + real / it->heads, head = it->head0 + real % it->heads;
     float *row = sc->o + (long)r * D;
-    sc->qpos[r] = offset + i;
+    sc->qpos[r] = job->L - job->n + i;
     load_floats(job->dtype, job->q, i * job->q_stride + (long)head * D, D, row);
-    for (int d = 0; d < D; d += 8) _mm256_store_ps(row + d, _mm256_mul_ps(_mm256_load_ps(row + d), vscale));
+    for (int d = 0; d < D; d += 8)
+      _mm256_store_ps(row + d, _mm256_mul_ps(_mm256_load_ps(row + d), scale));
   }
-  for (int sub = 0; sub < subs; sub++)
+  for (int sub = 0; sub < it->subs; sub++)
     for (int g = 0; g < QROWS; g += 8)
       for (int d = 0; d < D; d += 8)
         transpose8(sc->o + ((long)sub * QROWS + g) * D + d, D,
                    sc->qt + (long)sub * D * QROWS + (long)d * QROWS + g, QROWS);
-  for (int r = 0; r < subs * QROWS; r++) {
+  for (int r = 0; r < it->subs * QROWS; r++) {
     sc->m[r] = MASKED;
     sc->l[r] = 0.0f;
   }
-  memset(sc->o, 0, sizeof(float) * subs * QROWS * D);
+  memset(sc->o, 0, sizeof(float) * it->subs * QROWS * D);
+}
 
-  const int last = offset + i0 + count - 1; /* the item's last position */
-  const int lo = job->window > 0 ? max_int(0, offset + i0 - job->window + 1) : 0;
+/* Every key tile the item's rows see, through every sub-block. */
+static void attend_keys(const Job *job, const Item *it, Scratch *sc) {
+  const int D = job->D, window = job->window;
+  const int first_pos = job->L - job->n + it->i0, last = first_pos + it->count - 1;
+  const int lo = window > 0 ? max_int(0, first_pos - window + 1) : 0;
   for (int k0 = lo / KEYS * KEYS; k0 <= last; k0 += KEYS) {
     const int t_lo = max_int(k0, lo), t_hi = min_int(k0 + KEYS, last + 1);
     long ks, vs;
-    const float *kt = key_rows(job, job->packed_k, job->k, job->k_stride, h, t_lo, &ks);
-    const float *vt = key_rows(job, job->packed_v, job->v, job->v_stride, h, t_lo, &vs);
-    for (int sub = 0; sub < subs; sub++) {
+    const float *kt = key_rows(job, job->packed_k, job->k, job->k_stride, it->h, t_lo, &ks);
+    const float *vt = key_rows(job, job->packed_v, job->v, job->v_stride, it->h, t_lo, &vs);
+    for (int sub = 0; sub < it->subs; sub++) {
       const int32_t *qpos = sc->qpos + sub * QROWS;
       const int first = qpos[0], final = qpos[QROWS - 1]; /* positions ascend by lane */
-      const int a = max_int(t_lo, job->window > 0 ? first - job->window + 1 : 0);
+      const int a = max_int(t_lo, window > 0 ? first - window + 1 : 0);
       const int b = min_int(t_hi, final + 1);
       if (a >= b) continue; /* every key of the tile hidden from every row */
-      const int masked = b - 1 > first || (job->window > 0 && a <= final - job->window);
+      const int masked = b - 1 > first || (window > 0 && a <= final - window);
       float *m = sc->m + sub * QROWS, *l = sc->l + sub * QROWS;
-      const Visibility vis = visibility(a, masked, qpos, job->window);
+      const Visibility vis = visibility(a, masked, qpos, window);
       float top[QROWS] __attribute__((aligned(32)));
       memcpy(top, m, sizeof top);
-      score_tile(sc->qt + (long)sub * D * QROWS, kt + (a - t_lo) * ks, ks, b - a, D, &vis, sc->s,
-                 top);
+      score_tile(sc->qt + (long)sub * D * QROWS, kt + (a - t_lo) * ks, ks, b - a, D, &vis,
+                 sc->s, top);
       softmax_tile(sc->s, b - a, &vis, top, m, l, sc->alpha);
       value_tile(sc->o + (long)sub * QROWS * D, sc->alpha, sc->s, vt + (a - t_lo) * vs, vs,
                  b - a, D);
     }
   }
+}
 
-  for (int r = 0; r < rows; r++) {
-    const int i = i0 + r / heads, head = head0 + r % heads;
+/* The item's rows of out: o / l (l >= 1: a row sees its own key). */
+static void store_outputs(const Job *job, const Item *it, Scratch *sc) {
+  const int D = job->D;
+  for (int r = 0; r < it->rows; r++) {
+    const int i = it->i0 + r / it->heads, head = it->head0 + r % it->heads;
     float *o = sc->o + (long)r * D;
-    const __m256 inv = _mm256_set1_ps(1.0f / sc->l[r]); /* l >= 1: the row sees its own key */
-    for (int d = 0; d < D; d += 8) _mm256_store_ps(o + d, _mm256_mul_ps(_mm256_load_ps(o + d), inv));
+    const __m256 inv = _mm256_set1_ps(1.0f / sc->l[r]);
+    for (int d = 0; d < D; d += 8)
+      _mm256_store_ps(o + d, _mm256_mul_ps(_mm256_load_ps(o + d), inv));
     store_floats(job->dtype, o, D, job->out, i * job->out_stride + (long)head * D);
   }
+}
+
+static void run_item(const Job *job, Scratch *sc, int index) {
+  const Item it = item_at(job, index);
+  load_queries(job, &it, sc);
+  attend_keys(job, &it, sc);
+  store_outputs(job, &it, sc);
 }
 
 static Scratch carve(float *block, int D) {
@@ -478,9 +310,10 @@ int pdserve_prefill_attention(const void *q, long q_stride, const void *k, long 
   if (num_kv_heads <= 0 || num_q_heads % num_kv_heads != 0) return 2;
   if (head_dim <= 0 || head_dim % 16 != 0 || head_dim > MAX_HEAD_DIM || window < 0) return 2;
   if (n == 0) return 0;
-  Job job = {q, k, v, out, q_stride, k_stride, v_stride, out_stride, dtype, n, L,
-             num_q_heads, num_kv_heads, head_dim, window, scale};
-  job.group = num_q_heads / num_kv_heads;
+  Job job = {.q = q, .k = k, .v = v, .out = out, .q_stride = q_stride, .k_stride = k_stride,
+             .v_stride = v_stride, .out_stride = out_stride, .dtype = dtype, .n = n, .L = L,
+             .num_q_heads = num_q_heads, .num_kv_heads = num_kv_heads, .D = head_dim,
+             .window = window, .scale = scale, .group = num_q_heads / num_kv_heads};
   job.slices = (job.group + QROWS - 1) / QROWS;
   job.slice_heads = (job.group + job.slices - 1) / job.slices;
   job.positions = SUBS * QROWS / job.slice_heads;
