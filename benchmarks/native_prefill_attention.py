@@ -155,7 +155,8 @@ def engine_table(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 2048, 4096])
+    parser.add_argument("--lengths", type=int, nargs="*", default=[256, 1024, 2048, 4096],
+                        help="prompt lengths of the kernel table (none: skip it)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", choices=list(DTYPES), default="fp32")
     parser.add_argument("--q-heads", type=int, default=16)
