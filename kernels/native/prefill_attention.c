@@ -18,10 +18,9 @@
  *
  * Why: torch's CPU flash SDPA, with the transposes and contiguous copies
  * the engine made to get it picked, ran the base model's causal attention
- * at ~40-65 GFLOPS on the two AVX2 cores whose FMAs peak at ~180; here the
- * two multiply passes run at ~80-90 % of peak in registers and the
- * softmax costs about a fifth of one of them (docs/kernels.md, "Prefill
- * attention").
+ * at 41-54 GFLOPS per core (L = 1,024-4,096, one thread) where a core's
+ * FMAs peak at ~92; this kernel runs at 67-74, 1.4-2.25x SDPA on two
+ * threads (docs/kernels.md, "Prefill attention").
  *
  * Work split. A work item is one KV head, a slice of up to QROWS heads of
  * its GQA group and a block of consecutive query positions: SUBS
@@ -324,8 +323,8 @@ int pdserve_prefill_attention(const void *q, long q_stride, const void *k, long 
   if (num_threads > items) num_threads = items;
   /* Repacked K/V: each head's rows contiguous. In place, [L, Hkv, D] rows
    * are 1-6 KB apart (k after RoPE, v inside the qkv rows), so a tile of 48
-   * keys spans 48 pages and few L1 sets: 30 % slower at L = 4096 on the
-   * AVX2 EPYC, ~5 % at 1024. Packing reads each row once more, worth it
+   * keys spans 48 pages and few L1 sets: 653 vs 485 ms at L = 4096 on one
+   * thread of the AVX2 EPYC, ~4 % at 1024. Packing reads each row once more, worth it
    * when every key is read by several items (and needed anyway to convert
    * bfloat16 / float16 once rather than per item). The SDPA path's copies
    * were no smaller. */
