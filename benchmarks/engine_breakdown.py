@@ -34,7 +34,7 @@ MATMUL_OPS = ("mkldnn::_linear_pointwise", "pdserve_native::gemm_panels", "aten:
 ATTENTION_OPS = ("aten::_scaled_dot_product_flash_attention_for_cpu",
                  "aten::_scaled_dot_product_attention_math", "aten::index_select",
                  "aten::index_put_", "aten::index", "aten::_softmax", "aten::einsum",
-                 "pdserve_native::paged_decode_attention")
+                 "pdserve_native::paged_decode_attention", "pdserve_native::prefill_attention")
 
 
 @dataclass(frozen=True, slots=True)

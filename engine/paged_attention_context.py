@@ -13,10 +13,13 @@ each prefill chunk occupies a contiguous run of rows. Per layer:
 2. decode rows attend with `kernels.paged_decode_attention` over their
    block tables (their own K/V are in the cache already);
 3. prefill chunks run causal attention with the query offset
-   `context_len - num_new` (torch sdpa): a chunk that is a whole prompt uses
-   this step's K/V rows directly; the others gather their whole context
-   (cached prefix + this chunk) with one `kernels.extract_kv` for the step
-   over `prefill_context_slots` (None when no chunk needs it);
+   `context_len - num_new`: a chunk that is a whole prompt uses this step's
+   K/V rows directly; the others gather their whole context (cached prefix
+   + this chunk) with one `kernels.extract_kv` for the step over
+   `prefill_context_slots` (None when no chunk needs it). On CPU under
+   backend ``auto`` the native kernel (`kernels.native.prefill_attention`,
+   q read in place, written into the step's output) when it takes the
+   shapes; else, and for soft-capped layers, torch's SDPA;
 4. the `LayerKVHook`, if any, receives the layer with this step's spans.
 
 A pure-decode step (no prefill chunk) does 1 and 2 from the qkv
@@ -41,6 +44,7 @@ import torch.nn.functional as F
 import kernels
 from engine.kv_hook import LayerKVHook, LayerKVSpan
 from engine.layer_attention import LayerAttention
+from kernels import native
 from kernels.dispatch import Backend
 from kernels.reference import soft_cap
 
@@ -86,6 +90,9 @@ class PagedAttentionContext:
         self.hook = hook
         self.spans = spans
         self.kernel_backend = kernel_backend
+        # The native prefill kernel is the CPU choice of `auto`, as for the
+        # decode kernels (`kernels.dispatch`); `torch` / `triton` keep SDPA.
+        self._native_prefill = Backend.parse(kernel_backend) is Backend.AUTO
         self.layers = layers
         self._uniform = LayerAttention(scale, sliding_window)
         # One bound fused op per distinct LayerAttention of the step (one for
@@ -131,7 +138,7 @@ class PagedAttentionContext:
             else:
                 ctx = slice(c.context_start, c.context_start + c.context_len)
                 keys, values = context[0, ctx], context[1, ctx]
-            out[rows] = self._chunk_attention(q[rows], keys, values, spec)
+            self._chunk_attention(q[rows], keys, values, spec, out[rows])
         return out
 
     def attend_qkv(self, layer_idx: int, qkv: torch.Tensor, positions: torch.Tensor,
@@ -156,15 +163,31 @@ class PagedAttentionContext:
         return out
 
     def _chunk_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                         spec: LayerAttention) -> torch.Tensor:
-        """Causal attention of the last `len(q)` positions over `len(k)` keys.
+                         spec: LayerAttention, out: torch.Tensor) -> None:
+        """Causal attention of the last `len(q)` positions over `len(k)` keys,
+        written into `out` (a contiguous [len(q), Hq, D] view of the step's output).
 
-        Inputs go to SDPA as contiguous 4-D tensors with GQA left to SDPA:
-        that is what selects torch's fused (flash) CPU kernel; 3-D or strided
-        inputs fall back to the math path, which materialises the scores and
-        was 3.5x slower on a 1,024-token prompt (docs/benchmarks.md). SDPA
-        cannot soft-cap: a soft-capped layer takes `_capped_attention`.
+        On CPU under `auto`, the native kernel reads q, k and v where they
+        are (q and v are views of the qkv projection's rows) at about twice
+        SDPA's speed (docs/kernels.md, "Prefill attention"); it cannot
+        soft-cap, and takes head dims that are multiples of 16 up to 256 on
+        an AVX2 CPU. Otherwise the inputs go to SDPA as contiguous 4-D
+        tensors with GQA left to SDPA: that is what selects torch's fused
+        (flash) CPU kernel; 3-D or strided inputs fall back to the math
+        path, which materialises the scores and was 3.5x slower on a
+        1,024-token prompt (docs/benchmarks.md). A soft-capped layer takes
+        `_capped_attention`.
         """
+        if (self._native_prefill and spec.softcap is None
+                and native.supports_prefill_attention(q, k, v)):
+            native.prefill_attention(q, k, v, scale=spec.scale,
+                                     sliding_window=spec.sliding_window, out=out)
+            return
+        out.copy_(self._torch_chunk_attention(q, k, v, spec))
+
+    @staticmethod
+    def _torch_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                               spec: LayerAttention) -> torch.Tensor:
         num_new = q.shape[0]
         context_len = k.shape[0]
         qh = q.transpose(0, 1).unsqueeze(0).contiguous()                # [1, Hq, n, D]

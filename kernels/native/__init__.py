@@ -4,14 +4,16 @@ Why C: at decode batch sizes a CPU step pays for work torch ops cannot
 avoid. Decode attention through torch must first gather each sequence's
 scattered blocks into a contiguous copy, then read it again in SDPA
 (`kernels.cpu_attention`); `paged_decode.c` reads every K/V row once, in
-place, in the cache's own dtype. `gemm.c` is the
-dense projection of decode rows (float32, weights packed in 16-column
-panels), which oneDNN's small-batch kernel leaves at half the read
-bandwidth (`pack_panels`, `gemm_panels`); `gemm_bf16.c` the same from
-bfloat16 panels, widened in registers, for CPUs where oneDNN has no
-bfloat16 linear (`pack_panels_bf16`, `gemm_panels_bf16`). RMSNorm and RoPE are 8-10 small torch ops
-each, whose dispatch costs more than their arithmetic, and the KV inject's
-skip of padding slots is a boolean-mask gather and scatter; `elementwise.c`
+place, in the cache's own dtype. `prefill_attention.c` is a prompt's causal
+attention, flash-style, 1.4-2.3x torch's CPU flash SDPA, reading q inside
+the qkv projection's rows instead of transposed copies. `gemm.c` is every
+dense projection of a float32 model (weights packed in 16-column panels):
+decode rows, which oneDNN's small-batch kernel leaves at half the read
+bandwidth, and prefill rows on 6-row tiles (`pack_panels`, `gemm_panels`);
+`gemm_bf16.c` the same from bfloat16 panels, widened in registers, for CPUs
+where oneDNN has no bfloat16 linear (`pack_panels_bf16`,
+`gemm_panels_bf16`). RMSNorm and RoPE are 8-10 small torch ops each, whose
+dispatch costs more than their arithmetic, and the KV inject's skip of padding slots is a boolean-mask gather and scatter; `elementwise.c`
 does each in one call. `fused.c` goes further for the decode step: SwiGLU's
 split/silu/multiply in one call, and split + RoPE + KV write + decode
 attention from the qkv projection's output in one (`kernels.fused`). Same
@@ -30,6 +32,7 @@ call, so other Python threads (gRPC, the KV injector) run meanwhile.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
@@ -37,13 +40,16 @@ from kernels.native.loader import build, default_cache_dir, library
 
 __all__ = ["NativeKernelError", "DecodeQKVCall", "PANEL", "build", "default_cache_dir",
            "gemm_available", "gemm_bf16_available", "gemm_panels", "gemm_panels_bf16",
-           "inject_kv", "pack_panels_bf16", "library", "pack_panels",
-           "paged_decode_attention", "rms_norm", "rotary_embedding", "silu_and_mul", "supports",
-           "supports_inject", "supports_qkv", "supports_rms_norm", "supports_rotary"]
+           "inject_kv", "library", "pack_panels", "pack_panels_bf16",
+           "paged_decode_attention", "prefill_attention", "prefill_attention_available",
+           "rms_norm", "rotary_embedding", "silu_and_mul", "supports", "supports_inject",
+           "supports_prefill_attention", "supports_qkv", "supports_rms_norm", "supports_rotary"]
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 PROFILER_NAME = "pdserve_native::paged_decode_attention"
 GEMM_PROFILER_NAME = "pdserve_native::gemm_panels"
+PREFILL_PROFILER_NAME = "pdserve_native::prefill_attention"
+PREFILL_HEAD_DIMS = range(16, 257, 16)  # what prefill_attention.c takes
 # Nonzero return codes of the C functions.
 _ERRORS = {1: "out of memory", 2: "unsupported shape or dtype",
            3: "a context length, block id or position is out of range"}
@@ -374,4 +380,63 @@ def gemm_panels_bf16(x: torch.Tensor, panels: torch.Tensor, out_features: int,
             None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
             num_threads or torch.get_num_threads())
     _check(code, "gemm_panels_bf16")
+@functools.cache
+def prefill_attention_available() -> bool:
+    """Whether `prefill_attention` runs here: the library built, for a CPU with AVX2 and FMA."""
+    lib = library()
+    return lib is not None and bool(lib.pdserve_prefill_attention_available())
+
+
+def _heads_ok(t: torch.Tensor) -> bool:
+    """[rows, heads, D] with each row's heads D apart and each head contiguous."""
+    return t.dim() == 3 and t.stride(2) == 1 and (t.shape[1] == 1 or t.stride(1) == t.shape[2])
+
+
+def supports_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether `prefill_attention` takes these: CPU tensors of one native
+    dtype, [n, Hq, D] and [L, Hkv, D] with L >= n, Hq a multiple of Hkv, D a
+    multiple of 16 up to 256, each row's heads contiguous (rows may be
+    strided), and a library that built for AVX2 + FMA."""
+    return (q.device.type == "cpu" and k.device.type == "cpu" and v.device.type == "cpu"
+            and q.dtype in DTYPE_CODES and k.dtype == q.dtype and v.dtype == q.dtype
+            and _heads_ok(q) and _heads_ok(k) and _heads_ok(v) and k.shape == v.shape
+            and q.shape[2] == k.shape[2] and q.shape[2] in PREFILL_HEAD_DIMS
+            and k.shape[1] > 0 and q.shape[1] % k.shape[1] == 0 and k.shape[0] >= q.shape[0]
+            and prefill_attention_available())
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
+                      sliding_window: int | None = None, out: torch.Tensor | None = None,
+                      num_threads: int | None = None) -> torch.Tensor:
+    """Causal attention of the last n = len(q) of L = len(k) positions over
+    all L keys: q [n, Hq, D], k and v [L, Hkv, D] -> [n, Hq, D] in q's dtype
+    (float32 arithmetic), written to `out` when given. Query i sits at
+    position L - n + i and sees keys j <= L - n + i (and j > L - n + i -
+    sliding_window); query head h reads KV head h // (Hq // Hkv). Each row's
+    result is bit-identical for any n, chunking or thread count.
+
+    Raises ValueError for tensors `supports_prefill_attention` refuses, and
+    NativeKernelError if the kernel does."""
+    if not supports_prefill_attention(q, k, v):
+        raise ValueError(
+            f"prefill_attention does not take q {q.dtype} {tuple(q.shape)} {q.stride()}, "
+            f"k {k.dtype} {tuple(k.shape)} {k.stride()}, v {v.dtype} {tuple(v.shape)} "
+            f"{v.stride()} on {q.device} (see supports_prefill_attention)")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+    num_new, num_q_heads, head_dim = q.shape
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype)
+    elif out.shape != q.shape or out.dtype != q.dtype or not _heads_ok(out):
+        raise ValueError(f"out must be {q.dtype} {tuple(q.shape)} with each row's heads "
+                         f"contiguous, got {out.dtype} {tuple(out.shape)} {out.stride()}")
+    if num_new == 0:
+        return out
+    with _profiled(PREFILL_PROFILER_NAME):
+        code = library().pdserve_prefill_attention(
+            q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+            out.data_ptr(), out.stride(0), DTYPE_CODES[q.dtype], num_new, k.shape[0],
+            num_q_heads, k.shape[1], head_dim, sliding_window or 0, scale,
+            num_threads or torch.get_num_threads())
+    _check(code, "prefill attention")
     return out
