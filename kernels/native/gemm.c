@@ -222,8 +222,8 @@ static void block_large(const float *x, long x_stride, long rows, const float *a
 /* Two ways to share the work, neither with a barrier inside the call:
  * - from SPLIT_ROWS_MIN rows a thread, each thread takes whole blocks of
  *   rows (dynamically: a thread that shares its core gets fewer), packs
- *   them into its own buffer and runs every panel. Each thread reads all
- *   of the weights, once per block, as each would anyway at MB_L rows.
+ *   them into its own buffer and runs every panel over them. The weights
+ *   are read once per block, as with the panels shared out.
  * - below, the calling thread packs all rows first (at most ~2 % of the
  *   call's work) and each thread takes a share of the panels: the weights
  *   are read once per block in all.
