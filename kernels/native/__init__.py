@@ -381,6 +381,9 @@ def gemm_panels_bf16(x: torch.Tensor, panels: torch.Tensor, out_features: int,
             None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
             num_threads or torch.get_num_threads())
     _check(code, "gemm_panels_bf16")
+    return out
+
+
 @functools.cache
 def prefill_attention_available() -> bool:
     """Whether `prefill_attention` runs here: the library built, for a CPU with AVX2 and FMA."""
