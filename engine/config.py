@@ -65,9 +65,10 @@ class EngineConfig:
     kernel_backend: str = "auto"
     # Dense projections: auto|onednn|torch, see engine/layers/linear.py.
     matmul_backend: str = "auto"
-    # A float32 model's dense projections on CPU, decode and prefill rows:
-    # auto|native|off, see engine/layers/linear.py (DecodeMatmul). auto: the
-    # native panel GEMM (in place of oneDNN's copy) on AVX2 + FMA.
+    # A float32 (or, where oneDNN upcasts it, bfloat16) model's dense
+    # projections on CPU, decode and prefill rows: auto|native|off, see
+    # engine/layers/linear.py (DecodeMatmul). auto: the native panel GEMM (in
+    # place of oneDNN's copy) on AVX2 + FMA.
     decode_matmul: str = "auto"
     # Plan and launch step N+1 while step N computes (docs/engine.md, Async
     # scheduling). None: on for CUDA, ASYNC_SCHEDULING_ON_CPU on CPU.

@@ -80,10 +80,11 @@ class MatmulBackend(enum.Enum):
 
 
 class DecodeMatmul(enum.Enum):
-    """Who multiplies a float32 model's rows on CPU, decode and prefill rows
-    alike: ``auto`` (the native panel GEMM where `native_unsupported_reason`
-    is None, else the matmul backend), ``native`` (that, or a ValueError
-    naming why not), ``off`` (the matmul backend)."""
+    """Who multiplies a float32 (or bfloat16, see `resolve_decode_matmul`)
+    model's rows on CPU, decode and prefill rows alike: ``auto`` (the native
+    panel GEMM where `native_unsupported_reason` is None, else the matmul
+    backend), ``native`` (that, or a ValueError naming why not), ``off``
+    (the matmul backend)."""
 
     AUTO = "auto"
     NATIVE = "native"
