@@ -168,7 +168,7 @@ class PagedAttentionContext:
         written into `out` (a contiguous [len(q), Hq, D] view of the step's output).
 
         On CPU under `auto`, the native kernel reads q, k and v where they
-        are (q and v are views of the qkv projection's rows) at about twice
+        are (q and v are views of the qkv projection's rows), 1.4-2.3x
         SDPA's speed (docs/kernels.md, "Prefill attention"); it cannot
         soft-cap, and takes head dims that are multiples of 16 up to 256 on
         an AVX2 CPU. Otherwise the inputs go to SDPA as contiguous 4-D
