@@ -286,11 +286,20 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
         raise ValueError(f"pack_panels takes a float32 CPU weight [N, K], got "
                          f"{weight.dtype} {tuple(weight.shape)} on {weight.device}")
+    return _panels(weight)
+
+
+def _panels(weight: torch.Tensor, order: tuple[int, ...] | None = None) -> torch.Tensor:
+    """weight [N, K] as [ceil(N / 16), K, 16], zero past N; `order`: the
+    column each position of a panel row holds (natural order if None)."""
     n, k = weight.shape
     num_panels = -(-n // PANEL)
     padded = weight.new_zeros(num_panels * PANEL, k)
     padded[:n] = weight
-    return padded.view(num_panels, PANEL, k).transpose(1, 2).contiguous()
+    panels = padded.view(num_panels, PANEL, k)
+    if order is not None:
+        panels = panels[:, torch.tensor(order)]
+    return panels.transpose(1, 2).contiguous()
 
 
 def gemm_panels(x: torch.Tensor, panels: torch.Tensor, out_features: int,
@@ -343,12 +352,7 @@ def pack_panels_bf16(weight: torch.Tensor) -> torch.Tensor:
     if weight.dim() != 2 or weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
         raise ValueError(f"pack_panels_bf16 takes a bfloat16 CPU weight [N, K], got "
                          f"{weight.dtype} {tuple(weight.shape)} on {weight.device}")
-    n, k = weight.shape
-    num_panels = -(-n // PANEL)
-    padded = weight.new_zeros(num_panels * PANEL, k)
-    padded[:n] = weight
-    order = torch.tensor(_BF16_ORDER)
-    return padded.view(num_panels, PANEL, k)[:, order].transpose(1, 2).contiguous()
+    return _panels(weight, _BF16_ORDER)
 
 
 def gemm_panels_bf16(x: torch.Tensor, panels: torch.Tensor, out_features: int,
