@@ -17,6 +17,7 @@ window, not by the length of the output.
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Sequence
 
 from engine.tokenizer import Tokenizer
@@ -25,9 +26,11 @@ REPLACEMENT_CHAR = "\ufffd"
 
 
 class IncrementalDetokenizer:
-    """Invariant: tokens[:read_offset] have been emitted as text; the text
-    of tokens[prefix_offset:read_offset] is `decode(...)` of that window and
-    was already emitted; prefix_offset <= read_offset <= len(tokens)."""
+    """Window path invariant: tokens[:read_offset] have been emitted as
+    text; the text of tokens[prefix_offset:read_offset] is `decode(...)` of
+    that window and was already emitted; prefix_offset <= read_offset <=
+    len(tokens). Byte-level path: every byte of every id went into `_utf8`,
+    which holds back at most an unfinished character."""
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
@@ -35,6 +38,9 @@ class IncrementalDetokenizer:
         self._tokens: list[int] = []
         self._prefix_offset = 0
         self._read_offset = 0
+        # the byte-level path (module doc); None: the window path
+        self._pieces = tokenizer.byte_pieces(skip_special_tokens)
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
 
     @property
     def token_ids(self) -> list[int]:
@@ -49,6 +55,8 @@ class IncrementalDetokenizer:
         """Append ids; return the text they complete ("" while a character
         is still partial). Concatenating every return value and `flush()`
         gives the decode of all ids."""
+        if self._pieces is not None:
+            return self._add_bytes(token_ids)
         self._tokens.extend(int(t) for t in token_ids)
         if self._read_offset == len(self._tokens):
             return ""
@@ -63,9 +71,28 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._tokens)
         return new_text
 
+    def _add_bytes(self, token_ids: Sequence[int]) -> str:
+        pieces, count, tokens = self._pieces, len(self._pieces), self._tokens
+        data = b""
+        for token_id in token_ids:
+            token_id = int(token_id)
+            tokens.append(token_id)
+            if 0 <= token_id < count:
+                data += pieces[token_id]
+        if not data:
+            return ""
+        if not self._utf8.getstate()[0]:
+            try:  # the common case: whole characters, nothing held back
+                return data.decode()
+            except UnicodeDecodeError:
+                pass
+        return self._utf8.decode(data)
+
     def flush(self) -> str:
         """Text still held back (end of stream); a truncated character comes
         out as U+FFFD. The detokenizer is empty-handed afterwards."""
+        if self._pieces is not None:
+            return self._utf8.decode(b"", final=True)
         if self._read_offset == len(self._tokens):
             return ""
         prefix_text = self._decode(self._prefix_offset, self._read_offset)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import tokenizers
+from tokenizers.decoders import ByteLevel as ByteLevelDecoder
 
 from engine.chat_template import (
     compile_chat_template,
@@ -51,6 +52,37 @@ def _token_text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """The byte-level alphabet's character -> byte: printable Latin-1 bytes
+    stand for themselves; the other 68 (controls, space, NBSP, soft hyphen)
+    are U+0100 onwards in byte order (GPT-2's scheme, used by every
+    byte-level BPE)."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = [b for b in range(256) if b not in set(printable)]
+    alphabet = {chr(b): b for b in printable}
+    alphabet.update({chr(0x100 + i): b for i, b in enumerate(others)})
+    return alphabet
+
+
+def _byte_level_pieces(hf: tokenizers.Tokenizer, skip_special_tokens: bool
+                       ) -> tuple[bytes, ...]:
+    """What the byte-level decoder makes of each id alone: a token whose
+    characters are all in the alphabet is those bytes, any other token (an
+    added token with a space, say) its UTF-8; skipped special tokens and
+    ids with no token are empty (`decode` drops them)."""
+    alphabet = _byte_level_alphabet()
+    special = {i for i, t in hf.get_added_tokens_decoder().items() if t.special}
+    pieces = []
+    for token_id in range(hf.get_vocab_size(with_added_tokens=True)):
+        token = hf.id_to_token(token_id)
+        if token is None or (skip_special_tokens and token_id in special):
+            pieces.append(b"")
+            continue
+        mapped = [alphabet.get(c) for c in token]
+        pieces.append(token.encode() if None in mapped else bytes(mapped))
+    return tuple(pieces)
+
+
 class Tokenizer:
     """Text <-> token ids for one model. Build with `from_pretrained`."""
 
@@ -76,6 +108,7 @@ class Tokenizer:
                                    else frozenset())
         # Special tokens besides BOS/EOS that HF passes to templates (unk_token, pad_token)
         self._template_tokens = dict(template_tokens or {})
+        self._byte_pieces: dict[bool, tuple[bytes, ...] | None] = {}
 
     def _id_of(self, token: str) -> int:
         token_id = self._tok.token_to_id(token)
@@ -142,6 +175,20 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`; incomplete UTF-8 at either end decodes to U+FFFD."""
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def byte_pieces(self, skip_special_tokens: bool = True) -> tuple[bytes, ...] | None:
+        """Each id's bytes in `decode`'s output, indexed by id, when the
+        tokenizer's decoder is byte-level (GPT-2, Llama 3, Qwen): `decode(ids)`
+        is then the lossy UTF-8 decode of the ids' pieces joined, so a stream
+        can be detokenized by table lookup (engine.detokenizer). None for
+        any other decoder (SentencePiece's Metaspace, byte fallback, ...).
+        Built on first use per flag, then kept (a race builds it twice, alike)."""
+        key = bool(skip_special_tokens)
+        if key not in self._byte_pieces:
+            self._byte_pieces[key] = (_byte_level_pieces(self._tok, key)
+                                      if isinstance(self._tok.decoder, ByteLevelDecoder)
+                                      else None)
+        return self._byte_pieces[key]
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             add_generation_prompt: bool = True, *,

@@ -69,6 +69,7 @@ class Frontend:
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.tokenizer = tokenizer
+        tokenizer.byte_pieces()  # built now, not on the first stream's event loop turn
         self.deps = deps
         self.limits = limits or InputLimits.for_context(max_model_len)
         self.created = int(time.time())

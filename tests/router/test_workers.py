@@ -71,9 +71,11 @@ def test_two_workers_serve_one_port(colocated, tiny_model_dir):
         wait_ready(router)
         workers = _workers(router.process.pid)
         assert len(workers) == 2, router.log_tail()
-        reference = openai.OpenAI(base_url=router.base_url, api_key="x", max_retries=0) \
-            .completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0,
-                                extra_body={"ignore_eos": True}).choices[0].text
+        # closed after use: its keep-alive connection would count as a 17th below
+        with openai.OpenAI(base_url=router.base_url, api_key="x", max_retries=0) as client:
+            reference = client.completions.create(
+                model="tiny", prompt=PROMPT, max_tokens=24, temperature=0,
+                extra_body={"ignore_eos": True}).choices[0].text
         held = ThreadPoolExecutor(NUM_STREAMS)
         connections: dict[int, int] = {}
 
