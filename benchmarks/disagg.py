@@ -154,6 +154,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--pod-arg", action="append", default=["--kv-cache-memory=2GiB"],
                         metavar="ARG", help="extra flag for every pod")
+    parser.add_argument("--decode-arg", action="append", default=[], metavar="ARG",
+                        help="extra flag for the decode pod of the disaggregated topology, "
+                             "e.g. --decode-arg=--max-num-batched-tokens=64")
     parser.add_argument("--router-arg", action="append", default=[], metavar="ARG",
                         help="extra flag for the router, e.g. "
                              "--router-arg=--local-prefill-max-tokens=1152")
@@ -226,6 +229,8 @@ def run_topology(topology: str, up_args: list[str], model_dir: Path,
     argv = [*up_args, "--ready-file", str(ready), "--startup-timeout",
             str(args.startup_timeout), *[f"--pod-arg={a}" for a in args.pod_arg],
             *[f"--router-arg={a}" for a in args.router_arg]]
+    if topology == "disaggregated":
+        argv += [f"--decode-arg={a}" for a in args.decode_arg]
     log = out_dir / f"{topology}.log"
     print(f"[{topology}] starting pdserve up {' '.join(argv)} (log {log})", file=sys.stderr,
           flush=True)

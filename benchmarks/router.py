@@ -75,6 +75,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--rate", type=float, default=10.0, help="probe arrivals per second")
     g.add_argument("--duration", type=float, default=30.0, help="probe window per round, s")
     g.add_argument("--probe-tokens", type=int, default=8, help="output tokens per probe")
+    g.add_argument("--front-door", choices=("grpc", "http"), default="grpc",
+                   help="the router client's front door: Router.Generate over gRPC (default) "
+                        "or /v1/completions streamed over HTTP (SSE)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -299,22 +302,27 @@ def main(args: argparse.Namespace) -> int:
     procs: list[subprocess.Popen] = []
     with tempfile.TemporaryDirectory(prefix="pdserve-bench-router-") as tmp:
         try:
+            router_http = None
             if args.prefill and args.decode and args.router_grpc:
                 prefill, decode, router = args.prefill, args.decode, args.router_grpc
             else:
                 from engine.make_model import ensure_model
 
                 model = Path(args.model) if args.model else ensure_model("tiny")
-                procs, prefill, decode, router = start_stack(model, Path(tmp), args.pod_arg,
-                                                             args.router_arg)
+                procs, prefill, decode, router, router_http = start_stack(
+                    model, Path(tmp), args.pod_arg, args.router_arg)
                 if args.pin:
                     print(pin_cpus(procs), flush=True)
             print(f"pods: prefill {prefill}, decode {decode}; router gRPC {router}", flush=True)
             if open_loop is not None:
                 pids = dict(zip(("prefill", "decode", "router"), (p.pid for p in procs),
                                 strict=False)) | {"client": os.getpid()}
-                opened = asyncio.run(router_open_loop.measure(open_loop, prefill, decode,
-                                                              router, pids))
+                if args.front_door == "http" and router_http is None:
+                    raise SystemExit("--front-door http needs the router started here "
+                                     "(not --router-grpc)")
+                opened = asyncio.run(router_open_loop.measure(
+                    open_loop, prefill, decode, router, pids,
+                    router_http if args.front_door == "http" else None))
             else:
                 runs = {c: asyncio.run(measure_latency(args, prefill, decode, router, c))
                         for c in levels}

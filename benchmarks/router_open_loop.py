@@ -307,9 +307,48 @@ def router_client(pb, router_stub) -> OpenStream:
     return stream
 
 
+def router_http_client(http, base_url: str, model: str) -> OpenStream:
+    """/v1/completions through the router's HTTP front door, streamed (SSE),
+    the same prompt token ids and session id as `router_client`; one event
+    per token (the built-in tiny model's tokens each decode to text), its
+    count checked against the final usage."""
+    import json
+
+    async def stream(request_id: str, prompt: list[int], max_tokens: int
+                     ) -> AsyncIterator[int]:
+        body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+                "ignore_eos": True, "temperature": 0, "top_p": 1.0,
+                "stream_options": {"include_usage": True},
+                "user": f"session-{hash(request_id) % 1000}"}
+        events = 0
+        async with http.post(f"{base_url}/v1/completions", json=body) as response:
+            if response.status != 200:
+                raise RuntimeError(f"HTTP {response.status}: {(await response.text())[:200]}")
+            async for line in response.content:
+                if not line.startswith(b"data: {"):
+                    continue
+                event = json.loads(line[6:])
+                if event.get("choices") and event["choices"][0]["text"]:
+                    events += 1
+                    yield 1
+                elif event.get("usage"):
+                    # a token whose text the detokenizer held back arrives in a later event
+                    missing = event["usage"]["completion_tokens"] - events
+                    if missing > 0:
+                        yield missing
+                    return
+        raise RuntimeError(f"router stream of {request_id} ended without usage")
+
+    return stream
+
+
 async def measure(settings: OpenLoopSettings, prefill: str, decode: str, router: str,
-                  pids: dict[str, int]) -> dict[str, list[RoundResult]]:
-    """Alternating rounds direct / router; every round's results per client."""
+                  pids: dict[str, int], router_http: str | None = None
+                  ) -> dict[str, list[RoundResult]]:
+    """Alternating rounds direct / router; every round's results per client.
+    With `router_http` (the router's base URL) the router client is the HTTP
+    front door (`router_http_client`), else gRPC."""
+    import aiohttp
     import grpc
 
     from proto import pdserve_pb2 as pb
@@ -318,8 +357,15 @@ async def measure(settings: OpenLoopSettings, prefill: str, decode: str, router:
     options = [("grpc.max_concurrent_streams", 1000)]
     channels = [grpc.aio.insecure_channel(a, options=options) for a in (prefill, decode, router)]
     prefill_stub, decode_stub = rpc.PrefillStub(channels[0]), rpc.DecodeStub(channels[1])
-    clients = {"direct": direct_client(pb, prefill_stub, decode_stub),
-               "router": router_client(pb, rpc.RouterStub(channels[2]))}
+    http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                 timeout=aiohttp.ClientTimeout(total=None))
+    if router_http is None:
+        router_stream = router_client(pb, rpc.RouterStub(channels[2]))
+    else:
+        async with http.get(f"{router_http}/v1/models") as response:
+            model = (await response.json())["data"][0]["id"]
+        router_stream = router_http_client(http, router_http, model)
+    clients = {"direct": direct_client(pb, prefill_stub, decode_stub), "router": router_stream}
 
     async def wait_idle() -> None:
         """Until both pods have nothing running or queued (the last round's
@@ -343,6 +389,7 @@ async def measure(settings: OpenLoopSettings, prefill: str, decode: str, router:
                       f"{len(result.failures)} failed, load average {result.load_average:.2f}, "
                       f"{time.perf_counter() - t0:.1f} s", flush=True)
     finally:
+        await http.close()
         for channel in channels:
             await channel.close()
     return results

@@ -45,8 +45,9 @@ def _free_port() -> int:
 
 
 def start_stack(model: Path, tmp: Path, pod_args: list[str], router_args: list[str] = ()
-                ) -> tuple[list, str, str, str]:
-    """Start prefill, decode, router; return (processes, prefill, decode, router grpc)."""
+                ) -> tuple[list, str, str, str, str]:
+    """Start prefill, decode, router; return (processes, prefill, decode, router
+    gRPC address, router HTTP base URL)."""
     procs, addresses = [], []
     for role in ("prefill", "decode"):
         ready, log = tmp / f"{role}.json", tmp / f"{role}.log"
@@ -74,7 +75,7 @@ def start_stack(model: Path, tmp: Path, pod_args: list[str], router_args: list[s
                 raise RuntimeError(f"router failed:\n{log.read_text()[-3000:]}") from None
             time.sleep(0.1)
     return [p for p, _, _ in procs] + [router], addresses[0], addresses[1], \
-        f"127.0.0.1:{grpc_port}"
+        f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{http_port}"
 
 
 def pin_cpus(procs: list[subprocess.Popen]) -> str:

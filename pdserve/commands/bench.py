@@ -10,7 +10,7 @@ import argparse
 import importlib
 
 HELP = ("Benchmarks: engine, decode-gemm, prefill-gemm, kernels, transfer, transfer-split, "
-        "ttft, router, peer, disagg, first-gap, routing "
+        "ttft, router, sse-floor, peer, disagg, first-gap, routing "
         "(each against its baseline); serve (a load generator) and serve-plot; soak "
         "(mixed load, cancellations and a pod restart).")
 
@@ -23,6 +23,7 @@ BENCHMARKS: dict[str, str] = {
     "transfer-split": "benchmarks.transfer_split",
     "ttft": "benchmarks.ttft",
     "router": "benchmarks.router",
+    "sse-floor": "benchmarks.sse_floor",
     "peer": "benchmarks.peer",
     "serve": "benchmarks.serve",
     "disagg": "benchmarks.disagg",
