@@ -309,9 +309,9 @@ def router_client(pb, router_stub) -> OpenStream:
 
 def router_http_client(http, base_url: str, model: str) -> OpenStream:
     """/v1/completions through the router's HTTP front door, streamed (SSE),
-    the same prompt token ids and session id as `router_client`; one event
-    per token (the built-in tiny model's tokens each decode to text), its
-    count checked against the final usage."""
+    the same prompt token ids and session id as `router_client`; one
+    token per event with text, and at the end any tokens the final usage
+    counts beyond those (text the detokenizer held back to a later event)."""
     import json
 
     async def stream(request_id: str, prompt: list[int], max_tokens: int

@@ -58,7 +58,7 @@ def _byte_level_alphabet() -> dict[str, int]:
     are U+0100 onwards in byte order (GPT-2's scheme, used by every
     byte-level BPE)."""
     printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    others = [b for b in range(256) if b not in set(printable)]
+    others = sorted(set(range(256)) - set(printable))
     alphabet = {chr(b): b for b in printable}
     alphabet.update({chr(0x100 + i): b for i, b in enumerate(others)})
     return alphabet
