@@ -53,6 +53,7 @@ from benchmarks.routing_trace import (
 )
 from benchmarks.serve_trace import TraceScaling, load_trace, trace_sessions
 from benchmarks.serve_workload import Vocabulary
+from router.routing.cache_aware import check_load_weight
 
 HELP = ("Prefill routing policies (round-robin, session-sticky, first-tokens, cache-aware, "
         "cache-aware+miss-only) on "
@@ -71,7 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prefill pods per stack (default 2,4)")
     parser.add_argument("--decode", type=int, default=1, help="decode pods per stack")
     parser.add_argument("--policies", default=",".join(POLICIES),
-                        help=f"comma-separated, of {', '.join(POLICIES)}")
+                        help=f"comma-separated, of {', '.join(POLICIES)}; a cache-aware one "
+                             "may end in @W to run it with --cache-aware-load-weight W, e.g. "
+                             "cache-aware@0.25")
     parser.add_argument("--trace", default=str(disagg.DEFAULT_TRACE), metavar="PATH")
     parser.add_argument("--trace-start", type=int, default=3493, metavar="LINE",
                         help="the first trace line replayed, from 0 (default 3493: the last "
@@ -121,10 +124,19 @@ def parse_counts(text: str) -> tuple[int, ...]:
 
 
 def parse_policies(text: str) -> tuple[str, ...]:
+    """Names of POLICIES; a cache-aware one may end in @W, its load weight
+    (the router's --cache-aware-load-weight W), e.g. cache-aware@0.25."""
     policies = _list(text, "--policies")
     for name in policies:
-        if name not in POLICIES:
-            raise ValueError(f"--policies: {name!r} is not one of {', '.join(POLICIES)}")
+        base, _, weight = name.partition("@")
+        if base not in POLICIES or (weight and not base.startswith("cache-aware")):
+            raise ValueError(f"--policies: {name!r} is not one of {', '.join(POLICIES)} "
+                             "(cache-aware ones may end in @WEIGHT)")
+        if weight:
+            try:
+                check_load_weight(float(weight))
+            except ValueError as exc:
+                raise ValueError(f"--policies: {name!r}: {exc}") from None
     return policies
 
 
@@ -233,11 +245,14 @@ def main(args: argparse.Namespace) -> int:
                 "trace", conversations if policy == "session-sticky" else sessions, None,
                 {**description, "sessions": policy == "session-sticky"})
             name = f"prefill{count}-{policy}"
-            routing = policy.removesuffix(MISS_ONLY)
+            variant, _, weight = policy.partition("@")
             up_args = ["--prefill", str(count), "--decode", str(args.decode),
-                       f"--router-arg=--routing-policy={routing}", *args.up_arg]
-            if policy.endswith(MISS_ONLY):
+                       f"--router-arg=--routing-policy={variant.removesuffix(MISS_ONLY)}",
+                       *args.up_arg]
+            if variant.endswith(MISS_ONLY):
                 up_args.append("--decode-arg=--prefix-cache")
+            if weight:
+                up_args.append(f"--router-arg=--cache-aware-load-weight={weight}")
             try:
                 (result,) = disagg.run_topology(name, up_args, model_dir, [workload], args,
                                                 out_dir).values()

@@ -101,6 +101,9 @@ class RouterConfig:
     # index's bound, in block hashes per pod (router/cache_index/index.py).
     routing_policy: str = "first-tokens"
     cache_index_blocks: int = 262_144
+    # cache-aware: a prefill pod's queued tokens count this much against the
+    # tokens its cache saves (router/routing/cache_aware.py)
+    cache_aware_load_weight: float = 1.0
     # HTTP connections (router/http/connection.py): seconds from a request's
     # first byte to the end of its headers, and seconds an open connection may
     # wait for its next request. Generation requests in flight per client (API
@@ -170,6 +173,9 @@ class RouterConfig:
         if not 0 <= self.local_prefill_below <= 1 << 20:
             raise ValueError(f"local_prefill_below must be in [0, {1 << 20}], "
                              f"got {self.local_prefill_below}")
+        if not 0.0 <= self.cache_aware_load_weight <= 100.0:
+            raise ValueError(f"cache_aware_load_weight must be in [0, 100], "
+                             f"got {self.cache_aware_load_weight}")
         if self.routing_policy not in ROUTING_POLICIES:
             raise ValueError(f"routing_policy must be one of {', '.join(ROUTING_POLICIES)}, "
                              f"got {self.routing_policy!r}")

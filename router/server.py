@@ -121,7 +121,8 @@ class RouterServer:
                 missed_gauge=self.metrics.cache_events_missed, security=c.pod_security)
             await self._feed.start()
         policy = RoutingPolicy(self.pool, self._sessions, epsilon=c.session_epsilon,
-                               mode=c.routing_policy, index=index)
+                               mode=c.routing_policy, index=index,
+                               cache_load_weight=c.cache_aware_load_weight)
         admission = PrefillAdmission(
             self.pool, policy, self.metrics,
             AdmissionSettings(dispatch_tokens=c.prefill_dispatch_tokens,

@@ -71,6 +71,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the session or first 64 prompt tokens (default), on the session "
                              "else the least-loaded pod, by cached prefix against load, or "
                              "round-robin (docs/routing.md)")
+    parser.add_argument("--cache-aware-load-weight", type=float, default=1.0, metavar="W",
+                        help="cache-aware routing: a prefill pod's queued prompt tokens count "
+                             "W times against the tokens its prefix cache saves (default 1: "
+                             "pods with their own compute; below 1 where pods share cores, "
+                             "docs/routing.md)")
     parser.add_argument("--cache-index-blocks", type=int, default=262_144, metavar="N",
                         help="prefix index bound: block hashes kept per pod (default 262144, "
                              "about 26 MB per pod at most)")
@@ -142,6 +147,7 @@ def config_from_args(args: argparse.Namespace):
         local_prefill_below=args.local_prefill_below,
         routing_policy=args.routing_policy,
         cache_index_blocks=args.cache_index_blocks,
+        cache_aware_load_weight=args.cache_aware_load_weight,
         http_header_timeout=args.http_header_timeout,
         http_keepalive_timeout=args.http_keepalive_timeout,
         max_concurrent_per_client=args.max_concurrent_per_client,

@@ -15,11 +15,17 @@ session, or its pod overloaded):
     round-robin     the next pod in turn, whatever the session, prefix or load
 
 Cache-aware cost of a prefill pod: its load (prompt tokens queued or in
-flight, `RoutingPolicy` module docstring) plus the prompt tokens it would
+flight, `RoutingPolicy` module docstring) times the load weight
+(`--cache-aware-load-weight`, default 1) plus the prompt tokens it would
 compute, the prompt less the prefix its prefix cache holds as far as its
 events tell (router/cache_index/index.py). Both are tokens of prefill work
-ahead of this request's first token, so a long cached prefix on a busy pod
-wins over an idle pod exactly when it saves more than the queue costs. For
+ahead of this request's first token, so with weight 1 a long cached prefix
+on a busy pod wins over an idle pod exactly when it saves more than the
+queue costs: right when every pod has its own compute. Pods that share
+compute (several on one node's cores) all wait on the same cores, so a
+queue on one is not time saved on another but a hit is work nobody does:
+a weight below 1 keeps prompts with their caches (the load bound still
+caps any one pod's queue). For
 colocated pods (loads in requests) the cost is the tokens to compute alone;
 the load bound keeps them balanced.
 """
@@ -35,6 +41,12 @@ from router.routing.rendezvous import rank
 ROUTING_POLICIES = ("first-tokens", "session-sticky", "cache-aware", "round-robin")
 
 
+def check_load_weight(weight: float) -> float:
+    if not 0.0 <= weight <= 100.0:
+        raise ValueError(f"cache-aware load weight must be in [0, 100], got {weight}")
+    return weight
+
+
 def check_routing_policy(name: str) -> str:
     if name not in ROUTING_POLICIES:
         raise ValueError(f"routing policy must be one of {', '.join(ROUTING_POLICIES)}, "
@@ -43,14 +55,15 @@ def check_routing_policy(name: str) -> str:
 
 
 def choose_cache_aware(key: bytes, loads: Mapping[str, float], bound: float,
-                       prompt: PromptBlocks, index: PrefixIndex, *, tokens_load: bool) -> str:
+                       prompt: PromptBlocks, index: PrefixIndex, *, tokens_load: bool,
+                       load_weight: float = 1.0) -> str:
     """The pod within `bound` with the least cost (module docstring); ties
     go to the first in `key`'s rendezvous ranking."""
     candidates = [a for a in rank(key, loads) if loads[a] <= bound]
 
     def cost(address: str) -> float:
         new_tokens = len(prompt) - index.cached_tokens(address, prompt)
-        return (loads[address] if tokens_load else 0.0) + new_tokens
+        return (load_weight * loads[address] if tokens_load else 0.0) + new_tokens
 
     return min(candidates, key=cost)  # min keeps the first of equal costs
 

@@ -40,7 +40,12 @@ from collections.abc import Iterator, Sequence
 
 from router.cache_index.index import PrefixIndex, PromptBlocks
 from router.routing.base import NoPodAvailable, PodLoad, PodPool
-from router.routing.cache_aware import RoundRobin, check_routing_policy, choose_cache_aware
+from router.routing.cache_aware import (
+    RoundRobin,
+    check_load_weight,
+    check_routing_policy,
+    choose_cache_aware,
+)
 from router.routing.rendezvous import choose_bounded, overload_bound, prefix_key, session_key
 from router.sessions import SessionStore, SessionStoreError
 
@@ -61,6 +66,7 @@ class RoutingPolicy:
         block_size_for_affinity: int = 64,
         mode: str = "first-tokens",
         index: PrefixIndex | None = None,
+        cache_load_weight: float = 1.0,
     ) -> None:
         if not 0.0 <= epsilon <= 10.0:
             raise ValueError(f"session epsilon must be in [0, 10]; got {epsilon}")
@@ -72,6 +78,7 @@ class RoutingPolicy:
             raise ValueError("the cache-aware routing policy needs a prefix index")
         self.mode = mode
         self.index = index
+        self.cache_load_weight = check_load_weight(cache_load_weight)
         self._turns = RoundRobin()
         self.pool = pool
         self.sessions = session_store
@@ -191,7 +198,8 @@ class RoutingPolicy:
             assert self.index is not None
             prompt = PromptBlocks(prompt_token_ids)
             chosen = choose_cache_aware(key, loads, bound, prompt, self.index,
-                                        tokens_load=role == "prefill")
+                                        tokens_load=role == "prefill",
+                                        load_weight=self.cache_load_weight)
             self.index.expect(chosen, prompt)  # its blocks will be there (index.py)
             return chosen
         return choose_bounded(key, loads, epsilon=self.epsilon, slack=slack)

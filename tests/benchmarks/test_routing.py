@@ -100,10 +100,14 @@ def test_miss_only_runs_cache_aware_with_the_decode_prefix_cache(
 
     monkeypatch.setattr(routing.disagg, "run_topology", fake_run)
     args = _args(["--model", str(tiny_model_dir), "--prefill-counts", "2", "--policies",
-                  "cache-aware,cache-aware+miss-only", "--trace", str(trace),
+                  "cache-aware,cache-aware+miss-only,cache-aware@0.25", "--trace", str(trace),
                   "--trace-start", "0", "--out-dir", str(tmp_path / "out")])
     assert routing.main(args) == 0
     plain, miss_only = seen["prefill2-cache-aware"], seen["prefill2-cache-aware+miss-only"]
+    weighted = seen["prefill2-cache-aware@0.25"]
+    assert "--router-arg=--routing-policy=cache-aware" in weighted
+    assert "--router-arg=--cache-aware-load-weight=0.25" in weighted
+    assert not any("load-weight" in arg for arg in plain + miss_only)
     assert "--router-arg=--routing-policy=cache-aware" in plain and "--router-arg=" \
         "--routing-policy=cache-aware" in miss_only
     assert "--decode-arg=--prefix-cache" in miss_only
@@ -122,6 +126,9 @@ def _args(argv: list[str]) -> argparse.Namespace:
     (["--prefill-counts", "two"], "--prefill-counts: invalid literal"),
     (["--policies", "random"], "--policies: 'random' is not one of round-robin"),
     (["--policies", ","], "--policies needs at least one entry"),
+    (["--policies", "round-robin@0.5"], "--policies: 'round-robin@0.5' is not one of"),
+    (["--policies", "cache-aware@-1"], "cache-aware load weight must be in [0, 100]"),
+    (["--policies", "cache-aware@x"], "--policies: 'cache-aware@x': could not convert"),
 ])
 def test_bad_flags_are_refused_by_name(argv, message, capsys):
     assert routing.main(_args(argv)) == 2

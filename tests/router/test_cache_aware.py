@@ -64,6 +64,37 @@ def test_cache_aware_weighs_the_cached_prefix_against_load():
     assert choose(policy, PROMPT) == holder  # 100 + 40 < 0 + 200
 
 
+@pytest.mark.parametrize(("weight", "queue", "expected"), [
+    (1.0, 300, "other"),    # 300 + 40 > 0 + 200: the idle pod
+    (0.5, 300, "holder"),   # 150 + 40 < 200: the cache
+    (0.0, 300, "holder"),   # load only bounds, never outweighs a hit
+    (2.0, 100, "other"),    # 200 + 40 > 200: the same queue weighs double
+    (1.0, 100, "holder"),   # 100 + 40 < 200
+])
+def test_the_load_weight_sets_how_much_a_queue_counts_against_a_hit(weight, queue, expected):
+    holder, other = PREFILL[0], PREFILL[1]
+    busy = {"num_waiting_tokens": queue}
+    pool = SnapshotPool([load(holder, "prefill", **busy), load(other, "prefill"),
+                         load(PREFILL[2], "prefill", **busy), load(PREFILL[3], "prefill", **busy)]
+                        + [load(a, "decode") for a in DECODE])
+    index = PrefixIndex()
+    policy = RoutingPolicy(pool, InMemorySessionStore(), mode="cache-aware", index=index,
+                           epsilon=10.0, cache_load_weight=weight)
+    holds(index, holder, PROMPT[:160])
+    assert choose(policy, PROMPT) == {"holder": holder, "other": other}[expected]
+
+
+def test_a_load_weight_out_of_range_is_refused():
+    pool = SnapshotPool([load(PREFILL[0], "prefill")])
+    with pytest.raises(ValueError, match=r"cache-aware load weight must be in \[0, 100\]"):
+        RoutingPolicy(pool, InMemorySessionStore(), mode="cache-aware", index=PrefixIndex(),
+                      cache_load_weight=-0.5)
+    from router import config
+
+    with pytest.raises(ValueError, match=r"cache_aware_load_weight must be in \[0, 100\]"):
+        config.RouterConfig(model_dir="m", cache_aware_load_weight=101)
+
+
 def test_cache_aware_keeps_a_session_on_its_pod_within_the_load_bound():
     policy, _, index = make("cache-aware")
     home = choose(policy, PROMPT, session="chat-1")
@@ -118,9 +149,10 @@ def test_router_config_and_flags_name_the_same_policies():
     (action,) = [a for a in parser._actions if a.dest == "routing_policy"]
     assert tuple(action.choices) == cache_aware.ROUTING_POLICIES
     args = parser.parse_args(["--model", "m", "--routing-policy", "cache-aware",
-                              "--cache-index-blocks", "1000"])
+                              "--cache-index-blocks", "1000", "--cache-aware-load-weight", "0.25"])
     made = router_command.config_from_args(args)
     assert (made.routing_policy, made.cache_index_blocks) == ("cache-aware", 1000)
+    assert made.cache_aware_load_weight == 0.25
     with pytest.raises(ValueError, match="routing_policy must be one of first-tokens"):
         config.RouterConfig(model_dir="m", routing_policy="random")
     with pytest.raises(ValueError, match=r"cache_index_blocks must be in \[1, 67108864\]"):
