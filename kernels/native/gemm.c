@@ -33,7 +33,8 @@
 #include <immintrin.h>
 #include <omp.h>
 
-#define PANEL 16
+#include "gemm_panels.h"
+
 #define KC 64        /* k rows of a panel per pass: 4 KB, stays in L1 (tuned below) */
 #define MB 96        /* rows per block (accumulators: MB x 16 floats, 6 KB) */
 #define PREFETCH 64  /* k rows ahead (4 KB) the first row group prefetches */
@@ -41,8 +42,6 @@
  * model's weights, two threads): KC 256 / PREFETCH 32 -> 64 / 64 took 8
  * rows from 22.9-25.9 to 20.0-21.8 ms and 16 rows from 32.8-35.4 to
  * 29.1-31.8 ms; 32 and 128 rows of KC, 32 and 128 of PREFETCH were no better. */
-enum { NONE, NEAR, NEXT_BLOCK };
-#define PARALLEL_MIN (1L << 20) /* multiply-adds of a call worth a second thread */
 
 /* c<r><h>: row r, columns 8h .. 8h + 7 of the panel. */
 #define LOAD_ROW(r) \
@@ -332,12 +331,7 @@ int pdserve_gemm_panels(const float *x, long x_stride, long M, const float *pane
                         int num_threads) {
   if (M < 0 || K < 1 || N < 1) return 2;
   if (M == 0) return 0;
-  if (num_threads < 1) num_threads = 1;
-  const long num_panels = (N + PANEL - 1) / PANEL;
-  if (num_threads > num_panels) num_threads = (int)num_panels;
-  /* Below ~10 us of work a fork costs more than it saves (torch forks no
-   * sooner): a small model's projections stay on the calling thread. */
-  if (M * K * N < PARALLEL_MIN) num_threads = 1;
+  num_threads = gemm_team(M, K, N, num_threads);
   if (M >= LARGE_M)
     return gemm_large(x, x_stride, M, panels, K, N, bias, out, out_stride, num_threads);
   gemm_small(x, x_stride, M, panels, K, N, bias, out, out_stride, num_threads);

@@ -39,12 +39,11 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
-#define PANEL 16
+#include "gemm_panels.h"
+
 #define KC 128       /* k rows of a panel per pass: 4 KB of bfloat16, stays in L1 */
 #define MB 96        /* rows per block (accumulators: MB x 16 floats, 6 KB) */
 #define PREFETCH 128 /* k rows ahead (4 KB) the first row group prefetches */
-enum { NONE, NEAR, NEXT_BLOCK };
-#define PARALLEL_MIN (1L << 20) /* multiply-adds of a call worth a second thread */
 
 #define LOAD_ROW(r) \
   __m256 c##r##0 = _mm256_load_ps(acc + (r) * PANEL), c##r##1 = _mm256_load_ps(acc + (r) * PANEL + 8)
@@ -155,10 +154,8 @@ int pdserve_gemm_panels_bf16(const uint16_t *x16, long x16_stride, long M,
                              uint16_t *out, long out_stride, int num_threads) {
   if (M < 0 || K < 1 || N < 1) return 2;
   if (M == 0) return 0;
-  if (num_threads < 1) num_threads = 1;
+  num_threads = gemm_team(M, K, N, num_threads);
   const long num_panels = (N + PANEL - 1) / PANEL;
-  if (num_threads > num_panels) num_threads = (int)num_panels;
-  if (M * K * N < PARALLEL_MIN) num_threads = 1;
   /* The rows widened once (M is a decode batch: small), K floats apart. */
   float *x = malloc(sizeof(float) * M * K);
   if (x == NULL) return 1;
