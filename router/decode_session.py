@@ -15,6 +15,12 @@ On the router's event loop:
                           with the pod's status code, so a caller handles it
                           exactly like a failed Decode.Generate stream
     SessionCall.cancel -> `cancel` command (the pod frees the request)
+    SessionCall.relay  -> optional: a plain tokens event (no finish) that
+                          arrives while the request's task waits in read()
+                          with nothing queued goes to this callback instead,
+                          which writes it to the client at once (the direct
+                          relay, docs/router.md "Relay"); it answers False to
+                          leave the event to read()
     deadline passes    -> the call fails DEADLINE_EXCEEDED and is cancelled
     session breaks     -> every open call fails with the session's error
                           (the flow migrates each request); the next open()
@@ -33,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+from collections.abc import Callable
 
 import grpc
 
@@ -53,10 +60,13 @@ class SessionCall:
     """One request on a `DecodeSession`, read like a Decode.Generate call:
     `await read()` and `cancel()`. Event loop only."""
 
-    __slots__ = ("request_id", "_session", "_events", "_waiter", "_error", "_open", "_timer")
+    __slots__ = ("request_id", "relay", "_session", "_events", "_waiter", "_error", "_open",
+                 "_timer")
 
     def __init__(self, session: DecodeSession, request_id: str) -> None:
         self.request_id = request_id
+        # DecodeTokens -> True when it took them (router.flow.attempt sets it)
+        self.relay: Callable[[pb.DecodeTokens], bool] | None = None
         self._session = session
         self._events: collections.deque[pb.SessionEvent] = collections.deque()
         self._waiter: asyncio.Future[None] | None = None
@@ -90,16 +100,31 @@ class SessionCall:
 
     # -- the session's side
 
-    def put(self, event: pb.SessionEvent) -> None:
+    def put(self, event: pb.SessionEvent) -> bool:
+        """Take one event from the pod; True when the direct relay took it."""
         kind = event.WhichOneof("kind")
         if kind == "error":
             self.fail(rpc_error(_CODES.get(event.error.code, grpc.StatusCode.UNKNOWN),
                                 event.error.message))
-            return
+            return False
+        relay = self.relay
+        if (relay is not None and kind == "tokens" and not event.tokens.finish_reason
+                and not self._events and self._waiter is not None
+                and not self._waiter.done()):
+            # The task is idle in read(), so every earlier event is written out:
+            # writing this one now keeps the client's order.
+            try:
+                if relay(event.tokens):
+                    return True
+            except Exception:  # a bug here must not break the session's other requests
+                log.exception("direct relay of %s failed; its task reads from now on",
+                              self.request_id)
+                self.relay = None
         self._events.append(event)
         if kind == "tokens" and event.tokens.finish_reason:
             self._end()
         self._wake()
+        return False
 
     def fail(self, error: grpc.aio.AioRpcError) -> None:
         if self._open:
@@ -132,8 +157,12 @@ class SessionCall:
 class DecodeSession:
     """One Session stream to `address`; see the module docstring."""
 
-    def __init__(self, address: str, stub: pdserve_pb2_grpc.DecodeStub) -> None:
+    def __init__(self, address: str, stub: pdserve_pb2_grpc.DecodeStub, *,
+                 on_relayed: Callable[[int], None] | None = None) -> None:
+        """`on_relayed(n)`: after each batch, the n tokens of it that the
+        direct relay wrote (not called when none)."""
         self.address = address
+        self._on_relayed = on_relayed
         self._commands: asyncio.Queue[pb.SessionCommand | None] = asyncio.Queue()
         self._calls: dict[str, SessionCall] = {}
         self._call = stub.Session(self._command_stream())
@@ -192,10 +221,14 @@ class DecodeSession:
             async for batch in self._call:
                 self.heard_from_pod = True
                 calls = self._calls
+                relayed = 0
                 for event in batch.events:
                     call = calls.get(event.request_id)
-                    if call is not None:  # else: cancelled here, the pod had it in flight
-                        call.put(event)
+                    # else: cancelled here, the pod had it in flight
+                    if call is not None and call.put(event):
+                        relayed += len(event.tokens.token_ids)
+                if relayed and self._on_relayed is not None:
+                    self._on_relayed(relayed)
             error = rpc_error(grpc.StatusCode.UNAVAILABLE,
                               f"the session to decode pod {self.address} ended")
         except grpc.aio.AioRpcError as exc:

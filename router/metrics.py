@@ -61,6 +61,11 @@ class RouterMetrics:
             "pdserve_aborts_total", "Requests the router aborted on the pods, by reason",
             ["reason"], registry=r,
         )
+        self.direct_relayed = Counter(
+            "pdserve_router_direct_relayed_tokens_total",
+            "Output tokens written to their client by the decode session's reader itself "
+            "(the direct relay), not by the request's task", registry=r,
+        )
         self.requests = Counter(
             "pdserve_router_requests_total", "Finished client requests by outcome",
             ["outcome"], registry=r,

@@ -11,6 +11,7 @@ address never needs a second one. Message size limits are the project's
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import grpc
 
@@ -41,7 +42,9 @@ _OPTIONS = [
 class PodChannels:
     """Lazily opened channels and stubs keyed by address."""
 
-    def __init__(self, *, sessions: bool = True, security: PodSecurity | None = None) -> None:
+    def __init__(self, *, sessions: bool = True, security: PodSecurity | None = None,
+                 on_relayed: Callable[[int], None] | None = None) -> None:
+        """`on_relayed`: given to each DecodeSession (tokens the direct relay wrote)."""
         # False: every request gets its own Decode.Generate (RouterConfig.relay "stream")
         self._use_sessions = sessions
         self._security = security or PodSecurity()  # TLS + token (proto/tls.py)
@@ -50,6 +53,7 @@ class PodChannels:
         self._decode: dict[str, pdserve_pb2_grpc.DecodeStub] = {}
         self._sessions: dict[str, DecodeSession] = {}
         self._no_session: set[str] = set()  # pods that answered Session UNIMPLEMENTED
+        self._on_relayed = on_relayed
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
@@ -110,7 +114,8 @@ class PodChannels:
     def _session(self, address: str) -> DecodeSession:
         session = self._sessions.get(address)
         if session is None or session.closed:
-            session = self._sessions[address] = DecodeSession(address, self.decode(address))
+            session = self._sessions[address] = DecodeSession(
+                address, self.decode(address), on_relayed=self._on_relayed)
         return session
 
     async def close(self) -> None:

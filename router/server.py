@@ -85,7 +85,8 @@ class RouterServer:
         self._sessions: SessionStore | None = None
         self._feed: CacheEventFeed | None = None
         self._channels = PodChannels(sessions=config.relay == "session",
-                                     security=config.pod_security)
+                                     security=config.pod_security,
+                                     on_relayed=self.metrics.direct_relayed.inc)
 
     def _pod_source(self) -> PodSource:
         c = self.config

@@ -37,7 +37,9 @@ import grpc
 
 from proto import pdserve_pb2 as pb
 from router.api_error import ApiError
+from router.decode_session import SessionCall
 from router.flow.deps import FlowDeps
+from router.flow.direct_relay import DeltaSink
 from router.flow.output import OutputAssembler, OutputGap, fold_final, logprobs_from_proto
 from router.flow.pod_calls import AttemptFailed, client_error, describe
 from router.flow.state import FlowState
@@ -58,7 +60,9 @@ class Attempt:
     """One try of `request` under `request_id` (unique per attempt: the decode
     pod's ticket binds it, and a pod that still holds a failed attempt's
     state never confuses it with the next). `left_out` are pods that failed
-    this request already; `deadline` is the request's (time.monotonic)."""
+    this request already; `deadline` is the request's (time.monotonic).
+    `sink`: the client's stream, for the direct relay (router.flow.direct_relay);
+    None keeps every delta on the generators."""
 
     def __init__(
         self,
@@ -70,8 +74,10 @@ class Attempt:
         left_out: frozenset[str],
         deadline: float,
         to_state: Callable[[FlowState], None],
+        sink: DeltaSink | None = None,
     ) -> None:
         self._request = request
+        self._sink = sink
         self._request_id = request_id
         self._deps = deps
         self._out = out
@@ -351,45 +357,79 @@ class Attempt:
     async def _read_tokens(self, address: str, call, first) -> AsyncIterator[Delta]:
         """Stream DecodeTokens from `call` (a SessionCall, or a Decode.Generate
         call: both give messages whose `kind` is "tokens") into the assembler
-        until a finish."""
+        until a finish. After the first delta, a SessionCall's plain tokens
+        may go to the client by the direct relay instead (`_relay_direct`)."""
         message = first
-        while True:
-            if message is None:
+        relaying = False
+        try:
+            while True:
+                if message is None:
+                    try:
+                        message = await call.read()
+                    except grpc.aio.AioRpcError as error:
+                        self._pod_failed(error, address)
+                        raise AttemptFailed(
+                            f"decode stream from {address} broke: {describe(error)}",
+                            addresses=frozenset({address}), migrate=True) from None
+                if message is grpc.aio.EOF or message.WhichOneof("kind") != "tokens":
+                    raise AttemptFailed(f"decode stream from {address} ended without a finish",
+                                        addresses=frozenset({address}), migrate=True)
+                tokens, message = message.tokens, None
+                if tokens.num_prompt_tokens:
+                    self._out.set_cached_tokens(tokens.num_cached_tokens)
+                if tokens.prompt_logprobs:
+                    self._take_prompt_logprobs(tokens.prompt_logprobs)
                 try:
-                    message = await call.read()
-                except grpc.aio.AioRpcError as error:
-                    self._pod_failed(error, address)
-                    raise AttemptFailed(f"decode stream from {address} broke: {describe(error)}",
+                    # most streams carry no logprobs: skip the per-message conversion then
+                    delta = self._out.accept(tokens.first_index, tokens.token_ids,
+                                             logprobs_from_proto(tokens.logprobs)
+                                             if tokens.logprobs else ())
+                except OutputGap as gap:
+                    raise AttemptFailed(f"decode pod {address}: {gap}",
                                         addresses=frozenset({address}), migrate=True) from None
-            if message is grpc.aio.EOF or message.WhichOneof("kind") != "tokens":
-                raise AttemptFailed(f"decode stream from {address} ended without a finish",
-                                    addresses=frozenset({address}), migrate=True)
-            tokens, message = message.tokens, None
-            if tokens.num_prompt_tokens:
-                self._out.set_cached_tokens(tokens.num_cached_tokens)
-            if tokens.prompt_logprobs:
-                self._take_prompt_logprobs(tokens.prompt_logprobs)
-            try:
-                # most streams carry no logprobs: skip the per-message conversion then
-                delta = self._out.accept(tokens.first_index, tokens.token_ids,
-                                         logprobs_from_proto(tokens.logprobs)
-                                         if tokens.logprobs else ())
-            except OutputGap as gap:
-                raise AttemptFailed(f"decode pod {address}: {gap}",
-                                    addresses=frozenset({address}), migrate=True) from None
-            if self._out.stopped:
-                call.cancel()
-                self._deps.metrics.aborts.labels(reason="stop_string").inc()
-                yield fold_final(delta, self._finish("stop"))
-                return
-            if tokens.finish_reason == "abort":
-                raise AttemptFailed(f"decode pod {address} aborted the request",
-                                    addresses=frozenset({address}), migrate=True)
-            if tokens.finish_reason:
-                yield fold_final(delta, self._finish(tokens.finish_reason))
-                return
-            if delta is not None:
-                yield delta
+                if self._out.stopped:
+                    call.cancel()
+                    self._deps.metrics.aborts.labels(reason="stop_string").inc()
+                    yield fold_final(delta, self._finish("stop"))
+                    return
+                if tokens.finish_reason == "abort":
+                    raise AttemptFailed(f"decode pod {address} aborted the request",
+                                        addresses=frozenset({address}), migrate=True)
+                if tokens.finish_reason:
+                    yield fold_final(delta, self._finish(tokens.finish_reason))
+                    return
+                if delta is not None:
+                    yield delta
+                    # the client has it: from here on the reader may write plain deltas
+                    if not relaying:
+                        relaying = self._start_direct_relay(call)
+        finally:
+            if relaying:
+                call.relay = None
+
+    def _start_direct_relay(self, call) -> bool:
+        """Give `call` the relay callback (router.flow.direct_relay): only a
+        SessionCall, only with a client sink, and not with stop strings (the
+        task ends the request on a match)."""
+        if self._sink is None or not isinstance(call, SessionCall) or self._out.has_stops:
+            return False
+        call.relay = self._relay_direct
+        return True
+
+    def _relay_direct(self, tokens: pb.DecodeTokens) -> bool:
+        """The relay callback, called by the session's reader while this
+        request's task waits in `read()`: True when `tokens` (no finish
+        reason) went to the client here; False leaves them to the task."""
+        out = self._out
+        if (tokens.first_index != out.next_index or tokens.logprobs or tokens.prompt_logprobs
+                or not self._sink.ready()):
+            return False
+        if tokens.num_prompt_tokens:  # every message has the counts; the first one's count
+            out.set_cached_tokens(tokens.num_cached_tokens)
+        delta = out.accept(tokens.first_index, tokens.token_ids)
+        if delta is not None:
+            self._sink.send(delta)
+        return True
 
     def _finish(self, finish_reason: str) -> Delta:
         self._to_state(FlowState.FINISHED)

@@ -66,6 +66,11 @@ class OutputAssembler:
         return len(self.output_ids)
 
     @property
+    def has_stops(self) -> bool:
+        """The request has stop strings (its text may be held back or cut)."""
+        return self._matcher.has_stops
+
+    @property
     def stopped(self) -> bool:
         """A stop string matched: the flow must end the request with "stop"."""
         return self._matcher.stopped

@@ -65,10 +65,11 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from router.api_error import ApiError
 from router.flow.deps import FlowDeps
+from router.flow.direct_relay import DeltaSink
 from router.flow.output import Detokenizer, OutputAssembler
 from router.flow.pod_calls import AttemptFailed, choose_path
 from router.flow.score_attempt import ScoreAttempt
@@ -97,6 +98,7 @@ class RequestFlow:
         self._attempt = 0
         self._migrations = 0
         self._last_token_time: float | None = None
+        self._sink: _ObservedSink | None = None
 
     def _to(self, state: FlowState) -> None:
         check_transition(self.request.request_id, self.state, state)
@@ -108,9 +110,14 @@ class RequestFlow:
 
     # ------------------------------------------------------------ driver
 
-    async def run(self) -> AsyncIterator[Delta]:
+    async def run(self, sink: DeltaSink | None = None) -> AsyncIterator[Delta]:
         """Yield the client's deltas; the last has finish_reason and usage.
-        Raises ApiError for anything the client must be told."""
+        Raises ApiError for anything the client must be told. With `sink`
+        (the client's stream), plain deltas of a steady decode may go
+        straight to it instead (router.flow.direct_relay): the caller writes
+        what is yielded, the relay the rest, in order."""
+        if sink is not None:
+            self._sink = _ObservedSink(sink, self._observe)
         metrics = self._deps.metrics
         metrics.in_flight.inc()
         outcome = "error"
@@ -218,7 +225,7 @@ class RequestFlow:
     def _new_attempt(self) -> ScoreAttempt:
         return ScoreAttempt(self.request, self._next_request_id(), deps=self._deps,
                             out=self._out, left_out=frozenset(self._left_out),
-                            deadline=self._deadline, to_state=self._to)
+                            deadline=self._deadline, to_state=self._to, sink=self._sink)
 
     def _choose_local(self) -> LocalChoice | None:
         """The decode pod that prefills this attempt itself, or None (the P/D path)."""
@@ -229,3 +236,19 @@ class RequestFlow:
             (*self.request.prompt_token_ids, *self._out.output_ids),
             max_context=len(self.request.prompt_token_ids) + self.request.sampling.max_tokens,
             exclude=frozenset(self._left_out))
+
+
+class _ObservedSink:
+    """The client's sink, with the flow's TTFT / ITL observation of each
+    delta the direct relay writes (as `run` does for those it yields)."""
+
+    __slots__ = ("ready", "_send", "_observe")
+
+    def __init__(self, sink: DeltaSink, observe: Callable[[Delta], None]) -> None:
+        self.ready = sink.ready
+        self._send = sink.send
+        self._observe = observe
+
+    def send(self, delta: Delta) -> None:
+        self._observe(delta)
+        self._send(delta)

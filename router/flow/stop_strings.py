@@ -29,6 +29,10 @@ class StopMatcher:
         self._pending = ""
         self.stopped = False
 
+    @property
+    def has_stops(self) -> bool:
+        return bool(self._stops)
+
     def push(self, text: str) -> str:
         """Add new text; return the part safe to show. After a match, `stopped`
         is True, the returned text ends right before the stop string, and

@@ -18,6 +18,8 @@ Life of one generation request, all on the router's event loop:
    failures (503) and pod refusals (400) get a real status code; after
    that, a streaming response sends one SSE chunk per delta and ends with
    `data: [DONE]` (a later error is sent as an `{"error": ...}` event);
+   once a stream decodes steadily, the decode session's reader writes its
+   plain deltas itself (`SseSink`, router.flow.direct_relay);
 4. the app runs with handler cancellation on: a client that disconnects
    cancels the handler task, which closes the flow and cancels its pod calls.
 """
@@ -29,7 +31,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 
 from proto.roles import PodRole
 from router.api_error import ApiError
@@ -42,6 +44,7 @@ from router.http.client_limits import ClientConcurrency
 from router.http.echo import EchoPrompt, echo_prompt
 from router.http.requests import check_model, parse_chat, parse_completion
 from router.http.responses import DONE_EVENT, ResponseShaper, sse_event
+from router.http.stream_sink import SseSink
 from router.http.tokenize import detokenize_body, tokenize_body
 from router.metrics import CONTENT_TYPE
 from router.routing.base import PodPool
@@ -135,7 +138,11 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     shaper = make_shaper()
     flow = frontend.flow(generation)
     extractor = frontend.tool_extractor(parsed)
-    async with contextlib.aclosing(flow.run()) as flow_deltas:
+    # the direct relay (router.flow.direct_relay): HTTP/1.1 streams whose
+    # deltas the handler does not rework (tool calls do)
+    sink = SseSink(request, shaper) if (parsed.stream and extractor is None
+                                        and request.version == HttpVersion11) else None
+    async with contextlib.aclosing(flow.run(sink)) as flow_deltas:
         deltas = flow_deltas if extractor is None else ToolCallDeltas(flow_deltas, extractor)
         first = await anext(deltas)  # ApiError here still gets its own status
         if not parsed.stream:
@@ -148,16 +155,22 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
+        if sink is not None:
+            response.enable_chunked_encoding()  # the framing SseSink writes too
         await response.prepare(request)
         role = shaper.role_chunk()
         if role is not None:
             await response.write(sse_event(role))
+            if sink is not None:
+                sink.open()
         delta = first
         try:
             while True:
                 event = shaper.event(delta)
                 if event is not None:
                     await response.write(event)
+                    if sink is not None:
+                        sink.open()
                 if delta.usage is not None:
                     usage = shaper.usage_chunk(delta.usage)
                     if usage is not None:

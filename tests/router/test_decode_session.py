@@ -131,3 +131,39 @@ def test_a_pod_without_session_gets_generate():
             await pod.stop()
 
     asyncio.run(main())
+
+
+def test_the_relay_takes_plain_events_while_the_reader_waits_and_a_failing_one_is_dropped():
+    """SessionCall.relay: tokens events that arrive while the task waits in
+    read() go to the callback; the finish goes to read(); a callback that
+    raises is logged and dropped (the session's other requests go on), and
+    read() gets every later event."""
+    async def main():
+        pod, counts = await _pod(delay=0.01), []
+        channels = PodChannels(on_relayed=counts.append)
+        try:
+            call, first = await channels.open_generate(pod.address, _request("a", 12), 30)
+            other, other_first = await channels.open_generate(pod.address, _request("b", 12), 30)
+            relayed: list[int] = []
+
+            def relay(tokens) -> bool:
+                assert not tokens.finish_reason
+                if len(relayed) == 3:
+                    raise RuntimeError("a bug in the relay")
+                relayed.extend(tokens.token_ids)
+                return True
+
+            call.relay = relay
+            read, read_other = await asyncio.gather(_read_all(call, first),
+                                                    _read_all(other, other_first))
+            expected = [expected_token(PROMPT, i) for i in range(12)]
+            assert read_other == expected
+            assert len(relayed) == 3 and call.relay is None
+            k = next(i for i in range(12) if expected[i:i + 3] == relayed)
+            assert read == expected[:k] + expected[k + 3:]
+            assert sum(counts) == 3
+        finally:
+            await channels.close()
+            await pod.stop()
+
+    asyncio.run(main())

@@ -8,6 +8,9 @@ pod, so several share that pod's Session), one over the P/D pair.
 
 from __future__ import annotations
 
+import http.client
+import json
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -188,3 +191,56 @@ def test_a_broken_session_moves_every_request_on_it(cluster, tiny_model_dir):
     assert [r[0] for r in results] == reference
     assert all(r[1] == "length" for r in results)
     assert cluster["co"].metric("pdserve_migrations_total") - migrations == len(PROMPTS)
+
+
+def _unstreamed(client, prompt: str, max_tokens: int) -> str:
+    """The same completion without `stream`: no direct relay on its way."""
+    return client.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens,
+                                     temperature=0, extra_body={"ignore_eos": True}
+                                     ).choices[0].text
+
+
+@pytest.mark.parametrize("path", ["co", "pd"])
+def test_streams_the_direct_relay_writes_equal_the_unstreamed_output(cluster, path):
+    router = cluster[path]
+    client = _client(router)
+    before = router.metric("pdserve_router_direct_relayed_tokens_total")
+    for prompt in PROMPTS[:2]:
+        text, finish = _stream(client, prompt, LONG)
+        assert (text, finish) == (_unstreamed(client, prompt, LONG), "length")
+    # all but a stream's first decode delta and its last go the direct way
+    # when nothing else runs; allow for a busy machine
+    assert router.metric("pdserve_router_direct_relayed_tokens_total") - before >= LONG
+
+
+def test_a_client_that_stops_reading_gets_its_whole_stream_exactly(cluster):
+    """The client's socket fills (a small receive buffer, nothing read until
+    the pod has generated everything): the relay leaves the rest to the
+    request's task, whose writes wait for the socket, and the client still
+    reads the exact stream."""
+    router, num_tokens = cluster["pd"], 1_500
+    expected = _unstreamed(_client(router), PROMPTS[2], num_tokens)
+    before = router.metric("pdserve_router_direct_relayed_tokens_total")
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", router.http_port))
+    connection = http.client.HTTPConnection("127.0.0.1", router.http_port, timeout=120)
+    connection.sock = sock
+    body = {"model": "tiny", "prompt": PROMPTS[2], "max_tokens": num_tokens, "temperature": 0,
+            "stream": True, "ignore_eos": True}
+    connection.request("POST", "/v1/completions", body=json.dumps(body),
+                       headers={"Content-Type": "application/json"})
+    response = connection.getresponse()
+    assert response.status == 200 and response.getheader("Transfer-Encoding") == "chunked"
+    _wait_load(cluster["decode"], lambda r: r.num_running == 1, 30)
+    _wait_load(cluster["decode"], lambda r: r.num_running == 0, 90)  # all generated
+    text, finish = [], None
+    for line in response.read().decode().splitlines():
+        if line.startswith("data: {"):
+            choice = json.loads(line[len("data: "):])["choices"][0]
+            text.append(choice["text"])
+            finish = choice["finish_reason"] or finish
+    connection.close()
+    assert ("".join(text), finish) == (expected, "length")
+    # the relay stood aside once the socket was full
+    assert router.metric("pdserve_router_direct_relayed_tokens_total") - before < num_tokens - 2
