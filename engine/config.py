@@ -54,6 +54,10 @@ class EngineConfig:
     # "decode-first" (decoding requests, then prompts' chunks) or "fcfs"
     # (oldest first, whatever they compute). See engine/scheduler.py.
     scheduling_policy: str = "decode-first"
+    # With decode-first: waiting prompts with at most this many tokens left
+    # to compute after their cached prefix are admitted before the running
+    # prompts' chunks, within half the budget; 0 = off. See engine/scheduler.py.
+    short_prefill_tokens: int = 0
     # None: the model's max_position_embeddings (resolved by the engine).
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
@@ -115,6 +119,9 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.seed < 0:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
+        if not 0 <= self.short_prefill_tokens <= self.max_num_batched_tokens:
+            raise ValueError(f"short_prefill_tokens must be in [0, max_num_batched_tokens "
+                             f"{self.max_num_batched_tokens}], got {self.short_prefill_tokens}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
                              f"got {self.scheduling_policy!r}")

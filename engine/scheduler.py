@@ -21,6 +21,15 @@ Each `schedule()` call builds one step:
    prefix is mapped in first, and a prompt longer than the remaining budget
    is prefilled over several steps.
 
+Short prompts first (`short_prefill_tokens` S > 0, with `decode_first`):
+between the decoding requests and the running prompts' chunks, waiting
+requests with at most S tokens left to compute after their cached prefix
+(a conversation's next turn whose history is cached, a short prompt) are
+admitted, in queue order, within half the step's budget, so they finish in
+this step instead of waiting for every longer prompt admitted before them
+(on a prefill pod that is most of such a request's time to first token).
+The longer prompts keep at least half of every step, so they cannot starve.
+
 Async scheduling (docs/engine.md): step N+1 may be scheduled before step
 N completes. A token a scheduled step will sample counts as an output
 placeholder (`Request.num_output_placeholders`), so step N+1 plans the
@@ -76,9 +85,11 @@ class Scheduler:
     """Decides which requests compute which tokens in the next step."""
 
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int,
-                 max_num_batched_tokens: int, decode_first: bool = True) -> None:
+                 max_num_batched_tokens: int, decode_first: bool = True,
+                 short_prefill_tokens: int = 0) -> None:
         self.block_manager = block_manager
         self.decode_first = decode_first
+        self.short_prefill_tokens = short_prefill_tokens  # 0: off (module docstring)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -119,39 +130,79 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
         stalled = False  # someone waits for deferred blocks: admit nobody
-        for request in self._running_order():
-            if budget == 0:
-                break
-            if request.status is not RequestStatus.RUNNING or request.ends_with_placeholders:
-                continue  # preempted earlier in this loop, or done once its step lands
-            num_new = min(request.num_tokens_with_placeholders - request.num_computed_tokens,
-                          budget)
-            room = self._make_room(request, num_new, scheduled, preempted)
-            if room is None:
-                stalled = True
+        decoding, prefilling = self._running_groups()
+        for group in (decoding, prefilling):
+            if group is prefilling and self.short_prefill_tokens and self.decode_first \
+                    and not preempted and not stalled:
+                budget = self._admit_short(budget, scheduled, step_id)
+            for request in group:
+                if budget == 0:
+                    break
+                if request.status is not RequestStatus.RUNNING or request.ends_with_placeholders:
+                    continue  # preempted earlier in this loop, or done once its step lands
+                num_new = min(request.num_tokens_with_placeholders - request.num_computed_tokens,
+                              budget)
+                room = self._make_room(request, num_new, scheduled, preempted)
+                if room is None:
+                    stalled = True
+                    continue
+                if not room:
+                    break
+                scheduled.append(self._take(request, num_new, step_id))
+                budget -= num_new
+            else:
                 continue
-            if not room:
-                break
-            scheduled.append(self._take(request, num_new, step_id))
-            budget -= num_new
+            break  # the budget ran out, or a request had to make room by going itself
         if not preempted and not stalled:
             budget = self._admit_waiting(budget, scheduled, step_id)
         if scheduled:  # an empty plan is never run: its id goes to the next one
             self.num_scheduled_steps += 1
         return SchedulerOutput(step_id, tuple(scheduled), tuple(preempted))
 
-    def _running_order(self) -> list[Request]:
-        """Running requests in the order they get the budget: with
-        `decode_first`, decoding ones (one token left) before those still
-        prefilling, so a long prompt's chunks never delay a decode token;
-        oldest first within each group."""
+    def _running_groups(self) -> tuple[list[Request], list[Request]]:
+        """Running requests in the order they get the budget, as two groups:
+        with `decode_first`, decoding ones (one token left) before those
+        still prefilling, so a long prompt's chunks never delay a decode
+        token; oldest first within each group. Without it, all in one
+        group, oldest first."""
         if not self.decode_first:
-            return list(self.running)
+            return list(self.running), []
         decoding, prefilling = [], []
         for r in self.running:
             left = r.num_tokens_with_placeholders - r.num_computed_tokens
             (decoding if left == 1 else prefilling).append(r)
-        return decoding + prefilling
+        return decoding, prefilling
+
+    def _admit_short(self, budget: int, scheduled: list[ScheduledRequest], step_id: int) -> int:
+        """Admit waiting requests with at most `short_prefill_tokens` left to
+        compute, in queue order, within half the step's budget (the module
+        docstring, Short prompts first)."""
+        room = min(budget, self.max_num_batched_tokens // 2)
+        bm = self.block_manager
+        for request in list(self.waiting):
+            if room == 0 or self.num_seqs >= self.max_num_seqs:
+                break
+            if request.num_output_placeholders:
+                continue  # its token in flight lands first (see _admit_waiting)
+            cached = 0 if request.block_ids else bm.num_cached_prefix_tokens(request)
+            num_new = request.num_tokens - request.num_computed_tokens - cached
+            if num_new > min(self.short_prefill_tokens, room):
+                continue
+            if not request.block_ids:
+                num_cached = bm.match_prefix(request)
+                if not request.was_scheduled:
+                    request.num_cached_tokens = num_cached
+                num_new = request.num_tokens - request.num_computed_tokens
+            if num_new > room or not bm.can_allocate(request, num_new):
+                bm.free(request)  # drop the prefix hit; it waits its turn
+                continue
+            self.waiting.remove(request)
+            request.transition(RequestStatus.RUNNING)
+            self.running.append(request)
+            scheduled.append(self._take(request, num_new, step_id))
+            room -= num_new
+            budget -= num_new
+        return budget
 
     def _make_room(self, request: Request, num_new: int, scheduled: list[ScheduledRequest],
                    preempted: list[str]) -> bool | None:

@@ -42,6 +42,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, block_size: int,
     g.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="decode-first",
                    help="Who gets the step budget first: decoding requests (decode-first) "
                         "or the oldest request (fcfs).")
+    g.add_argument("--short-prefill-tokens", type=int, default=0,
+                   help="With decode-first: waiting prompts with at most this many tokens "
+                        "to compute after their cached prefix go before longer prompts' "
+                        "chunks, within half the step budget (default 0: off; e.g. 256 on "
+                        "prefill pods that see multi-turn traffic; docs/engine.md, "
+                        "Configuration).")
     g.add_argument("--kernel-backend", choices=("auto", "triton", "torch"),
                    default=os.environ.get("PDSERVE_KERNEL_BACKEND", "auto"),
                    help="Kernels: Triton on CUDA and torch on CPU (auto), or one of them "
@@ -124,6 +130,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         scheduling_policy=args.scheduling_policy,
+        short_prefill_tokens=args.short_prefill_tokens,
         max_model_len=args.max_model_len,
         enable_prefix_caching=args.prefix_cache,
         seed=args.seed,

@@ -231,3 +231,31 @@ def test_triton_kernels_in_the_engine_match_reference(make_engine, reference_mod
     got = _run(engine, [(f"r{i}", p, params) for i, p in enumerate(prompts)])
     for i, p in enumerate(prompts):
         assert got[f"r{i}"] == (reference_greedy(reference_model, p, 3), "length")
+
+
+def test_short_prompts_first_matches_reference(make_engine, reference_model):
+    """`short_prefill_tokens` reorders admission (a cached next turn and short
+    prompts go before long prompts' chunks); every output still equals the
+    reference."""
+    engine = make_engine(block_size=16, max_num_batched_tokens=32, short_prefill_tokens=12)
+    (history,) = _prompts([48], seed=5)
+    _run(engine, [("turn-1", history, GREEDY)])
+    long_a, long_b, short = _prompts([90, 70, 6], seed=6)
+    requests = [("long-a", long_a, GREEDY), ("long-b", long_b, GREEDY),
+                ("turn-2", history + [21, 22, 23], GREEDY), ("short", short, GREEDY)]
+    for request_id, prompt, params in requests:
+        engine.add_request(request_id, prompt, params)
+    tokens = {request_id: [] for request_id, _, _ in requests}
+    first_step = {}
+    step = 0
+    while engine.has_unfinished_requests():
+        step += 1
+        for out in engine.step():
+            if out.new_token_ids:
+                first_step.setdefault(out.request_id, step)
+            tokens[out.request_id].extend(out.new_token_ids)
+    for request_id, prompt, _ in requests:
+        assert tokens[request_id] == _expect(reference_model, engine, prompt, 6), request_id
+    # the cached turn and the short prompt had their first token before either long prompt
+    assert max(first_step["turn-2"], first_step["short"]) < min(first_step["long-a"],
+                                                                first_step["long-b"])

@@ -252,3 +252,63 @@ def test_a_request_waits_for_deferred_blocks_instead_of_preempting():
     assert b.status is S.RUNNING and sched.num_preemptions == 0
     sched.update_computed(first)
     assert _plan(sched.schedule()) == [("b", 8, 1)] and b.block_ids == [1, 2, 0]
+
+
+def _short_sched(short=4, budget=8, num_blocks=32, block_size=4):
+    bm = BlockManager(num_blocks, block_size, enable_prefix_caching=True)
+    return Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=budget,
+                     short_prefill_tokens=short)
+
+
+def test_short_prompts_go_before_longer_prompts_chunks_within_half_the_budget():
+    sched = _short_sched(short=4, budget=8)
+    long_a, long_b = _req("long-a", 20), _req("long-b", 20, start=100)
+    sched.add(long_a)
+    sched.add(long_b)
+    out = sched.schedule()
+    assert _plan(out) == [("long-a", 0, 8)]
+    _finish_step(sched, out)
+    shorts = [_req("s1", 3, start=200), _req("s2", 3, start=300), _req("s3", 2, start=400)]
+    for r in shorts:
+        sched.add(r)
+    out = sched.schedule()
+    # half the budget is 4 tokens: s1 (3) fits, s2 (3) and s3 (2) do not;
+    # long-a's chunk takes the rest, long-b waits
+    assert _plan(out) == [("s1", 0, 3), ("long-a", 8, 5)]
+    _finish_step(sched, out)
+    out = sched.schedule()
+    assert _plan(out)[0] == ("s1", 3, 1)  # decoding first
+    assert ("s2", 0, 3) in _plan(out)
+    # without the option the short ones wait behind both long prompts
+    fcfs = _short_sched(short=0, budget=8)
+    for r in (_req("long-a", 20), _req("long-b", 20, start=100)):
+        fcfs.add(r)
+    _finish_step(fcfs, fcfs.schedule())
+    fcfs.add(_req("s1", 3, start=200))
+    assert [p[0] for p in _plan(fcfs.schedule())] == ["long-a"]
+
+
+def test_a_cached_history_counts_as_short_and_keeps_its_prefix():
+    sched = _short_sched(short=4, budget=16)
+    first = _req("turn-1", 12, start=500)
+    sched.add(first)
+    out = sched.schedule()
+    _finish_step(sched, out)
+    sched.finish(first, S.FINISHED_STOPPED)
+    busy = _req("busy", 40, start=900)
+    sched.add(busy)
+    _finish_step(sched, sched.schedule())
+    # the next turn: the first turn's 12 tokens (3 full blocks, cached) and
+    # 2 new ones: 2 to compute, under the short limit though 14 are not
+    turn = Request("turn-2", list(range(500, 512)) + [7, 8], SamplingParams())
+    sched.add(turn)
+    out = sched.schedule()
+    plan = _plan(out)
+    assert plan[0] == ("turn-2", 12, 2) and turn.num_cached_tokens == 12
+    assert plan[1][0] == "busy"
+
+
+def test_short_prefill_tokens_is_checked():
+    with pytest.raises(ValueError, match="short_prefill_tokens must be in"):
+        from engine.config import EngineConfig
+        EngineConfig(model_dir="m", short_prefill_tokens=5000)
