@@ -81,11 +81,12 @@ class RouterMetrics:
         )
         self.queue_tokens = Gauge(
             "pdserve_router_queue_tokens",
-            "Prompt tokens waiting in the router's queue for a prefill pod", ["pod"], registry=r,
+            "Tokens to compute (prompt less the expected cache hit) waiting in the router's "
+            "queue for a prefill pod", ["pod"], registry=r,
         )
         self.queue_dispatched_tokens = Gauge(
             "pdserve_router_queue_dispatched_tokens",
-            "Prompt tokens this router has sent to a prefill pod and not yet seen finish",
+            "Tokens to compute this router has sent to a prefill pod and not yet seen finish",
             ["pod"], registry=r,
         )
         self.queue_estimated_wait = Gauge(
@@ -95,7 +96,7 @@ class RouterMetrics:
         )
         self.queue_prefill_rate = Gauge(
             "pdserve_router_queue_prefill_tokens_per_second",
-            "A prefill pod's prompt tokens per busy second, learnt from finished prefills",
+            "A prefill pod's computed tokens per busy second, learnt from finished prefills",
             ["pod"], registry=r,
         )
         self.queue_wait = Histogram(

@@ -325,7 +325,9 @@ class Attempt:
                 tried.add(address)
                 broken.add(address)
                 continue
-            slot.release(finished_tokens=len(request.prompt_token_ids))
+            # the pod's throughput learns from the tokens it computed
+            slot.release(finished_tokens=max(
+                1, len(request.prompt_token_ids) - message.first_token.num_cached_tokens))
             return address, call, message.first_token
         raise AttemptFailed(
             f"prefill failed on {len(failures)} pod(s) for decode pod {decode_address}: "

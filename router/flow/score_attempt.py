@@ -67,8 +67,8 @@ class ScoreAttempt(LocalAttempt):
                     or not first.first_token.scored_only or done is grpc.aio.EOF):
                 raise AttemptFailed(f"prefill pod {address} did not answer a scored prompt",
                                     addresses=frozenset({address}), migrate=False)
-            slot.release(finished_tokens=num_tokens)
             scored = first.first_token
+            slot.release(finished_tokens=max(1, num_tokens - scored.num_cached_tokens))
             self._out.set_cached_tokens(scored.num_cached_tokens)
             if request.sampling.prompt_logprobs is not None:
                 self._out.set_prompt_logprobs(logprobs_from_proto(scored.prompt_logprobs))

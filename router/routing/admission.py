@@ -11,8 +11,9 @@ Life of one attempt's admission (all on the router's event loop):
         │            queued tokens + what this router has queued or sent there)
         │ estimated wait at P > --max-queue-wait ──> ApiError 429 (shed)
         v
-    QUEUED           FIFO per pod; counts toward P's routing load
-        │ P's dispatched tokens + this prompt <= --prefill-dispatch-tokens,
+    QUEUED           per pod, in order of expected finish (below); counts
+        │            toward P's routing load
+        │ P's dispatched tokens + this request's <= --prefill-dispatch-tokens,
         │ or nothing is dispatched at P (a prompt larger than the budget
         │ still runs, alone)
         v
@@ -22,17 +23,35 @@ Life of one attempt's admission (all on the router's event loop):
         v
     (the next waiter at P is dispatched)
 
-Estimated wait at P = (prompt tokens queued here for P + max(tokens
-dispatched to P by this router, P's reported queued tokens)) / P's prefill
-throughput. The throughput is learnt from this router's own Prefill calls:
-prompt tokens finished per second of time P had work dispatched (an
-exponentially weighted ratio, so it follows load changes within a few
-requests). Until `MIN_SAMPLES` prefills finished at P its wait is unknown
-and nothing is shed there: a pod's first prefills pay for its warm-up
-(kernel compilation, allocator growth), which once taught the router a
-rate 20x too low and shed requests from an idle pod. Only a request that
-would queue is shed: one that P has room for now is dispatched at once,
-whatever the estimate.
+Tokens here are tokens to compute: the prompt less the prefix the router
+expects P to hold in its prefix cache (router/cache_index, as far as the
+pods' cache events tell; the whole prompt where the router follows no
+events). A conversation's next turn whose history P holds is a few tokens of
+work, not its whole context: it neither fills P's dispatch budget nor counts
+as a long wait.
+
+Order: each waiter's key is its expected finish were it served alone, its
+arrival time + its tokens / P's throughput (FIFO while the throughput is
+unknown). A short request overtakes a longer one that arrived earlier only
+when it would be done first anyway, so a long one is overtaken only by
+requests that arrive within its own service time: it cannot starve.
+Without this, a turn whose history P holds (seconds of work saved) waited
+behind every long uncached prompt queued before it at P: on the trace such
+turns were 2-3 of cache-aware routing's 10 slowest first tokens in 100
+(docs/benchmarks.md, "bench routing").
+
+Estimated wait at P = (tokens queued here for P ahead of the request +
+max(tokens dispatched to P by this router, P's reported queued tokens)) /
+P's prefill throughput. The throughput is learnt from this router's own
+Prefill calls: tokens computed (the prompt less the pod's reported cache
+hit) per second of time P had work dispatched (an exponentially weighted
+ratio, so it follows load changes within a few requests). Until
+`MIN_SAMPLES` prefills finished at P its wait is unknown and nothing is
+shed there: a pod's first prefills pay for its warm-up (kernel
+compilation, allocator growth), which once taught the router a rate 20x
+too low and shed requests from an idle pod. Only a request that would
+queue is shed: one that P has room for now is dispatched at once, whatever
+the estimate.
 
 Leaving the queue early (client gone, request deadline) removes the waiter;
 a request whose deadline passes while queued gets 504.
@@ -41,12 +60,14 @@ a request whose deadline passes while queued gets 504.
 from __future__ import annotations
 
 import asyncio
-import collections
+import bisect
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from router.api_error import ApiError
+from router.cache_index.index import PromptBlocks
 from router.generation import GenerationRequest
 from router.metrics import RouterMetrics
 from router.routing.base import NoPodAvailable, PodPool
@@ -114,13 +135,14 @@ class Throughput:
 class _Waiter:
     num_tokens: int
     turn: asyncio.Future[None]
+    key: float  # expected finish if served alone (the module docstring, Order)
 
 
 @dataclass(slots=True)
 class _PodQueue:
     """One prefill pod's queue and dispatched work, as this router sees it."""
 
-    waiters: collections.deque[_Waiter] = field(default_factory=collections.deque)
+    waiters: list[_Waiter] = field(default_factory=list)  # by key
     queued_tokens: int = 0
     dispatched: int = 0
     dispatched_tokens: int = 0
@@ -128,6 +150,10 @@ class _PodQueue:
 
     def tokens_ahead(self, reported_waiting_tokens: int) -> int:
         return self.queued_tokens + max(self.dispatched_tokens, reported_waiting_tokens)
+
+    def key(self, num_tokens: int, now: float) -> float:
+        rate = self.throughput.tokens_per_s
+        return now if rate is None else now + num_tokens / rate
 
 
 class AdmissionSlot:
@@ -162,16 +188,22 @@ class PrefillAdmission:
     def estimated_wait(self, address: str, num_tokens: int | None = None) -> float | None:
         """Seconds a request arriving now would wait for its turn at `address`;
         None while that pod's throughput is unknown. With `num_tokens` (the
-        request's prompt), 0 when the pod has room for it now: it would not queue."""
+        request's tokens to compute), 0 when it would not queue, and only the
+        waiters ahead of it count; without, the whole queue."""
         queue = self._queues.get(address)
         if queue is None:
             return 0.0
-        if num_tokens is not None and not queue.waiters and self._has_room(queue, num_tokens):
-            return 0.0
-        rate = queue.throughput.tokens_per_s
-        ahead = queue.tokens_ahead(self._reported_waiting(address))
+        dispatched = max(queue.dispatched_tokens, self._reported_waiting(address))
+        if num_tokens is None:
+            ahead = queue.queued_tokens + dispatched
+        else:
+            key = queue.key(num_tokens, time.monotonic())
+            if self._goes_now(queue, key, num_tokens):
+                return 0.0
+            ahead = sum(w.num_tokens for w in queue.waiters if w.key <= key) + dispatched
         if ahead == 0:
             return 0.0
+        rate = queue.throughput.tokens_per_s
         return None if rate is None else ahead / rate
 
     def least_tokens_ahead(self, exclude: frozenset[str]) -> int:
@@ -193,15 +225,17 @@ class PrefillAdmission:
         """Wait for this request's turn at a prefill pod. ApiError 429 when the
         wait would exceed --max-queue-wait, 503 without a pod, 504 when
         `timeout` (the request's time left) runs out in the queue."""
-        num_tokens = len(request.prompt_token_ids)
-        address = await self._choose(request, num_tokens, exclude)
+        hits = self._expected_hits(request, exclude)
+        address = await self._choose(request, hits, exclude)
+        num_tokens = _to_compute(request, hits.get(address, 0))
         queue = self._queue(address)
-        if not queue.waiters and self._has_room(queue, num_tokens):
+        key = queue.key(num_tokens, time.monotonic())
+        if self._goes_now(queue, key, num_tokens):
             self._dispatch(address, queue, num_tokens)
             self._metrics.queue_wait.observe(0.0)
             return AdmissionSlot(self, address, num_tokens)
-        waiter = _Waiter(num_tokens, asyncio.get_running_loop().create_future())
-        queue.waiters.append(waiter)
+        waiter = _Waiter(num_tokens, asyncio.get_running_loop().create_future(), key)
+        bisect.insort(queue.waiters, waiter, key=_waiter_key)
         queue.queued_tokens += num_tokens
         queued_at = time.monotonic()
         try:
@@ -226,7 +260,20 @@ class PrefillAdmission:
 
     # ------------------------------------------------------------ internals
 
-    async def _choose(self, request: GenerationRequest, num_tokens: int,
+    def _expected_hits(self, request: GenerationRequest,
+                       exclude: frozenset[str]) -> dict[str, int]:
+        """Prompt tokens each prefill pod is expected to hold (none without
+        cache events). Read before the policy chooses: a cache-aware choice
+        records the prompt's blocks on its pod at once (PrefixIndex.expect)."""
+        index = self._policy.index
+        addresses = [] if index is None else index.addresses()
+        if not addresses:
+            return {}
+        prompt = PromptBlocks(request.prompt_token_ids)
+        hits = {a: index.cached_tokens(a, prompt) for a in addresses if a not in exclude}
+        return {a: n for a, n in hits.items() if n}
+
+    async def _choose(self, request: GenerationRequest, hits: Mapping[str, int],
                       exclude: frozenset[str]) -> str:
         try:
             address = await self._policy.choose_prefill(
@@ -235,11 +282,12 @@ class PrefillAdmission:
         except NoPodAvailable as exc:
             raise ApiError(503, exc.reason, code="no_pod_available") from None
         limit = self.settings.max_queue_wait
-        wait = self.estimated_wait(address, num_tokens)
+        wait = self.estimated_wait(address, _to_compute(request, hits.get(address, 0)))
         if wait is None or wait <= limit:
             return address
         # the chosen pod is too far behind: the least-waiting other pod, if any has room
-        waits = {p.address: self.estimated_wait(p.address, num_tokens)
+        waits = {p.address: self.estimated_wait(p.address,
+                                                _to_compute(request, hits.get(p.address, 0)))
                  for p in self._pool.pods("prefill") if p.address not in exclude}
         waits[address] = wait
         best = min(waits, key=lambda a: waits[a] if waits[a] is not None else 0.0)
@@ -251,7 +299,7 @@ class PrefillAdmission:
         raise ApiError(
             429,
             f"server overloaded: the prefill queue's estimated wait is {best_wait:.1f}s "
-            f"({len(queue.waiters)} requests, {queue.queued_tokens} prompt tokens queued in "
+            f"({len(queue.waiters)} requests, {queue.queued_tokens} tokens to compute queued in "
             f"the router for prefill pod {best}), above the limit --max-queue-wait "
             f"{limit:g}s; retry later",
             code="queue_full", error_type="overloaded_error",
@@ -263,6 +311,12 @@ class PrefillAdmission:
             if pod.address == address:
                 return pod.num_waiting_tokens
         return 0
+
+    def _goes_now(self, queue: _PodQueue, key: float, num_tokens: int) -> bool:
+        """A request with `key` would be dispatched at once: ahead of every
+        waiter, and the pod has room."""
+        return ((not queue.waiters or key < queue.waiters[0].key)
+                and self._has_room(queue, num_tokens))
 
     def _has_room(self, queue: _PodQueue, num_tokens: int) -> bool:
         budget = self.settings.dispatch_tokens
@@ -285,9 +339,9 @@ class PrefillAdmission:
         self._pump(slot.address, queue)
 
     def _pump(self, address: str, queue: _PodQueue) -> None:
-        """Dispatch waiters in order while the pod has room."""
+        """Dispatch waiters in key order while the pod has room."""
         while queue.waiters and self._has_room(queue, queue.waiters[0].num_tokens):
-            waiter = queue.waiters.popleft()
+            waiter = queue.waiters.pop(0)
             queue.queued_tokens -= waiter.num_tokens
             self._dispatch(address, queue, waiter.num_tokens)
             waiter.turn.set_result(None)
@@ -308,3 +362,13 @@ class PrefillAdmission:
             m.queue_prefill_rate.labels(pod=address).set_function(
                 lambda: nan if (r := queue.throughput.tokens_per_s) is None else r)
         return queue
+
+
+def _to_compute(request: GenerationRequest, cached_tokens: int) -> int:
+    """Prompt tokens a prefill pod computes when it holds `cached_tokens` (at least one:
+    the prompt's last token always runs)."""
+    return max(1, len(request.prompt_token_ids) - cached_tokens)
+
+
+def _waiter_key(waiter: _Waiter) -> float:
+    return waiter.key

@@ -7,7 +7,9 @@ import asyncio
 
 import pytest
 
+from proto import pdserve_pb2
 from router.api_error import ApiError
+from router.cache_index.index import PrefixIndex, PromptBlocks
 from router.generation import GenerationRequest
 from router.metrics import RouterMetrics
 from router.routing.admission import (
@@ -143,7 +145,7 @@ def test_beyond_the_wait_limit_requests_get_429_and_others_go_on(run_async):
         assert error.status == 429 and error.code == "queue_full"
         assert error.message.startswith(
             f"server overloaded: the prefill queue's estimated wait is {1400 / rate:.1f}s "
-            f"(4 requests, 400 prompt tokens queued in the router for prefill pod {POD}), "
+            f"(4 requests, 400 tokens to compute queued in the router for prefill pod {POD}), "
             "above the limit --max-queue-wait 2s")
         assert error.headers()["Retry-After"] == str(max(1, int(-(-(1400 / rate - 2) // 1))))
         assert _sample(metrics, "pdserve_router_queue_rejected_total") == 1
@@ -230,3 +232,81 @@ def test_settings_are_checked():
         AdmissionSettings(max_queue_wait=0)
     with pytest.raises(ValueError, match="prefill dispatch tokens must be in"):
         AdmissionSettings(dispatch_tokens=-1)
+
+
+def _learn_rate(admission: PrefillAdmission, tokens_per_s: float, run_async) -> None:
+    """Let POD's throughput be known: MIN_SAMPLES prefills of 100 tokens, each
+    dispatched for 100 / tokens_per_s seconds."""
+    async def scenario():
+        for i in range(MIN_SAMPLES):
+            slot = await admission.admit(_request(100, f"warm-{i}"), exclude=frozenset(),
+                                         timeout=10)
+            await asyncio.sleep(100 / tokens_per_s)
+            slot.release(finished_tokens=100)
+
+    run_async(scenario())
+
+
+def test_a_short_request_goes_ahead_of_a_long_one_it_would_finish_before(run_async):
+    admission, _, _ = _admission(dispatch_tokens=100)
+    _learn_rate(admission, 2_000.0, run_async)  # 100 tokens: 50 ms
+
+    async def scenario():
+        order: list[str] = []
+
+        async def admit(rid: str, n: int):
+            slot = await admission.admit(_request(n, rid), exclude=frozenset(), timeout=10)
+            order.append(rid)
+            return slot
+
+        running = await admit("running", 100)
+        long = asyncio.create_task(admit("long", 1_000))  # 0.5 s of work
+        await asyncio.sleep(0.05)
+        short = asyncio.create_task(admit("short", 10))  # 5 ms: done long before "long"
+        await asyncio.sleep(0.05)
+        assert order == ["running"]
+        running.release(finished_tokens=100)
+        (await short).release(finished_tokens=10)
+        (await long).release(finished_tokens=1_000)
+        assert order == ["running", "short", "long"]
+
+        # a short request arriving after the long one's own service time waits its turn
+        running = await admit("running-2", 100)
+        long = asyncio.create_task(admit("long-2", 100))  # 50 ms of work
+        await asyncio.sleep(0.2)
+        late = asyncio.create_task(admit("late", 10))
+        await asyncio.sleep(0.02)
+        running.release(finished_tokens=100)
+        (await long).release(finished_tokens=100)
+        (await late).release(finished_tokens=10)
+        assert order[-3:] == ["running-2", "long-2", "late"]
+
+    run_async(scenario())
+
+
+def test_a_prefix_the_pod_is_known_to_hold_is_not_counted_as_work(run_async):
+    """With the pods' cache events (router/cache_index), a request counts the
+    tokens the pod will compute: a turn whose history the pod holds fits
+    the dispatch budget beside a long prompt, where its whole context would not."""
+    pool = _ReportedPool([POD])
+    metrics = RouterMetrics()
+    index = PrefixIndex()
+    history = list(range(5, 5 + 160))
+    index.apply(pdserve_pb2.CacheEventBatch(
+        address=POD, role="prefill", generation=1, block_size=16, sequence=1, snapshot=True,
+        stored=PromptBlocks(history + [0]).hashes(16)))
+    policy = RoutingPolicy(pool, InMemorySessionStore(), mode="cache-aware", index=index)
+    admission = PrefillAdmission(pool, policy, metrics, AdmissionSettings(dispatch_tokens=200))
+
+    async def scenario():
+        other = GenerationRequest("other", tuple(range(1000, 1150)), SamplingSpec(max_tokens=4))
+        running = await admission.admit(other, exclude=frozenset(), timeout=1)
+        turn = GenerationRequest("turn", tuple(history + [900, 901, 902, 903]),
+                                 SamplingSpec(max_tokens=4))
+        slot = await admission.admit(turn, exclude=frozenset(), timeout=1)  # no wait
+        assert (slot.address, slot.num_tokens) == (POD, 4)
+        assert _sample(metrics, "pdserve_router_queue_dispatched_tokens", pod=POD) == 154
+        slot.release(finished_tokens=4)
+        running.release(finished_tokens=150)
+
+    run_async(scenario())
