@@ -23,8 +23,10 @@ Prefill / colocated choice, in order:
   with compare-and-set, so it sticks and all router replicas sharing the
   store agree. (`round-robin` ignores sessions: the A/B baseline.)
 
-Loads: prefill = queued prompt tokens reported by the pod + prompt tokens this
-router has in flight there (one request's slack = this prompt's length);
+Loads: prefill = queued prompt tokens reported by the pod + tokens this
+router has queued for it (tokens to compute, router/routing/admission.py)
+or in flight there (prompt tokens, from the Prefill call to its first
+token) (one request's slack = this prompt's length);
 colocated = requests waiting + running on the pod + in flight here (slack = 1
 request). Decode pods are ranked by whether they have enough free KV blocks,
 then by running + in-flight sequences, then by free blocks.
