@@ -25,7 +25,9 @@ class DecodeConfig:
     BEGIN to the last layer, and `reservation_timeout_s` how long a reserved
     request waits for a prefill pod to begin sending (its prefill may be
     queued there); past either it fails with DEADLINE_EXCEEDED and its
-    blocks are freed.
+    blocks are freed. `join_wait` is the fraction of a step the engine may
+    hold a step's start for a transfer about to complete (engine/engine_loop.py,
+    "Joining a running batch"; 0 = never).
     """
 
     engine: EngineConfig
@@ -37,6 +39,7 @@ class DecodeConfig:
     reservation_timeout_s: float = 600.0
     kv_max_connections: int = 256
     kv_frame_timeout_s: float = 10.0
+    join_wait: float = 0.5
 
     def __post_init__(self) -> None:
         if not 0 <= self.kv_port <= 65535:
@@ -59,6 +62,8 @@ class DecodeConfig:
         if not 0 < self.kv_frame_timeout_s <= 3600:
             raise ValueError(f"kv_frame_timeout must be in (0, 3600] seconds, "
                              f"got {self.kv_frame_timeout_s}")
+        if not 0 <= self.join_wait <= 1:
+            raise ValueError(f"join_wait must be in [0, 1] of a step, got {self.join_wait}")
 
 
 @dataclass(frozen=True, slots=True)

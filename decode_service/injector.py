@@ -58,6 +58,12 @@ from kv_transfer.base import KVReceiveListener
 
 log = logging.getLogger(__name__)
 _RESTART_WAIT_S = 30.0
+# END's lag behind the last layer, in layers' cadences (the last layer's MLP,
+# the final norm and sampling, the wire): where the learnt average starts,
+# and the weight of each request in it (`KVInjector.next_ready`)
+_END_LAG_START = 1.0
+_END_LAG_ALPHA = 0.2
+_END_LAG_MAX = 2.0  # one stalled END does not push every later expectation out
 
 
 class TransferFailed(Exception):
@@ -97,6 +103,11 @@ class _Pending:
     state: InjectState = InjectState.WAITING
     layers_done: int = 0
     first_layer_at: float | None = None
+    # when END is expected (monotonic), from the layers' cadence; None before
+    # two layers are in and once the commit is queued (`KVInjector.next_ready`)
+    expected_at: float | None = None
+    last_layer_at: float = 0.0
+    per_layer_s: float = 0.0
     reason: str = field(default="")
 
     def to(self, new: InjectState) -> None:
@@ -113,6 +124,7 @@ class _Pending:
         """Injector thread: -> FAILED, the future raises `exc`."""
         self.to(InjectState.FAILED)
         self.reason = exc.reason
+        self.expected_at = None
         self.loop.call_soon_threadsafe(_reject, self.future, exc)
 
     @property
@@ -166,8 +178,11 @@ class KVInjector(KVReceiveListener):
     """One per decode pod; `kv_caches` are the engine's per-layer cache tensors."""
 
     def __init__(self, kv_caches: list[torch.Tensor], metrics: PodMetrics, *,
-                 kernel_backend: Backend | str = Backend.AUTO) -> None:
-        """`kernel_backend`: the engine's (`EngineConfig.kernel_backend`), for the scatter."""
+                 kernel_backend: Backend | str = Backend.AUTO,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """`kernel_backend`: the engine's (`EngineConfig.kernel_backend`), for the
+        scatter. `clock`: read on the injector thread once per layer and once
+        per END (tests pass their own)."""
         self._caches = kv_caches
         self._kernel_backend = Backend.parse(kernel_backend)
         self._metrics = metrics
@@ -176,6 +191,8 @@ class KVInjector(KVReceiveListener):
         self._items: queue.SimpleQueue[_Item] = queue.SimpleQueue()
         self._pending: dict[str, _Pending] = {}  # injector thread only (after expect)
         self._lock = threading.Lock()  # guards _pending between expect and the thread
+        self._end_lag = _END_LAG_START  # injector thread only
+        self._clock = clock
         self._thread = threading.Thread(target=self._run, name="kv-injector", daemon=True)
         self._thread.start()
 
@@ -211,6 +228,24 @@ class KVInjector(KVReceiveListener):
     def close(self) -> None:
         self._items.put(_Stop())
         self._thread.join(timeout=5)
+
+    # ---------------------------------------------------------------- engine loop thread
+
+    def next_ready(self) -> tuple[str, float] | None:
+        """The pending request expected to complete first and when
+        (`time.monotonic()`), or None. The expectation extrapolates the
+        cadence of its injected layers to the rest, plus END's lag behind
+        the last layer (the prefill pod's last MLP, its sampling of the first
+        token, the wire; learnt from earlier requests in cadences), so it
+        exists once two layers are in. The engine loop may hold a step's
+        start for it (`EngineLoop.join_transfers`)."""
+        best: tuple[str, float] | None = None
+        with self._lock:
+            for request_id, p in self._pending.items():
+                at = p.expected_at
+                if at is not None and (best is None or at < best[1]):
+                    best = (request_id, at)
+        return best
 
     # ---------------------------------------------------------------- receiver threads
 
@@ -275,8 +310,9 @@ class KVInjector(KVReceiveListener):
     def _inject(self, p: _Pending, layer: int, view: torch.Tensor) -> None:
         if layer != p.layers_done:
             raise RuntimeError(f"layer {layer} arrived, expected layer {p.layers_done}")
+        now = self._clock()
         if p.first_layer_at is None:
-            p.first_layer_at = time.monotonic()
+            p.first_layer_at = now
         if self._stream is None:
             kernels.inject_kv(self._caches[layer], view, p.slot_mapping,
                               backend=self._kernel_backend)
@@ -289,6 +325,10 @@ class KVInjector(KVReceiveListener):
                 kernels.inject_kv(self._caches[layer], src, p.slot_mapping,
                                   backend=self._kernel_backend)
         p.layers_done += 1
+        p.last_layer_at = now
+        if p.layers_done >= 2:
+            p.per_layer_s = (now - p.first_layer_at) / (p.layers_done - 1)
+            p.expected_at = now + p.per_layer_s * (p.num_layers - p.layers_done + self._end_lag)
         p.to(InjectState.INJECTING)
 
     def _restart(self, request_id: str, reason: str, done: threading.Event) -> None:
@@ -303,6 +343,8 @@ class KVInjector(KVReceiveListener):
                     p.to(InjectState.WAITING)
                 p.layers_done = 0
                 p.first_layer_at = None
+                p.expected_at = None
+                p.per_layer_s = 0.0
         finally:
             done.set()
 
@@ -313,12 +355,17 @@ class KVInjector(KVReceiveListener):
             # The engine's stream must never read these slots before the
             # scatter finished; wait here, on the injector thread.
             self._stream.synchronize()
+        now = self._clock()
+        if p.per_layer_s > 0:
+            lag = (now - p.last_layer_at) / p.per_layer_s
+            self._end_lag += _END_LAG_ALPHA * (min(lag, _END_LAG_MAX) - self._end_lag)
+        p.expected_at = None  # its commit is about to be queued: nothing to wait for
         if p.on_ready is not None:
             p.on_ready(first_token_id)  # before anything else: the engine's next step
         with self._lock:
             self._pending.pop(request_id, None)
         if p.first_layer_at is not None:
-            self._metrics.kv_injection_seconds.observe(time.monotonic() - p.first_layer_at)
+            self._metrics.kv_injection_seconds.observe(now - p.first_layer_at)
         self._metrics.kv_transfer_bytes.inc(p.num_bytes)
         p.ready(first_token_id)
 

@@ -73,6 +73,7 @@ async def _serve(role: PodRole, engine_config: EngineConfig, server_config: Serv
     if decode is not None:
         injector = KVInjector(loop.kv_caches(), metrics,
                               kernel_backend=engine_config.kernel_backend)
+        loop.join_transfers(injector.next_ready, decode.join_wait)
         receiver = make_receiver(decode, injector)
         receiver.start()
         extra_ports["kv"] = split_host_port(receiver.endpoints[0], "KV endpoint")[1]

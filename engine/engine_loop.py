@@ -19,6 +19,8 @@ Threads and who calls what:
 * any other thread may queue a command with `submit` (the decode pod's
   injector commits a request whose KV is in straight from its own thread,
   so the commit joins the next step without a hop through the event loop).
+* on a decode pod, the loop may hold a step's start for a transfer about
+  to complete (`join_transfers`): see "Joining a running batch" below.
 * any thread may read `stats` (an immutable snapshot replaced after every
   step) and call `kv_caches()` (the cache tensors never move after start).
 * a worker thread (`asyncio.to_thread`) compiles a request's grammar into
@@ -36,6 +38,19 @@ NOT_SERVING; there is no recovering a half-stepped engine).
 
 Commands (`_Command`, one `fn(engine)` call each) wait in a FIFO
 `_CommandQueue`; the loop thread runs everything queued before each step.
+
+Joining a running batch: a transferred request's second token needs its
+first as input, so it joins the first step that starts after its commit.
+When the commit lands while a step runs, the request waits for the rest of
+that step and then one more: 1.5 steps on average where the gap between
+its other tokens is one. With `join_transfers(next_ready, fraction)` the
+loop, before starting a step, asks when the next transfer is expected to
+complete (the injector extrapolates its layers' cadence); if that is
+within `fraction` of a step (the steps' moving average), it holds the
+start until the commit arrives or that much time passed, once per
+request. A held request's gap is then about one step, and the running
+batch pays at most `fraction` of a step once per joining request (metrics
+`pdserve_join_holds_total`, `pdserve_join_hold_seconds_total`).
 """
 
 from __future__ import annotations
@@ -46,6 +61,7 @@ import enum
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -64,6 +80,8 @@ T = TypeVar("T")
 # How long the idle loop sleeps on the command queue before re-checking the
 # stop flag; commands wake it at once, so this only bounds shutdown latency.
 _IDLE_POLL_S = 0.5
+# Weight of the latest step in the steps' moving average (join holds).
+_STEP_EMA_ALPHA = 0.25
 
 
 class LoopState(enum.Enum):
@@ -102,6 +120,11 @@ class EngineLoop:
         self._counted_hits = 0
         self.block_size: int = int(engine.config.block_size)
         self.max_model_len: int = int(engine.max_model_len)
+        # join holds (join_transfers); loop thread only after start
+        self._next_ready: Callable[[], tuple[str, float] | None] | None = None
+        self._join_fraction = 0.0
+        self._step_s = 0.0  # moving average of step() wall time
+        self._held_for: str | None = None
 
     # ------------------------------------------------------------ lifecycle
 
@@ -115,6 +138,19 @@ class EngineLoop:
                 return False
             self._state = new
             return True
+
+    def join_transfers(self, next_ready: Callable[[], tuple[str, float] | None],
+                       fraction: float) -> None:
+        """Before `start`: let a step's start wait up to `fraction` (0-1) of a
+        step for the request `next_ready()` expects to complete first
+        (`(request id, time.monotonic() when)`, or None); see the module
+        docstring, "Joining a running batch". 0 turns it off."""
+        if not 0.0 <= fraction <= 1.0:
+            raise ValueError(f"join fraction must be in [0, 1] of a step, got {fraction}")
+        if self._state is not LoopState.NEW:
+            raise RuntimeError("join_transfers() must come before start()")
+        self._next_ready = next_ready if fraction > 0 else None
+        self._join_fraction = fraction
 
     def start(self) -> None:
         """Start the loop thread (called once by the pod's main)."""
@@ -294,8 +330,16 @@ class EngineLoop:
                     self._execute(command)
                 if self._state is not LoopState.RUNNING:
                     break
+                if self._next_ready is not None and self._engine.has_unfinished_requests():
+                    self._hold_for_join()
+                    if self._state is not LoopState.RUNNING:
+                        break
                 if self._engine.has_unfinished_requests():
+                    started = time.monotonic()
                     outputs = self._engine.step()
+                    elapsed = time.monotonic() - started
+                    self._step_s += (_STEP_EMA_ALPHA if self._step_s else 1.0) * (
+                        elapsed - self._step_s)
                     # Stats first: a caller woken by its last output must see
                     # the blocks that output's request released.
                     self._publish_stats()
@@ -306,6 +350,31 @@ class EngineLoop:
             self._fail_all(EngineDead(f"engine step failed: {type(exc).__name__}: {exc}"))
             return
         self._fail_all(EngineDead("engine loop stopped"))
+
+    def _hold_for_join(self) -> None:
+        """Wait (running commands) for the commit of the transfer expected
+        next, if it is due within the join fraction of a step; once per request."""
+        assert self._next_ready is not None
+        expected = self._next_ready()
+        if expected is None or expected[0] == self._held_for:
+            return
+        request_id, ready_at = expected
+        started = time.monotonic()
+        budget = self._join_fraction * self._step_s
+        if budget <= 0 or ready_at - started > budget:
+            return
+        self._held_for = request_id
+        deadline = started + budget
+        while (left := deadline - time.monotonic()) > 0:
+            for command in self._commands.drain(block=True, timeout=left):
+                self._execute(command)
+            if self._state is not LoopState.RUNNING:
+                break
+            expected = self._next_ready()
+            if expected is None or expected[0] != request_id:
+                break  # its commit is queued (and ran), or it failed
+        self._metrics.join_holds.inc()
+        self._metrics.join_hold_seconds.inc(time.monotonic() - started)
 
     def _execute(self, command: _Command) -> None:
         try:
@@ -377,12 +446,12 @@ class _CommandQueue:
     def put(self, item: _Command | _Wake) -> None:
         self._items.put(item)
 
-    def drain(self, block: bool) -> Iterator[_Command]:
+    def drain(self, block: bool, timeout: float = _IDLE_POLL_S) -> Iterator[_Command]:
         """Yield commands until the queue is empty; one queued while an earlier
-        one runs is yielded in the same drain. `block`: wait up to
-        `_IDLE_POLL_S` for the first item (the loop is idle)."""
+        one runs is yielded in the same drain. `block`: wait up to `timeout`
+        for the first item."""
         try:
-            item = self._items.get(timeout=_IDLE_POLL_S) if block else self._items.get_nowait()
+            item = self._items.get(timeout=timeout) if block else self._items.get_nowait()
         except queue.Empty:
             return
         while True:

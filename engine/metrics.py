@@ -55,6 +55,8 @@ class PodMetrics:
     kv_transfer_seconds: Histogram
     kv_landing_bytes_in_use: Gauge
     kv_injection_seconds: Histogram
+    join_holds: Counter
+    join_hold_seconds: Counter
     _kv_transfer_failures: Counter
     _aborts: Counter
 
@@ -126,6 +128,15 @@ class PodMetrics:
             ),
             kv_injection_seconds=hist(
                 "pdserve_kv_injection_seconds", "Time to inject one request's KV into the cache."
+            ),
+            join_holds=counter(
+                "pdserve_join_holds_total",
+                "Decode pod: steps whose start waited for a transfer about to complete "
+                "(--join-wait).",
+            ),
+            join_hold_seconds=counter(
+                "pdserve_join_hold_seconds_total",
+                "Decode pod: time steps' starts waited for transfers about to complete.",
             ),
             _kv_transfer_failures=Counter(
                 "pdserve_kv_transfer_failures_total",

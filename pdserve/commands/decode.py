@@ -32,6 +32,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-frame-timeout", type=float, default=10.0, metavar="SECONDS",
                    help="How long one KV frame may take from its first byte to its last; a "
                         "sender trickling bytes is cut off (default 10).")
+    g.add_argument("--join-wait", type=float, default=0.5, metavar="FRACTION",
+                   help="How long, as a fraction of a step (0-1), the engine may hold a "
+                        "step's start for a transfer expected to complete by then, so the "
+                        "request's second token comes one step after its first, not 1.5 on "
+                        "average; once per request, 0 = never (default 0.5).")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -52,5 +57,6 @@ def main(args: argparse.Namespace) -> int:
         landing_memory=args.landing_memory, transfer_timeout_s=args.transfer_timeout,
         reservation_timeout_s=args.reservation_timeout,
         kv_max_connections=args.kv_max_connections, kv_frame_timeout_s=args.kv_frame_timeout,
+        join_wait=args.join_wait,
     )
     return asyncio.run(run_decode_pod(config))

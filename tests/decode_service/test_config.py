@@ -16,6 +16,8 @@ ENGINE = EngineConfig(model_dir="/m", block_size=128)
     ({"kv_transport": "udp"}, r"kv_transport must be one of \('tcp', 'grpc'\), got 'udp'"),
     ({"landing_memory": 0}, "landing_memory must be > 0 bytes, got 0"),
     ({"transfer_timeout_s": 0}, r"transfer_timeout must be in \(0, 3600.0\] seconds, got 0"),
+    ({"join_wait": 1.5}, r"join_wait must be in \[0, 1\] of a step, got 1.5"),
+    ({"join_wait": -0.1}, r"join_wait must be in \[0, 1\] of a step, got -0.1"),
 ])
 def test_decode_config_refuses(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -25,4 +27,4 @@ def test_decode_config_refuses(kwargs, message):
 def test_decode_config_defaults_follow_the_cli_contract():
     config = DecodeConfig(ENGINE, ServerConfig())
     assert (config.kv_port, config.kv_transport, config.landing_memory,
-            config.transfer_timeout_s) == (50062, "tcp", 1 << 30, 30.0)
+            config.transfer_timeout_s, config.join_wait) == (50062, "tcp", 1 << 30, 30.0, 0.5)

@@ -37,6 +37,8 @@ def test_every_design_metric_is_exported_with_the_role_label():
     assert 'pdserve_kv_landing_bytes_in_use{role="decode"} 4096.0' in text
     assert 'pdserve_kv_transfer_failures_total{reason="deadline",role="decode"} 1.0' in text
     assert 'pdserve_aborts_total{reason="client",role="decode"} 2.0' in text
+    for name in ("pdserve_join_holds_total", "pdserve_join_hold_seconds_total"):
+        assert f'{name}{{role="decode"}} 0.0' in text, name
 
 
 def test_two_pods_in_one_process_do_not_share_registries():
