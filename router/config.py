@@ -71,8 +71,10 @@ class RouterConfig:
     shutdown_grace: float = 30.0
     # The admission queue in front of the prefill pods (router/routing/admission.py):
     # prompt tokens outstanding at one prefill pod before requests queue here
-    # (0 = no queue), and the estimated wait beyond which requests get 429.
+    # (0 = no queue), the same as seconds of work at the pod's learnt rate
+    # (0 = tokens only), and the estimated wait beyond which requests get 429.
     prefill_dispatch_tokens: int = 4096
+    prefill_dispatch_seconds: float = 1.0
     max_queue_wait: float = 30.0
     # How tokens come back from decode/colocated pods: "session" (one
     # Decode.Session per pod, one message per engine step) or "stream" (one
@@ -154,6 +156,9 @@ class RouterConfig:
         if not 0 <= self.prefill_dispatch_tokens <= 1 << 24:
             raise ValueError(f"prefill_dispatch_tokens must be in [0, {1 << 24}], "
                              f"got {self.prefill_dispatch_tokens}")
+        if not 0.0 <= self.prefill_dispatch_seconds <= 3600.0:
+            raise ValueError(f"prefill_dispatch_seconds must be in [0, 3600], "
+                             f"got {self.prefill_dispatch_seconds}")
         if not 0.0 < self.max_queue_wait <= 86400.0:
             raise ValueError(
                 f"max_queue_wait must be in (0, 86400] seconds, got {self.max_queue_wait}"

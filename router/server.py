@@ -127,6 +127,7 @@ class RouterServer:
         admission = PrefillAdmission(
             self.pool, policy, self.metrics,
             AdmissionSettings(dispatch_tokens=c.prefill_dispatch_tokens,
+                              dispatch_seconds=c.prefill_dispatch_seconds,
                               max_queue_wait=c.max_queue_wait))
         deps = FlowDeps(
             pool=self.pool, policy=policy, channels=self._channels, metrics=self.metrics,

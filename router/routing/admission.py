@@ -13,9 +13,9 @@ Life of one attempt's admission (all on the router's event loop):
         v
     QUEUED           per pod, in order of expected finish (below); counts
         │            toward P's routing load
-        │ P's dispatched tokens + this request's <= --prefill-dispatch-tokens,
-        │ or nothing is dispatched at P (a prompt larger than the budget
-        │ still runs, alone)
+        │ P's dispatched tokens + this request's <= P's dispatch budget
+        │ (below), or nothing is dispatched at P (a prompt larger than the
+        │ budget still runs, alone)
         v
     DISPATCHED       the attempt reserves on a decode pod and calls P's Prefill
         │ slot.release(num_tokens)   P streamed the first token: its throughput learns
@@ -39,6 +39,20 @@ Without this, a turn whose history P holds (seconds of work saved) waited
 behind every long uncached prompt queued before it at P: on the trace such
 turns were 2-3 of cache-aware routing's 10 slowest first tokens in 100
 (docs/benchmarks.md, "bench routing").
+
+Dispatch budget: --prefill-dispatch-tokens, and behind the oldest
+dispatched prompt (the one P computes) one prompt of any size, or more
+within --prefill-dispatch-seconds of work at P's throughput (only one
+while the throughput is unknown: otherwise a burst at start-up goes out
+whole, and closed-loop clients keep that convoy). A pod runs what
+it was sent in as few steps as its step budget allows, and every prompt in
+a step gets its first token at the step's end: sent eight 256-token
+prompts at once, a 1-core CPU prefill pod answered all eight after ~5 s,
+where one at a time the first is out after 0.6 s and the decode pod starts
+on it. Work held here instead is ordered by expected finish, while the
+next prompt already waits at P when the current one ends (P does not idle
+for the decode reservation and the Prefill call of the next). On a GPU,
+whose rate makes one second thousands of tokens, the token budget binds.
 
 Estimated wait at P = (tokens queued here for P ahead of the request +
 max(tokens dispatched to P by this router, P's reported queued tokens)) /
@@ -82,16 +96,22 @@ MIN_SAMPLES = 3
 @dataclass(frozen=True, slots=True)
 class AdmissionSettings:
     """`dispatch_tokens`: prompt tokens this router lets be outstanding at one
-    prefill pod (0: no queue, dispatch at once). `max_queue_wait`: seconds of
-    estimated wait beyond which a new request is refused with 429."""
+    prefill pod (0: no queue, dispatch at once). `dispatch_seconds`: and at
+    most this much work at the pod's learnt throughput, once known (0: tokens
+    only; the module docstring, Dispatch budget). `max_queue_wait`: seconds
+    of estimated wait beyond which a new request is refused with 429."""
 
     dispatch_tokens: int = 4096
+    dispatch_seconds: float = 1.0
     max_queue_wait: float = 30.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.dispatch_tokens <= 1 << 24:
             raise ValueError(f"prefill dispatch tokens must be in [0, {1 << 24}], "
                              f"got {self.dispatch_tokens}")
+        if not 0.0 <= self.dispatch_seconds <= 3600.0:
+            raise ValueError(f"prefill dispatch seconds must be in [0, 3600], "
+                             f"got {self.dispatch_seconds}")
         if not 0.0 < self.max_queue_wait <= 86400.0:
             raise ValueError(f"max queue wait must be in (0, 86400] seconds, "
                              f"got {self.max_queue_wait}")
@@ -134,7 +154,7 @@ class Throughput:
 @dataclass(slots=True)
 class _Waiter:
     num_tokens: int
-    turn: asyncio.Future[None]
+    turn: asyncio.Future[int]  # its dispatch number, once dispatched
     key: float  # expected finish if served alone (the module docstring, Order)
 
 
@@ -146,6 +166,9 @@ class _PodQueue:
     queued_tokens: int = 0
     dispatched: int = 0
     dispatched_tokens: int = 0
+    # dispatch number -> tokens to compute, oldest first (the one P computes)
+    outstanding: dict[int, int] = field(default_factory=dict)
+    next_number: int = 0
     throughput: Throughput = field(default_factory=Throughput)
 
     def tokens_ahead(self, reported_waiting_tokens: int) -> int:
@@ -160,9 +183,11 @@ class AdmissionSlot:
     """A dispatched attempt's place at its prefill pod; `release` exactly once
     counts (later calls are no-ops), so it may also sit on an exit stack."""
 
-    def __init__(self, admission: PrefillAdmission, address: str, num_tokens: int) -> None:
+    def __init__(self, admission: PrefillAdmission, address: str, num_tokens: int,
+                 number: int) -> None:
         self.address = address
         self.num_tokens = num_tokens
+        self.number = number  # its place in the pod's dispatch order
         self._admission = admission
         self._released = False
 
@@ -231,9 +256,9 @@ class PrefillAdmission:
         queue = self._queue(address)
         key = queue.key(num_tokens, time.monotonic())
         if self._goes_now(queue, key, num_tokens):
-            self._dispatch(address, queue, num_tokens)
+            number = self._dispatch(address, queue, num_tokens)
             self._metrics.queue_wait.observe(0.0)
-            return AdmissionSlot(self, address, num_tokens)
+            return AdmissionSlot(self, address, num_tokens, number)
         waiter = _Waiter(num_tokens, asyncio.get_running_loop().create_future(), key)
         bisect.insort(queue.waiters, waiter, key=_waiter_key)
         queue.queued_tokens += num_tokens
@@ -245,7 +270,7 @@ class PrefillAdmission:
                 await asyncio.wait_for(asyncio.shield(waiter.turn), timeout)
         except BaseException as exc:  # timeout, or the client left (cancelled)
             if waiter.turn.done():  # dispatched just as it left: give the turn back
-                AdmissionSlot(self, address, num_tokens).release()
+                AdmissionSlot(self, address, num_tokens, waiter.turn.result()).release()
             else:
                 waiter.turn.cancel()
                 queue.waiters.remove(waiter)
@@ -256,7 +281,7 @@ class PrefillAdmission:
                                     "not finish within --request-timeout") from None
             raise
         self._metrics.queue_wait.observe(time.monotonic() - queued_at)
-        return AdmissionSlot(self, address, num_tokens)
+        return AdmissionSlot(self, address, num_tokens, waiter.turn.result())
 
     # ------------------------------------------------------------ internals
 
@@ -319,20 +344,39 @@ class PrefillAdmission:
                 and self._has_room(queue, num_tokens))
 
     def _has_room(self, queue: _PodQueue, num_tokens: int) -> bool:
-        budget = self.settings.dispatch_tokens
-        return (budget == 0 or queue.dispatched == 0
-                or queue.dispatched_tokens + num_tokens <= budget)
+        """Within the token budget and, behind the oldest dispatched prompt
+        (the one P computes), one prompt of any size (the next, waiting there
+        when the current one ends) or more within the seconds budget of work
+        at P's rate, once known."""
+        tokens, seconds = self.settings.dispatch_tokens, self.settings.dispatch_seconds
+        if tokens == 0 or not queue.outstanding:
+            return True
+        if queue.dispatched_tokens + num_tokens > tokens:
+            return False
+        if seconds == 0 or len(queue.outstanding) < 2:
+            return True
+        rate = queue.throughput.tokens_per_s
+        if rate is None:
+            return False
+        behind = queue.dispatched_tokens - next(iter(queue.outstanding.values()))
+        return behind + num_tokens <= rate * seconds
 
-    def _dispatch(self, address: str, queue: _PodQueue, num_tokens: int) -> None:
+    def _dispatch(self, address: str, queue: _PodQueue, num_tokens: int) -> int:
+        """Count a dispatch; returns its number (for its slot)."""
+        number = queue.next_number
+        queue.next_number += 1
+        queue.outstanding[number] = num_tokens
         queue.dispatched += 1
         queue.dispatched_tokens += num_tokens
         queue.throughput.set_busy(True, time.monotonic())
+        return number
 
     def _release(self, slot: AdmissionSlot, finished_tokens: int | None) -> None:
         queue = self._queues[slot.address]
         now = time.monotonic()
         queue.dispatched -= 1
         queue.dispatched_tokens -= slot.num_tokens
+        del queue.outstanding[slot.number]
         if finished_tokens is not None:
             queue.throughput.finished(finished_tokens, now)
         queue.throughput.set_busy(queue.dispatched > 0, now)
@@ -343,8 +387,7 @@ class PrefillAdmission:
         while queue.waiters and self._has_room(queue, queue.waiters[0].num_tokens):
             waiter = queue.waiters.pop(0)
             queue.queued_tokens -= waiter.num_tokens
-            self._dispatch(address, queue, waiter.num_tokens)
-            waiter.turn.set_result(None)
+            waiter.turn.set_result(self._dispatch(address, queue, waiter.num_tokens))
 
     def _queue(self, address: str) -> _PodQueue:
         """`address`'s queue; the first time, its gauges are bound to it (read

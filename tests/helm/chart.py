@@ -35,7 +35,8 @@ CLI_FLAGS: dict[str, frozenset[str]] = {
     "router": frozenset({
         "--model", "--served-model-name", "--host", "--port", "--grpc-port", "--prefill",
         "--decode", "--redis-url", "--api-key", "--session-epsilon", "--load-poll-interval",
-        "--workers", "--prefill-dispatch-tokens", "--max-queue-wait",
+        "--workers", "--prefill-dispatch-tokens", "--prefill-dispatch-seconds",
+        "--max-queue-wait",
         "--tls-cert-file", "--tls-key-file", "--pod-tls-ca-file", "--pod-tls-server-name",
         "--pod-tls-cert-file", "--pod-tls-key-file", "--pod-token-file",
         "--http-header-timeout", "--http-keepalive-timeout", "--max-concurrent-per-client",

@@ -80,6 +80,7 @@ def test_static_mode_router_gets_headless_service_addresses() -> None:
         "--load-poll-interval": "0.5",
         "--workers": "1",
         "--prefill-dispatch-tokens": "4096",
+        "--prefill-dispatch-seconds": "1",
         "--max-queue-wait": "30",
         "--pod-tls-ca-file": f"{POD_TLS_DIR}/ca.crt",
         "--pod-tls-server-name": "pdserve-pod",

@@ -205,7 +205,9 @@ def test_a_request_the_pod_has_room_for_is_never_shed(run_async):
     low. Requests that fit the dispatch budget go at once whatever the
     estimate; only those that would queue are shed."""
     async def scenario():
-        admission, metrics, _ = _admission(dispatch_tokens=1000, max_queue_wait=1.0)
+        # tokens only: with a seconds budget at this rate the 4 would queue
+        admission, metrics, _ = _admission(dispatch_tokens=1000, dispatch_seconds=0,
+                                           max_queue_wait=1.0)
         for _ in range(MIN_SAMPLES):  # ~20 tokens/s: a cold pod
             slot = await admission.admit(_request(2), exclude=frozenset(), timeout=10)
             await asyncio.sleep(0.1)
@@ -232,6 +234,9 @@ def test_settings_are_checked():
         AdmissionSettings(max_queue_wait=0)
     with pytest.raises(ValueError, match="prefill dispatch tokens must be in"):
         AdmissionSettings(dispatch_tokens=-1)
+    with pytest.raises(ValueError, match=r"prefill dispatch seconds must be in \[0, 3600\], "
+                                         r"got -1"):
+        AdmissionSettings(dispatch_seconds=-1)
 
 
 def _learn_rate(admission: PrefillAdmission, tokens_per_s: float, run_async) -> None:
@@ -308,5 +313,72 @@ def test_a_prefix_the_pod_is_known_to_hold_is_not_counted_as_work(run_async):
         assert _sample(metrics, "pdserve_router_queue_dispatched_tokens", pod=POD) == 154
         slot.release(finished_tokens=4)
         running.release(finished_tokens=150)
+
+    run_async(scenario())
+
+
+def test_once_the_rate_is_known_at_most_the_dispatch_seconds_wait_behind_the_one_computing(
+        run_async):
+    """A pod sent its queue at once runs it as one batch and answers every
+    prompt at the batch's end; once its rate is known, only
+    --prefill-dispatch-seconds of work may wait at the pod behind the oldest
+    dispatched prompt (the one it computes), and the rest wait here. The
+    token budget still binds where the rate makes the seconds more tokens."""
+    async def going_at_once(admission: PrefillAdmission, sizes: list[int]) -> int:
+        slots = [await admission.admit(_request(sizes[0], "r0"), exclude=frozenset(),
+                                       timeout=10)]
+        tasks = [asyncio.create_task(admission.admit(_request(n, f"r{i}"),
+                                                     exclude=frozenset(), timeout=10))
+                 for i, n in enumerate(sizes[1:], 1)]
+        await asyncio.sleep(0.05)
+        went = 1 + sum(task.done() for task in tasks)
+        for slot in slots:
+            slot.release(finished_tokens=slot.num_tokens)
+        for task in tasks:  # the rest go in turn as earlier ones finish
+            slot = await task
+            slot.release(finished_tokens=slot.num_tokens)
+        return went
+
+    sizes = [350, 300, 400]
+    unknown, _, _ = _admission(dispatch_tokens=2000, dispatch_seconds=0.3)
+    assert run_async(going_at_once(unknown, sizes)) == 2  # rate unknown: one may wait
+    unknown_tokens_only, _, _ = _admission(dispatch_tokens=2000, dispatch_seconds=0)
+    assert run_async(going_at_once(unknown_tokens_only, sizes)) == 3
+    timed, _, _ = _admission(dispatch_tokens=2000, dispatch_seconds=0.3)
+    # 0.3 s = 600 tokens (300 on a machine twice as slow): one prompt of any size
+    # may wait behind the 350 P computes (the 300), more only within 600 (300 + 400 not)
+    _learn_rate(timed, 2_000.0, run_async)
+    assert run_async(going_at_once(timed, sizes)) == 2
+    # (a fresh admission each time: finished prefills teach the rate)
+    big, _, _ = _admission(dispatch_tokens=2000, dispatch_seconds=0.3)
+    _learn_rate(big, 2_000.0, run_async)
+    assert run_async(going_at_once(big, [350, 900, 10])) == 2  # a big one waits, no more
+    roomy, _, _ = _admission(dispatch_tokens=2000, dispatch_seconds=0.3)
+    _learn_rate(roomy, 2_000.0, run_async)
+    assert run_async(going_at_once(roomy, [350, 100, 200, 500])) == 3  # 300 behind fit
+    tokens_only, _, _ = _admission(dispatch_tokens=2000, dispatch_seconds=0)
+    _learn_rate(tokens_only, 2_000.0, run_async)
+    assert run_async(going_at_once(tokens_only, sizes)) == 3
+    generous, _, _ = _admission(dispatch_tokens=500, dispatch_seconds=10.0)
+    _learn_rate(generous, 2_000.0, run_async)  # 10 s = 20,000 tokens: 500 binds
+    assert run_async(going_at_once(generous, sizes)) == 1
+
+
+def test_a_slot_released_out_of_order_leaves_the_oldest_as_the_one_computing(run_async):
+    admission, _, _ = _admission(dispatch_tokens=1000, dispatch_seconds=0.2)
+    _learn_rate(admission, 2_000.0, run_async)  # 200-400 tokens may wait behind the oldest
+
+    async def scenario():
+        def admit(n: int, rid: str):
+            return asyncio.create_task(admission.admit(_request(n, rid), exclude=frozenset(),
+                                                       timeout=10))
+        oldest = await admit(300, "oldest")
+        second = await admit(150, "second")  # 150 behind
+        third = admit(300, "third")  # 450 behind: waits
+        await asyncio.sleep(0.05)
+        assert not third.done()
+        second.release(finished_tokens=150)  # done before the oldest: 300 behind it now
+        (await third).release(finished_tokens=300)
+        oldest.release(finished_tokens=300)
 
     run_async(scenario())
