@@ -222,7 +222,7 @@ def test_next_ready_extrapolates_the_layers_cadence_and_learns_ends_lag():
         assert injector.next_ready() is None
 
         # END came 0.2 cadences after r's last layer: the lag moves 1.0 -> 0.84
-        s = injector.expect("s", _slots([1], 5), layers, num_bytes=1)
+        injector.expect("s", _slots([1], 5), layers, num_bytes=1)
         await layers_in("s", 0, 1)
         assert injector.next_ready() == ("s", pytest.approx(20.1 + 0.1 * (2 + 0.84)))
         t = injector.expect("t", _slots([2], 5), layers, num_bytes=1)
