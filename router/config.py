@@ -71,8 +71,9 @@ class RouterConfig:
     shutdown_grace: float = 30.0
     # The admission queue in front of the prefill pods (router/routing/admission.py):
     # prompt tokens outstanding at one prefill pod before requests queue here
-    # (0 = no queue), the same as seconds of work at the pod's learnt rate
-    # (0 = tokens only), and the estimated wait beyond which requests get 429.
+    # (0 = no queue), seconds of work (at the pod's learnt rate) that may wait
+    # there behind the prompt it computes, beyond one prompt (0 = tokens only),
+    # and the estimated wait beyond which requests get 429.
     prefill_dispatch_tokens: int = 4096
     prefill_dispatch_seconds: float = 1.0
     max_queue_wait: float = 30.0

@@ -96,10 +96,11 @@ MIN_SAMPLES = 3
 @dataclass(frozen=True, slots=True)
 class AdmissionSettings:
     """`dispatch_tokens`: prompt tokens this router lets be outstanding at one
-    prefill pod (0: no queue, dispatch at once). `dispatch_seconds`: and at
-    most this much work at the pod's learnt throughput, once known (0: tokens
-    only; the module docstring, Dispatch budget). `max_queue_wait`: seconds
-    of estimated wait beyond which a new request is refused with 429."""
+    prefill pod (0: no queue, dispatch at once). `dispatch_seconds`: work at
+    the pod's learnt throughput that may wait there behind the prompt it
+    computes, beyond one prompt (0: tokens only; the module docstring,
+    Dispatch budget). `max_queue_wait`: seconds of estimated wait beyond
+    which a new request is refused with 429."""
 
     dispatch_tokens: int = 4096
     dispatch_seconds: float = 1.0
