@@ -107,7 +107,6 @@ class _Pending:
     # two layers are in and once the commit is queued (`KVInjector.next_ready`)
     expected_at: float | None = None
     last_layer_at: float = 0.0
-    per_layer_s: float = 0.0
     reason: str = field(default="")
 
     def to(self, new: InjectState) -> None:
@@ -327,8 +326,8 @@ class KVInjector(KVReceiveListener):
         p.layers_done += 1
         p.last_layer_at = now
         if p.layers_done >= 2:
-            p.per_layer_s = (now - p.first_layer_at) / (p.layers_done - 1)
-            p.expected_at = now + p.per_layer_s * (p.num_layers - p.layers_done + self._end_lag)
+            per_layer = _cadence(p)
+            p.expected_at = now + per_layer * (p.num_layers - p.layers_done + self._end_lag)
         p.to(InjectState.INJECTING)
 
     def _restart(self, request_id: str, reason: str, done: threading.Event) -> None:
@@ -344,7 +343,6 @@ class KVInjector(KVReceiveListener):
                 p.layers_done = 0
                 p.first_layer_at = None
                 p.expected_at = None
-                p.per_layer_s = 0.0
         finally:
             done.set()
 
@@ -356,8 +354,8 @@ class KVInjector(KVReceiveListener):
             # scatter finished; wait here, on the injector thread.
             self._stream.synchronize()
         now = self._clock()
-        if p.per_layer_s > 0:
-            lag = (now - p.last_layer_at) / p.per_layer_s
+        if p.layers_done >= 2 and (per_layer := _cadence(p)) > 0:
+            lag = (now - p.last_layer_at) / per_layer
             self._end_lag += _END_LAG_ALPHA * (min(lag, _END_LAG_MAX) - self._end_lag)
         p.expected_at = None  # its commit is about to be queued: nothing to wait for
         if p.on_ready is not None:
@@ -368,6 +366,12 @@ class KVInjector(KVReceiveListener):
             self._metrics.kv_injection_seconds.observe(now - p.first_layer_at)
         self._metrics.kv_transfer_bytes.inc(p.num_bytes)
         p.ready(first_token_id)
+
+
+def _cadence(p: _Pending) -> float:
+    """Seconds between R's injected layers so far (two or more in)."""
+    assert p.first_layer_at is not None
+    return (p.last_layer_at - p.first_layer_at) / (p.layers_done - 1)
 
 
 def _resolve(future: asyncio.Future, value: object) -> None:

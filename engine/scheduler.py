@@ -189,17 +189,13 @@ class Scheduler:
             if num_new > min(self.short_prefill_tokens, room):
                 continue
             if not request.block_ids:
-                num_cached = bm.match_prefix(request)
-                if not request.was_scheduled:
-                    request.num_cached_tokens = num_cached
+                self._map_prefix(request)
                 num_new = request.num_tokens - request.num_computed_tokens
             if num_new > room or not bm.can_allocate(request, num_new):
                 bm.free(request)  # drop the prefix hit; it waits its turn
                 continue
             self.waiting.remove(request)
-            request.transition(RequestStatus.RUNNING)
-            self.running.append(request)
-            scheduled.append(self._take(request, num_new, step_id))
+            self._start(request, num_new, scheduled, step_id)
             room -= num_new
             budget -= num_new
         return budget
@@ -231,19 +227,29 @@ class Scheduler:
             # preemption stops admission for the step that preempts.
             assert request.num_output_placeholders == 0, request.request_id
             if not request.block_ids:
-                num_cached = self.block_manager.match_prefix(request)
-                if not request.was_scheduled:
-                    request.num_cached_tokens = num_cached
+                self._map_prefix(request)
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self.block_manager.can_allocate(request, num_new):
                 self.block_manager.free(request)  # drop the prefix hit; retried next step
                 break
             self.waiting.popleft()
-            request.transition(RequestStatus.RUNNING)
-            self.running.append(request)
-            scheduled.append(self._take(request, num_new, step_id))
+            self._start(request, num_new, scheduled, step_id)
             budget -= num_new
         return budget
+
+    def _map_prefix(self, request: Request) -> None:
+        """Map a waiting request's cached prefix in (its first admission
+        records the hit)."""
+        num_cached = self.block_manager.match_prefix(request)
+        if not request.was_scheduled:
+            request.num_cached_tokens = num_cached
+
+    def _start(self, request: Request, num_new: int, scheduled: list[ScheduledRequest],
+               step_id: int) -> None:
+        """A request taken off the waiting queue runs its first `num_new` tokens."""
+        request.transition(RequestStatus.RUNNING)
+        self.running.append(request)
+        scheduled.append(self._take(request, num_new, step_id))
 
     def _take(self, request: Request, num_new: int, step_id: int) -> ScheduledRequest:
         """Allocate and count the tokens as computed now, so the next step can

@@ -165,8 +165,7 @@ class _PodQueue:
 
     waiters: list[_Waiter] = field(default_factory=list)  # by key
     queued_tokens: int = 0
-    dispatched: int = 0
-    dispatched_tokens: int = 0
+    dispatched_tokens: int = 0  # the sum of `outstanding`
     # dispatch number -> tokens to compute, oldest first (the one P computes)
     outstanding: dict[int, int] = field(default_factory=dict)
     next_number: int = 0
@@ -367,7 +366,6 @@ class PrefillAdmission:
         number = queue.next_number
         queue.next_number += 1
         queue.outstanding[number] = num_tokens
-        queue.dispatched += 1
         queue.dispatched_tokens += num_tokens
         queue.throughput.set_busy(True, time.monotonic())
         return number
@@ -375,12 +373,11 @@ class PrefillAdmission:
     def _release(self, slot: AdmissionSlot, finished_tokens: int | None) -> None:
         queue = self._queues[slot.address]
         now = time.monotonic()
-        queue.dispatched -= 1
         queue.dispatched_tokens -= slot.num_tokens
         del queue.outstanding[slot.number]
         if finished_tokens is not None:
             queue.throughput.finished(finished_tokens, now)
-        queue.throughput.set_busy(queue.dispatched > 0, now)
+        queue.throughput.set_busy(bool(queue.outstanding), now)
         self._pump(slot.address, queue)
 
     def _pump(self, address: str, queue: _PodQueue) -> None:
