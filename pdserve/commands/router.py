@@ -54,10 +54,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-dispatch-seconds", type=float, default=1.0, metavar="SECONDS",
                         help="behind the prompt a prefill pod computes, one more prompt may "
                              "wait there, and more only within this much work at the pod's "
-                             "learnt prefill rate: a pod that runs its queue in one batch gives "
-                             "every prompt in it its first token at the batch's end, so the rest "
-                             "wait in the router in expected-finish order instead (0 = tokens "
-                             "only; default 1)")
+                             "learnt prefill rate or within 256 tokens: a pod that runs its "
+                             "queue in one batch gives every prompt in it its first token at the "
+                             "batch's end, so the rest wait in the router in expected-finish "
+                             "order instead (0 = tokens only; default 1)")
     parser.add_argument("--max-queue-wait", type=float, default=30.0, metavar="SECONDS",
                         help="refuse new requests with 429 while the estimated wait for a "
                              "prefill pod is above this (default 30)")

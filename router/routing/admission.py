@@ -42,9 +42,10 @@ turns were 2-3 of cache-aware routing's 10 slowest first tokens in 100
 
 Dispatch budget: --prefill-dispatch-tokens, and behind the oldest
 dispatched prompt (the one P computes) one prompt of any size, or more
-within --prefill-dispatch-seconds of work at P's throughput (only one
-while the throughput is unknown: otherwise a burst at start-up goes out
-whole, and closed-loop clients keep that convoy). A pod runs what
+within --prefill-dispatch-seconds of work at P's throughput, or within
+`SHORT_BATCH_TOKENS` whatever the throughput (only that while it is
+unknown: otherwise a burst of long prompts at start-up goes out whole, and
+closed-loop clients keep that convoy). A pod runs what
 it was sent in as few steps as its step budget allows, and every prompt in
 a step gets its first token at the step's end: sent eight 256-token
 prompts at once, a 1-core CPU prefill pod answered all eight after ~5 s,
@@ -53,13 +54,24 @@ on it. Work held here instead is ordered by expected finish, while the
 next prompt already waits at P when the current one ends (P does not idle
 for the decode reservation and the Prefill call of the next). On a GPU,
 whose rate makes one second thousands of tokens, the token budget binds.
+Short prompts are the exception: a step's fixed cost (every weight read
+once, whatever its rows) dominates them, so the rate learnt from short
+prompts sent one at a time is a fraction of what P does with them in one
+step. Held to the seconds at that rate, a burst of 200 32-token prompts
+went to P a few at a time and was shed as a 30 s wait
+(`SHORT_BATCH_TOKENS`).
 
 Estimated wait at P = (tokens queued here for P ahead of the request +
 max(tokens dispatched to P by this router, P's reported queued tokens)) /
-P's prefill throughput. The throughput is learnt from this router's own
-Prefill calls: tokens computed (the prompt less the pod's reported cache
-hit) per second of time P had work dispatched (an exponentially weighted
-ratio, so it follows load changes within a few requests). Until
+P's best recent prefill throughput. The throughput is learnt from this
+router's own Prefill calls: tokens computed (the prompt less the pod's
+reported cache hit) per second of time P had work dispatched (an
+exponentially weighted ratio, so it follows load changes within a few
+requests). Order and the dispatch budget use it as it stands; the wait,
+which decides shedding, uses its peak, decaying by half every
+`PEAK_HALF_LIFE_S`: a queue deep enough to shed for is served in full
+steps, at the rate P showed when it had company, not at the rate of the
+sparse single prompts that may have taught it last. Until
 `MIN_SAMPLES` prefills finished at P its wait is unknown and nothing is
 shed there: a pod's first prefills pay for its warm-up (kernel
 compilation, allocator growth), which once taught the router a rate 20x
@@ -91,6 +103,11 @@ from router.routing.policy import RoutingPolicy
 _DECAY = 0.8
 # Finished prefills before a pod's throughput is trusted (its warm-up is in the first ones).
 MIN_SAMPLES = 3
+# Tokens that may wait at a pod behind the prompt it computes whatever its
+# learnt rate (the module docstring, Dispatch budget).
+SHORT_BATCH_TOKENS = 256
+# The throughput's peak, which estimates waits, halves over this many seconds.
+PEAK_HALF_LIFE_S = 300.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +144,8 @@ class Throughput:
         self._pending_busy_s = 0.0  # busy time since the last finished prefill
         self._busy_since: float | None = None
         self.samples = 0  # finished prefills seen
+        self._peak = 0.0  # tokens_per_s's peak, as of _peak_at
+        self._peak_at = 0.0
 
     def set_busy(self, busy: bool, now: float) -> None:
         if busy and self._busy_since is None:
@@ -143,6 +162,10 @@ class Throughput:
         self._busy_s = self._busy_s * _DECAY + self._pending_busy_s
         self._pending_busy_s = 0.0
         self.samples += 1
+        rate = self.tokens_per_s
+        if rate is not None:
+            self._peak = max(rate, self.peak_tokens_per_s(now) or 0.0)
+            self._peak_at = now
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -150,6 +173,16 @@ class Throughput:
         if self.samples < MIN_SAMPLES or self._tokens <= 0 or self._busy_s <= 0:
             return None
         return self._tokens / self._busy_s
+
+    def peak_tokens_per_s(self, now: float) -> float | None:
+        """The highest `tokens_per_s` so far, halved every `PEAK_HALF_LIFE_S`
+        since it was seen, and never below the rate as it stands; None while
+        that is unknown."""
+        rate = self.tokens_per_s
+        if rate is None:
+            return None
+        decayed = self._peak * 0.5 ** (max(0.0, now - self._peak_at) / PEAK_HALF_LIFE_S)
+        return max(rate, decayed)
 
 
 @dataclass(slots=True)
@@ -211,8 +244,9 @@ class PrefillAdmission:
         self._queues: dict[str, _PodQueue] = {}
 
     def estimated_wait(self, address: str, num_tokens: int | None = None) -> float | None:
-        """Seconds a request arriving now would wait for its turn at `address`;
-        None while that pod's throughput is unknown. With `num_tokens` (the
+        """Seconds a request arriving now would wait for its turn at `address`,
+        at the pod's peak throughput; None while that is unknown. With
+        `num_tokens` (the
         request's tokens to compute), 0 when it would not queue, and only the
         waiters ahead of it count; without, the whole queue."""
         queue = self._queues.get(address)
@@ -228,7 +262,7 @@ class PrefillAdmission:
             ahead = sum(w.num_tokens for w in queue.waiters if w.key <= key) + dispatched
         if ahead == 0:
             return 0.0
-        rate = queue.throughput.tokens_per_s
+        rate = queue.throughput.peak_tokens_per_s(time.monotonic())
         return None if rate is None else ahead / rate
 
     def least_tokens_ahead(self, exclude: frozenset[str]) -> int:
@@ -346,8 +380,8 @@ class PrefillAdmission:
     def _has_room(self, queue: _PodQueue, num_tokens: int) -> bool:
         """Within the token budget and, behind the oldest dispatched prompt
         (the one P computes), one prompt of any size (the next, waiting there
-        when the current one ends) or more within the seconds budget of work
-        at P's rate, once known."""
+        when the current one ends), or more within the seconds budget of work
+        at P's rate (once known) or within `SHORT_BATCH_TOKENS`."""
         tokens, seconds = self.settings.dispatch_tokens, self.settings.dispatch_seconds
         if tokens == 0 or not queue.outstanding:
             return True
@@ -356,10 +390,9 @@ class PrefillAdmission:
         if seconds == 0 or len(queue.outstanding) < 2:
             return True
         rate = queue.throughput.tokens_per_s
-        if rate is None:
-            return False
+        allowed = SHORT_BATCH_TOKENS if rate is None else max(SHORT_BATCH_TOKENS, rate * seconds)
         behind = queue.dispatched_tokens - next(iter(queue.outstanding.values()))
-        return behind + num_tokens <= rate * seconds
+        return behind + num_tokens <= allowed
 
     def _dispatch(self, address: str, queue: _PodQueue, num_tokens: int) -> int:
         """Count a dispatch; returns its number (for its slot)."""

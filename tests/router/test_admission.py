@@ -14,6 +14,8 @@ from router.generation import GenerationRequest
 from router.metrics import RouterMetrics
 from router.routing.admission import (
     MIN_SAMPLES,
+    PEAK_HALF_LIFE_S,
+    SHORT_BATCH_TOKENS,
     AdmissionSettings,
     PrefillAdmission,
     Throughput,
@@ -324,44 +326,107 @@ def test_once_the_rate_is_known_at_most_the_dispatch_seconds_wait_behind_the_one
     --prefill-dispatch-seconds of work may wait at the pod behind the oldest
     dispatched prompt (the one it computes), and the rest wait here. The
     token budget still binds where the rate makes the seconds more tokens."""
-    async def going_at_once(admission: PrefillAdmission, sizes: list[int]) -> int:
-        slots = [await admission.admit(_request(sizes[0], "r0"), exclude=frozenset(),
-                                       timeout=10)]
-        tasks = [asyncio.create_task(admission.admit(_request(n, f"r{i}"),
-                                                     exclude=frozenset(), timeout=10))
-                 for i, n in enumerate(sizes[1:], 1)]
-        await asyncio.sleep(0.05)
-        went = 1 + sum(task.done() for task in tasks)
-        for slot in slots:
-            slot.release(finished_tokens=slot.num_tokens)
-        for task in tasks:  # the rest go in turn as earlier ones finish
-            slot = await task
-            slot.release(finished_tokens=slot.num_tokens)
-        return went
-
     sizes = [350, 300, 400]
     unknown, _, _ = _admission(dispatch_tokens=2000, dispatch_seconds=0.3)
-    assert run_async(going_at_once(unknown, sizes)) == 2  # rate unknown: one may wait
+    assert run_async(_going_at_once(unknown, sizes)) == 2  # rate unknown: one may wait
     unknown_tokens_only, _, _ = _admission(dispatch_tokens=2000, dispatch_seconds=0)
-    assert run_async(going_at_once(unknown_tokens_only, sizes)) == 3
+    assert run_async(_going_at_once(unknown_tokens_only, sizes)) == 3
     timed, _, _ = _admission(dispatch_tokens=2000, dispatch_seconds=0.3)
     # 0.3 s = 600 tokens (300 on a machine twice as slow): one prompt of any size
     # may wait behind the 350 P computes (the 300), more only within 600 (300 + 400 not)
     _learn_rate(timed, 2_000.0, run_async)
-    assert run_async(going_at_once(timed, sizes)) == 2
+    assert run_async(_going_at_once(timed, sizes)) == 2
     # (a fresh admission each time: finished prefills teach the rate)
     big, _, _ = _admission(dispatch_tokens=2000, dispatch_seconds=0.3)
     _learn_rate(big, 2_000.0, run_async)
-    assert run_async(going_at_once(big, [350, 900, 10])) == 2  # a big one waits, no more
+    assert run_async(_going_at_once(big, [350, 900, 10])) == 2  # a big one waits, no more
     roomy, _, _ = _admission(dispatch_tokens=2000, dispatch_seconds=0.3)
     _learn_rate(roomy, 2_000.0, run_async)
-    assert run_async(going_at_once(roomy, [350, 100, 200, 500])) == 3  # 300 behind fit
+    assert run_async(_going_at_once(roomy, [350, 100, 200, 500])) == 3  # 300 behind fit
     tokens_only, _, _ = _admission(dispatch_tokens=2000, dispatch_seconds=0)
     _learn_rate(tokens_only, 2_000.0, run_async)
-    assert run_async(going_at_once(tokens_only, sizes)) == 3
+    assert run_async(_going_at_once(tokens_only, sizes)) == 3
     generous, _, _ = _admission(dispatch_tokens=500, dispatch_seconds=10.0)
     _learn_rate(generous, 2_000.0, run_async)  # 10 s = 20,000 tokens: 500 binds
-    assert run_async(going_at_once(generous, sizes)) == 1
+    assert run_async(_going_at_once(generous, sizes)) == 1
+
+
+async def _going_at_once(admission: PrefillAdmission, sizes: list[int]) -> int:
+    """How many of `sizes` (prompt tokens, sent at once) were dispatched at
+    once; then lets them all finish."""
+    slots = [await admission.admit(_request(sizes[0], "r0"), exclude=frozenset(),
+                                   timeout=10)]
+    tasks = [asyncio.create_task(admission.admit(_request(n, f"r{i}"),
+                                                 exclude=frozenset(), timeout=10))
+             for i, n in enumerate(sizes[1:], 1)]
+    await asyncio.sleep(0.05)
+    went = 1 + sum(task.done() for task in tasks)
+    for slot in slots:
+        slot.release(finished_tokens=slot.num_tokens)
+    for task in tasks:  # the rest go in turn as earlier ones finish
+        slot = await task
+        slot.release(finished_tokens=slot.num_tokens)
+    return went
+
+
+def test_short_prompts_wait_at_the_pod_together_whatever_its_rate(run_async):
+    """A step's fixed cost dominates short prompts: up to SHORT_BATCH_TOKENS
+    wait at the pod behind the one it computes, also while its rate is
+    unknown or would allow fewer (a burst of 32-token prompts went out a few
+    at a time and was shed as a 30 s wait)."""
+    assert SHORT_BATCH_TOKENS == 256
+    burst = [350] + [32] * 12
+    unknown, _, _ = _admission(dispatch_tokens=4096, dispatch_seconds=1.0)
+    assert run_async(_going_at_once(unknown, burst)) == 1 + 8  # 8 x 32 = 256 behind
+    slow, _, _ = _admission(dispatch_tokens=4096, dispatch_seconds=1.0)
+    _learn_rate(slow, 100.0, run_async)  # 1 s = 100 tokens: the floor binds
+    assert run_async(_going_at_once(slow, burst)) == 1 + 8
+    fast, _, _ = _admission(dispatch_tokens=4096, dispatch_seconds=0.2)
+    _learn_rate(fast, 2_000.0, run_async)  # 0.2 s = 400 tokens: the seconds bind
+    assert run_async(_going_at_once(fast, burst)) == 1 + 12
+    tight, _, _ = _admission(dispatch_tokens=350 + 64, dispatch_seconds=1.0)
+    assert run_async(_going_at_once(tight, burst)) == 1 + 2  # the token budget still binds
+
+
+def test_the_wait_is_estimated_at_the_pods_peak_rate_which_decays():
+    meter = Throughput()
+    meter.set_busy(True, 0.0)
+    for t in (1.0, 2.0, 3.0):  # 100 tokens/s
+        meter.finished(100, t)
+    assert meter.peak_tokens_per_s(3.0) == pytest.approx(100.0)
+    for t in (3.1, 3.2, 3.3, 3.4, 3.5):  # a batch served at 1,000 tokens/s
+        meter.finished(100, t)
+    peak = meter.peak_tokens_per_s(3.5)
+    assert peak == pytest.approx(meter.tokens_per_s)
+    for t in (4.5, 5.5, 6.5, 7.5, 8.5, 9.5):  # singles again: the rate falls, not the peak
+        meter.finished(100, t)
+    assert meter.tokens_per_s < peak / 2
+    assert meter.peak_tokens_per_s(9.5) == pytest.approx(peak * 0.5 ** (6 / PEAK_HALF_LIFE_S))
+    later = 3.5 + 3 * PEAK_HALF_LIFE_S
+    assert meter.peak_tokens_per_s(later) == pytest.approx(max(meter.tokens_per_s, peak / 8))
+
+
+def test_shedding_reads_the_peak_rate_not_the_latest_singles(run_async):
+    admission, metrics, _ = _admission(dispatch_tokens=100, max_queue_wait=30.0)
+    _learn_rate(admission, 4_000.0, run_async)
+    _learn_rate(admission, 500.0, run_async)  # the latest prefills were slower
+    rate = _sample(metrics, "pdserve_router_queue_prefill_tokens_per_second", pod=POD)
+
+    async def scenario():
+        running = await admission.admit(_request(100), exclude=frozenset(), timeout=10)
+        queued = [asyncio.create_task(admission.admit(_request(100, f"q{i}"),
+                                                      exclude=frozenset(), timeout=10))
+                  for i in range(4)]
+        await asyncio.sleep(0.01)
+        wait = admission.estimated_wait(POD)
+        assert wait < 0.75 * 500 / rate  # 500 tokens ahead, at more than the latest rate
+        assert _sample(metrics, "pdserve_router_queue_estimated_wait_seconds",
+                       pod=POD) == pytest.approx(wait, rel=0.01)
+        running.release(finished_tokens=100)
+        for task in queued:
+            (await task).release(finished_tokens=100)
+
+    run_async(scenario())
 
 
 def test_a_slot_released_out_of_order_leaves_the_oldest_as_the_one_computing(run_async):
