@@ -6,7 +6,12 @@ against colocated serving of the same CPUs, on the same requests.
                 (disjoint; one torch thread per CPU);
                 colocated: `pdserve up --prefill 0 --decode 0 --colocated 1`,
                 its pod pinned to both lists together (so both get the same
-                cores); the router runs unpinned unless --router-cpus
+                cores);
+                colocated-dp (not run by default): two colocated pods, one
+                on each list (data parallel: each prompt runs on one pod's
+                cores, as on GPU nodes with one pod per GPU, where no
+                colocated pod prefills on its neighbour's GPU);
+                the router runs unpinned unless --router-cpus
     workloads   heavy-0.2, heavy-0.4  prefill-heavy mix: 384-1,152 prompt
                               tokens (768 +- 50%), 128 out, Poisson 0.2 and
                               0.4 req/s, --num-requests each
@@ -20,10 +25,11 @@ against colocated serving of the same CPUs, on the same requests.
                               check on 2 cores showed)
     per run     benchmarks/serve.py's run_benchmark (with the pods' counters);
                 a JSON per (workload, topology) in --out-dir
-    comparison  disaggregated / colocated per workload: TTFT p50, ITL p99,
-                output tok/s, goodput (--slo-ttft, default 10 s), beside the
-                issue's targets; comparison.json, and plots/<workload>/ with
-                both topologies on each chart
+    comparison  disaggregated / each colocated topology that ran, per
+                workload: TTFT p50, ITL p99, output tok/s, goodput
+                (--slo-ttft, default 10 s), beside the issue's targets;
+                comparison.json, and plots/<workload>/ with every topology
+                on each chart
 
 One topology runs at a time, on otherwise idle cores: run it on a quiet
 machine. Each topology is started once and serves every workload in turn
@@ -51,7 +57,9 @@ from pdserve.commands._cpus import allowed_cpus, format_cpu_list, parse_cpu_list
 
 HELP = ("Disaggregated (1 prefill + 1 decode pod on disjoint CPUs) vs colocated serving on "
         "the same CPUs: prefill-heavy, light and trace workloads; ratios and charts.")
-TOPOLOGIES = ("disaggregated", "colocated")
+TOPOLOGIES = ("disaggregated", "colocated", "colocated-dp")
+DEFAULT_TOPOLOGIES = ("disaggregated", "colocated")
+BASELINES = ("colocated", "colocated-dp")
 WORKLOADS = ("heavy-0.2", "heavy-0.4", "light-c8", "trace")
 DEFAULT_TRACE = peer_servers.REPO_ROOT.parent / "shared" / "traces" / "synthetic_trace.jsonl"
 # (label, how to read it from a result)
@@ -114,6 +122,9 @@ def topology_args(topology: str, prefill_cpus: tuple[int, ...], decode_cpus: tup
     if topology == "disaggregated":
         argv = ["--prefill", "1", "--decode", "1", "--prefill-cpus",
                 format_cpu_list(prefill_cpus), "--decode-cpus", format_cpu_list(decode_cpus)]
+    elif topology == "colocated-dp":
+        argv = ["--prefill", "0", "--decode", "0", "--colocated", "2", "--colocated-cpus",
+                f"{format_cpu_list(prefill_cpus)}/{format_cpu_list(decode_cpus)}"]
     else:
         argv = ["--prefill", "0", "--decode", "0", "--colocated", "1", "--colocated-cpus",
                 format_cpu_list(prefill_cpus + decode_cpus)]
@@ -136,8 +147,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workloads", default=",".join(WORKLOADS),
                         help=f"comma-separated, of {', '.join(WORKLOADS)} (or heavy-RATE: "
                              "the prefill-heavy mix at any rate in req/s, e.g. heavy-0.8)")
-    parser.add_argument("--topologies", default=",".join(TOPOLOGIES),
-                        help="comma-separated, run in this order")
+    parser.add_argument("--topologies", default=",".join(DEFAULT_TOPOLOGIES),
+                        help=f"comma-separated, run in this order, of {', '.join(TOPOLOGIES)} "
+                             f"(default {','.join(DEFAULT_TOPOLOGIES)})")
     parser.add_argument("--num-requests", type=int, default=16,
                         help="requests of each prefill-heavy workload")
     parser.add_argument("--light-requests", type=int, default=32)
@@ -188,34 +200,38 @@ def _names(text: str, allowed: tuple[str, ...], flag: str) -> tuple[str, ...]:
     return names
 
 
-def ratios(results: dict[str, dict[str, dict]]) -> dict[str, dict[str, float | None]]:
-    """disaggregated / colocated per workload and metric, where both ran."""
+def ratios(results: dict[str, dict[str, dict]],
+           baseline: str = "colocated") -> dict[str, dict[str, float | None]]:
+    """disaggregated / `baseline` per workload and metric, where both ran."""
     out: dict[str, dict[str, float | None]] = {}
     for workload, per_topology in results.items():
-        if not set(TOPOLOGIES) <= per_topology.keys():
+        if not {"disaggregated", baseline} <= per_topology.keys():
             continue
         out[workload] = {}
         for label, read in METRICS:
-            ours, theirs = read(per_topology["disaggregated"]), read(per_topology["colocated"])
+            ours, theirs = read(per_topology["disaggregated"]), read(per_topology[baseline])
             out[workload][label] = ours / theirs if ours is not None and theirs else None
     return out
 
 
 def print_comparison(results: dict[str, dict[str, dict]],
-                     table: dict[str, dict[str, float | None]]) -> None:
+                     tables: dict[str, dict[str, dict[str, float | None]]]) -> None:
+    """One row per workload and metric: each topology that ran, and
+    disaggregated / each baseline in `tables` (baseline -> `ratios`)."""
     def cell(value: float | None) -> str:
         return "—" if value is None else f"{value:,.1f}"
 
-    print("\n| workload | metric | disaggregated | colocated | ratio | target |")
-    print("|---|---|---:|---:|---:|---|")
+    ran = [t for t in TOPOLOGIES if any(t in p for p in results.values())]
+    print(f"\n| workload | metric | {' | '.join(ran)} | "
+          + "".join(f"ratio to {b} | " for b in tables) + "target |")
+    print("|---|---|" + "---:|" * (len(ran) + len(tables)) + "---|")
     for workload, per_topology in results.items():
         for label, read in METRICS:
-            values = [cell(read(per_topology[t])) if t in per_topology else "—"
-                      for t in TOPOLOGIES]
-            ratio = table.get(workload, {}).get(label)
-            print(f"| {workload} | {label} | {values[0]} | {values[1]} | "
-                  f"{'—' if ratio is None else f'{ratio:.2f}x'} | "
-                  f"{target(workload, label)} |")
+            values = [cell(read(per_topology[t])) if t in per_topology else "—" for t in ran]
+            shares = [tables[b].get(workload, {}).get(label) for b in tables]
+            print(f"| {workload} | {label} | {' | '.join(values)} | "
+                  + "".join(f"{'—' if r is None else f'{r:.2f}x'} | " for r in shares)
+                  + f"{target(workload, label)} |")
     errors = {f"{w}/{t}": r["errors"] for w, p in results.items() for t, r in p.items()}
     print(f"\nerrors: {errors}")
 
@@ -291,14 +307,15 @@ def main(args: argparse.Namespace) -> int:
             return 1
         for name, result in per_workload.items():
             results[name][topology] = result
-    table = ratios(results)
-    print_comparison(results, table)
+    tables = {b: ratios(results, b) for b in BASELINES}
+    print_comparison(results, {b: t for b, t in tables.items() if t})
     for name, per_topology in results.items():
         serve_plot.plot_runs(list(per_topology.values()), out_dir / "plots" / name)
     (out_dir / "comparison.json").write_text(json.dumps(
         {"model": str(model_dir), "prefill_cpus": format_cpu_list(prefill_cpus),
          "decode_cpus": format_cpu_list(decode_cpus), "started_unix": started,
-         "wall_s": time.time() - started, "ratios": table,
+         "wall_s": time.time() - started, "ratios": tables["colocated"],
+         "ratios_dp": tables["colocated-dp"],
          "targets": {w: {label: target(w, label) for label, _ in METRICS} for w in results},
          "runs": {w: {t: f"{w}-{t}.json" for t in p} for w, p in results.items()}},
         indent=1, allow_nan=False))

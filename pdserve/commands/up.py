@@ -5,7 +5,9 @@ child copies its output to ours, each line prefixed with the child's name):
 
     model    --model DIR, or the built-in tiny model (created on first use)
     pods     every pod starts at once (`python -m pdserve prefill|decode|serve`
-             on free ports, `--ready-file`, `--cpus` from --{role}-cpus); each
+             on free ports, `--ready-file`, `--cpus` from --{role}-cpus: one
+             list for every pod of the role, or `A/B/...`, pod i the i-th
+             list, cyclically); each
              line "[k/n] ... ready" as it comes up
     router   `python -m pdserve router` on --port/--grpc-port, pointed at the
              pods (static lists, or Redis discovery with --redis-url); ready
@@ -75,8 +77,9 @@ class UpConfig:
     router_args: tuple[str, ...] = ()
     # extra flags for the pods of one role only ("prefill", "decode", "colocated")
     role_args: tuple[tuple[str, tuple[str, ...]], ...] = ()
-    # CPU list per role ("prefill", "decode", "colocated", "router"), as given;
-    # every pod of a role gets the same list (pdserve/commands/_cpus.py)
+    # CPU list per role ("prefill", "decode", "colocated", "router"), as given:
+    # one list (every pod of the role) or several split by "/" (pod i gets the
+    # i-th, cyclically: one pod per NUMA node or core); pdserve/commands/_cpus.py
     cpus: tuple[tuple[str, str], ...] = ()
     ready_file: str | None = None
     router_workers: int = 1
@@ -103,8 +106,12 @@ class UpConfig:
         for role, text in self.cpus:
             if role not in CPU_ROLES:
                 raise ValueError(f"no CPU list for role {role!r}; roles: {', '.join(CPU_ROLES)}")
+            if role == "router" and "/" in text:
+                raise ValueError(f"--router-cpus {text!r}: one list for the router's "
+                                 "processes, not one per pod ('/')")
             try:
-                parse_cpu_list(text)
+                for part in text.split("/"):
+                    parse_cpu_list(part)
             except ValueError as exc:
                 raise ValueError(f"--{role}-cpus: {exc}") from None
         self.restart_policy()  # validates the restart flags
@@ -113,11 +120,13 @@ class UpConfig:
         return RestartPolicy(max_restarts=self.max_restarts, window_s=self.restart_window_s,
                              startup_timeout_s=self.startup_timeout_s)
 
-    def cpus_of(self, role: str) -> str | None:
-        """The canonical CPU list of `role`'s processes, or None (not pinned)."""
+    def cpus_of(self, role: str, index: int = 0) -> str | None:
+        """The canonical CPU list of `role`'s pod number `index` (from 0), or
+        None (not pinned)."""
         for name, text in self.cpus:
             if name == role:
-                return format_cpu_list(parse_cpu_list(text))
+                lists = text.split("/")
+                return format_cpu_list(parse_cpu_list(lists[index % len(lists)]))
         return None
 
 
@@ -153,7 +162,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for role in CPU_ROLES:
         parser.add_argument(f"--{role}-cpus", default=None, metavar="LIST",
                             help=f"pin the {role} process(es) to these CPUs, e.g. 0 or 0-1 "
-                                 "(their --cpus; torch threads follow the count)")
+                                 "(their --cpus; torch threads follow the count)"
+                                 + ("" if role == "router" else
+                                    f"; 0/1: {role} pod i gets the i-th list, cyclically"))
     parser.add_argument("--max-restarts", type=int, default=5, metavar="N",
                         help="a child that exits is restarted (same ports, backoff 0.5 s "
                              "doubling to 10 s); one exiting more than N times within "
@@ -205,7 +216,9 @@ def resolve_model(config: UpConfig) -> Path:
     return path
 
 
-def pod_argv(role: str, model: Path, config: UpConfig, ready_file: Path) -> list[str]:
+def pod_argv(role: str, model: Path, config: UpConfig, ready_file: Path,
+             index: int = 0) -> list[str]:
+    """The command line of `role`'s pod number `index`."""
     argv = [POD_COMMANDS[role], "--model", str(model), "--host", "127.0.0.1", "--port", "0",
             "--metrics-port", "0", "--ready-file", str(ready_file),
             "--log-level", config.log_level]
@@ -213,7 +226,7 @@ def pod_argv(role: str, model: Path, config: UpConfig, ready_file: Path) -> list
         argv += ["--kv-port", "0"]
     if config.redis_url:
         argv += ["--redis-url", config.redis_url]
-    cpus = config.cpus_of(role)
+    cpus = config.cpus_of(role, index)
     if cpus is not None:
         argv += ["--cpus", cpus]
     return argv + list(config.pod_args) + list(dict(config.role_args).get(role, ()))
@@ -232,7 +245,7 @@ def start_pods(model: Path, config: UpConfig, tmp: Path, children: list[Child]) 
         workdir = tmp / name
         workdir.mkdir()
         ready_file = workdir / "ready.json"
-        children.append(spawn(name, pod_argv(role, model, config, ready_file), workdir,
+        children.append(spawn(name, pod_argv(role, model, config, ready_file, index), workdir,
                               ready_file))
         pending.append((children[-1], role, ready_file))
     plural = "pod" if len(roles) == 1 else "pods"
@@ -307,6 +320,12 @@ def start_router(model: Path, config: UpConfig, tmp: Path, children: list[Child]
     return router
 
 
+def _role_and_index(name: str) -> tuple[str, int]:
+    """A pod child's name "decode-1" -> ("decode", 1)."""
+    role, _, index = name.rpartition("-")
+    return role, int(index)
+
+
 def _client_host(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
 
@@ -316,7 +335,7 @@ def write_ready_file(config: UpConfig, children: list[Child]) -> None:
     so a reader never sees half a file."""
     pods = [{"name": c.name, "role": c.name.rsplit("-", 1)[0], "grpc": c.address,
              "metrics": f"http://127.0.0.1:{c.metrics_port}/metrics",
-             "cpus": config.cpus_of(c.name.rsplit("-", 1)[0])}
+             "cpus": config.cpus_of(*_role_and_index(c.name))}
             for c in children if c.name != "router"]
     body = {"http": f"http://{_client_host(config.host)}:{config.port}",
             "grpc": config.grpc_port, "pods": pods}

@@ -28,6 +28,8 @@ def test_both_topologies_get_the_same_cpus():
     assert disagg.topology_args("colocated", (0,), (1,), (0, 1)) == [
         "--prefill", "0", "--decode", "0", "--colocated", "1", "--colocated-cpus", "0-1",
         "--router-cpus", "0-1"]
+    assert disagg.topology_args("colocated-dp", (0,), (1,), None) == [
+        "--prefill", "0", "--decode", "0", "--colocated", "2", "--colocated-cpus", "0/1"]
 
 
 def test_workloads_have_the_issue_shapes(tmp_path):
@@ -64,6 +66,9 @@ def test_ratios_are_disaggregated_over_colocated():
                "light-c8": {"colocated": result(1, 1, 1, 1)}}
     assert disagg.ratios(results) == {"heavy-0.2": {
         "TTFT p50": 1.5, "ITL p99": 0.25, "output tok/s": 1.0, "goodput req/s": 2.0}}
+    results["heavy-0.2"]["colocated-dp"] = result(600, 200, 60, 0.4)
+    assert disagg.ratios(results, "colocated-dp") == {"heavy-0.2": {
+        "TTFT p50": 0.5, "ITL p99": 0.5, "output tok/s": 0.5, "goodput req/s": 0.5}}
     assert disagg.target("heavy-0.4", "ITL p99") == "<= 0.3"
     assert disagg.target("light-c8", "ITL p99") == ""
 

@@ -73,6 +73,24 @@ def test_up_passes_each_role_its_cpu_list():
         up.config_from_args(parser.parse_args(["--decode-cpus", "100000"]))
 
 
+def test_up_gives_each_pod_of_a_role_its_own_list_when_split_by_slash():
+    """`--colocated-cpus 0/1`: pod 0 on CPU 0, pod 1 on CPU 1, pod 2 on 0
+    again (one pod per core or NUMA node, as a GPU node runs one per GPU)."""
+    parser = argparse.ArgumentParser()
+    up.add_arguments(parser)
+    cpus = _cpus.allowed_cpus()
+    a, b = str(cpus[0]), str(cpus[-1])
+    config = up.config_from_args(parser.parse_args(
+        ["--prefill", "0", "--decode", "0", "--colocated", "3", "--colocated-cpus", f"{a}/{b}"]))
+    pinned = [up.pod_argv("colocated", Path("/m"), config, Path("/r"), i) for i in range(3)]
+    assert [argv[argv.index("--cpus") + 1] for argv in pinned] == [a, b, a]
+    assert config.cpus_of("colocated", 1) == b
+    with pytest.raises(ValueError, match="--colocated-cpus: CPU list '100000'"):
+        up.config_from_args(parser.parse_args(["--colocated-cpus", f"{a}/100000"]))
+    with pytest.raises(ValueError, match="--router-cpus .*one list for the router's processes"):
+        up.config_from_args(parser.parse_args(["--router-cpus", f"{a}/{b}"]))
+
+
 def test_pin_process_pins_every_thread_and_sizes_torch():
     """In a fresh interpreter (pinning is process-wide): a thread started
     before the pin is moved too, and torch runs one thread per CPU."""
