@@ -91,8 +91,8 @@ class RouterMetrics:
         )
         self.queue_estimated_wait = Gauge(
             "pdserve_router_queue_estimated_wait_seconds",
-            "Estimated wait of a request arriving now for a prefill pod (set once its "
-            "throughput is known)", ["pod"], registry=r,
+            "Estimated wait of a request arriving now for a prefill pod, at the pod's peak "
+            "throughput (set once its throughput is known)", ["pod"], registry=r,
         )
         self.queue_prefill_rate = Gauge(
             "pdserve_router_queue_prefill_tokens_per_second",

@@ -246,9 +246,9 @@ class PrefillAdmission:
     def estimated_wait(self, address: str, num_tokens: int | None = None) -> float | None:
         """Seconds a request arriving now would wait for its turn at `address`,
         at the pod's peak throughput; None while that is unknown. With
-        `num_tokens` (the
-        request's tokens to compute), 0 when it would not queue, and only the
-        waiters ahead of it count; without, the whole queue."""
+        `num_tokens` (the request's tokens to compute), 0 when it would not
+        queue, and only the waiters ahead of it count; without, the whole
+        queue."""
         queue = self._queues.get(address)
         if queue is None:
             return 0.0
