@@ -122,6 +122,17 @@ def test_a_prompt_above_the_budget_runs_alone_and_zero_budget_never_queues(run_a
     run_async(scenario())
 
 
+async def _running_and_four_queued(admission: PrefillAdmission):
+    """One 100-token prompt dispatched, and the tasks of four more queued
+    behind it (at a 100-token budget)."""
+    running = await admission.admit(_request(100), exclude=frozenset(), timeout=10)
+    queued = [asyncio.create_task(admission.admit(_request(100, f"q{i}"),
+                                                  exclude=frozenset(), timeout=10))
+              for i in range(4)]
+    await asyncio.sleep(0.01)
+    return running, queued
+
+
 def test_beyond_the_wait_limit_requests_get_429_and_others_go_on(run_async):
     async def scenario():
         admission, metrics, pool = _admission(dispatch_tokens=100, max_queue_wait=2.0)
@@ -131,11 +142,7 @@ def test_beyond_the_wait_limit_requests_get_429_and_others_go_on(run_async):
             warm.release(finished_tokens=50)  # ~500 tokens/s
         rate = _sample(metrics, "pdserve_router_queue_prefill_tokens_per_second", pod=POD)
         assert 0 < rate <= 600  # 50 tokens in >= 0.1 busy seconds
-        running = await admission.admit(_request(100), exclude=frozenset(), timeout=10)
-        queued = [asyncio.create_task(admission.admit(_request(100, f"q{i}"),
-                                                      exclude=frozenset(), timeout=10))
-                  for i in range(4)]
-        await asyncio.sleep(0.01)
+        running, queued = await _running_and_four_queued(admission)
         wait = admission.estimated_wait(POD)
         assert wait == pytest.approx(500 / rate)
         # another router's traffic, seen in the pod's report, counts too
@@ -413,11 +420,7 @@ def test_shedding_reads_the_peak_rate_not_the_latest_singles(run_async):
     rate = _sample(metrics, "pdserve_router_queue_prefill_tokens_per_second", pod=POD)
 
     async def scenario():
-        running = await admission.admit(_request(100), exclude=frozenset(), timeout=10)
-        queued = [asyncio.create_task(admission.admit(_request(100, f"q{i}"),
-                                                      exclude=frozenset(), timeout=10))
-                  for i in range(4)]
-        await asyncio.sleep(0.01)
+        running, queued = await _running_and_four_queued(admission)
         wait = admission.estimated_wait(POD)
         assert wait < 0.75 * 500 / rate  # 500 tokens ahead, at more than the latest rate
         assert _sample(metrics, "pdserve_router_queue_estimated_wait_seconds",
