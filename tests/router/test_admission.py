@@ -388,8 +388,8 @@ def test_short_prompts_wait_at_the_pod_together_whatever_its_rate(run_async):
     slow, _, _ = _admission(dispatch_tokens=4096, dispatch_seconds=1.0)
     _learn_rate(slow, 100.0, run_async)  # 1 s = 100 tokens: the floor binds
     assert run_async(_going_at_once(slow, burst)) == 1 + 8
-    fast, _, _ = _admission(dispatch_tokens=4096, dispatch_seconds=0.2)
-    _learn_rate(fast, 2_000.0, run_async)  # 0.2 s = 400 tokens: the seconds bind
+    fast, _, _ = _admission(dispatch_tokens=4096, dispatch_seconds=0.5)
+    _learn_rate(fast, 2_000.0, run_async)  # 0.5 s = 1,000 tokens: the seconds bind
     assert run_async(_going_at_once(fast, burst)) == 1 + 12
     tight, _, _ = _admission(dispatch_tokens=350 + 64, dispatch_seconds=1.0)
     assert run_async(_going_at_once(tight, burst)) == 1 + 2  # the token budget still binds
