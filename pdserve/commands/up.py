@@ -333,7 +333,7 @@ def _client_host(host: str) -> str:
 def write_ready_file(config: UpConfig, children: list[Child]) -> None:
     """--ready-file: the router's ports and every pod's, written then renamed
     so a reader never sees half a file."""
-    pods = [{"name": c.name, "role": c.name.rsplit("-", 1)[0], "grpc": c.address,
+    pods = [{"name": c.name, "role": _role_and_index(c.name)[0], "grpc": c.address,
              "metrics": f"http://127.0.0.1:{c.metrics_port}/metrics",
              "cpus": config.cpus_of(*_role_and_index(c.name))}
             for c in children if c.name != "router"]

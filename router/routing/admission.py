@@ -162,10 +162,9 @@ class Throughput:
         self._busy_s = self._busy_s * _DECAY + self._pending_busy_s
         self._pending_busy_s = 0.0
         self.samples += 1
-        rate = self.tokens_per_s
-        if rate is not None:
-            self._peak = max(rate, self.peak_tokens_per_s(now) or 0.0)
-            self._peak_at = now
+        peak = self.peak_tokens_per_s(now)  # never below the rate as it stands
+        if peak is not None:
+            self._peak, self._peak_at = peak, now
 
     @property
     def tokens_per_s(self) -> float | None:
