@@ -422,15 +422,15 @@ class Attempt:
         """The relay callback, called by the session's reader while this
         request's task waits in `read()`: True when `tokens` (no finish
         reason) went to the client here; False leaves them to the task."""
-        out = self._out
+        out, sink = self._out, self._sink
         if (tokens.first_index != out.next_index or tokens.logprobs or tokens.prompt_logprobs
-                or not self._sink.ready()):
+                or not out.plain or not sink.ready()):
             return False
         if tokens.num_prompt_tokens:  # every message has the counts; the first one's count
             out.set_cached_tokens(tokens.num_cached_tokens)
-        delta = out.accept(tokens.first_index, tokens.token_ids)
-        if delta is not None:
-            self._sink.send(delta)
+        token_ids = tokens.token_ids
+        if token_ids:
+            sink.send_text(out.accept_text(token_ids), token_ids)
         return True
 
     def _finish(self, finish_reason: str) -> Delta:

@@ -13,12 +13,12 @@ client stream exact across retries and migrations:
 * prompt logprobs (the first pod that computed the prompt reports them;
   `set_prompt_logprobs`) ride on the next delta, once.
 
-Used from the request's task only.
+Used on the event loop only: by the request's task, and by the direct
+relay (router.flow.direct_relay) while that task waits.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
@@ -55,8 +55,6 @@ class OutputAssembler:
         # Real prefix-cache hits for the client's prompt; the first pod to
         # compute it reports them (a later migration's count covers output too).
         self.cached_tokens: int | None = None
-        self.first_token_time: float | None = None
-        self.last_token_time: float | None = None
         # prompt logprobs: received (a later pod's copy is dropped); not yet sent
         self.has_prompt_logprobs = False
         self._unsent_prompt_logprobs: tuple[OutputLogprobs, ...] | None = None
@@ -108,14 +106,23 @@ class OutputAssembler:
         if not new_ids or self.stopped:
             return None
         new_logprobs = tuple(logprobs[skip:]) if len(logprobs) == len(token_ids) else ()
-        now = time.monotonic()
-        if self.first_token_time is None:
-            self.first_token_time = now
-        self.last_token_time = now
         self.output_ids.extend(new_ids)
         text = self._matcher.push(self._detokenizer.add(new_ids))
         return Delta(text=text, token_ids=new_ids, logprobs=new_logprobs,
                      prompt_logprobs=self._take_prompt_logprobs())
+
+    @property
+    def plain(self) -> bool:
+        """Every further batch is text alone: no stop strings to hold text
+        back, no prompt logprobs left to send (what `accept_text` needs)."""
+        return not self._matcher.has_stops and self._unsent_prompt_logprobs is None
+
+    def accept_text(self, token_ids: Sequence[int]) -> str:
+        """`accept` for the direct relay (router.flow.direct_relay): a batch
+        that starts at `next_index`, while `plain`; returns its text (maybe
+        "": a character still partial) without building a `Delta`."""
+        self.output_ids.extend(token_ids)
+        return self._detokenizer.add(token_ids)
 
     def finish(self, finish_reason: str) -> Delta:
         """The final delta: held-back text, the finish reason and usage."""

@@ -65,7 +65,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 
 from router.api_error import ApiError
 from router.flow.deps import FlowDeps
@@ -117,7 +117,7 @@ class RequestFlow:
         straight to it instead (router.flow.direct_relay): the caller writes
         what is yielded, the relay the rest, in order."""
         if sink is not None:
-            self._sink = _ObservedSink(sink, self._observe)
+            self._sink = _ObservedSink(sink, self._observe_tokens)
         metrics = self._deps.metrics
         metrics.in_flight.inc()
         outcome = "error"
@@ -158,16 +158,22 @@ class RequestFlow:
             metrics.requests.labels(outcome=outcome).inc()
 
     def _observe(self, delta: Delta) -> None:
-        out, metrics = self._out, self._deps.metrics
         if not delta.token_ids:
             return
+        if self._out.next_index == len(delta.token_ids):
+            now = time.monotonic()
+            self._deps.metrics.ttft.observe(now - self._start)
+            self._last_token_time = now
+        else:
+            self._observe_tokens(len(delta.token_ids))
+
+    def _observe_tokens(self, count: int) -> None:
+        """ITL of `count` output tokens that arrived together, after the first."""
         now = time.monotonic()
-        if out.next_index == len(delta.token_ids):
-            metrics.ttft.observe(now - self._start)
-        elif self._last_token_time is not None:
-            gap = (now - self._last_token_time) / len(delta.token_ids)
-            for _ in delta.token_ids:
-                metrics.itl.observe(gap)
+        if self._last_token_time is not None:
+            gap, observe = (now - self._last_token_time) / count, self._deps.metrics.itl.observe
+            for _ in range(count):
+                observe(gap)
         self._last_token_time = now
 
     def _after_failure(self, failure: AttemptFailed) -> None:
@@ -239,16 +245,17 @@ class RequestFlow:
 
 
 class _ObservedSink:
-    """The client's sink, with the flow's TTFT / ITL observation of each
-    delta the direct relay writes (as `run` does for those it yields)."""
+    """The client's sink, with the flow's ITL observation of each batch the
+    direct relay writes (as `run` does for the deltas it yields; the relay
+    never has the first token)."""
 
-    __slots__ = ("ready", "_send", "_observe")
+    __slots__ = ("ready", "_send_text", "_observe_tokens")
 
-    def __init__(self, sink: DeltaSink, observe: Callable[[Delta], None]) -> None:
+    def __init__(self, sink: DeltaSink, observe_tokens: Callable[[int], None]) -> None:
         self.ready = sink.ready
-        self._send = sink.send
-        self._observe = observe
+        self._send_text = sink.send_text
+        self._observe_tokens = observe_tokens
 
-    def send(self, delta: Delta) -> None:
-        self._observe(delta)
-        self._send(delta)
+    def send_text(self, text: str, token_ids: Sequence[int]) -> None:
+        self._observe_tokens(len(token_ids))
+        self._send_text(text, token_ids)

@@ -219,12 +219,19 @@ class ResponseShaper:
                 or self._top_logprobs is not None or delta.tool_calls or self._prompt_pending:
             chunk = self.chunk(delta)
             return None if chunk is None else sse_event(chunk)
+        return self.text_event(delta.text)
+
+    def text_event(self, text: str) -> bytes:
+        """The event of a delta that is non-empty `text` alone (the direct
+        relay's, router.http.stream_sink): `event(Delta(text=text))`."""
+        if self._top_logprobs is not None or self._prompt_pending:
+            return sse_event(self.chunk(Delta(text=text)))
         if self._text_event is None:
             quoted = json.dumps(_TEXT_SLOT).encode()
             before, after = sse_event(self.chunk(Delta(text=_TEXT_SLOT))).split(quoted)
             self._text_event = (before, after)
         before, after = self._text_event
-        return before + json.dumps(delta.text).encode() + after
+        return before + json.dumps(text).encode() + after
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any] | None:
         """The trailing `choices: []` chunk with usage, when the client asked for it."""

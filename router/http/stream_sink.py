@@ -18,10 +18,10 @@ handler, whose write waits for it to drain.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 
 from aiohttp import web
 
-from router.generation import Delta
 from router.http.responses import ResponseShaper
 
 HIGH_WATER = 0x10000  # aiohttp's writer drains above this too
@@ -46,7 +46,7 @@ class SseSink:
         return (self._open and transport is not None and not transport.is_closing()
                 and transport.get_write_buffer_size() < HIGH_WATER)
 
-    def send(self, delta: Delta) -> None:
-        event = self._shaper.event(delta)
-        if event is not None:
+    def send_text(self, text: str, token_ids: Sequence[int]) -> None:
+        if text:
+            event = self._shaper.text_event(text)
             self._transport.write(b"%x\r\n%b\r\n" % (len(event), event))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from router.flow.request_flow import RequestFlow
+from router.generation import Delta
 from tests.router.flow.test_request_flow import PROMPT, Cluster, _collect, _text, run
 from tests.router.inprocess_pods import expected_text, expected_token
 
@@ -27,8 +28,9 @@ class RecordingSink:
         self._calls += 1
         return self._pattern[self._calls % len(self._pattern)]
 
-    def send(self, delta) -> None:
-        assert delta.finish_reason is None and delta.usage is None
+    def send_text(self, text, token_ids) -> None:
+        assert token_ids, "the relay writes no empty batch"
+        delta = Delta(text=text, token_ids=tuple(token_ids))
         self.client.append(delta)
         self.relayed.append(delta)
 

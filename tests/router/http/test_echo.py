@@ -44,6 +44,8 @@ def test_echo_streams_the_prompt_in_the_first_chunk_only():
     s = _shaper(prompt=PROMPT)
     first = s.event(Delta(text="d", token_ids=(6,)))
     assert json.loads(first[6:])["choices"][0]["text"] == "abcd"
+    # the direct relay's text alone, had it come first, would carry the prompt too
+    assert json.loads(_shaper(prompt=PROMPT).text_event("d")[6:])["choices"][0]["text"] == "abcd"
     second = s.event(Delta(text="e", token_ids=(6,)))
     assert json.loads(second[6:])["choices"][0]["text"] == "e"
     # max_tokens 0: the one (final) chunk has the prompt

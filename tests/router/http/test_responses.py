@@ -97,7 +97,8 @@ def test_delta_validates():
 @pytest.mark.parametrize("kind", ["completion", "chat"])
 @pytest.mark.parametrize("usage", [False, True])
 def test_event_is_sse_event_of_chunk(kind, usage):
-    """The per-token template gives exactly the bytes of the general path."""
+    """The per-token template (`event` of a text delta, `text_event`) gives
+    exactly the bytes of the general path."""
     s = ResponseShaper(kind=kind, response_id="x-1", model="tiny", created=100,
                        token_text=str, include_usage=usage)
     deltas = [Delta(text=t, token_ids=(1,)) for t in
@@ -107,3 +108,5 @@ def test_event_is_sse_event_of_chunk(kind, usage):
     for delta in deltas:
         chunk = s.chunk(delta)
         assert s.event(delta) == (None if chunk is None else sse_event(chunk))
+        if delta.text and delta.finish_reason is None:  # what the direct relay writes
+            assert s.text_event(delta.text) == sse_event(chunk)
