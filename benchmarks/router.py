@@ -320,21 +320,29 @@ def main(args: argparse.Namespace) -> int:
                 if args.front_door == "http" and router_http is None:
                     raise SystemExit("--front-door http needs the router started here "
                                      "(not --router-grpc)")
-                opened = asyncio.run(router_open_loop.measure(
-                    open_loop, prefill, decode, router, pids,
-                    router_http if args.front_door == "http" else None))
-            else:
-                runs = {c: asyncio.run(measure_latency(args, prefill, decode, router, c))
-                        for c in levels}
-            redis_proc, redis_url = start_redis(Path(tmp))
-            if redis_proc is not None:
-                procs.insert(0, redis_proc)  # stopped last
-            decisions = asyncio.run(measure_decisions(args, prefill, decode, redis_url))
+
+            async def measure_all():
+                # One event loop for every phase: grpc.aio keeps delivering to
+                # the loop it first ran on, so a later asyncio.run's calls
+                # would end in "Event loop is closed" callbacks.
+                if open_loop is not None:
+                    measured = await router_open_loop.measure(
+                        open_loop, prefill, decode, router, pids,
+                        router_http if args.front_door == "http" else None)
+                else:
+                    measured = {c: await measure_latency(args, prefill, decode, router, c)
+                                for c in levels}
+                redis_proc, redis_url = start_redis(Path(tmp))
+                if redis_proc is not None:
+                    procs.insert(0, redis_proc)  # stopped last
+                return measured, await measure_decisions(args, prefill, decode, redis_url)
+
+            measured, decisions = asyncio.run(measure_all())
         finally:
             stop_stack(procs)
     if open_loop is not None:
-        router_open_loop.report(opened, open_loop, percentile)
+        router_open_loop.report(measured, open_loop, percentile)
         report({}, decisions, args)
     else:
-        report(runs, decisions, args)
+        report(measured, decisions, args)
     return 0
