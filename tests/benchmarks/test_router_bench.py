@@ -80,3 +80,25 @@ def test_sse_floor_reports_cpu_per_event(capsys: pytest.CaptureFixture[str]) -> 
     events = int(re.search(r"([0-9]+) events/s", out).group(1))
     # 8 streams, one event each per 20 ms step: ~400/s on an idle machine
     assert 50 <= events <= 450
+
+
+def test_the_whole_open_loop_command_runs_its_phases_on_one_loop(tiny_model_dir: Path,
+                                                                   capsys, caplog) -> None:
+    """`pdserve bench router --open-loop` end to end: the rounds, then the
+    routing decisions, all on one event loop (two `asyncio.run` calls left
+    grpc.aio delivering the cancelled streams' last events to a closed loop)."""
+    from benchmarks import router
+
+    parser = argparse.ArgumentParser()
+    router.add_arguments(parser)
+    args = parser.parse_args([
+        "--model", str(tiny_model_dir), "--open-loop", "--front-door", "http",
+        "--background", "8", "--background-tokens", "32", "--rate", "4", "--duration", "1.5",
+        "--probe-tokens", "4", "--rounds", "1", "--decision-iterations", "50",
+        "--pod-arg=--kv-cache-memory=256MiB"])
+    assert router.main(args) == 0
+    printed = capsys.readouterr()
+    assert "router CPU per relayed output token" in printed.out
+    assert re.search(r"\| policy, in-memory sessions \| [0-9.]+ \|", printed.out)
+    # asyncio reports a callback's exception through logging (caplog here)
+    assert "Event loop is closed" not in printed.out + printed.err + caplog.text
