@@ -57,6 +57,11 @@ class RouterMetrics:
             "Requests a decode pod prefilled itself (--local-prefill-max-tokens) instead "
             "of the P/D path", registry=r,
         )
+        self.local_prefills_from_queue = Counter(
+            "pdserve_router_local_prefills_from_queue_total",
+            "Of those, requests a decode pod took while they waited in the router's "
+            "prefill queue", registry=r,
+        )
         self.aborts = Counter(
             "pdserve_aborts_total", "Requests the router aborted on the pods, by reason",
             ["reason"], registry=r,

@@ -47,6 +47,7 @@ from router.flow.verdict import PrefillEnding, unless_verdict_fails
 from router.generation import Delta, GenerationRequest
 from router.routing.admission import AdmissionSlot
 from router.routing.base import NoPodAvailable
+from router.routing.local_prefill import LocalChoice, QueuedOffer
 from router.sampling import sampling_to_proto
 
 # Prefill errors that say the pod itself is gone or broken (as opposed to
@@ -205,7 +206,13 @@ class Attempt:
         an unseeded retry could sample a different one."""
         with contextlib.ExitStack() as stack:
             slot = await self._deps.admission.admit(
-                self._request, exclude=frozenset(self._left_out), timeout=self._remaining())
+                self._request, exclude=frozenset(self._left_out), timeout=self._remaining(),
+                local=self._queued_offer())
+            if not isinstance(slot, AdmissionSlot):  # a decode pod took it from the queue
+                async with contextlib.aclosing(self._local_instead(slot)) as deltas:
+                    async for delta in deltas:
+                        yield delta
+                return
             stack.callback(slot.release)  # a no-op once the prefill released it
             address, call, first = await self._open_stream("decode", stack)
             if (self._local_below and first is not grpc.aio.EOF
@@ -408,6 +415,15 @@ class Attempt:
         finally:
             if relaying:
                 call.relay = None
+
+    def _queued_offer(self) -> QueuedOffer | None:
+        """What this attempt offers the idle side while it waits in the
+        prefill queue; None here: it only waits (`LocalAttempt` offers)."""
+        return None
+
+    def _local_instead(self, choice: LocalChoice) -> AsyncIterator[Delta]:
+        """The attempt on the decode pod that took it from the queue."""
+        raise AssertionError("an attempt that offers nothing is never taken from the queue")
 
     def _start_direct_relay(self, call) -> bool:
         """Give `call` the relay callback (router.flow.direct_relay): only a

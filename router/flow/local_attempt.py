@@ -13,6 +13,7 @@ A stream that breaks after it opened ends the attempt with `AttemptFailed`
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Callable
 
 import grpc
@@ -20,10 +21,36 @@ import grpc
 from router.flow.attempt import Attempt
 from router.flow.state import FlowState
 from router.generation import Delta
+from router.routing.local_prefill import LocalChoice, QueuedOffer
+
+log = logging.getLogger(__name__)
 
 
 class LocalAttempt(Attempt):
     """An `Attempt` that can also run on a decode pod without a prefill pod."""
+
+    def _queued_offer(self) -> QueuedOffer | None:
+        rule = self._deps.local_prefill
+        if rule is None:
+            return None
+        return rule.offer_for(
+            (*self._request.prompt_token_ids, *self._out.output_ids),
+            max_context=len(self._request.prompt_token_ids) + self._request.sampling.max_tokens,
+            exclude=frozenset(self._left_out))
+
+    async def _local_instead(self, choice: LocalChoice) -> AsyncIterator[Delta]:
+        """`local_prefill` on the decode pod that took this attempt while it
+        waited in the prefill queue."""
+        self._to_state(FlowState.LOCAL_PREFILL)
+        self._deps.metrics.local_prefills_from_queue.inc()
+        log.debug("request %s: decode pod %s takes its %d new tokens from the prefill queue "
+                  "(%d tokens ahead of it there)", self._request_id, choice.address,
+                  choice.new_tokens, choice.tokens_ahead)
+        with self._deps.local_prefill.computing(choice) as first_token:
+            async with contextlib.aclosing(self.local_prefill(choice.address,
+                                                              first_token)) as deltas:
+                async for delta in deltas:
+                    yield delta
 
     async def local_prefill(self, address: str,
                             first_token: Callable[[], None]) -> AsyncIterator[Delta]:

@@ -13,6 +13,9 @@ Life of one attempt's admission (all on the router's event loop):
         v
     QUEUED           per pod, in order of expected finish (below); counts
         │            toward P's routing load
+        │ with the idle side on, a decode pod with room takes it ──> the
+        │ attempt prefills there instead (LocalChoice; QueuedOffer in
+        │ router/routing/local_prefill.py)
         │ P's dispatched tokens + this request's <= P's dispatch budget
         │ (below), or nothing is dispatched at P (a prompt larger than the
         │ budget still runs, alone)
@@ -97,6 +100,7 @@ from router.cache_index.index import PromptBlocks
 from router.generation import GenerationRequest
 from router.metrics import RouterMetrics
 from router.routing.base import NoPodAvailable, PodPool
+from router.routing.local_prefill import LocalChoice, QueuedOffer
 from router.routing.policy import RoutingPolicy
 
 # Weight of the history in the throughput estimate at each finished prefill.
@@ -279,10 +283,14 @@ class PrefillAdmission:
         return min(ahead, default=0)
 
     async def admit(self, request: GenerationRequest, *, exclude: frozenset[str],
-                    timeout: float) -> AdmissionSlot:
+                    timeout: float, local: QueuedOffer | None = None
+                    ) -> AdmissionSlot | LocalChoice:
         """Wait for this request's turn at a prefill pod. ApiError 429 when the
         wait would exceed --max-queue-wait, 503 without a pod, 504 when
-        `timeout` (the request's time left) runs out in the queue."""
+        `timeout` (the request's time left) runs out in the queue. With
+        `local` (the idle side, router.routing.local_prefill), a decode pod
+        may take the request while it waits: its `LocalChoice` is returned
+        instead of a slot, and the request has left the queue."""
         hits = self._expected_hits(request, exclude)
         address = await self._choose(request, hits, exclude)
         num_tokens = _to_compute(request, hits.get(address, 0))
@@ -300,21 +308,53 @@ class PrefillAdmission:
             # a queued request counts toward its pod's routing load until
             # dispatched (from then on the Prefill call's own tracking counts it)
             with self._pool.track(address, num_tokens=num_tokens):
-                await asyncio.wait_for(asyncio.shield(waiter.turn), timeout)
+                taken = await self._wait_turn(address, queue, waiter, timeout, local)
         except BaseException as exc:  # timeout, or the client left (cancelled)
             if waiter.turn.done():  # dispatched just as it left: give the turn back
                 AdmissionSlot(self, address, num_tokens, waiter.turn.result()).release()
             else:
-                waiter.turn.cancel()
-                queue.waiters.remove(waiter)
-                queue.queued_tokens -= num_tokens
+                self._leave(address, queue, waiter)
             if isinstance(exc, TimeoutError):
                 raise ApiError(504, f"the request waited {time.monotonic() - queued_at:.1f}s "
                                     f"in the router's queue for prefill pod {address} and did "
                                     "not finish within --request-timeout") from None
             raise
         self._metrics.queue_wait.observe(time.monotonic() - queued_at)
+        if taken is not None:
+            self._leave(address, queue, waiter)
+            return taken
         return AdmissionSlot(self, address, num_tokens, waiter.turn.result())
+
+    async def _wait_turn(self, address: str, queue: _PodQueue, waiter: _Waiter, timeout: float,
+                         local: QueuedOffer | None) -> LocalChoice | None:
+        """Until `waiter` is dispatched (None) or, with `local`, a decode pod
+        takes it (the choice; the waiter is still queued). TimeoutError after
+        `timeout` seconds."""
+        if local is None:
+            await asyncio.wait_for(asyncio.shield(waiter.turn), timeout)
+            return None
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            await asyncio.wait((waiter.turn, local.changed()), timeout=min(left, local.RECHECK_S),
+                               return_when=asyncio.FIRST_COMPLETED)
+            if waiter.turn.done():
+                return None
+            index = queue.waiters.index(waiter)
+            ahead = (sum(w.num_tokens for w in queue.waiters[:index])
+                     + max(queue.dispatched_tokens, self._reported_waiting(address)))
+            choice = local.offer(ahead)
+            if choice is not None:
+                return choice
+
+    def _leave(self, address: str, queue: _PodQueue, waiter: _Waiter) -> None:
+        """A waiter leaves the queue undispatched; one it held back may go now."""
+        waiter.turn.cancel()
+        queue.waiters.remove(waiter)
+        queue.queued_tokens -= waiter.num_tokens
+        self._pump(address, queue)
 
     # ------------------------------------------------------------ internals
 

@@ -50,6 +50,7 @@ than that (the reservation reply is then tokens, not Reserved).
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 import math
@@ -126,16 +127,36 @@ class LocalPrefill:
         self._computing: dict[str, int] = {}  # address -> prompt tokens sent, no first token
         # address -> (local prefills computing there, first-token times of recent others)
         self._mine: dict[str, tuple[int, collections.deque[float]]] = {}
+        # resolved when a local prefill's first token frees its pod's budget
+        self._room_freed: asyncio.Future[None] | None = None
+
+    def offer_for(self, token_ids: Sequence[int], *, max_context: int,
+                  exclude: frozenset[str]) -> QueuedOffer | None:
+        """What a request waiting in the prefill queue asks (`QueuedOffer`),
+        or None when the queue rule is off (`--local-prefill-max-tokens` 0)."""
+        if not self.settings.max_tokens:
+            return None
+        return QueuedOffer(self, tuple(token_ids), max_context, exclude)
+
+    def room_freed(self) -> asyncio.Future[None]:
+        """Resolved the next time a local prefill of this router gets its
+        first token (its pod's budget frees). Shared by every waiter."""
+        if self._room_freed is None or self._room_freed.done():
+            self._room_freed = asyncio.get_running_loop().create_future()
+        return self._room_freed
 
     def choose(self, token_ids: Sequence[int], *, max_context: int,
-               exclude: frozenset[str]) -> LocalChoice | None:
+               exclude: frozenset[str], tokens_ahead: int | None = None) -> LocalChoice | None:
         """The decode pod to prefill `token_ids` (prompt + output so far)
         itself, or None for the P/D path. `max_context`: prompt + max_tokens,
-        the KV the pod must have room for; `exclude`: pods that failed."""
+        the KV the pod must have room for; `exclude`: pods that failed;
+        `tokens_ahead`: the prefill path's tokens ahead of this prompt when
+        the caller knows them (it waits in the router's queue), else read
+        from the admission (condition 3)."""
         settings = self.settings
         if not settings.enabled:
             return None
-        ahead: int | None = None
+        ahead = tokens_ahead
         best: tuple[tuple[int, int], LocalChoice] | None = None
         for pod in self._pool.pods("decode"):
             if pod.address in exclude or not self._has_room(pod, max_context):
@@ -151,12 +172,12 @@ class LocalPrefill:
                     ahead = self._tokens_ahead(exclude)
                 if ahead <= 0 or ahead < settings.queue_ratio * new:
                     continue
-                tokens_ahead = ahead
+                seen = ahead
             else:
-                tokens_ahead = -1 if ahead is None else ahead
+                seen = -1 if ahead is None else ahead
             rank = (pod.num_running + pod.in_flight, -pod.num_free_blocks)
             if best is None or rank < best[0]:
-                best = (rank, LocalChoice(pod.address, new, tokens_ahead))
+                best = (rank, LocalChoice(pod.address, new, seen))
         return None if best is None else best[1]
 
     def below_at(self, address: str, max_context: int) -> int:
@@ -196,6 +217,8 @@ class LocalPrefill:
                 count, released_at = self._mine[address]
                 released_at.append(time.monotonic())
                 self._mine[address] = (count - 1, released_at)
+                if self._room_freed is not None and not self._room_freed.done():
+                    self._room_freed.set_result(None)
 
         try:
             yield release
@@ -222,3 +245,33 @@ class LocalPrefill:
             del self._mine[address]
             return 0
         return count + len(released_at)
+
+
+class QueuedOffer:
+    """The idle side as one request waiting in the router's prefill queue
+    sees it (`PrefillAdmission.admit`): arrival is not the only moment a
+    decode pod can take a prompt. A waiter asks again whenever a local
+    prefill frees its pod's budget (`changed`) and every
+    `RECHECK_S` (decode pods' reports change their room), with the tokens
+    still ahead of it in the queue (condition 3, counted from where it
+    waits); the first waiter a freed budget fits leaves the queue for that
+    pod."""
+
+    RECHECK_S = 0.5
+
+    __slots__ = ("_rule", "_token_ids", "_max_context", "_exclude")
+
+    def __init__(self, rule: LocalPrefill, token_ids: tuple[int, ...], max_context: int,
+                 exclude: frozenset[str]) -> None:
+        self._rule = rule
+        self._token_ids = token_ids
+        self._max_context = max_context
+        self._exclude = exclude
+
+    def offer(self, tokens_ahead: int) -> LocalChoice | None:
+        """The decode pod that takes the request now, or None (it waits on)."""
+        return self._rule.choose(self._token_ids, max_context=self._max_context,
+                                 exclude=self._exclude, tokens_ahead=tokens_ahead)
+
+    def changed(self) -> asyncio.Future[None]:
+        return self._rule.room_freed()

@@ -4,6 +4,7 @@ refuses, and a broken local stream moving the request like any other."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 import pytest
@@ -105,4 +106,36 @@ def test_a_local_stream_that_breaks_moves_the_request_to_another_decode_pod():
         (moved,) = second.requests  # prompt + the 2 tokens so far, prefilled there too
         assert not moved.remote_prefill and len(moved.output_token_ids) == 2
         assert cluster.sample("pdserve_router_local_prefills_total") == 2
+    run(main())
+
+
+def test_a_request_waiting_in_the_prefill_queue_is_taken_when_a_local_prefill_frees_its_pod():
+    """Arrival is not the only moment: r2 arrives while r1's local prefill
+    fills the decode pod's budget, so it queues for the (full) prefill pod;
+    r1's first token frees the budget and the decode pod takes r2 from the
+    queue (QueuedOffer)."""
+    async def main():
+        cluster = Cluster()
+        prefill = await cluster.add("prefill")
+        decode = await cluster.add("decode", delay=0.3)  # a local first token takes 0.3 s
+        async with cluster:
+            await _with_rule(cluster, busy_tokens=100, max_tokens=len(PROMPT))
+            # a second prompt dispatched behind the one computing: no room for more
+            busy = GenerationRequest("busy-2", tuple(range(5, 305)), SamplingSpec(max_tokens=1))
+            await cluster.deps.admission.admit(busy, exclude=frozenset(), timeout=5)
+            first = asyncio.create_task(_collect(cluster.flow(max_tokens=3, rid="r1")))
+            await asyncio.sleep(0.05)
+            second = cluster.flow(max_tokens=3, rid="r2")
+            # without the offer r2 would wait for the busy prompts, which never finish
+            deltas = await asyncio.wait_for(_collect(second), 10)
+            await first
+            queued = cluster.sample("pdserve_router_queue_requests",
+                                    pod=prefill.address)
+        assert _text(deltas) == expected_text(PROMPT, 3)
+        assert [(g.request_id, g.remote_prefill) for g in decode.requests] == [
+            ("r1-1", False), ("r2-1", False)]
+        assert prefill.requests == [] and queued == 0
+        assert cluster.sample("pdserve_router_local_prefills_total") == 2
+        assert cluster.sample("pdserve_router_local_prefills_from_queue_total") == 1
+        assert cluster.sample("pdserve_router_queue_wait_seconds_count") == 3
     run(main())

@@ -1,0 +1,116 @@
+"""The idle side taking a request out of the prefill queue
+(`PrefillAdmission.admit(local=...)`, router.routing.local_prefill.QueuedOffer):
+what a waiter offers is asked again when a local prefill frees its pod, with
+the tokens still ahead of it; taken, it leaves the queue and the next waiter
+may go; dispatched first, it keeps its slot."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from router.api_error import ApiError
+from router.routing.admission import AdmissionSlot
+from router.routing.local_prefill import LocalChoice, LocalPrefill, LocalPrefillSettings
+from tests.router.test_admission import POD, _admission, _request, _sample
+from tests.router.test_local_prefill import DECODE_A, _load, _Pool
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class _Offer:
+    """A QueuedOffer whose answer the test sets; records what it was asked."""
+
+    RECHECK_S = 30.0  # only `changed` wakes the waiter here
+
+    def __init__(self) -> None:
+        self.asked: list[int] = []
+        self.answer: LocalChoice | None = None
+        self._changed: asyncio.Future[None] | None = None
+
+    def offer(self, tokens_ahead: int) -> LocalChoice | None:
+        self.asked.append(tokens_ahead)
+        return self.answer
+
+    def changed(self) -> asyncio.Future[None]:
+        if self._changed is None or self._changed.done():
+            self._changed = asyncio.get_running_loop().create_future()
+        return self._changed
+
+    def fire(self, answer: LocalChoice | None) -> None:
+        self.answer = answer
+        self.changed().set_result(None)
+
+
+def test_a_waiter_taken_by_a_decode_pod_leaves_the_queue_and_the_next_one_goes(run_async):
+    async def scenario():
+        admission, metrics, _ = _admission(dispatch_tokens=100)
+        running = await admission.admit(_request(90), exclude=frozenset(), timeout=10)
+        offer = _Offer()
+        taken = asyncio.create_task(admission.admit(_request(30, "taken"), exclude=frozenset(),
+                                                    timeout=10, local=offer))
+        await asyncio.sleep(0.02)
+        behind = asyncio.create_task(admission.admit(_request(10, "behind"),
+                                                     exclude=frozenset(), timeout=10))
+        await asyncio.sleep(0.02)
+        offer.fire(None)  # asked, declined: it waits on
+        await asyncio.sleep(0.02)
+        assert offer.asked == [90] and not taken.done()  # the prompt computing, not itself
+        choice = LocalChoice(DECODE_A, 30, 90)
+        offer.fire(choice)
+        assert await taken is choice
+        # 90 + 10 <= 100: "behind" fitted all along but waited behind "taken" (FIFO)
+        slot = await asyncio.wait_for(behind, 1)
+        assert isinstance(slot, AdmissionSlot)
+        assert _sample(metrics, "pdserve_router_queue_requests", pod=POD) == 0
+        assert _sample(metrics, "pdserve_router_queue_tokens", pod=POD) == 0
+        assert _sample(metrics, "pdserve_router_queue_dispatched_tokens", pod=POD) == 100
+        running.release()
+        slot.release()
+
+    run_async(scenario())
+
+
+def test_a_waiter_dispatched_first_keeps_its_slot_and_one_out_of_time_gets_504(run_async):
+    async def scenario():
+        admission, metrics, pool = _admission(dispatch_tokens=10)
+        running = await admission.admit(_request(10), exclude=frozenset(), timeout=10)
+        offer = _Offer()
+        offer.answer = LocalChoice(DECODE_A, 5, 10)  # would take it, if asked
+        waiting = asyncio.create_task(admission.admit(_request(5), exclude=frozenset(),
+                                                      timeout=10, local=offer))
+        await asyncio.sleep(0.02)
+        running.release(finished_tokens=10)
+        slot = await waiting
+        assert isinstance(slot, AdmissionSlot) and offer.asked == []
+        with pytest.raises(ApiError) as err:
+            await admission.admit(_request(8), exclude=frozenset(), timeout=0.05,
+                                  local=_Offer())
+        assert err.value.status == 504
+        assert _sample(metrics, "pdserve_router_queue_requests", pod=POD) == 0
+        assert pool.in_flight(POD) == (0, 0)
+        slot.release()
+
+    run_async(scenario())
+
+
+def test_the_rule_tells_a_waiter_when_a_local_prefill_frees_its_pod(run_async):
+    async def scenario():
+        pool = _Pool(_load(DECODE_A, "decode"))
+        rule = LocalPrefill(pool, lambda exclude: 0, LocalPrefillSettings(max_tokens=8))
+        assert LocalPrefill(pool, lambda exclude: 0,
+                            LocalPrefillSettings(below=8)).offer_for(
+            [1, 2], max_context=10, exclude=frozenset()) is None  # the queue rule is off
+        offer = rule.offer_for([1, 2, 3, 4, 5, 6], max_context=20, exclude=frozenset())
+        with rule.computing(LocalChoice(DECODE_A, 4, 100)) as first_token:
+            assert offer.offer(tokens_ahead=100) is None  # 4 + 6 > the budget of 8
+            assert offer.offer(tokens_ahead=3) is None
+            changed = offer.changed()
+            assert not changed.done()
+            first_token()
+            assert changed.done()
+        assert offer.offer(tokens_ahead=3) is None  # fewer tokens ahead than its own 6
+        assert offer.offer(tokens_ahead=100) == LocalChoice(DECODE_A, 6, 100)
+
+    run_async(scenario())
