@@ -115,7 +115,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    decode_first=config.scheduling_policy == "decode-first",
-                                   short_prefill_tokens=config.short_prefill_tokens)
+                                   short_prefill_tokens=config.short_prefill_tokens,
+                                   mixed_prefill_tokens=config.mixed_prefill_tokens)
         self.runner = ModelRunner(self.model, self.kv_caches, config.block_size,
                                   layer_kv_hook=layer_kv_hook, max_num_seqs=config.max_num_seqs,
                                   max_num_batched_tokens=config.max_num_batched_tokens,

@@ -30,6 +30,17 @@ this step instead of waiting for every longer prompt admitted before them
 (on a prefill pod that is most of such a request's time to first token).
 The longer prompts keep at least half of every step, so they cannot starve.
 
+Prompt tokens beside decodes (`mixed_prefill_tokens` C > 0, with
+`decode_first`): a step that decodes at least one request computes at most C
+prompt tokens (running prompts' chunks and newly admitted prompts
+together); a step with nothing to decode gets the whole budget. A step's
+time grows with its prompt tokens, and every decoding request waits for the
+step, so C bounds the gap a prompt puts between two of their tokens without
+capping how many sequences decode at once (a smaller
+`max_num_batched_tokens` would cap both). A decode pod that prefills a
+prompt itself (the router's idle side) runs with it: its running batch
+stalls for C-token chunks, not for the whole prompt.
+
 Async scheduling (docs/engine.md): step N+1 may be scheduled before step
 N completes. A token a scheduled step will sample counts as an output
 placeholder (`Request.num_output_placeholders`), so step N+1 plans the
@@ -86,10 +97,11 @@ class Scheduler:
 
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int,
                  max_num_batched_tokens: int, decode_first: bool = True,
-                 short_prefill_tokens: int = 0) -> None:
+                 short_prefill_tokens: int = 0, mixed_prefill_tokens: int = 0) -> None:
         self.block_manager = block_manager
         self.decode_first = decode_first
         self.short_prefill_tokens = short_prefill_tokens  # 0: off (module docstring)
+        self.mixed_prefill_tokens = mixed_prefill_tokens  # 0: off (module docstring)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -132,6 +144,9 @@ class Scheduler:
         stalled = False  # someone waits for deferred blocks: admit nobody
         decoding, prefilling = self._running_groups()
         for group in (decoding, prefilling):
+            if group is prefilling and self.mixed_prefill_tokens and self.decode_first \
+                    and scheduled:  # the decoding requests scheduled so far
+                budget = min(budget, self.mixed_prefill_tokens)
             if group is prefilling and self.short_prefill_tokens and self.decode_first \
                     and not preempted and not stalled:
                 budget = self._admit_short(budget, scheduled, step_id)

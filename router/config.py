@@ -92,6 +92,9 @@ class RouterConfig:
     # at least queue_ratio x as many tokens queued ahead of it.
     local_prefill_max_tokens: int = 0
     local_prefill_queue_ratio: float = 1.0
+    # ... and those tokens are at least this many seconds at the prefill
+    # pod's learnt peak rate (0 = the tokens alone decide).
+    local_prefill_min_wait: float = 0.0
     # TLS of the public HTTP and gRPC listeners (with a CA: client certificates
     # required), and how the router reaches its pods (docs/deploy.md, Security).
     tls: TlsFiles | None = None
@@ -176,6 +179,9 @@ class RouterConfig:
                              f"got {self.local_prefill_queue_ratio}")
         if self.tls is not None and self.tls.cert_file is None:
             raise ValueError("tls needs a certificate and key file for the router's listeners")
+        if not 0.0 <= self.local_prefill_min_wait <= 3600.0:
+            raise ValueError(f"local_prefill_min_wait must be in [0, 3600] seconds, "
+                             f"got {self.local_prefill_min_wait}")
         if not 0 <= self.local_prefill_below <= 1 << 20:
             raise ValueError(f"local_prefill_below must be in [0, {1 << 20}], "
                              f"got {self.local_prefill_below}")

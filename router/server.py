@@ -136,10 +136,11 @@ class RouterServer:
                                   request_timeout=c.request_timeout),
             admission=admission,
             local_prefill=LocalPrefill(
-                self.pool, admission.least_tokens_ahead,
+                self.pool, admission.least_ahead,
                 LocalPrefillSettings(max_tokens=c.local_prefill_max_tokens,
                                      queue_ratio=c.local_prefill_queue_ratio,
                                      below=c.local_prefill_below,
+                                     min_wait=c.local_prefill_min_wait,
                                      report_age=2 * c.load_poll_interval),
                 cached_prefix=index.cached_prefix),
         )

@@ -23,7 +23,7 @@ STEP_TOKENS = 2048
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser, *, block_size: int,
-                         prefix_cache_default: bool) -> None:
+                         prefix_cache_default: bool, mixed_prefill_default: int = 0) -> None:
     g = parser.add_argument_group("engine")
     g.add_argument("--model", required=True, metavar="DIR",
                    help="Hugging Face style model directory (config.json + safetensors).")
@@ -48,6 +48,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, block_size: int,
                         "chunks, within half the step budget (default 0: off; e.g. 256 on "
                         "prefill pods that see multi-turn traffic; docs/engine.md, "
                         "Configuration).")
+    g.add_argument("--mixed-prefill-tokens", type=int, default=mixed_prefill_default,
+                   metavar="TOKENS",
+                   help="With decode-first: a step that decodes computes at most this many "
+                        "prompt tokens, so a prompt stalls the running batch in chunks of this "
+                        f"size (default {mixed_prefill_default}"
+                        f"{': off, the whole step budget' if not mixed_prefill_default else ''}; "
+                        "docs/engine.md, Configuration).")
     g.add_argument("--kernel-backend", choices=("auto", "triton", "torch"),
                    default=os.environ.get("PDSERVE_KERNEL_BACKEND", "auto"),
                    help="Kernels: Triton on CUDA and torch on CPU (auto), or one of them "
@@ -131,6 +138,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         scheduling_policy=args.scheduling_policy,
         short_prefill_tokens=args.short_prefill_tokens,
+        mixed_prefill_tokens=args.mixed_prefill_tokens,
         max_model_len=args.max_model_len,
         enable_prefix_caching=args.prefix_cache,
         seed=args.seed,

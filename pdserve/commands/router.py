@@ -68,6 +68,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--local-prefill-queue-ratio", type=float, default=1.0, metavar="R",
                         help="... when the prefill path has at least R x the prompt's new "
                              "tokens queued ahead of it (default 1)")
+    parser.add_argument("--local-prefill-min-wait", type=float, default=0.0, metavar="SECONDS",
+                        help="... and those tokens are at least this many seconds of work at "
+                             "the prefill pod's learnt rate, so the decode pod's running batch "
+                             "pays for a prompt only when it would otherwise wait that long "
+                             "(default 0: the tokens alone decide)")
     parser.add_argument("--local-prefill-below", type=int, default=0, metavar="TOKENS",
                         help="conditional disaggregation: a prompt with fewer new tokens "
                              "than this (after the decode pod's cached prefix) is prefilled "
@@ -150,6 +155,7 @@ def config_from_args(args: argparse.Namespace):
         workers=args.workers,
         local_prefill_max_tokens=args.local_prefill_max_tokens,
         local_prefill_queue_ratio=args.local_prefill_queue_ratio,
+        local_prefill_min_wait=args.local_prefill_min_wait,
         tls=router_tls_from_args(args),
         pod_security=router_pod_security_from_args(args),
         local_prefill_below=args.local_prefill_below,

@@ -100,7 +100,7 @@ from router.cache_index.index import PromptBlocks
 from router.generation import GenerationRequest
 from router.metrics import RouterMetrics
 from router.routing.base import NoPodAvailable, PodPool
-from router.routing.local_prefill import LocalChoice, QueuedOffer
+from router.routing.local_prefill import Ahead, LocalChoice, QueuedOffer
 from router.routing.policy import RoutingPolicy
 
 # Weight of the history in the throughput estimate at each finished prefill.
@@ -268,19 +268,29 @@ class PrefillAdmission:
         rate = queue.throughput.peak_tokens_per_s(time.monotonic())
         return None if rate is None else ahead / rate
 
-    def least_tokens_ahead(self, exclude: frozenset[str]) -> int:
-        """Prompt tokens this router has queued for or dispatched to the healthy
-        prefill pod (not in `exclude`) with the fewest, and not yet seen
-        finish; 0 without one. Read by the local-prefill rule
+    def least_ahead(self, exclude: frozenset[str]) -> Ahead:
+        """What waits on the healthy prefill pod (not in `exclude`) with the
+        fewest prompt tokens this router has queued for or dispatched to it,
+        not yet seen finish, and their wait at its peak rate; no tokens
+        without a pod. Read by the local-prefill rule
         (router/routing/local_prefill.py). Only this router's own traffic:
         with the pods' reported queues the rule once saw tokens ahead on an
         idle stack, and a false "busy" sends prompts away from an idle pod."""
-        ahead = []
+        least: tuple[int, str] | None = None
         for pod in self._pool.pods("prefill"):
             if pod.address not in exclude:
                 queue = self._queues.get(pod.address)
-                ahead.append(0 if queue is None else queue.tokens_ahead(0))
-        return min(ahead, default=0)
+                tokens = 0 if queue is None else queue.tokens_ahead(0)
+                if least is None or tokens < least[0]:
+                    least = (tokens, pod.address)
+        if least is None:
+            return Ahead(0)
+        return self._ahead(least[1], least[0])
+
+    def _ahead(self, address: str, tokens: int) -> Ahead:
+        queue = self._queues.get(address)
+        rate = None if queue is None else queue.throughput.peak_tokens_per_s(time.monotonic())
+        return Ahead(tokens, None if rate is None else tokens / rate)
 
     async def admit(self, request: GenerationRequest, *, exclude: frozenset[str],
                     timeout: float, local: QueuedOffer | None = None
@@ -345,7 +355,7 @@ class PrefillAdmission:
             index = queue.waiters.index(waiter)
             ahead = (sum(w.num_tokens for w in queue.waiters[:index])
                      + max(queue.dispatched_tokens, self._reported_waiting(address)))
-            choice = local.offer(ahead)
+            choice = local.offer(self._ahead(address, ahead))
             if choice is not None:
                 return choice
 

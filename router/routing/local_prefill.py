@@ -13,11 +13,15 @@ own batch, no KV transfer) when every condition holds:
    `--local-prefill-queue-ratio` R x the new tokens ahead of this prompt
    (the least over the healthy prefill pods of the prompt tokens this
    router has queued for them or dispatched to them, not yet finished:
-   `PrefillAdmission.least_tokens_ahead`). The wait at a prefill pod is
+   `PrefillAdmission.least_ahead`). The wait at a prefill pod is
    tokens ahead / its prefill rate and the local prefill takes new tokens /
    the decode pod's rate, so with both pods on equal hardware R = 1 means:
    the decode pod finishes the prompt before the prefill pod would even
-   start it;
+   start it; and, with `--local-prefill-min-wait` W > 0, those tokens are
+   at least W seconds of work at the prefill pod's learnt peak rate (the
+   estimate shedding uses; not checked while the rate is unknown), so
+   the decode pod's running batch pays for a prompt only when the prompt
+   would otherwise wait that long;
 4. a decode pod has spare capacity: healthy and not failed for this
    request; no waiting queue in its last report (its scheduler queues what
    it cannot run, so none waiting means it ran fewer than max_num_seqs and
@@ -62,8 +66,20 @@ from router.routing.base import PodLoad, PodPool
 
 # Tokens of `token_ids` decode pod `address` already caches (a prefix).
 CachedPrefix = Callable[[str, Sequence[int]], int]
-# Prompt tokens ahead of a new prompt on the prefill path, given the pods to leave out.
-TokensAhead = Callable[[frozenset[str]], int]
+
+
+@dataclass(frozen=True, slots=True)
+class Ahead:
+    """What waits ahead of a prompt on the prefill path: prompt tokens to
+    compute, and the seconds they take at the prefill pod's learnt peak rate
+    (None while that is unknown)."""
+
+    tokens: int
+    wait: float | None = None
+
+
+# What waits ahead of a new prompt on the prefill path, given the pods to leave out.
+TokensAhead = Callable[[frozenset[str]], Ahead]
 
 
 def no_cached_prefix(address: str, token_ids: Sequence[int]) -> int:
@@ -74,12 +90,13 @@ def no_cached_prefix(address: str, token_ids: Sequence[int]) -> int:
 @dataclass(frozen=True, slots=True)
 class LocalPrefillSettings:
     """`max_tokens`: N above (0 = off). `queue_ratio`: R above. `below`: T
-    above (0 = off). `report_age`: how old a pod's load report can be (twice
-    the router's load poll interval)."""
+    above (0 = off). `min_wait`: W above (0 = off). `report_age`: how old a
+    pod's load report can be (twice the router's load poll interval)."""
 
     max_tokens: int = 0
     queue_ratio: float = 1.0
     below: int = 0
+    min_wait: float = 0.0
     report_age: float = 1.0
 
     def __post_init__(self) -> None:
@@ -91,6 +108,9 @@ class LocalPrefillSettings:
                              f"got {self.queue_ratio}")
         if not 0 <= self.below <= 1 << 20:
             raise ValueError(f"local prefill below must be in [0, {1 << 20}], got {self.below}")
+        if not 0.0 <= self.min_wait <= 3600.0:
+            raise ValueError(f"local prefill min wait must be in [0, 3600] seconds, "
+                             f"got {self.min_wait}")
         if not 0.0 <= self.report_age <= 3600.0:
             raise ValueError(f"local prefill report age must be in [0, 3600] seconds, "
                              f"got {self.report_age}")
@@ -118,10 +138,10 @@ class LocalPrefill:
     """The rule above plus this router's local prefills still computing per
     decode pod; one per router, used on its event loop only."""
 
-    def __init__(self, pool: PodPool, tokens_ahead: TokensAhead, settings: LocalPrefillSettings,
+    def __init__(self, pool: PodPool, least_ahead: TokensAhead, settings: LocalPrefillSettings,
                  cached_prefix: CachedPrefix = no_cached_prefix) -> None:
         self._pool = pool
-        self._tokens_ahead = tokens_ahead
+        self._least_ahead = least_ahead
         self._cached_prefix = cached_prefix
         self.settings = settings
         self._computing: dict[str, int] = {}  # address -> prompt tokens sent, no first token
@@ -146,17 +166,16 @@ class LocalPrefill:
         return self._room_freed
 
     def choose(self, token_ids: Sequence[int], *, max_context: int,
-               exclude: frozenset[str], tokens_ahead: int | None = None) -> LocalChoice | None:
+               exclude: frozenset[str], ahead: Ahead | None = None) -> LocalChoice | None:
         """The decode pod to prefill `token_ids` (prompt + output so far)
         itself, or None for the P/D path. `max_context`: prompt + max_tokens,
         the KV the pod must have room for; `exclude`: pods that failed;
-        `tokens_ahead`: the prefill path's tokens ahead of this prompt when
-        the caller knows them (it waits in the router's queue), else read
+        `ahead`: what waits ahead of this prompt on the prefill path when
+        the caller knows it (it waits in the router's queue), else read
         from the admission (condition 3)."""
         settings = self.settings
         if not settings.enabled:
             return None
-        ahead = tokens_ahead
         best: tuple[tuple[int, int], LocalChoice] | None = None
         for pod in self._pool.pods("decode"):
             if pod.address in exclude or not self._has_room(pod, max_context):
@@ -169,16 +188,23 @@ class LocalPrefill:
                 if new > settings.max_tokens:
                     continue
                 if ahead is None:
-                    ahead = self._tokens_ahead(exclude)
-                if ahead <= 0 or ahead < settings.queue_ratio * new:
+                    ahead = self._least_ahead(exclude)
+                if not self._queue_is_long(ahead, new):
                     continue
-                seen = ahead
+                seen = ahead.tokens
             else:
-                seen = -1 if ahead is None else ahead
+                seen = -1 if ahead is None else ahead.tokens
             rank = (pod.num_running + pod.in_flight, -pod.num_free_blocks)
             if best is None or rank < best[0]:
                 best = (rank, LocalChoice(pod.address, new, seen))
         return None if best is None else best[1]
+
+    def _queue_is_long(self, ahead: Ahead, new_tokens: int) -> bool:
+        """Condition 3: prefill is the bottleneck for a prompt of `new_tokens`."""
+        settings = self.settings
+        if ahead.tokens <= 0 or ahead.tokens < settings.queue_ratio * new_tokens:
+            return False
+        return ahead.wait is None or ahead.wait >= settings.min_wait
 
     def below_at(self, address: str, max_context: int) -> int:
         """What a request reserving on decode pod `address` carries as
@@ -268,10 +294,10 @@ class QueuedOffer:
         self._max_context = max_context
         self._exclude = exclude
 
-    def offer(self, tokens_ahead: int) -> LocalChoice | None:
+    def offer(self, ahead: Ahead) -> LocalChoice | None:
         """The decode pod that takes the request now, or None (it waits on)."""
         return self._rule.choose(self._token_ids, max_context=self._max_context,
-                                 exclude=self._exclude, tokens_ahead=tokens_ahead)
+                                 exclude=self._exclude, ahead=ahead)
 
     def changed(self) -> asyncio.Future[None]:
         return self._rule.room_freed()

@@ -312,3 +312,60 @@ def test_short_prefill_tokens_is_checked():
     with pytest.raises(ValueError, match="short_prefill_tokens must be in"):
         from engine.config import EngineConfig
         EngineConfig(model_dir="m", short_prefill_tokens=5000)
+
+
+def _mixed_sched(mixed, budget=16, short=0):
+    bm = BlockManager(64, 4, enable_prefix_caching=True)
+    return Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=budget,
+                     short_prefill_tokens=short, mixed_prefill_tokens=mixed)
+
+
+def test_a_step_that_decodes_computes_at_most_mixed_prefill_tokens_of_prompts():
+    sched = _mixed_sched(mixed=4, budget=16)
+    a = _req("a", 3)
+    sched.add(a)
+    out = sched.schedule()
+    assert _plan(out) == [("a", 0, 3)]  # nothing decodes: the whole budget
+    _finish_step(sched, out)
+    long_b, short_c = _req("b", 10, start=100), _req("c", 3, start=200)
+    sched.add(long_b)
+    sched.add(short_c)
+    out = sched.schedule()
+    # a decodes, so prompts get 4 tokens: b's first chunk, c waits
+    assert _plan(out) == [("a", 3, 1), ("b", 0, 4)]
+    _finish_step(sched, out)
+    out = sched.schedule()
+    # b's next chunk and c's admission share the 4
+    assert _plan(out) == [("a", 4, 1), ("b", 4, 4)]
+    _finish_step(sched, out)
+    sched.finish(a, S.FINISHED_STOPPED)
+    out = sched.schedule()
+    # nothing decodes: the rest of b and all of c in one step
+    assert _plan(out) == [("b", 8, 2), ("c", 0, 3)]
+
+
+def test_mixed_prefill_tokens_leaves_every_decode_in_the_step():
+    sched = _mixed_sched(mixed=2, budget=16)
+    decoders = [_req(f"d{i}", 1, start=10 * i) for i in range(6)]
+    for r in decoders:
+        sched.add(r)
+    _finish_step(sched, sched.schedule())
+    sched.add(_req("p", 8, start=500))
+    plan = _plan(sched.schedule())
+    assert [p[0] for p in plan] == ["d0", "d1", "d2", "d3", "d4", "d5", "p"]
+    assert plan[-1] == ("p", 0, 2)
+    # the same budget as a smaller max_num_batched_tokens would cap the decodes too
+    capped = _sched(num_blocks=64, budget=2)
+    for r in [_req(f"d{i}", 1, start=10 * i) for i in range(6)]:
+        capped.add(r)
+    for _ in range(3):
+        _finish_step(capped, capped.schedule())
+    assert len(_plan(capped.schedule())) == 2
+
+
+def test_mixed_prefill_tokens_is_checked():
+    from engine.config import EngineConfig
+    with pytest.raises(ValueError, match="mixed_prefill_tokens must be in"):
+        EngineConfig(model_dir="m", mixed_prefill_tokens=5000)
+    with pytest.raises(ValueError, match="mixed_prefill_tokens must be in"):
+        EngineConfig(model_dir="m", mixed_prefill_tokens=-1)

@@ -7,12 +7,13 @@ may go; dispatched first, it keeps its slot."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
 from router.api_error import ApiError
 from router.routing.admission import AdmissionSlot
-from router.routing.local_prefill import LocalChoice, LocalPrefill, LocalPrefillSettings
+from router.routing.local_prefill import Ahead, LocalChoice, LocalPrefill, LocalPrefillSettings
 from tests.router.test_admission import POD, _admission, _request, _sample
 from tests.router.test_local_prefill import DECODE_A, _load, _Pool
 
@@ -26,11 +27,13 @@ class _Offer:
 
     def __init__(self) -> None:
         self.asked: list[int] = []
+        self.waits: list[float | None] = []
         self.answer: LocalChoice | None = None
         self._changed: asyncio.Future[None] | None = None
 
-    def offer(self, tokens_ahead: int) -> LocalChoice | None:
-        self.asked.append(tokens_ahead)
+    def offer(self, ahead: Ahead) -> LocalChoice | None:
+        self.asked.append(ahead.tokens)
+        self.waits.append(ahead.wait)
         return self.answer
 
     def changed(self) -> asyncio.Future[None]:
@@ -72,6 +75,32 @@ def test_a_waiter_taken_by_a_decode_pod_leaves_the_queue_and_the_next_one_goes(r
     run_async(scenario())
 
 
+def test_a_waiter_is_offered_the_wait_of_the_tokens_ahead_once_the_rate_is_known(run_async):
+    async def scenario():
+        admission, _, _ = _admission(dispatch_tokens=100)
+        for i in range(3):  # MIN_SAMPLES prefills of 100 tokens, ~0.05 s each
+            slot = await admission.admit(_request(100, f"learn-{i}"), exclude=frozenset(),
+                                         timeout=10)
+            await asyncio.sleep(0.05)
+            slot.release(finished_tokens=100)
+        running = await admission.admit(_request(90), exclude=frozenset(), timeout=10)
+        offer = _Offer()
+        waiting = asyncio.create_task(admission.admit(_request(30, "w"), exclude=frozenset(),
+                                                      timeout=10, local=offer))
+        await asyncio.sleep(0.02)
+        offer.fire(None)
+        await asyncio.sleep(0.02)
+        rate = admission._queues[POD].throughput.peak_tokens_per_s(time.monotonic())
+        assert offer.asked == [90] and rate is not None and 300 < rate < 2100
+        assert offer.waits[0] == pytest.approx(90 / rate, rel=0.05)
+        ahead = admission.least_ahead(frozenset())
+        assert ahead.tokens == 120 and ahead.wait == pytest.approx(120 / rate, rel=0.05)
+        running.release(finished_tokens=90)
+        (await waiting).release()
+
+    run_async(scenario())
+
+
 def test_a_waiter_dispatched_first_keeps_its_slot_and_one_out_of_time_gets_504(run_async):
     async def scenario():
         admission, metrics, pool = _admission(dispatch_tokens=10)
@@ -98,19 +127,19 @@ def test_a_waiter_dispatched_first_keeps_its_slot_and_one_out_of_time_gets_504(r
 def test_the_rule_tells_a_waiter_when_a_local_prefill_frees_its_pod(run_async):
     async def scenario():
         pool = _Pool(_load(DECODE_A, "decode"))
-        rule = LocalPrefill(pool, lambda exclude: 0, LocalPrefillSettings(max_tokens=8))
-        assert LocalPrefill(pool, lambda exclude: 0,
+        rule = LocalPrefill(pool, lambda exclude: Ahead(0), LocalPrefillSettings(max_tokens=8))
+        assert LocalPrefill(pool, lambda exclude: Ahead(0),
                             LocalPrefillSettings(below=8)).offer_for(
             [1, 2], max_context=10, exclude=frozenset()) is None  # the queue rule is off
         offer = rule.offer_for([1, 2, 3, 4, 5, 6], max_context=20, exclude=frozenset())
         with rule.computing(LocalChoice(DECODE_A, 4, 100)) as first_token:
-            assert offer.offer(tokens_ahead=100) is None  # 4 + 6 > the budget of 8
-            assert offer.offer(tokens_ahead=3) is None
+            assert offer.offer(Ahead(100)) is None  # 4 + 6 > the budget of 8
+            assert offer.offer(Ahead(3)) is None
             changed = offer.changed()
             assert not changed.done()
             first_token()
             assert changed.done()
-        assert offer.offer(tokens_ahead=3) is None  # fewer tokens ahead than its own 6
-        assert offer.offer(tokens_ahead=100) == LocalChoice(DECODE_A, 6, 100)
+        assert offer.offer(Ahead(3)) is None  # fewer tokens ahead than its own 6
+        assert offer.offer(Ahead(100)) == LocalChoice(DECODE_A, 6, 100)
 
     run_async(scenario())

@@ -124,11 +124,11 @@ def test_local_prefill_counts_only_what_the_decode_pods_index_lacks():
     """The `cached_prefix` hook of router/routing/local_prefill.py, from the index:
     a 200-token prompt whose first 192 tokens decode pod B holds needs 8 new
     tokens there, under a 64-token limit; on A it needs all 200."""
-    from router.routing.local_prefill import LocalPrefill, LocalPrefillSettings
+    from router.routing.local_prefill import Ahead, LocalPrefill, LocalPrefillSettings
 
     pool = SnapshotPool([load(a, "decode") for a in DECODE])
     index = PrefixIndex()
-    rule = LocalPrefill(pool, lambda exclude: 10_000, LocalPrefillSettings(max_tokens=64),
+    rule = LocalPrefill(pool, lambda exclude: Ahead(10_000), LocalPrefillSettings(max_tokens=64),
                         cached_prefix=index.cached_prefix)
     assert rule.choose(PROMPT, max_context=300, exclude=frozenset()) is None
     holds(index, DECODE[1], PROMPT)

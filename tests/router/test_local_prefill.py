@@ -16,7 +16,7 @@ from router.generation import GenerationRequest
 from router.metrics import RouterMetrics
 from router.routing.admission import AdmissionSettings, PrefillAdmission
 from router.routing.base import PodLoad, PodPool
-from router.routing.local_prefill import LocalPrefill, LocalPrefillSettings
+from router.routing.local_prefill import Ahead, LocalPrefill, LocalPrefillSettings
 from router.routing.policy import RoutingPolicy
 from router.sampling import SamplingSpec
 from router.sessions import InMemorySessionStore
@@ -59,7 +59,7 @@ class _Pool(PodPool):
 
 
 def _rule(pool: _Pool, ahead: int = 1000, **settings) -> LocalPrefill:
-    return LocalPrefill(pool, lambda exclude: ahead,
+    return LocalPrefill(pool, lambda exclude: ahead if isinstance(ahead, Ahead) else Ahead(ahead),
                         LocalPrefillSettings(**{"max_tokens": 64, **settings}))
 
 
@@ -94,6 +94,21 @@ def test_prefill_path_must_have_the_ratio_of_tokens_ahead():
     assert _choose(_rule(pool, ahead=40)) is not None
     assert _choose(_rule(pool, ahead=79, queue_ratio=2.0)) is None
     assert _choose(_rule(pool, ahead=80, queue_ratio=2.0)) is not None
+
+
+def test_with_a_min_wait_the_tokens_ahead_must_also_be_that_many_seconds():
+    pool = _pool()
+    assert _choose(_rule(pool, ahead=Ahead(500, 1.9), min_wait=2.0)) is None
+    assert _choose(_rule(pool, ahead=Ahead(500, 2.0), min_wait=2.0)) is not None
+    # the prefill pod's rate not known yet: the tokens alone decide
+    assert _choose(_rule(pool, ahead=Ahead(500, None), min_wait=2.0)) is not None
+    assert _choose(_rule(pool, ahead=Ahead(39, 9.0), min_wait=2.0)) is None  # ratio still holds
+    assert _choose(_rule(pool, ahead=Ahead(500, 0.1))) is not None  # 0: off
+    # below the crossover the queue is not looked at, nor its wait
+    assert _choose(_rule(pool, ahead=Ahead(0, 0.0), max_tokens=0, below=64,
+                         min_wait=2.0)) is not None
+    with pytest.raises(ValueError, match="min wait must be in"):
+        LocalPrefillSettings(min_wait=-1.0)
 
 
 def test_a_decode_pod_with_a_waiting_queue_is_not_used():
@@ -173,7 +188,7 @@ def test_the_least_busy_decode_pod_wins_then_the_most_free_blocks():
 def test_a_cached_prefix_counts_only_the_tail():
     pool = _Pool(_load(PREFILL, "prefill"), _load(DECODE_A, "decode"),
                  _load(DECODE_B, "decode"))
-    rule = LocalPrefill(pool, lambda exclude: 1000, LocalPrefillSettings(max_tokens=64),
+    rule = LocalPrefill(pool, lambda exclude: Ahead(1000), LocalPrefillSettings(max_tokens=64),
                         cached_prefix=lambda address, ids: 960 if address == DECODE_B else 0)
     choice = rule.choose(list(range(1000)), max_context=1100, exclude=frozenset())
     assert (choice.address, choice.new_tokens) == (DECODE_B, 40)
@@ -191,18 +206,18 @@ def test_tokens_ahead_are_what_this_router_queued_or_dispatched(run_async):
         def request(rid: str, n: int) -> GenerationRequest:
             return GenerationRequest(rid, tuple(range(5, 5 + n)), SamplingSpec(max_tokens=4))
 
-        assert admission.least_tokens_ahead(frozenset()) == 0
+        assert admission.least_ahead(frozenset()).tokens == 0
         first = await admission.admit(request("a", 500), exclude=frozenset({other}), timeout=5)
-        assert admission.least_tokens_ahead(frozenset()) == 0  # the other pod has nothing
-        assert admission.least_tokens_ahead(frozenset({other})) == 500
+        assert admission.least_ahead(frozenset()).tokens == 0  # the other pod has nothing
+        assert admission.least_ahead(frozenset({other})).tokens == 500
         queued = asyncio.ensure_future(
             admission.admit(request("b", 300), exclude=frozenset({other}), timeout=5))
         await asyncio.sleep(0.01)
-        assert admission.least_tokens_ahead(frozenset({other})) == 800
+        assert admission.least_ahead(frozenset({other})).tokens == 800
         first.release(finished_tokens=500)
         (await queued).release(finished_tokens=300)
-        assert admission.least_tokens_ahead(frozenset({other})) == 0
-        assert admission.least_tokens_ahead(frozenset({PREFILL, other})) == 0
+        assert admission.least_ahead(frozenset({other})).tokens == 0
+        assert admission.least_ahead(frozenset({PREFILL, other})).tokens == 0
 
     run_async(scenario())
 

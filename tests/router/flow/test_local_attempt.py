@@ -23,7 +23,7 @@ async def _with_rule(cluster: Cluster, *, busy_tokens: int, max_tokens: int = 64
     """Give the cluster's flows the local-prefill rule (the router's wiring),
     with `busy_tokens` dispatched to the prefill pod (the slot returned holds
     them until released)."""
-    rule = LocalPrefill(cluster.pool, cluster.deps.admission.least_tokens_ahead,
+    rule = LocalPrefill(cluster.pool, cluster.deps.admission.least_ahead,
                         LocalPrefillSettings(max_tokens=max_tokens))
     cluster.deps = dataclasses.replace(cluster.deps, local_prefill=rule)
     busy = GenerationRequest("busy", tuple(range(5, 5 + busy_tokens)), SamplingSpec(max_tokens=1))
