@@ -89,12 +89,12 @@ class RouterConfig:
     metrics_dir: str | None = None
     # A decode pod prefills a prompt itself (router/routing/local_prefill.py)
     # when its new tokens are at most this (0 = never) and the prefill path has
-    # at least queue_ratio x as many tokens queued ahead of it.
-    local_prefill_max_tokens: int = 0
+    # at least queue_ratio x as many tokens queued ahead of it, and those
+    # tokens are at least min_wait seconds at the prefill pod's learnt peak
+    # rate (0 = the tokens alone decide).
+    local_prefill_max_tokens: int = 2048
     local_prefill_queue_ratio: float = 1.0
-    # ... and those tokens are at least this many seconds at the prefill
-    # pod's learnt peak rate (0 = the tokens alone decide).
-    local_prefill_min_wait: float = 0.0
+    local_prefill_min_wait: float = 2.0
     # TLS of the public HTTP and gRPC listeners (with a CA: client certificates
     # required), and how the router reaches its pods (docs/deploy.md, Security).
     tls: TlsFiles | None = None

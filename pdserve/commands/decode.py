@@ -7,12 +7,18 @@ import asyncio
 
 HELP = "Run a decode pod: receives KV from prefill pods, injects it, and decodes."
 
+# A decode pod's --mixed-prefill-tokens: the prompts it computes itself (the
+# router's idle side) stall its running batch in chunks of this many tokens,
+# ~0.3 s of one CPU core for the built-in base model (docs/engine.md, Policy).
+DECODE_MIXED_PREFILL_TOKENS = 128
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from pdserve.commands._pod_flags import add_engine_arguments, add_server_arguments
     from pod.config import parse_size
 
-    add_engine_arguments(parser, block_size=128, prefix_cache_default=False)
+    add_engine_arguments(parser, block_size=128, prefix_cache_default=False,
+                         mixed_prefill_default=DECODE_MIXED_PREFILL_TOKENS)
     add_server_arguments(parser, port=50061, metrics_port=9102)
     g = parser.add_argument_group("kv transfer")
     g.add_argument("--kv-port", type=int, default=50062,

@@ -61,18 +61,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-queue-wait", type=float, default=30.0, metavar="SECONDS",
                         help="refuse new requests with 429 while the estimated wait for a "
                              "prefill pod is above this (default 30)")
-    parser.add_argument("--local-prefill-max-tokens", type=int, default=0, metavar="TOKENS",
-                        help="a decode pod with spare capacity prefills prompts of at most "
-                             "this many new tokens itself while the prefill path is the "
-                             "bottleneck (default 0 = never; 128 measured a good value)")
+    parser.add_argument("--local-prefill-max-tokens", type=int, default=2048, metavar="TOKENS",
+                        help="the idle side: a decode pod with spare capacity prefills prompts "
+                             "of at most this many new tokens itself while the prefill path is "
+                             "the bottleneck (default 2048; 0 = never; docs/router.md, "
+                             "\"Use the idle side\")")
     parser.add_argument("--local-prefill-queue-ratio", type=float, default=1.0, metavar="R",
                         help="... when the prefill path has at least R x the prompt's new "
                              "tokens queued ahead of it (default 1)")
-    parser.add_argument("--local-prefill-min-wait", type=float, default=0.0, metavar="SECONDS",
+    parser.add_argument("--local-prefill-min-wait", type=float, default=2.0, metavar="SECONDS",
                         help="... and those tokens are at least this many seconds of work at "
                              "the prefill pod's learnt rate, so the decode pod's running batch "
                              "pays for a prompt only when it would otherwise wait that long "
-                             "(default 0: the tokens alone decide)")
+                             "(default 2; 0: the tokens alone decide)")
     parser.add_argument("--local-prefill-below", type=int, default=0, metavar="TOKENS",
                         help="conditional disaggregation: a prompt with fewer new tokens "
                              "than this (after the decode pod's cached prefix) is prefilled "

@@ -19,7 +19,8 @@ own batch, no KV transfer) when every condition holds:
    the decode pod finishes the prompt before the prefill pod would even
    start it; and, with `--local-prefill-min-wait` W > 0, those tokens are
    at least W seconds of work at the prefill pod's learnt peak rate (the
-   estimate shedding uses; not checked while the rate is unknown), so
+   estimate shedding uses; while the rate is unknown, in the pod's first
+   prefills, the wait is not known to be long, so nothing goes local), so
    the decode pod's running batch pays for a prompt only when the prompt
    would otherwise wait that long;
 4. a decode pod has spare capacity: healthy and not failed for this
@@ -204,7 +205,9 @@ class LocalPrefill:
         settings = self.settings
         if ahead.tokens <= 0 or ahead.tokens < settings.queue_ratio * new_tokens:
             return False
-        return ahead.wait is None or ahead.wait >= settings.min_wait
+        if not settings.min_wait:
+            return True
+        return ahead.wait is not None and ahead.wait >= settings.min_wait
 
     def below_at(self, address: str, max_context: int) -> int:
         """What a request reserving on decode pod `address` carries as

@@ -40,7 +40,8 @@ CLI_FLAGS: dict[str, frozenset[str]] = {
         "--tls-cert-file", "--tls-key-file", "--pod-tls-ca-file", "--pod-tls-server-name",
         "--pod-tls-cert-file", "--pod-tls-key-file", "--pod-token-file",
         "--http-header-timeout", "--http-keepalive-timeout", "--max-concurrent-per-client",
-        "--routing-policy", "--local-prefill-below", "--registry-absent-grace",
+        "--routing-policy", "--local-prefill-below", "--local-prefill-max-tokens",
+        "--local-prefill-min-wait", "--registry-absent-grace",
     }),
     "prefill": frozenset({
         "--model", "--host", "--port", "--metrics-port", "--block-size", "--kv-cache-memory",

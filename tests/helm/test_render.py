@@ -91,6 +91,8 @@ def test_static_mode_router_gets_headless_service_addresses() -> None:
         "--max-concurrent-per-client": "0",
         "--routing-policy": "first-tokens",
         "--local-prefill-below": "0",
+        "--local-prefill-max-tokens": "2048",
+        "--local-prefill-min-wait": "2",
         "--registry-absent-grace": "10",
     }
 

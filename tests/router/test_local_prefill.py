@@ -100,8 +100,9 @@ def test_with_a_min_wait_the_tokens_ahead_must_also_be_that_many_seconds():
     pool = _pool()
     assert _choose(_rule(pool, ahead=Ahead(500, 1.9), min_wait=2.0)) is None
     assert _choose(_rule(pool, ahead=Ahead(500, 2.0), min_wait=2.0)) is not None
-    # the prefill pod's rate not known yet: the tokens alone decide
-    assert _choose(_rule(pool, ahead=Ahead(500, None), min_wait=2.0)) is not None
+    # the prefill pod's rate not known yet (its first prefills): not known to be long
+    assert _choose(_rule(pool, ahead=Ahead(500, None), min_wait=2.0)) is None
+    assert _choose(_rule(pool, ahead=Ahead(500, None))) is not None  # 0: the tokens decide
     assert _choose(_rule(pool, ahead=Ahead(39, 9.0), min_wait=2.0)) is None  # ratio still holds
     assert _choose(_rule(pool, ahead=Ahead(500, 0.1))) is not None  # 0: off
     # below the crossover the queue is not looked at, nor its wait
