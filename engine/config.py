@@ -59,8 +59,8 @@ class EngineConfig:
     # prompts' chunks, within half the budget; 0 = off. See engine/scheduler.py.
     short_prefill_tokens: int = 0
     # With decode-first: a step that decodes computes at most this many
-    # prompt tokens (chunks and new prompts); 0 = the whole budget. See
-    # engine/scheduler.py.
+    # prompt tokens (chunks and new prompts); 0, or a value at or above
+    # max_num_batched_tokens, = the whole budget. See engine/scheduler.py.
     mixed_prefill_tokens: int = 0
     # None: the model's max_position_embeddings (resolved by the engine).
     max_model_len: int | None = None
@@ -126,9 +126,9 @@ class EngineConfig:
         if not 0 <= self.short_prefill_tokens <= self.max_num_batched_tokens:
             raise ValueError(f"short_prefill_tokens must be in [0, max_num_batched_tokens "
                              f"{self.max_num_batched_tokens}], got {self.short_prefill_tokens}")
-        if not 0 <= self.mixed_prefill_tokens <= self.max_num_batched_tokens:
-            raise ValueError(f"mixed_prefill_tokens must be in [0, max_num_batched_tokens "
-                             f"{self.max_num_batched_tokens}], got {self.mixed_prefill_tokens}")
+        if not 0 <= self.mixed_prefill_tokens <= 1 << 24:  # at or above the budget: no cap
+            raise ValueError(f"mixed_prefill_tokens must be in [0, {1 << 24}], "
+                             f"got {self.mixed_prefill_tokens}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
                              f"got {self.scheduling_policy!r}")

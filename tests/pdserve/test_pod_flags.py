@@ -51,3 +51,22 @@ def test_async_scheduling_flag_and_its_device_default():
     assert on.use_async_scheduling and not off.use_async_scheduling
     cuda = _pod_flags.engine_config_from_args(_parse(["--device", "cuda"]))
     assert cuda.async_scheduling is None and cuda.use_async_scheduling
+
+
+def test_mixed_prefill_tokens_default_is_per_role():
+    from pdserve.commands import decode, prefill, serve
+
+    def parsed(module, argv=()):
+        parser = argparse.ArgumentParser()
+        module.add_arguments(parser)
+        args = parser.parse_args(["--model", "/m", "--device", "cpu", "--dtype", "float32",
+                                  *argv])
+        return _pod_flags.engine_config_from_args(args)
+
+    assert parsed(decode).mixed_prefill_tokens == decode.DECODE_MIXED_PREFILL_TOKENS == 128
+    assert parsed(prefill).mixed_prefill_tokens == 0
+    assert parsed(serve).mixed_prefill_tokens == 0
+    assert parsed(serve, ["--mixed-prefill-tokens", "64"]).mixed_prefill_tokens == 64
+    # a smaller step budget than the decode default is fine: the cap is then moot
+    small = parsed(decode, ["--max-num-batched-tokens", "64"])
+    assert (small.max_num_batched_tokens, small.mixed_prefill_tokens) == (64, 128)
