@@ -44,4 +44,9 @@ def test_router_flags_reach_the_config() -> None:
     assert (config.http_header_timeout, config.http_keepalive_timeout,
             config.max_concurrent_per_client) == (5.0, 20.0, 8)
     assert config.tool_call_parser == "hermes"
+    idle = config_from_args(parser.parse_args([
+        "--model", "m", "--colocated", "127.0.0.1:1", "--local-prefill-min-wait", "5",
+        "--local-prefill-max-tokens", "0"]))
+    assert (idle.local_prefill_min_wait, idle.local_prefill_max_tokens) == (5.0, 0)
+    assert (config.local_prefill_min_wait, config.local_prefill_max_tokens) == (2.0, 2048)
 

@@ -262,6 +262,7 @@ def test_a_reservation_carries_the_threshold_less_what_computes_there():
     ("queue_ratio", -0.5, "local prefill queue ratio must be in [0, 1000], got -0.5"),
     ("below", -1, "local prefill below must be in [0, 1048576], got -1"),
     ("report_age", -1.0, "local prefill report age must be in [0, 3600] seconds, got -1.0"),
+    ("min_wait", 3601.0, "local prefill min wait must be in [0, 3600] seconds, got 3601.0"),
 ])
 def test_bad_settings_say_what_and_the_limit(field, value, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
@@ -275,3 +276,8 @@ def test_router_config_checks_the_flags(tmp_path):
         RouterConfig(model_dir=str(tmp_path), local_prefill_queue_ratio=1001.0)
     with pytest.raises(ValueError, match="local_prefill_below must be in"):
         RouterConfig(model_dir=str(tmp_path), local_prefill_below=-5)
+    with pytest.raises(ValueError, match="local_prefill_min_wait must be in"):
+        RouterConfig(model_dir=str(tmp_path), local_prefill_min_wait=-0.5)
+    # the defaults: the idle side on, behind a 2 s wait
+    config = RouterConfig(model_dir=str(tmp_path))
+    assert (config.local_prefill_max_tokens, config.local_prefill_min_wait) == (2048, 2.0)
