@@ -21,6 +21,7 @@ import ctypes.util
 import importlib.util
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -36,9 +37,40 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
+    """A port free now for a server this benchmark starts with it, taken below
+    the kernel's ephemeral range (/proc/sys/net/ipv4/ip_local_port_range):
+    the pods bind their metrics and KV ports as port 0, which the kernel
+    serves from that range, so a port picked there could be taken by a pod
+    before the server it was meant for binds it. That happened once on the CI
+    machine: a pod's /metrics answered on the router's port, and
+    `wait_ready` read Prometheus text as the router's /v1/models."""
+    low = _ephemeral_low()
+    if low > _MIN_PORT + 1024:
+        rng = random.Random()
+        for _ in range(64):
+            port = rng.randrange(_MIN_PORT, low)
+            with socket.socket() as sock:
+                try:
+                    sock.bind(("127.0.0.1", port))
+                except OSError:  # in use: try another
+                    continue
+                return port
+    with socket.socket() as sock:  # no room below the range: any free port
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+# Ports free_port takes from: above the registered services most machines run.
+_MIN_PORT = 10000
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (0 where unreadable)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def cpu_list() -> str:

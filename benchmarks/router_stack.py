@@ -37,11 +37,9 @@ def _wait_file(proc: subprocess.Popen, path: Path, log: Path, timeout: float = 1
 
 
 def _free_port() -> int:
-    import socket
+    from benchmarks.peer_servers import free_port  # below the ephemeral range: see there
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return free_port()
 
 
 def start_stack(model: Path, tmp: Path, pod_args: list[str], router_args: list[str] = ()

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,9 +23,9 @@ from pathlib import Path
 
 
 def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    from benchmarks.peer_servers import free_port  # below the ephemeral range: see there
+
+    return free_port()
 
 
 @dataclass

@@ -148,3 +148,19 @@ def test_vllm_preloads_intel_openmp_from_its_environment_unless_overridden(tmp_p
     assert "libiomp5" not in peer_servers.vllm_preload(str(tmp_path / "bare" / "bin" / "python"))
     settings = peer_servers.ServerSettings(vllm_python=python, vllm_env=(("LD_PRELOAD", ""),))
     assert peer_servers.vllm_env(settings)["LD_PRELOAD"] == ""
+
+
+def test_free_ports_come_from_below_the_ephemeral_range():
+    """A pod binding port 0 cannot take a port the benchmark picked for its
+    router before the router binds it (the CI machine once saw a pod's
+    /metrics answer on the router's port)."""
+    import socket
+
+    low = peer_servers._ephemeral_low()
+    ports = {peer_servers.free_port() for _ in range(20)}
+    for port in ports:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))  # free
+        if low > peer_servers._MIN_PORT + 1024:
+            assert peer_servers._MIN_PORT <= port < low
+    assert len(ports) > 1  # random, not one port for every server
