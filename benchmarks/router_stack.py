@@ -19,6 +19,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from benchmarks.peer_servers import free_port as _free_port  # below the ephemeral range
+
 
 def _spawn(argv: list[str], log: Path) -> subprocess.Popen:
     with open(log, "wb") as out:
@@ -34,12 +36,6 @@ def _wait_file(proc: subprocess.Popen, path: Path, log: Path, timeout: float = 1
             raise RuntimeError(f"child failed to start:\n{log.read_text()[-3000:]}")
         time.sleep(0.05)
     return json.loads(path.read_text())
-
-
-def _free_port() -> int:
-    from benchmarks.peer_servers import free_port  # below the ephemeral range: see there
-
-    return free_port()
 
 
 def start_stack(model: Path, tmp: Path, pod_args: list[str], router_args: list[str] = ()

@@ -21,11 +21,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-
-def _free_port() -> int:
-    from benchmarks.peer_servers import free_port  # below the ephemeral range: see there
-
-    return free_port()
+from benchmarks.peer_servers import free_port as _free_port  # below the ephemeral range
 
 
 @dataclass

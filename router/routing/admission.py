@@ -263,10 +263,7 @@ class PrefillAdmission:
             if self._goes_now(queue, key, num_tokens):
                 return 0.0
             ahead = sum(w.num_tokens for w in queue.waiters if w.key <= key) + dispatched
-        if ahead == 0:
-            return 0.0
-        rate = queue.throughput.peak_tokens_per_s(time.monotonic())
-        return None if rate is None else ahead / rate
+        return 0.0 if ahead == 0 else self._ahead(address, ahead).wait
 
     def least_ahead(self, exclude: frozenset[str]) -> Ahead:
         """What waits on the healthy prefill pod (not in `exclude`) with the
@@ -288,6 +285,7 @@ class PrefillAdmission:
         return self._ahead(least[1], least[0])
 
     def _ahead(self, address: str, tokens: int) -> Ahead:
+        """`tokens` waiting at `address`, and their wait at its peak rate."""
         queue = self._queues.get(address)
         rate = None if queue is None else queue.throughput.peak_tokens_per_s(time.monotonic())
         return Ahead(tokens, None if rate is None else tokens / rate)

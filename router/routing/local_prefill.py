@@ -80,7 +80,7 @@ class Ahead:
 
 
 # What waits ahead of a new prompt on the prefill path, given the pods to leave out.
-TokensAhead = Callable[[frozenset[str]], Ahead]
+LeastAhead = Callable[[frozenset[str]], Ahead]
 
 
 def no_cached_prefix(address: str, token_ids: Sequence[int]) -> int:
@@ -139,7 +139,7 @@ class LocalPrefill:
     """The rule above plus this router's local prefills still computing per
     decode pod; one per router, used on its event loop only."""
 
-    def __init__(self, pool: PodPool, least_ahead: TokensAhead, settings: LocalPrefillSettings,
+    def __init__(self, pool: PodPool, least_ahead: LeastAhead, settings: LocalPrefillSettings,
                  cached_prefix: CachedPrefix = no_cached_prefix) -> None:
         self._pool = pool
         self._least_ahead = least_ahead
