@@ -57,7 +57,7 @@ has tests && TAIL=40 step gpu-tests "${T_TESTS:-130}" env TRITON_INTERPRET=0 $PY
 # CUDA graphs against eager in bfloat16, then float32 with graphs
 has engine && for run in bfloat16: bfloat16:--enforce-eager float32:; do
   dtype=${run%%:*} extra=${run#*:}
-  step "engine-$dtype${extra:+-eager}" "${T_ENGINE:-30}" $PY -m pdserve bench engine \
+  step "engine-$dtype${extra:+-eager}" "${T_ENGINE:-45}" $PY -m pdserve bench engine \
     --model base --device "$DEVICE" --dtype "$dtype" --batch-sizes 1,8,32 --prompt-len 256 \
     --max-tokens 64 --breakdown 8:300 $extra
 done
