@@ -2,7 +2,9 @@
 (`PrefillAdmission.admit(local=...)`, router.routing.local_prefill.QueuedOffer):
 what a waiter offers is asked again when a local prefill frees its pod, with
 the tokens still ahead of it; taken, it leaves the queue and the next waiter
-may go; dispatched first, it keeps its slot."""
+may go; dispatched first, it keeps its slot. What decode pods take counts
+toward the queue's drain, which the shedding estimate adds to the prefill
+pod's rate."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import time
 import pytest
 
 from router.api_error import ApiError
-from router.routing.admission import AdmissionSlot
+from router.routing.admission import DRAIN_WINDOW_S, AdmissionSlot, Drain
 from router.routing.local_prefill import Ahead, LocalChoice, LocalPrefill, LocalPrefillSettings
 from tests.router.test_admission import POD, _admission, _request, _sample
 from tests.router.test_local_prefill import DECODE_A, _load, _Pool
@@ -141,5 +143,59 @@ def test_the_rule_tells_a_waiter_when_a_local_prefill_frees_its_pod(run_async):
             assert changed.done()
         assert offer.offer(Ahead(3)) is None  # fewer tokens ahead than its own 6
         assert offer.offer(Ahead(100)) == LocalChoice(DECODE_A, 6, 100)
+
+    run_async(scenario())
+
+
+def test_the_drain_is_the_tokens_taken_within_the_window_per_second():
+    drain = Drain()
+    assert drain.tokens_per_s(0.0) == 0.0
+    drain.took(400, 10.0)
+    drain.took(200, 15.0)
+    assert drain.tokens_per_s(15.0) == pytest.approx(600 / DRAIN_WINDOW_S)
+    assert drain.tokens_per_s(10.0 + DRAIN_WINDOW_S) == pytest.approx(200 / DRAIN_WINDOW_S)
+    assert drain.tokens_per_s(15.0 + DRAIN_WINDOW_S) == 0.0
+
+
+def test_shedding_counts_what_decode_pods_take_from_the_queue(run_async):
+    """A queue that decode pods help empty is not shed as if the prefill pod
+    computed all of it: the wait is the tokens ahead over the pod's peak rate
+    plus the drain. The idle side's own gate still reads the pod's rate alone."""
+    async def scenario():
+        admission, metrics, _ = _admission(dispatch_tokens=100, max_queue_wait=0.45)
+        for i in range(3):  # MIN_SAMPLES prefills: at most 500 tokens/s
+            slot = await admission.admit(_request(50, f"learn-{i}"), exclude=frozenset(),
+                                         timeout=10)
+            await asyncio.sleep(0.1)
+            slot.release(finished_tokens=50)
+        running = await admission.admit(_request(100), exclude=frozenset(), timeout=10)
+        for i in range(2):  # one at a time: two queued together would shed the second
+            offer = _Offer()
+            taken = asyncio.create_task(admission.admit(_request(20_000, f"t{i}"),
+                                                        exclude=frozenset(), timeout=10,
+                                                        local=offer))
+            await asyncio.sleep(0.02)
+            offer.fire(LocalChoice(DECODE_A, 20_000, 100))
+            assert isinstance(await taken, LocalChoice)
+        drain = 40_000 / DRAIN_WINDOW_S
+        assert _sample(metrics, "pdserve_router_queue_local_drain_tokens_per_second",
+                       pod=POD) == pytest.approx(drain, rel=0.01)
+        queued = [asyncio.create_task(admission.admit(_request(100, f"q{i}"),
+                                                      exclude=frozenset(), timeout=10))
+                  for i in range(2)]
+        await asyncio.sleep(0.02)
+        peak = admission._queues[POD].throughput.peak_tokens_per_s(time.monotonic())
+        assert 300 / peak > 0.45  # at the prefill pod's rate alone the next is shed
+        assert admission.estimated_wait(POD) == pytest.approx(300 / (peak + drain), rel=0.01)
+        assert admission.least_ahead(frozenset()).wait == pytest.approx(300 / peak, rel=0.01)
+        # counted with the drain it waits under the limit: queued, not 429
+        accepted = asyncio.create_task(admission.admit(_request(100, "next"),
+                                                       exclude=frozenset(), timeout=10))
+        await asyncio.sleep(0.02)
+        assert not accepted.done()
+        assert _sample(metrics, "pdserve_router_queue_rejected_total") == 0
+        running.release(finished_tokens=100)
+        for task in (*queued, accepted):
+            (await task).release(finished_tokens=100)
 
     run_async(scenario())
