@@ -97,13 +97,8 @@ class RouterMetrics:
         self.queue_estimated_wait = Gauge(
             "pdserve_router_queue_estimated_wait_seconds",
             "Estimated wait of a request arriving now for a prefill pod, at the pod's peak "
-            "throughput plus the rate decode pods take prompts from its queue (set once its "
+            "throughput plus its share of the decode pods' local prefill rate (set once its "
             "throughput is known)", ["pod"], registry=r,
-        )
-        self.queue_local_drain_rate = Gauge(
-            "pdserve_router_queue_local_drain_tokens_per_second",
-            "Tokens to compute that decode pods took out of a prefill pod's queue to prefill "
-            "themselves (the idle side), per second over the last 20 s", ["pod"], registry=r,
         )
         self.queue_prefill_rate = Gauge(
             "pdserve_router_queue_prefill_tokens_per_second",

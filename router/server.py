@@ -43,7 +43,7 @@ from router.registry.base import PodEntry, PodSource
 from router.registry.poller import PolledPodPool
 from router.registry.static import StaticPodSource
 from router.routing.admission import AdmissionSettings, PrefillAdmission
-from router.routing.local_prefill import LocalPrefill, LocalPrefillSettings
+from router.routing.local_prefill import LocalPrefill, LocalPrefillSettings, LocalRate
 from router.routing.policy import RoutingPolicy
 from router.sessions import InMemorySessionStore, RedisSessionStore, SessionStore
 
@@ -125,11 +125,13 @@ class RouterServer:
         policy = RoutingPolicy(self.pool, self._sessions, epsilon=c.session_epsilon,
                                mode=c.routing_policy, index=index,
                                cache_load_weight=c.cache_aware_load_weight)
+        local_rate = LocalRate()  # the local prefills' rate, which shedding counts
         admission = PrefillAdmission(
             self.pool, policy, self.metrics,
             AdmissionSettings(dispatch_tokens=c.prefill_dispatch_tokens,
                               dispatch_seconds=c.prefill_dispatch_seconds,
-                              max_queue_wait=c.max_queue_wait))
+                              max_queue_wait=c.max_queue_wait),
+            local=local_rate)
         deps = FlowDeps(
             pool=self.pool, policy=policy, channels=self._channels, metrics=self.metrics,
             settings=FlowSettings(max_prefill_retries=c.max_prefill_retries,
@@ -143,7 +145,7 @@ class RouterServer:
                                      below=c.local_prefill_below,
                                      min_wait=c.local_prefill_min_wait,
                                      report_age=2 * c.load_poll_interval),
-                cached_prefix=index.cached_prefix),
+                cached_prefix=index.cached_prefix, rate=local_rate),
         )
         frontend = self._frontend = Frontend(model_name=c.model_name,
                                              max_model_len=max_model_len,

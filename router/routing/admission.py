@@ -66,14 +66,16 @@ went to P a few at a time and was shed as a 30 s wait
 
 Estimated wait at P = (tokens queued here for P ahead of the request +
 max(tokens dispatched to P by this router, P's reported queued tokens)) /
-(P's best recent prefill throughput + the rate at which decode pods took
-prompts out of P's queue over the last `DRAIN_WINDOW_S`). The second term
-is the idle side's share (router/routing/local_prefill.py, `QueuedOffer`):
-under overload decode pods take part of the queue, so it drains faster than
-P alone computes it. Counted at P's rate only, the wait was overestimated
-and requests were shed that the two together would have served within
---max-queue-wait. The idle side's own gate (`least_ahead`) still reads P's
-rate alone, since its question is how long P would take. The throughput is learnt from this
+(P's best recent prefill throughput + the decode pods' local prefill rate
+/ the number of prefill pods). The second term is the idle side's share
+(router/routing/local_prefill.py, `LocalRate`: prompt tokens decode pods
+took to prefill themselves over the last 20 s, per second). Under overload
+they compute part of the prompts, so a queue empties faster than P alone
+computes it. Counted at P's rate only, the wait was overestimated, and
+requests were shed that would have waited less than --max-queue-wait
+(docs/benchmarks.md, "Shedding counts the idle side"). The idle side's own
+gate (`least_ahead`) still reads P's rate alone: its question is how long
+P would take. The throughput is learnt from this
 router's own Prefill calls: tokens computed (the prompt less the pod's
 reported cache hit) per second of time P had work dispatched (an
 exponentially weighted ratio, so it follows load changes within a few
@@ -97,7 +99,6 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-import collections
 import math
 import time
 from collections.abc import Mapping
@@ -108,7 +109,7 @@ from router.cache_index.index import PromptBlocks
 from router.generation import GenerationRequest
 from router.metrics import RouterMetrics
 from router.routing.base import NoPodAvailable, PodPool
-from router.routing.local_prefill import Ahead, LocalChoice, QueuedOffer
+from router.routing.local_prefill import Ahead, LocalChoice, LocalRate, QueuedOffer
 from router.routing.policy import RoutingPolicy
 
 # Weight of the history in the throughput estimate at each finished prefill.
@@ -120,8 +121,6 @@ MIN_SAMPLES = 3
 SHORT_BATCH_TOKENS = 256
 # The throughput's peak, which estimates waits, halves over this many seconds.
 PEAK_HALF_LIFE_S = 300.0
-# Decode pods' takes from a queue count toward its drain rate for this long.
-DRAIN_WINDOW_S = 20.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,27 +197,6 @@ class Throughput:
         return max(rate, decayed)
 
 
-class Drain:
-    """Prompt tokens that decode pods took out of one prefill pod's queue
-    (the idle side), as a rate over the last `DRAIN_WINDOW_S` seconds. A
-    window that started less than that ago reads low: shedding then errs
-    toward the prefill pod's rate alone, as before the idle side counted."""
-
-    def __init__(self) -> None:
-        self._taken: collections.deque[tuple[float, int]] = collections.deque()
-        self._tokens = 0
-
-    def took(self, num_tokens: int, now: float) -> None:
-        self._taken.append((now, num_tokens))
-        self._tokens += num_tokens
-
-    def tokens_per_s(self, now: float) -> float:
-        horizon = now - DRAIN_WINDOW_S
-        while self._taken and self._taken[0][0] <= horizon:
-            self._tokens -= self._taken.popleft()[1]
-        return self._tokens / DRAIN_WINDOW_S
-
-
 @dataclass(slots=True)
 class _Waiter:
     num_tokens: int
@@ -237,7 +215,6 @@ class _PodQueue:
     outstanding: dict[int, int] = field(default_factory=dict)
     next_number: int = 0
     throughput: Throughput = field(default_factory=Throughput)
-    drain: Drain = field(default_factory=Drain)  # the idle side's takes from the queue
 
     def tokens_ahead(self, reported_waiting_tokens: int) -> int:
         return self.queued_tokens + max(self.dispatched_tokens, reported_waiting_tokens)
@@ -271,8 +248,9 @@ class PrefillAdmission:
     """The per-pod queues; one per router, used on its event loop only."""
 
     def __init__(self, pool: PodPool, policy: RoutingPolicy, metrics: RouterMetrics,
-                 settings: AdmissionSettings) -> None:
+                 settings: AdmissionSettings, local: LocalRate | None = None) -> None:
         self._pool = pool
+        self._local = local or LocalRate()
         self._policy = policy
         self._metrics = metrics
         self.settings = settings
@@ -280,8 +258,8 @@ class PrefillAdmission:
 
     def estimated_wait(self, address: str, num_tokens: int | None = None) -> float | None:
         """Seconds a request arriving now would wait for its turn at `address`,
-        at the pod's peak throughput plus the idle side's recent takes from
-        its queue (the module docstring, Estimated wait); None while the
+        at the pod's peak throughput plus its share of the decode pods' local
+        prefill rate (the module docstring, Estimated wait); None while the
         pod's throughput is unknown. With
         `num_tokens` (the request's tokens to compute), 0 when it would not
         queue, and only the waiters ahead of it count; without, the whole
@@ -301,7 +279,10 @@ class PrefillAdmission:
             return 0.0
         now = time.monotonic()
         rate = queue.throughput.peak_tokens_per_s(now)
-        return None if rate is None else ahead / (rate + queue.drain.tokens_per_s(now))
+        if rate is None:
+            return None
+        local = self._local.tokens_per_s(now) / max(1, len(self._pool.pods("prefill")))
+        return ahead / (rate + local)
 
     def least_ahead(self, exclude: frozenset[str]) -> Ahead:
         """What waits on the healthy prefill pod (not in `exclude`) with the
@@ -324,7 +305,8 @@ class PrefillAdmission:
 
     def _ahead(self, address: str, tokens: int) -> Ahead:
         """`tokens` waiting at `address`, and their wait at its peak rate alone
-        (what the idle side's gate asks; `estimated_wait` adds the drain)."""
+        (what the idle side's gate asks; `estimated_wait` adds the decode
+        pods' share)."""
         queue = self._queues.get(address)
         rate = None if queue is None else queue.throughput.peak_tokens_per_s(time.monotonic())
         return Ahead(tokens, None if rate is None else tokens / rate)
@@ -369,7 +351,6 @@ class PrefillAdmission:
         self._metrics.queue_wait.observe(time.monotonic() - queued_at)
         if taken is not None:
             self._leave(address, queue, waiter)
-            queue.drain.took(num_tokens, time.monotonic())
             return taken
         return AdmissionSlot(self, address, num_tokens, waiter.turn.result())
 
@@ -522,8 +503,7 @@ class PrefillAdmission:
                 lambda: nan if (w := self.estimated_wait(address)) is None else w)
             m.queue_prefill_rate.labels(pod=address).set_function(
                 lambda: nan if (r := queue.throughput.tokens_per_s) is None else r)
-            m.queue_local_drain_rate.labels(pod=address).set_function(
-                lambda: queue.drain.tokens_per_s(time.monotonic()))
+
         return queue
 
 

@@ -65,6 +65,9 @@ from dataclasses import dataclass
 
 from router.routing.base import PodLoad, PodPool
 
+# Local prefills count toward the decode pods' prefill rate for this long.
+LOCAL_RATE_WINDOW_S = 20.0
+
 # Tokens of `token_ids` decode pod `address` already caches (a prefix).
 CachedPrefix = Callable[[str, Sequence[int]], int]
 
@@ -86,6 +89,29 @@ LeastAhead = Callable[[frozenset[str]], Ahead]
 def no_cached_prefix(address: str, token_ids: Sequence[int]) -> int:
     """The hook until a router-side prefix index exists: nothing is known cached."""
     return 0
+
+
+class LocalRate:
+    """Prompt tokens that decode pods took to prefill themselves, at arrival
+    or from the prefill queue, as a rate over the last `LOCAL_RATE_WINDOW_S`
+    seconds: the idle side's share of the prefill work, which the shedding
+    estimate adds to the prefill pods' rate (router/routing/admission.py).
+    A window that started less than that ago reads low, so the estimate
+    then errs toward the prefill pods' rate alone."""
+
+    def __init__(self) -> None:
+        self._taken: collections.deque[tuple[float, int]] = collections.deque()
+        self._tokens = 0
+
+    def took(self, num_tokens: int, now: float) -> None:
+        self._taken.append((now, num_tokens))
+        self._tokens += num_tokens
+
+    def tokens_per_s(self, now: float) -> float:
+        horizon = now - LOCAL_RATE_WINDOW_S
+        while self._taken and self._taken[0][0] <= horizon:
+            self._tokens -= self._taken.popleft()[1]
+        return self._tokens / LOCAL_RATE_WINDOW_S
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,8 +166,10 @@ class LocalPrefill:
     decode pod; one per router, used on its event loop only."""
 
     def __init__(self, pool: PodPool, least_ahead: LeastAhead, settings: LocalPrefillSettings,
-                 cached_prefix: CachedPrefix = no_cached_prefix) -> None:
+                 cached_prefix: CachedPrefix = no_cached_prefix,
+                 rate: LocalRate | None = None) -> None:
         self._pool = pool
+        self.rate = rate or LocalRate()  # every local prefill this rule let start
         self._least_ahead = least_ahead
         self._cached_prefix = cached_prefix
         self.settings = settings
@@ -229,6 +257,7 @@ class LocalPrefill:
         """Count `choice`'s prompt as computing on its pod until the returned
         release is called (at the first token) or the block ends."""
         address = choice.address
+        self.rate.took(choice.new_tokens, time.monotonic())
         self._computing[address] = self._computing.get(address, 0) + choice.new_tokens
         count, released_at = self._mine.get(address, (0, collections.deque()))
         self._mine[address] = (count + 1, released_at)

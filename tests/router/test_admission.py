@@ -21,6 +21,7 @@ from router.routing.admission import (
     Throughput,
 )
 from router.routing.base import PodLoad, PodPool
+from router.routing.local_prefill import LocalRate
 from router.routing.policy import RoutingPolicy
 from router.sampling import SamplingSpec
 from router.sessions import InMemorySessionStore
@@ -56,11 +57,13 @@ class _ReportedPool(PodPool):
     def mark_unhealthy(self, address: str, reason: str) -> None: ...
 
 
-def _admission(pods=(POD,), **settings) -> tuple[PrefillAdmission, RouterMetrics, _ReportedPool]:
+def _admission(pods=(POD,), local: LocalRate | None = None,
+               **settings) -> tuple[PrefillAdmission, RouterMetrics, _ReportedPool]:
     pool = _ReportedPool(list(pods))
     metrics = RouterMetrics()
     policy = RoutingPolicy(pool, InMemorySessionStore())
-    return PrefillAdmission(pool, policy, metrics, AdmissionSettings(**settings)), metrics, pool
+    return (PrefillAdmission(pool, policy, metrics, AdmissionSettings(**settings), local=local),
+            metrics, pool)
 
 
 def _request(num_tokens: int, rid: str = "r") -> GenerationRequest:

@@ -2,9 +2,9 @@
 (`PrefillAdmission.admit(local=...)`, router.routing.local_prefill.QueuedOffer):
 what a waiter offers is asked again when a local prefill frees its pod, with
 the tokens still ahead of it; taken, it leaves the queue and the next waiter
-may go; dispatched first, it keeps its slot. What decode pods take counts
-toward the queue's drain, which the shedding estimate adds to the prefill
-pod's rate."""
+may go; dispatched first, it keeps its slot. The prompts decode pods
+prefill themselves count toward their local rate, which the shedding
+estimate adds to the prefill pods' rate."""
 
 from __future__ import annotations
 
@@ -14,10 +14,19 @@ import time
 import pytest
 
 from router.api_error import ApiError
-from router.routing.admission import DRAIN_WINDOW_S, AdmissionSlot, Drain
-from router.routing.local_prefill import Ahead, LocalChoice, LocalPrefill, LocalPrefillSettings
+from router.routing.admission import AdmissionSlot
+from router.routing.local_prefill import (
+    LOCAL_RATE_WINDOW_S,
+    Ahead,
+    LocalChoice,
+    LocalPrefill,
+    LocalPrefillSettings,
+    LocalRate,
+)
 from tests.router.test_admission import POD, _admission, _request, _sample
 from tests.router.test_local_prefill import DECODE_A, _load, _Pool
+
+OTHER = "127.0.0.1:7002"
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -147,53 +156,62 @@ def test_the_rule_tells_a_waiter_when_a_local_prefill_frees_its_pod(run_async):
     run_async(scenario())
 
 
-def test_the_drain_is_the_tokens_taken_within_the_window_per_second():
-    drain = Drain()
-    assert drain.tokens_per_s(0.0) == 0.0
-    drain.took(400, 10.0)
-    drain.took(200, 15.0)
-    assert drain.tokens_per_s(15.0) == pytest.approx(600 / DRAIN_WINDOW_S)
-    assert drain.tokens_per_s(10.0 + DRAIN_WINDOW_S) == pytest.approx(200 / DRAIN_WINDOW_S)
-    assert drain.tokens_per_s(15.0 + DRAIN_WINDOW_S) == 0.0
+
+def test_the_local_rate_is_the_tokens_taken_within_the_window_per_second():
+    rate = LocalRate()
+    assert rate.tokens_per_s(0.0) == 0.0
+    rate.took(400, 10.0)
+    rate.took(200, 15.0)
+    assert rate.tokens_per_s(15.0) == pytest.approx(600 / LOCAL_RATE_WINDOW_S)
+    assert rate.tokens_per_s(10.0 + LOCAL_RATE_WINDOW_S) == pytest.approx(
+        200 / LOCAL_RATE_WINDOW_S)
+    assert rate.tokens_per_s(15.0 + LOCAL_RATE_WINDOW_S) == 0.0
 
 
-def test_shedding_counts_what_decode_pods_take_from_the_queue(run_async):
-    """A queue that decode pods help empty is not shed as if the prefill pod
-    computed all of it: the wait is the tokens ahead over the pod's peak rate
-    plus the drain. The idle side's own gate still reads the pod's rate alone."""
+def test_every_local_prefill_the_rule_lets_start_counts_toward_its_rate():
+    rule = LocalPrefill(_Pool(_load(DECODE_A, "decode")), lambda exclude: Ahead(0),
+                        LocalPrefillSettings(max_tokens=64))
+    with rule.computing(LocalChoice(DECODE_A, 40, 100)):  # taken at arrival or from the queue
+        pass
+    with rule.computing(LocalChoice(DECODE_A, 20, -1)):  # below --local-prefill-below
+        pass
+    assert rule.rate.tokens_per_s(time.monotonic()) == pytest.approx(60 / LOCAL_RATE_WINDOW_S)
+
+
+def test_shedding_counts_the_prompts_decode_pods_prefill_themselves(run_async):
+    """A queue whose prompts decode pods help compute is not shed as if the
+    prefill pod computed all of it: the wait is the tokens ahead over the
+    pod's peak rate plus the decode pods' recent local prefill rate (shared
+    among the prefill pods). The idle side's own gate still reads the pod's
+    rate alone."""
     async def scenario():
-        admission, metrics, _ = _admission(dispatch_tokens=100, max_queue_wait=0.45)
+        local = LocalRate()
+        admission, _, pool = _admission(dispatch_tokens=100, max_queue_wait=0.45, local=local)
         for i in range(3):  # MIN_SAMPLES prefills: at most 500 tokens/s
             slot = await admission.admit(_request(50, f"learn-{i}"), exclude=frozenset(),
                                          timeout=10)
             await asyncio.sleep(0.1)
             slot.release(finished_tokens=50)
         running = await admission.admit(_request(100), exclude=frozenset(), timeout=10)
-        for i in range(2):  # one at a time: two queued together would shed the second
-            offer = _Offer()
-            taken = asyncio.create_task(admission.admit(_request(20_000, f"t{i}"),
-                                                        exclude=frozenset(), timeout=10,
-                                                        local=offer))
-            await asyncio.sleep(0.02)
-            offer.fire(LocalChoice(DECODE_A, 20_000, 100))
-            assert isinstance(await taken, LocalChoice)
-        drain = 40_000 / DRAIN_WINDOW_S
-        assert _sample(metrics, "pdserve_router_queue_local_drain_tokens_per_second",
-                       pod=POD) == pytest.approx(drain, rel=0.01)
         queued = [asyncio.create_task(admission.admit(_request(100, f"q{i}"),
                                                       exclude=frozenset(), timeout=10))
                   for i in range(2)]
         await asyncio.sleep(0.02)
         peak = admission._queues[POD].throughput.peak_tokens_per_s(time.monotonic())
         assert 300 / peak > 0.45  # at the prefill pod's rate alone the next is shed
-        assert admission.estimated_wait(POD) == pytest.approx(300 / (peak + drain), rel=0.01)
+        assert admission.estimated_wait(POD) == pytest.approx(300 / peak, rel=0.01)
+        local.took(40_000, time.monotonic())  # decode pods prefilled 40,000 tokens just now
+        helped = 40_000 / LOCAL_RATE_WINDOW_S
+        assert admission.estimated_wait(POD) == pytest.approx(300 / (peak + helped), rel=0.01)
         assert admission.least_ahead(frozenset()).wait == pytest.approx(300 / peak, rel=0.01)
-        # counted with the drain it waits under the limit: queued, not 429
+        # counted with the decode pods' share it waits under the limit: queued, not 429
         accepted = asyncio.create_task(admission.admit(_request(100, "next"),
                                                        exclude=frozenset(), timeout=10))
         await asyncio.sleep(0.02)
         assert not accepted.done()
-        assert _sample(metrics, "pdserve_router_queue_rejected_total") == 0
+        pool.waiting_tokens[OTHER] = 0  # a second prefill pod: each gets half the share
+        assert admission.estimated_wait(POD) == pytest.approx(
+            400 / (peak + helped / 2), rel=0.01)
         running.release(finished_tokens=100)
         for task in (*queued, accepted):
             (await task).release(finished_tokens=100)
