@@ -10,7 +10,7 @@
 #
 # Needs python3 with torch (CUDA), triton and the project's dependencies;
 # WHEELS=DIR installs wheels from DIR into /tmp/site first (a bare machine).
-# STEPS (default "tests engine kernels ttft serve") picks steps; SERVE_LOADS
+# STEPS (default "tests engine kernels ttft serve"; "disagg" is opt-in) picks steps; SERVE_LOADS
 # the `bench serve` loads, each INPUT:OUTPUT:PROMPTS:CONCURRENCY; PYTEST_ARGS more
 # pytest arguments for the GPU tests (e.g. "-n 8": pytest-xdist is on the device).
 set -u
@@ -92,5 +92,19 @@ serve() {  # serve LABEL UP-ARGS...: pdserve up on the GPU, then bench serve aga
 if has serve; then
   serve disaggregated
   serve colocated --prefill 0 --decode 0 --colocated 1
+fi
+
+# Opt-in (STEPS=... disagg): issue 14's workloads with one host core per pod,
+# then every file of Triton's cache by modification time. A kernel compiled
+# while a workload ran carries a time inside that workload's run (its JSON's
+# started_unix and duration_s): the first-wave stall of 2026-11-27 (docs/benchmarks.md, GPU).
+if has disagg; then
+  step disagg "${T_DISAGG:-240}" $PY -m pdserve bench disagg --model base \
+    --workloads "${DISAGG_WORKLOADS:-heavy-0.2,heavy-0.4,light-c8}" \
+    --topologies disaggregated,colocated --num-requests "${DISAGG_REQUESTS:-12}" \
+    --pod-arg=--device="$DEVICE" --pod-arg=--dtype=bfloat16 --out-dir "$OUT_DIR/disagg" \
+    --no-progress
+  find "${TRITON_CACHE_DIR:-$HOME/.triton/cache}" -type f -printf '%T@ %p\n' 2>/dev/null \
+    | sort -n > "$OUT_DIR/triton-cache.log"
 fi
 echo "=== done"
