@@ -503,7 +503,6 @@ class PrefillAdmission:
                 lambda: nan if (w := self.estimated_wait(address)) is None else w)
             m.queue_prefill_rate.labels(pod=address).set_function(
                 lambda: nan if (r := queue.throughput.tokens_per_s) is None else r)
-
         return queue
 
 

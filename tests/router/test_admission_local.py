@@ -156,7 +156,6 @@ def test_the_rule_tells_a_waiter_when_a_local_prefill_frees_its_pod(run_async):
     run_async(scenario())
 
 
-
 def test_the_local_rate_is_the_tokens_taken_within_the_window_per_second():
     rate = LocalRate()
     assert rate.tokens_per_s(0.0) == 0.0
