@@ -74,13 +74,26 @@ def test_the_decode_link_cut_mid_stream_fails_clearly_and_frees_the_request(faul
     assert got.seconds < REQUEST_TIMEOUT_S
 
 
+def _shut_out_by_a_cut_poll(got) -> bool:
+    """The reset cut a health poll in flight, and that one failed poll took
+    the pod out of rotation before the request came: refused at once, with no
+    pod to try (seen once in a full CI run)."""
+    return (got.error is not None and got.error.code().name == "UNAVAILABLE"
+            and "no healthy prefill pod" in got.error.details() and got.seconds < 1.0)
+
+
 def test_a_black_holed_prefill_link_fails_at_the_request_timeout(faults, reference):
     reference(PROMPT, MAX_TOKENS)
-    faults.prefill_grpc.set_fault(Fault(black_hole=True))
-    faults.prefill_grpc.reset_all()
-    got = generate(faults.router.grpc_address, PROMPT, MAX_TOKENS, timeout=30)
+    for _ in range(3):
+        faults.prefill_grpc.set_fault(Fault(black_hole=True))
+        faults.prefill_grpc.reset_all()
+        got = generate(faults.router.grpc_address, PROMPT, MAX_TOKENS, timeout=30)
+        if not _shut_out_by_a_cut_poll(got):
+            break
+        faults.prefill_grpc.heal()  # and again, with the pod back in rotation
+        _until_served_again(faults.router.grpc_address)
     assert got.error is not None, got.describe()
-    assert got.error.code().name == "DEADLINE_EXCEEDED"
+    assert got.error.code().name == "DEADLINE_EXCEEDED", got.describe()
     assert got.error.details() == (
         f"the request did not finish within --request-timeout {REQUEST_TIMEOUT_S:g}s")
     assert REQUEST_TIMEOUT_S - 0.5 < got.seconds < REQUEST_TIMEOUT_S + 3
