@@ -2,7 +2,8 @@
 real `pdserve router` on loopback, driven by the openai client.
 
 The prefill pod computes 16 tokens per step, so each ~900-token prompt takes
-it many steps and a burst of them queues for several seconds. The decode
+it many steps and a burst of them (each prompt twice) queues for several
+seconds. The decode
 pod's transfer timeout is 1 s, far shorter than that queue:
 
 * with the router's admission queue, the burst waits in the router and no
@@ -46,6 +47,10 @@ def _prompt(seed: int) -> list[int]:
 
 
 PROMPTS = [_prompt(seed) for seed in range(NUM_BURST)]
+# The burst: each prompt twice (computed twice: no prefix cache). Ten took
+# 1.8-2.0 s on a faster CPU, under the twice-the-timeout the queue tests
+# need; 20 reservations of 8 blocks fit the decode pod's 256.
+BURST = PROMPTS * 2
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +58,7 @@ def pods(tiny_model_dir) -> Iterator[dict]:
     started = start_pods({
         "prefill": ("prefill", {"block_size": 16, "num_blocks": 1024,
                                 "max_num_batched_tokens": 16, "no_prefix_cache": True}),
-        "decode": ("decode", {"block_size": 128, "num_blocks": 128,
+        "decode": ("decode", {"block_size": 128, "num_blocks": 256,
                               "transfer_timeout": TRANSFER_TIMEOUT_S,
                               "landing_memory": "256MiB"}),
     }, tiny_model_dir)
@@ -63,8 +68,12 @@ def pods(tiny_model_dir) -> Iterator[dict]:
 
 
 def _router(tiny_model_dir, pods, **flags) -> RouterProcess:
+    """The idle side off: these tests are about the prefill queue, and a
+    decode pod taking prompts from it (tests/router/test_admission_local.py,
+    test_local_prefill_e2e.py) would leave the burst partly unqueued."""
     router = start_router(tiny_model_dir, prefill=[pods["prefill"].address],
-                          decode=[pods["decode"].address], **flags)
+                          decode=[pods["decode"].address], local_prefill_max_tokens=0,
+                          **flags)
     wait_ready(router)
     return router
 
@@ -114,17 +123,17 @@ def test_queued_prefill_longer_than_the_transfer_timeout_is_not_restarted(
     try:
         peak = _watch_queue(router, pods["prefill"].address)
         started = time.monotonic()
-        results = _burst(_client(router), PROMPTS)
+        results = _burst(_client(router), BURST)
         took = time.monotonic() - started
         peak_queued = peak()
         log = router.log_tail(200_000)
-        assert results == undisturbed, log[-4000:]
+        assert results == undisturbed * 2, log[-4000:]
         assert RESTART not in log
         # the burst really queued for longer than the decode pod's transfer timeout
         assert took > 2 * TRANSFER_TIMEOUT_S
         assert peak_queued >= 1
         pod = pods["prefill"].address
-        assert router.metric("pdserve_router_queue_wait_seconds_count") == NUM_BURST
+        assert router.metric("pdserve_router_queue_wait_seconds_count") == len(BURST)
         assert router.metric("pdserve_router_queue_wait_seconds_sum") > TRANSFER_TIMEOUT_S
         assert router.metric("pdserve_router_queue_requests", pod=pod) == 0
         assert router.metric("pdserve_router_queue_dispatched_tokens", pod=pod) == 0
@@ -142,10 +151,10 @@ def test_queued_at_the_prefill_pod_itself_is_not_restarted_either(
     router = _router(tiny_model_dir, pods, prefill_dispatch_tokens=0)
     try:
         started = time.monotonic()
-        results = _burst(_client(router), PROMPTS)
+        results = _burst(_client(router), BURST)
         assert time.monotonic() - started > 2 * TRANSFER_TIMEOUT_S
         log = router.log_tail(200_000)
-        assert results == undisturbed, log[-4000:]
+        assert results == undisturbed * 2, log[-4000:]
         assert RESTART not in log
     finally:
         router.terminate()
