@@ -41,6 +41,7 @@ class IncrementalDetokenizer:
         # the byte-level path (module doc); None: the window path
         self._pieces = tokenizer.byte_pieces(skip_special_tokens)
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        self._utf8_holds = False  # `_utf8` holds the start of a character
 
     @property
     def token_ids(self) -> list[int]:
@@ -72,26 +73,34 @@ class IncrementalDetokenizer:
         return new_text
 
     def _add_bytes(self, token_ids: Sequence[int]) -> str:
-        pieces, count, tokens = self._pieces, len(self._pieces), self._tokens
-        data = b""
-        for token_id in token_ids:
-            token_id = int(token_id)
-            tokens.append(token_id)
-            if 0 <= token_id < count:
-                data += pieces[token_id]
+        pieces, count = self._pieces, len(self._pieces)
+        if len(token_ids) == 1:  # a decode step's one token: the router's common case
+            token_id = int(token_ids[0])
+            self._tokens.append(token_id)
+            data = pieces[token_id] if 0 <= token_id < count else b""
+        else:
+            tokens, data = self._tokens, b""
+            for token_id in token_ids:
+                token_id = int(token_id)
+                tokens.append(token_id)
+                if 0 <= token_id < count:
+                    data += pieces[token_id]
         if not data:
             return ""
-        if not self._utf8.getstate()[0]:
+        if not self._utf8_holds:
             try:  # the common case: whole characters, nothing held back
                 return data.decode()
             except UnicodeDecodeError:
                 pass
-        return self._utf8.decode(data)
+        text = self._utf8.decode(data)
+        self._utf8_holds = bool(self._utf8.getstate()[0])
+        return text
 
     def flush(self) -> str:
         """Text still held back (end of stream); a truncated character comes
         out as U+FFFD. The detokenizer is empty-handed afterwards."""
         if self._pieces is not None:
+            self._utf8_holds = False
             return self._utf8.decode(b"", final=True)
         if self._read_offset == len(self._tokens):
             return ""

@@ -19,8 +19,8 @@ On the router's event loop:
                           arrives while the request's task waits in read()
                           with nothing queued goes to this callback instead,
                           which writes it to the client at once (the direct
-                          relay, docs/router.md "Relay"); it answers False to
-                          leave the event to read()
+                          relay, docs/router.md "Relay"); it answers the
+                          tokens it wrote, or None to leave the event to read()
     deadline passes    -> the call fails DEADLINE_EXCEEDED and is cancelled
     session breaks     -> every open call fails with the session's error
                           (the flow migrates each request); the next open()
@@ -65,8 +65,9 @@ class SessionCall:
 
     def __init__(self, session: DecodeSession, request_id: str) -> None:
         self.request_id = request_id
-        # DecodeTokens -> True when it took them (router.flow.attempt sets it)
-        self.relay: Callable[[pb.DecodeTokens], bool] | None = None
+        # DecodeTokens -> the number of tokens it wrote to the client, or None
+        # to leave them to read() (router.flow.attempt sets it)
+        self.relay: Callable[[pb.DecodeTokens], int | None] | None = None
         self._session = session
         self._events: collections.deque[pb.SessionEvent] = collections.deque()
         self._waiter: asyncio.Future[None] | None = None
@@ -100,31 +101,36 @@ class SessionCall:
 
     # -- the session's side
 
-    def put(self, event: pb.SessionEvent) -> bool:
-        """Take one event from the pod; True when the direct relay took it."""
+    def put(self, event: pb.SessionEvent) -> int:
+        """Take one event from the pod; the number of tokens the direct relay
+        wrote of it (0: none, the event is queued for `read()`)."""
+        relay, waiter = self.relay, self._waiter
+        # The relay's case first, it comes once per token: the task is idle in
+        # read(), so every earlier event is written out and writing this one
+        # now keeps the client's order.
+        if (relay is not None and waiter is not None and not self._events
+                and not waiter.done() and event.WhichOneof("kind") == "tokens"):
+            tokens = event.tokens
+            if not tokens.finish_reason:
+                try:
+                    written = relay(tokens)
+                except Exception:  # a bug here must not break the session's other requests
+                    log.exception("direct relay of %s failed; its task reads from now on",
+                                  self.request_id)
+                    self.relay = None
+                else:
+                    if written is not None:
+                        return written
         kind = event.WhichOneof("kind")
         if kind == "error":
             self.fail(rpc_error(_CODES.get(event.error.code, grpc.StatusCode.UNKNOWN),
                                 event.error.message))
-            return False
-        relay = self.relay
-        if (relay is not None and kind == "tokens" and not event.tokens.finish_reason
-                and not self._events and self._waiter is not None
-                and not self._waiter.done()):
-            # The task is idle in read(), so every earlier event is written out:
-            # writing this one now keeps the client's order.
-            try:
-                if relay(event.tokens):
-                    return True
-            except Exception:  # a bug here must not break the session's other requests
-                log.exception("direct relay of %s failed; its task reads from now on",
-                              self.request_id)
-                self.relay = None
+            return 0
         self._events.append(event)
         if kind == "tokens" and event.tokens.finish_reason:
             self._end()
         self._wake()
-        return False
+        return 0
 
     def fail(self, error: grpc.aio.AioRpcError) -> None:
         if self._open:
@@ -225,8 +231,8 @@ class DecodeSession:
                 for event in batch.events:
                     call = calls.get(event.request_id)
                     # else: cancelled here, the pod had it in flight
-                    if call is not None and call.put(event):
-                        relayed += len(event.tokens.token_ids)
+                    if call is not None:
+                        relayed += call.put(event)
                 if relayed and self._on_relayed is not None:
                     self._on_relayed(relayed)
             error = rpc_error(grpc.StatusCode.UNAVAILABLE,

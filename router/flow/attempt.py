@@ -427,27 +427,36 @@ class Attempt:
 
     def _start_direct_relay(self, call) -> bool:
         """Give `call` the relay callback (router.flow.direct_relay): only a
-        SessionCall, only with a client sink, and not with stop strings (the
-        task ends the request on a match)."""
-        if self._sink is None or not isinstance(call, SessionCall) or self._out.has_stops:
+        SessionCall, only with a client sink, and only for plain text: not
+        with stop strings (the task ends the request on a match), logprobs
+        or prompt logprobs (their deltas carry more than text)."""
+        sampling = self._request.sampling
+        if (self._sink is None or not isinstance(call, SessionCall) or not self._out.plain
+                or sampling.logprobs is not None or sampling.prompt_logprobs is not None):
             return False
         call.relay = self._relay_direct
         return True
 
-    def _relay_direct(self, tokens: pb.DecodeTokens) -> bool:
+    def _relay_direct(self, tokens: pb.DecodeTokens) -> int | None:
         """The relay callback, called by the session's reader while this
-        request's task waits in `read()`: True when `tokens` (no finish
-        reason) went to the client here; False leaves them to the task."""
+        request's task waits in `read()`: the number of `tokens` (no finish
+        reason) written to the client here, or None to leave them to the task.
+
+        Runs once per token per stream, so it reads as little as it can:
+        `_start_direct_relay` ruled out what makes a delta more than text,
+        and the output stays plain (only a request that asked for prompt
+        logprobs gets them)."""
         out, sink = self._out, self._sink
-        if (tokens.first_index != out.next_index or tokens.logprobs or tokens.prompt_logprobs
-                or not out.plain or not sink.ready()):
-            return False
-        if tokens.num_prompt_tokens:  # every message has the counts; the first one's count
+        # a repeat or a gap (a pod after a migration) is the task's to sort out
+        if tokens.first_index != len(out.output_ids) or not sink.ready():
+            return None
+        if out.cached_tokens is None and tokens.num_prompt_tokens:
             out.set_cached_tokens(tokens.num_cached_tokens)
         token_ids = tokens.token_ids
-        if token_ids:
+        count = len(token_ids)
+        if count:
             sink.send_text(out.accept_text(token_ids), token_ids)
-        return True
+        return count
 
     def _finish(self, finish_reason: str) -> Delta:
         self._to_state(FlowState.FINISHED)

@@ -171,9 +171,7 @@ class RequestFlow:
         """ITL of `count` output tokens that arrived together, after the first."""
         now = time.monotonic()
         if self._last_token_time is not None:
-            gap, observe = (now - self._last_token_time) / count, self._deps.metrics.itl.observe
-            for _ in range(count):
-                observe(gap)
+            self._deps.metrics.itl.observe((now - self._last_token_time) / count, count)
         self._last_token_time = now
 
     def _after_failure(self, failure: AttemptFailed) -> None:

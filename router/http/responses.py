@@ -18,6 +18,9 @@ from router.http.echo import EchoPrompt, echo_logprobs, vllm_prompt_logprobs
 
 DONE_EVENT = b"data: [DONE]\n\n"
 _TEXT_SLOT = "\x01pdserve-text\x01"  # stands for the text while the event template is built
+# json.dumps(text) of a str is this function's result (ensure_ascii, the default),
+# without dumps' encoder set-up: text_event calls it once per relayed token
+_json_string = json.encoder.encode_basestring_ascii
 
 
 def sse_event(payload: dict[str, Any]) -> bytes:
@@ -231,7 +234,7 @@ class ResponseShaper:
             before, after = sse_event(self.chunk(Delta(text=_TEXT_SLOT))).split(quoted)
             self._text_event = (before, after)
         before, after = self._text_event
-        return before + json.dumps(text).encode() + after
+        return before + _json_string(text).encode() + after
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any] | None:
         """The trailing `choices: []` chunk with usage, when the client asked for it."""

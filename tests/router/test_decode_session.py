@@ -146,12 +146,12 @@ def test_the_relay_takes_plain_events_while_the_reader_waits_and_a_failing_one_i
             other, other_first = await channels.open_generate(pod.address, _request("b", 12), 30)
             relayed: list[int] = []
 
-            def relay(tokens) -> bool:
+            def relay(tokens) -> int:
                 assert not tokens.finish_reason
                 if len(relayed) == 3:
                     raise RuntimeError("a bug in the relay")
                 relayed.extend(tokens.token_ids)
-                return True
+                return len(tokens.token_ids)
 
             call.relay = relay
             read, read_other = await asyncio.gather(_read_all(call, first),

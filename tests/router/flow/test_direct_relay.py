@@ -91,3 +91,19 @@ def test_stop_strings_keep_every_delta_on_the_task():
         assert _text(deltas) == full[: full.index(stop)]
         assert not sink.relayed
     run(main())
+
+
+@pytest.mark.parametrize("sampling", [{"logprobs": 1}, {"prompt_logprobs": 1}],
+                         ids=["logprobs", "prompt-logprobs"])
+def test_a_request_for_logprobs_keeps_every_delta_on_the_task(sampling):
+    """The relay writes text alone, and it no longer looks at a message's
+    logprobs: a request that asked for them never gets the relay."""
+    async def main():
+        cluster = Cluster()
+        await cluster.add("prefill")
+        await cluster.add("decode", delay=0.01)
+        async with cluster:
+            deltas, sink = await _collect_with_sink(cluster.flow(max_tokens=12, **sampling))
+        assert _text(deltas) == expected_text(PROMPT, 12)
+        assert not sink.relayed
+    run(main())
