@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 import importlib
 
-HELP = ("Benchmarks: engine, decode-gemm, prefill-gemm, kernels, transfer, transfer-split, "
-        "ttft, router, sse-floor, peer, disagg, first-gap, routing "
+HELP = ("Benchmarks: engine, decode-gemm, prefill-gemm, prefill-split, kernels, transfer, "
+        "transfer-split, ttft, router, sse-floor, peer, disagg, first-gap, routing "
         "(each against its baseline); serve (a load generator) and serve-plot; soak "
         "(mixed load, cancellations and a pod restart).")
 
@@ -18,6 +18,7 @@ BENCHMARKS: dict[str, str] = {
     "engine": "benchmarks.engine",
     "decode-gemm": "benchmarks.decode_gemm",
     "prefill-gemm": "benchmarks.prefill_gemm",
+    "prefill-split": "benchmarks.prefill_split",
     "kernels": "benchmarks.kernels",
     "transfer": "benchmarks.transfer",
     "transfer-split": "benchmarks.transfer_split",
