@@ -5,7 +5,10 @@ iteration, renders exactly as a histogram observed one value at a time."""
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+import subprocess
+import sys
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
@@ -104,3 +107,22 @@ def test_a_histogram_without_the_fields_is_observed_one_by_one() -> None:
     histogram.observe(0.5, 2)
     histogram.flush()
     assert other.values == [0.5, 0.5]
+
+
+def test_multiprocess_mode_counts_in_the_shared_files(tmp_path) -> None:
+    """With `--workers N` every worker's histogram lives in prometheus_client's
+    multiprocess files (its mode is chosen at import, so a fresh process)."""
+    script = (
+        "from router.metrics import RouterMetrics\n"
+        f"m = RouterMetrics(multiprocess_dir={str(tmp_path)!r})\n"
+        "assert m.itl.batched\n"
+        "m.itl.observe(0.03, 4)\n"
+        "m.itl.observe(0.2)\n"
+        "print(m.render().decode())\n"
+    )
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    text = subprocess.run([sys.executable, "-c", script], env=env, check=True,
+                          capture_output=True, text=True, timeout=60).stdout
+    assert 'pdserve_inter_token_latency_seconds_count{role="router"} 5.0' in text
+    assert 'pdserve_inter_token_latency_seconds_bucket{le="0.05",role="router"} 4.0' in text
+    assert 'pdserve_inter_token_latency_seconds_sum{role="router"} 0.32' in text
