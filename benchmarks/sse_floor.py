@@ -16,6 +16,11 @@ stream and counts events; after a warm-up it reads the server's CPU time
 (/proc) over `--duration` seconds and divides by the events the client
 received in that window. Run it on an otherwise idle machine; the client
 shares the cores, as in the router benchmark.
+
+`--front-door grpc` is the same floor under the router's gRPC front door
+(`pdserve bench router --open-loop --front-door grpc`): a bare grpc.aio
+server whose `Router.Generate` streams yield one `GenerateResponse` (the
+token's text and id) per step, read by a grpc.aio client.
 """
 
 from __future__ import annotations
@@ -39,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--duration", type=float, default=15.0, help="measured window, s")
     parser.add_argument("--warmup", type=float, default=3.0, help="s before the window")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--front-door", choices=("http", "grpc"), default="http",
+                        help="SSE over HTTP (aiohttp, default) or Router.Generate over gRPC "
+                             "(grpc.aio)")
     parser.add_argument("--serve", type=int, default=None, metavar="PORT",
                         help=argparse.SUPPRESS)  # the server side, started by main
 
@@ -89,41 +97,107 @@ def _serve(port: int, step_s: float) -> None:
     asyncio.run(main())
 
 
+def _serve_grpc(port: int, step_s: float) -> None:
+    import grpc
+
+    from proto import pdserve_pb2 as pb
+    from proto import pdserve_pb2_grpc
+
+    waiters: list[asyncio.Future] = []
+
+    def step() -> None:
+        ready, waiters[:] = list(waiters), []
+        for waiter in ready:
+            if not waiter.done():
+                waiter.set_result(None)
+        loop.call_later(step_s, step)
+
+    class Floor(pdserve_pb2_grpc.RouterServicer):
+        async def Generate(self, request, context):
+            index = 0
+            while True:
+                waiter = loop.create_future()
+                waiters.append(waiter)
+                await waiter
+                index += 1
+                yield pb.GenerateResponse(request_id=request.request_id, text=" token",
+                                          token_ids=[1000 + index % 100])
+
+    async def main() -> None:
+        nonlocal loop
+        loop = asyncio.get_running_loop()
+        server = grpc.aio.server()
+        pdserve_pb2_grpc.add_RouterServicer_to_server(Floor(), server)
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        loop.call_later(step_s, step)
+        print("ready", flush=True)
+        await server.wait_for_termination()
+
+    loop: asyncio.AbstractEventLoop
+    asyncio.run(main())
+
+
 # ------------------------------------------------------------------ client
+
+
+async def _window(read, server_pid: int, args: argparse.Namespace,
+                  received: list[int]) -> tuple[float, float]:
+    """Run `read()` on every stream; the server's CPU per event received in
+    the window after the warm-up, and the events per second."""
+    from benchmarks.router_open_loop import cpu_seconds
+
+    tasks = [asyncio.create_task(read(i)) for i in range(args.streams)]
+    try:
+        await asyncio.sleep(args.warmup)
+        cpu0, events0, t0 = cpu_seconds(server_pid), received[0], time.monotonic()
+        await asyncio.sleep(args.duration)
+        cpu1, events1, t1 = cpu_seconds(server_pid), received[0], time.monotonic()
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    events = max(events1 - events0, 1)
+    return (cpu1 - cpu0) / events * 1e6, events / (t1 - t0)
 
 
 async def _measure(port: int, server_pid: int, args: argparse.Namespace) -> tuple[float, float]:
     import aiohttp
 
-    from benchmarks.router_open_loop import cpu_seconds
-
     received = [0]
-
-    async def read(http: aiohttp.ClientSession) -> None:
-        async with http.get(f"http://127.0.0.1:{port}/stream") as response:
-            async for line in response.content:
-                if line.startswith(b"data: "):
-                    received[0] += 1
-
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                      timeout=aiohttp.ClientTimeout(total=None)) as http:
-        tasks = [asyncio.create_task(read(http)) for _ in range(args.streams)]
-        try:
-            await asyncio.sleep(args.warmup)
-            cpu0, events0, t0 = cpu_seconds(server_pid), received[0], time.monotonic()
-            await asyncio.sleep(args.duration)
-            cpu1, events1, t1 = cpu_seconds(server_pid), received[0], time.monotonic()
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-    events = max(events1 - events0, 1)
-    return (cpu1 - cpu0) / events * 1e6, events / (t1 - t0)
+        async def read(_: int) -> None:
+            async with http.get(f"http://127.0.0.1:{port}/stream") as response:
+                async for line in response.content:
+                    if line.startswith(b"data: "):
+                        received[0] += 1
+
+        return await _window(read, server_pid, args, received)
+
+
+async def _measure_grpc(port: int, server_pid: int, args: argparse.Namespace
+                        ) -> tuple[float, float]:
+    import grpc
+
+    from proto import pdserve_pb2 as pb
+    from proto import pdserve_pb2_grpc
+
+    received = [0]
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = pdserve_pb2_grpc.RouterStub(channel)
+
+        async def read(i: int) -> None:
+            async for _ in stub.Generate(pb.GenerateRequest(request_id=f"floor-{i}")):
+                received[0] += 1
+
+        return await _window(read, server_pid, args, received)
 
 
 def main(args: argparse.Namespace) -> int:
+    grpc_door = args.front_door == "grpc"
     if args.serve is not None:
-        _serve(args.serve, args.step_ms / 1000)
+        (_serve_grpc if grpc_door else _serve)(args.serve, args.step_ms / 1000)
         return 0
     if args.streams <= 0 or args.step_ms <= 0 or args.duration <= 0 or args.rounds <= 0:
         print("--streams, --step-ms, --duration and --rounds must be > 0", file=sys.stderr)
@@ -135,14 +209,15 @@ def main(args: argparse.Namespace) -> int:
         port = _free_port()
         server = subprocess.Popen(
             [sys.executable, "-m", "pdserve", "bench", "sse-floor", "--serve", str(port),
-             "--step-ms", str(args.step_ms)],
+             "--step-ms", str(args.step_ms), "--front-door", args.front_door],
             stdout=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         try:
             assert server.stdout is not None
             if server.stdout.readline().strip() != b"ready":
-                print("the SSE server did not start", file=sys.stderr)
+                print("the floor's server did not start", file=sys.stderr)
                 return 1
-            us, rate = asyncio.run(_measure(port, server.pid, args))
+            us, rate = asyncio.run((_measure_grpc if grpc_door else _measure)(
+                port, server.pid, args))
         finally:
             server.terminate()
             server.wait(10)
@@ -150,6 +225,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"round {r + 1}: {us:.1f} µs of server CPU per event, {rate:.0f} events/s "
               f"({args.streams} streams, a step every {args.step_ms:g} ms)", flush=True)
     ordered = sorted(per_event)
-    print(f"\nbare aiohttp SSE floor: median {ordered[len(ordered) // 2]:.1f} µs per event "
+    server_kind = "grpc.aio Router.Generate" if grpc_door else "aiohttp SSE"
+    print(f"\nbare {server_kind} floor: median {ordered[len(ordered) // 2]:.1f} µs per event "
           f"(min {ordered[0]:.1f}, max {ordered[-1]:.1f}) over {args.rounds} rounds")
     return 0

@@ -84,6 +84,22 @@ def test_sse_floor_reports_cpu_per_event(capsys: pytest.CaptureFixture[str]) -> 
     assert 50 <= events <= 450
 
 
+def test_the_grpc_floor_reports_cpu_per_message() -> None:
+    """`--front-door grpc`: the floor under the gRPC front door (grpc.aio on
+    both sides). In its own process, for the reason the next test gives."""
+    command = [sys.executable, "-m", "pdserve", "bench", "sse-floor", "--front-door", "grpc",
+               "--streams", "8", "--step-ms", "20", "--duration", "1", "--warmup", "0.5",
+               "--rounds", "1"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    match = re.search(r"bare grpc.aio Router.Generate floor: median ([0-9.]+) µs per event",
+                      done.stdout)
+    assert match is not None, done.stdout
+    assert float(match.group(1)) > 0
+    events = int(re.search(r"([0-9]+) events/s", done.stdout).group(1))
+    assert 50 <= events <= 450
+
+
 def test_the_whole_open_loop_command_runs_its_phases_on_one_loop(tiny_model_dir: Path) -> None:
     """`pdserve bench router --open-loop` end to end: the rounds, then the
     routing decisions, all on one event loop (two `asyncio.run` calls left
