@@ -47,6 +47,7 @@ from engine.grammar import GrammarCompiler, model_tokenizer
 from engine.grammar_batch import GrammarBatch
 from engine.kv_cache import allocate_kv_caches, kv_bytes_per_block, num_blocks_for_budget
 from engine.kv_hook import LayerKVHook
+from engine.layer_gate import LayerGate
 from engine.layers.linear import prepack, resolve_backend, resolve_decode_matmul
 from engine.loader import load_model
 from engine.model_runner import ModelRunner, slots_for
@@ -62,7 +63,7 @@ from engine.prompt_logprobs import take_prompt_logprobs
 from engine.request import Request, RequestStatus
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, SchedulerOutput
 from engine.step_pipeline import CompletedStep, StepPipeline
 from engine.text_stream import TextStream
 from kernels import native
@@ -271,6 +272,44 @@ class LLMEngine:
             self._finish(request, status)
             self._pending.append(_output(request, (), ()))
 
+    def start_tail(self, request_id: str, num_head_tokens: int, gate: LayerGate) -> None:
+        """Decode pod, split prefill (docs/architecture.md, "Open: one prompt
+        on both pods"): a reservation whose context tokens [0, num_head_tokens)
+        come from a prefill pod layer by layer while this engine computes the
+        rest. The request runs from the next step on: its tail is scheduled as
+        a prompt chunk over the head, whose forward waits on `gate` before
+        each layer's attention; it samples the first token here. A failed
+        gate ends the request aborted after that step."""
+        request = self._requests.get(request_id)
+        if request is None or request.status is not RequestStatus.WAITING_FOR_REMOTE_KV:
+            state = "unknown" if request is None else request.status.name
+            raise ValueError(f"request {request_id!r} is not awaiting remote KV ({state})")
+        if not request.num_computed_tokens <= num_head_tokens < request.num_context_tokens:
+            raise ValueError(
+                f"num_head_tokens {num_head_tokens} must be in [{request.num_computed_tokens}, "
+                f"{request.num_context_tokens}): the tail computes at least the last context "
+                "token, and the cached prefix is held already")
+        if gate.num_layers != self.model_config.num_hidden_layers:
+            raise ValueError(f"the gate counts {gate.num_layers} layers, the model has "
+                             f"{self.model_config.num_hidden_layers}")
+        request.num_computed_tokens = num_head_tokens
+        request.layer_gate = gate
+        self.scheduler.commit_reserved(request)
+
+    def _settle_gates(self, plan: SchedulerOutput) -> None:
+        """After a step that computed a split prefill's tail: its forward
+        waited for every layer of the head, so the gate is done with; or the
+        head never arrived whole (a failed gate), and what the step computed
+        is void: the request ends aborted now, before `update_computed`
+        could enter its blocks in the prefix cache."""
+        for s in plan.scheduled:
+            gate = s.request.layer_gate
+            if gate is None or not gate.complete:
+                continue
+            s.request.layer_gate = None
+            if gate.failed:
+                self.abort_request(s.request.request_id)
+
     def abort_request(self, request_id: str) -> bool:
         """Abort in any state and free its blocks (once the step in flight that
         includes it completes, with async scheduling); False if unknown or
@@ -309,6 +348,7 @@ class LLMEngine:
 
     def _finish_step(self, step: CompletedStep) -> list[RequestOutput]:
         """A completed step's tokens: append, stop checks, outputs."""
+        self._settle_gates(step.plan)
         self.scheduler.update_computed(step.plan)
         if step.prompt_logprobs is not None:
             deliver_prompt_logprobs(*step.prompt_logprobs)

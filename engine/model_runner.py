@@ -6,7 +6,8 @@ prefill chunks; see `engine.paged_attention_context`), writes the step's
 inputs (token ids, positions, slot mapping, decode block tables and context
 lengths, sampled rows) into the persistent `StepInputs` tensors, and builds
 the attention context over views of them (plus, only when a chunk needs it,
-the gathered prefill context's slots, and the LayerKVHook spans). `forward`
+the gathered prefill context's slots, the LayerKVHook spans, and the gates
+of split prefills whose head is still arriving). `forward`
 runs the model on those inputs and returns the float32 logits of the rows
 that sample (a request's last scheduled row when the step samples for it:
 it finished its prompt or is decoding). `execute` is both, in order.
@@ -39,6 +40,7 @@ from engine.cuda_graphs import DecodeGraphs, capture_sizes, eager_reason
 from engine.host_copy import to_device
 from engine.kv_hook import LayerKVHook, LayerKVSpan
 from engine.layer_attention import layer_attention
+from engine.layer_gate import LayerGate
 from engine.model import LlamaForCausalLM
 from engine.paged_attention_context import PagedAttentionContext, PrefillChunk
 from engine.prompt_logprobs import (
@@ -161,9 +163,13 @@ class ModelRunner:
         positions, sample_rows, sampling = self._write_rows(inputs, ordered)
         tables = inputs.block_tables.write_table([s.request.block_ids for s in decode])
         context_lens = inputs.context_lens.write_rows([s.end for s in decode])
-        bucket = self._graph_bucket(decode, prefill, streamed)
+        # split prefills' tails whose head is still arriving (engine.layer_gate)
+        gates = tuple(s.request.layer_gate for s in ordered
+                      if s.request.layer_gate is not None and not s.request.layer_gate.complete)
+        bucket = None if gates else self._graph_bucket(decode, prefill, streamed)
         ctx = None if bucket is not None else self._eager_context(
-            inputs, decode, prefill, tables, context_lens, tuple(span for _, span in streamed))
+            inputs, decode, prefill, tables, context_lens, tuple(span for _, span in streamed),
+            gates)
         rows, sources = (self._index_tensors(*zip(*placeholders, strict=True)) if placeholders
                          else (self._no_rows, self._no_rows))
         return PreparedStep(
@@ -249,8 +255,8 @@ class ModelRunner:
 
     def _eager_context(self, inputs: StepInputs, decode: list[ScheduledRequest],
                        prefill: list[ScheduledRequest], tables: torch.Tensor,
-                       context_lens: torch.Tensor,
-                       spans: tuple[LayerKVSpan, ...]) -> PagedAttentionContext:
+                       context_lens: torch.Tensor, spans: tuple[LayerKVSpan, ...],
+                       gates: tuple[LayerGate, ...] = ()) -> PagedAttentionContext:
         bs = self.block_size
         chunks: list[PrefillChunk] = []
         context_slots: list[torch.Tensor] = []
@@ -277,6 +283,7 @@ class ModelRunner:
             layers=self.layer_attention,
             hook=self.layer_kv_hook,
             spans=spans,
+            gates=gates,
             kernel_backend=self.model.kernel_backend,
         )
 

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 import kernels
 from engine.kv_hook import LayerKVHook, LayerKVSpan
 from engine.layer_attention import LayerAttention
+from engine.layer_gate import LayerGate
 from kernels import native
 from kernels.dispatch import Backend
 from kernels.reference import soft_cap
@@ -76,6 +77,7 @@ class PagedAttentionContext:
                  prefill_context_slots: torch.Tensor | None, scale: float,
                  sliding_window: int | None, hook: LayerKVHook | None = None,
                  spans: tuple[LayerKVSpan, ...] = (),
+                 gates: tuple[LayerGate, ...] = (),
                  kernel_backend: Backend = Backend.AUTO,
                  layers: tuple[LayerAttention, ...] = ()) -> None:
         self.kv_caches = kv_caches
@@ -89,6 +91,9 @@ class PagedAttentionContext:
         self.sliding_window = sliding_window
         self.hook = hook
         self.spans = spans
+        # A split prefill's tail reads its head from the cache: each layer
+        # waits until the head's KV of that layer has landed (engine.layer_gate).
+        self.gates = gates
         self.kernel_backend = kernel_backend
         # The native prefill kernel is the CPU choice of `auto`, as for the
         # decode kernels (`kernels.dispatch`); `torch` / `triton` keep SDPA.
@@ -105,6 +110,8 @@ class PagedAttentionContext:
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> torch.Tensor:
         """Called by the model's layer `layer_idx`; see module docstring."""
+        for gate in self.gates:
+            gate.wait(layer_idx)  # a failed one opens; the engine voids the request
         cache = self.kv_caches[layer_idx]
         spec = self._layer(layer_idx)
         kernels.inject_kv(cache, torch.stack((k, v)).to(cache.dtype), self.slot_mapping,
@@ -146,7 +153,7 @@ class PagedAttentionContext:
         """A pure-decode step's layer in one fused call; None (the model's split
         path, then `attend`) when the step has prefill chunks. The step's
         arguments are bound (and checked) at the first layer."""
-        if self.prefill_chunks or not self.num_decode:
+        if self.prefill_chunks or not self.num_decode or self.gates:
             return None
         spec = self._layer(layer_idx)
         fused = self._fused.get(spec)
