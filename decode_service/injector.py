@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 import torch
 
 import kernels
+from engine.layer_gate import LayerGate
 from engine.metrics import PodMetrics
 from kernels.dispatch import Backend
 from kv_transfer.base import KVReceiveListener
@@ -100,6 +101,10 @@ class _Pending:
     future: asyncio.Future[int]
     loop: asyncio.AbstractEventLoop
     on_ready: Callable[[int], object] | None
+    # a split prefill's head (engine.layer_gate): marked as layers land;
+    # `on_first_layer` starts the engine's tail once layer 0 is in
+    gate: LayerGate | None = None
+    on_first_layer: Callable[[], object] | None = None
     state: InjectState = InjectState.WAITING
     layers_done: int = 0
     first_layer_at: float | None = None
@@ -120,7 +125,10 @@ class _Pending:
         self.loop.call_soon_threadsafe(_resolve, self.future, first_token_id)
 
     def fail(self, exc: TransferFailed) -> None:
-        """Injector thread: -> FAILED, the future raises `exc`."""
+        """Injector thread: -> FAILED, the future raises `exc` (and a split's
+        gate opens: the engine voids the tail)."""
+        if self.gate is not None:
+            self.gate.fail()
         self.to(InjectState.FAILED)
         self.reason = exc.reason
         self.expected_at = None
@@ -198,7 +206,9 @@ class KVInjector(KVReceiveListener):
     # ---------------------------------------------------------------- KVImport (event loop)
 
     def expect(self, request_id: str, slot_mapping: torch.Tensor, num_layers: int,
-               num_bytes: int, on_ready: Callable[[int], object] | None = None
+               num_bytes: int, on_ready: Callable[[int], object] | None = None, *,
+               gate: LayerGate | None = None,
+               on_first_layer: Callable[[], object] | None = None
                ) -> asyncio.Future[int]:
         """Register R before its receiver ticket exists, so no layer can
         arrive unannounced. The future resolves with the first token id once
@@ -208,14 +218,20 @@ class KVInjector(KVReceiveListener):
         KV is complete (every layer in, END accepted, on CUDA the copies
         done), before the future resolves; if it raises, R fails with the
         reason. After it the injector never touches R again (no `forget`
-        needed)."""
+        needed).
+
+        A split prefill's head (`gate`): after each layer is in (on CUDA,
+        its copy done) the gate is marked, and after layer 0
+        `on_first_layer()` starts the engine's tail. A restart fails R (the
+        tail may have read the layers it would overwrite), and so does
+        `forget` before R settled: the gate opens either way."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[int] = loop.create_future()
         with self._lock:
             if request_id in self._pending:
                 raise ValueError(f"request {request_id!r} is already waiting for KV")
             self._pending[request_id] = _Pending(slot_mapping, num_layers, num_bytes, future, loop,
-                                                 on_ready)
+                                                 on_ready, gate, on_first_layer)
         return future
 
     async def forget(self, request_id: str) -> None:
@@ -303,7 +319,9 @@ class KVInjector(KVReceiveListener):
             # queued H2D copies may still read the landing buffer
             self._stream.synchronize()
         with self._lock:
-            self._pending.pop(item.request_id, None)
+            p = self._pending.pop(item.request_id, None)
+        if p is not None and p.gate is not None and not p.settled:
+            p.gate.fail()  # a tail still waiting for layers that will not come
         item.done.get_loop().call_soon_threadsafe(_resolve, item.done, None)
 
     def _inject(self, p: _Pending, layer: int, view: torch.Tensor) -> None:
@@ -329,6 +347,12 @@ class KVInjector(KVReceiveListener):
             per_layer = _cadence(p)
             p.expected_at = now + per_layer * (p.num_layers - p.layers_done + self._end_lag)
         p.to(InjectState.INJECTING)
+        if p.gate is not None:
+            if self._stream is not None:
+                self._stream.synchronize()  # the engine's stream reads it next
+            p.gate.mark(p.layers_done)
+            if p.layers_done == 1 and p.on_first_layer is not None:
+                p.on_first_layer()
 
     def _restart(self, request_id: str, reason: str, done: threading.Event) -> None:
         try:
@@ -336,7 +360,10 @@ class KVInjector(KVReceiveListener):
                 self._stream.synchronize()  # queued H2D copies may read the old views
             with self._lock:
                 p = self._pending.get(request_id)
-            if p is not None and p.state in (InjectState.WAITING, InjectState.INJECTING):
+            if p is not None and p.gate is not None and not p.settled:
+                # a split's tail may have read the layers a restart overwrites
+                p.fail(TransferFailed(request_id, f"sender lost mid-split ({reason})"))
+            elif p is not None and p.state in (InjectState.WAITING, InjectState.INJECTING):
                 log.info("KV of %s restarts from layer 0 (%s)", request_id, reason)
                 if p.state is InjectState.INJECTING:
                     p.to(InjectState.WAITING)

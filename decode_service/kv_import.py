@@ -40,6 +40,15 @@ the pod's event loop unless another caller is named:
      v                queued commit
     COMMITTED         R runs in the batch; the engine alone owns it from here
 
+    A split prefill (`open(split_at)`, docs/architecture.md "Open: one prompt
+    on both pods"): only the head [held, split_at) comes over the wire; after
+    its layer 0 the injector thread queues `start_tail` instead of, at the
+    end, `commit_remote`, and the engine computes the tail behind the
+    injector and samples token 0 itself, into `stream`. INJECTED and
+    COMMITTED mean the same as above; the servicer sends R's tokens only
+    from COMMITTED on, so a token computed over a head that never arrived
+    whole is never sent (the engine aborts such a request itself).
+
     RESERVED / OPEN / INJECTED ── free(reason) ──> FREED
         (cancel, Abort, failure, deadline, a commit that raised): the receiver
         stops writing (cancel), the injector lets go of R (forget returns once
@@ -69,6 +78,7 @@ from dataclasses import dataclass
 
 from decode_service.injector import KVInjector, TransferFailed
 from engine.engine_loop import EngineLoop
+from engine.layer_gate import LayerGate
 from engine.outputs import RemoteReservation
 from engine.request_stream import RequestAborted, RequestStream
 from engine.sampling_params import SamplingParams
@@ -176,18 +186,39 @@ class KVImport:
         held = 0 if self._reservation is None else self._reservation.num_held_tokens
         return self._remote.kv_shape.bytes_of(held)
 
-    def open(self) -> TransferTarget:
+    def split_for(self, split_at: int) -> int:
+        """The split this pod takes for a requested `split_at` (0 = none):
+        none when its cached prefix already holds the head."""
+        assert self._reservation is not None
+        return split_at if split_at > self._reservation.num_held_tokens else 0
+
+    def open(self, split_at: int = 0) -> TransferTarget:
         """Announce R to the injector, then open its landing buffer; returns the
         target for the prefill pod. BufferPoolExhausted when the landing pool
-        is full (R is still RESERVED then: `free` it)."""
+        is full (R is still RESERVED then: `free` it).
+
+        `split_at` > 0 (from `split_for`): a split prefill. The prefill pod
+        sends context tokens [held, split_at) only; once their layer 0 is in,
+        the injector thread queues `start_tail` on the engine loop, and the
+        engine computes the rest layer by layer behind the injector
+        (engine.layer_gate). R's tokens, token 0 included, come on `stream`."""
         assert self._reservation is not None
         remote = self._remote
         reservation = self._reservation
-        layout = remote.kv_shape.layout(reservation.num_new_tokens, reservation.num_held_tokens)
+        held = reservation.num_held_tokens
+        head = split_at - held if split_at else reservation.num_new_tokens
+        layout = remote.kv_shape.layout(head, held)
         event_loop = asyncio.get_running_loop()
-        self._ready = remote.injector.expect(
-            self.request_id, self._reservation.slot_mapping, layout.num_layers,
-            layout.total_bytes, on_ready=lambda token: self._queue_commit(token, event_loop))
+        if split_at:
+            gate = LayerGate(layout.num_layers)
+            self._ready = remote.injector.expect(
+                self.request_id, reservation.slot_mapping[:head], layout.num_layers,
+                layout.total_bytes, gate=gate,
+                on_first_layer=lambda: self._queue_tail(split_at, gate, event_loop))
+        else:
+            self._ready = remote.injector.expect(
+                self.request_id, reservation.slot_mapping, layout.num_layers,
+                layout.total_bytes, on_ready=lambda token: self._queue_commit(token, event_loop))
         self._aborted = event_loop.create_future()
         target = remote.receiver.expect(self.request_id, layout,
                                         time.time() + remote.reservation_timeout_s,
@@ -232,10 +263,19 @@ class KVImport:
         self._committed = self._loop.submit(
             lambda engine: engine.commit_remote(rid, first_token_id), event_loop)
 
+    def _queue_tail(self, split_at: int, gate: LayerGate,
+                    event_loop: asyncio.AbstractEventLoop) -> None:
+        """Injector thread, once the head's layer 0 is in: the engine computes
+        R's tail from its next step on, each layer behind the injector."""
+        rid = self.request_id
+        self._committed = self._loop.submit(
+            lambda engine: engine.start_tail(rid, split_at, gate), event_loop)
+
     async def commit(self) -> RequestStream:
-        """R's KV is in the cache and its commit queued (see `_queue_commit`):
-        the landing buffer is done; returns the stream R's tokens arrive on
-        once the commit ran (its error, e.g. a first token outside the
+        """R's KV is in the cache and its commit queued (see `_queue_commit`,
+        or `_queue_tail` for a split, whose tail may have run already): the
+        landing buffer is done; returns the stream R's tokens arrive on once
+        the command ran (its error, e.g. a first token outside the
         vocabulary, propagates)."""
         if self._state is not ImportState.INJECTED:
             raise RuntimeError(f"commit() in import state {self._state.value}")
@@ -255,7 +295,8 @@ class KVImport:
         remote = self._remote
         remote.receiver.cancel(self.request_id, f"decode request ended before commit ({reason})")
         await remote.injector.forget(self.request_id)
-        if self._ready is not None and self._ready.done() and not self._ready.cancelled():
-            self._ready.exception()  # a late verdict nobody waits for any more: seen
+        for future in (self._ready, self._committed):
+            if future is not None and future.done() and not future.cancelled():
+                future.exception()  # a late outcome nobody waits for any more: seen
         remote.receiver.release(self.request_id)
         await self._loop.abort(self.request_id, reason)

@@ -118,12 +118,14 @@ class DecodeServicer(pdserve_pb2_grpc.DecodeServicer):
             checked = check_request(request, self._limits)
             params = checked.params
             prompt, outputs = checked.prompt_token_ids, checked.output_token_ids
+            _check_split(request, len(prompt) + len(outputs), params)
             if request.remote_prefill:
                 if self._remote is None:
                     raise ValueError("remote_prefill=true needs a decode pod; this "
                                      f"{self._role} pod computes prompts locally")
                 messages = self._generate_remote(request.request_id, prompt, outputs, params,
-                                                 arrived, request.local_prefill_below)
+                                                 arrived, request.local_prefill_below,
+                                                 request.split_at)
             else:
                 messages = self._generate_local(request.request_id, prompt, outputs, params,
                                                 arrived)
@@ -174,7 +176,7 @@ class DecodeServicer(pdserve_pb2_grpc.DecodeServicer):
 
     async def _generate_remote(self, rid: str, prompt: list[int], outputs: list[int],
                                params: SamplingParams, arrived: float,
-                               local_prefill_below: int = 0,
+                               local_prefill_below: int = 0, split_at: int = 0,
                                ) -> AsyncIterator[pdserve_pb2.DecodeGenerateResponse]:
         remote = self._remote
         assert remote is not None
@@ -186,7 +188,8 @@ class DecodeServicer(pdserve_pb2_grpc.DecodeServicer):
                 async for message in self._stream_tokens(rid, kv.stream, len(outputs), arrived):
                     yield message
                 return
-            target = kv.open()
+            split_at = kv.split_for(split_at)
+            target = kv.open(split_at)
             self._importing[rid] = kv
             yield pdserve_pb2.DecodeGenerateResponse(reserved=pdserve_pb2.Reserved(
                 target=pdserve_pb2.KVTarget(
@@ -195,15 +198,17 @@ class DecodeServicer(pdserve_pb2_grpc.DecodeServicer):
                     deadline_unix_ms=int(target.deadline * 1000),
                     num_held_tokens=reservation.num_held_tokens),
                 block_size=reservation.block_size,
-                num_reserved_blocks=len(reservation.block_ids)))
+                num_reserved_blocks=len(reservation.block_ids), split_at=split_at))
             reserved_at = time.monotonic()
             await kv.wait()  # the injector thread queued R's commit already
             # Reserved -> every layer injected and END accepted, as this pod saw it
             self._metrics.kv_transfer_seconds.observe(time.monotonic() - reserved_at)
             self._metrics.kv_transfer_saved_bytes.inc(kv.held_bytes)
             stream = await kv.commit()
-            first_token_at = time.monotonic()
-            self._metrics.time_to_first_token.observe(first_token_at - arrived)
+            first_token_at = None
+            if not split_at:  # a split's token 0 is this pod's, observed as it streams
+                first_token_at = time.monotonic()
+                self._metrics.time_to_first_token.observe(first_token_at - arrived)
         except (TransferFailed, RequestAborted, ServiceError) as exc:
             outcome = "abort_rpc" if isinstance(exc, RequestAborted) else "transfer"
             raise self._transfer_error(rid, exc, remote) from None
@@ -212,7 +217,8 @@ class DecodeServicer(pdserve_pb2_grpc.DecodeServicer):
                 del self._importing[rid]
             if kv.holds_resources:
                 await asyncio.shield(kv.free(outcome))
-        async for message in self._stream_tokens(rid, stream, 1 + len(outputs), arrived,
+        first_index = len(outputs) + (0 if split_at else 1)
+        async for message in self._stream_tokens(rid, stream, first_index, arrived,
                                                  first_token_at):
             yield message
 
@@ -252,3 +258,20 @@ class DecodeServicer(pdserve_pb2_grpc.DecodeServicer):
                       context: grpc.aio.ServicerContext) -> pdserve_pb2.LoadReport:
         return load_report(self._role, self._model, self._generation, self._loop, self._gate,
                            self._cache_events_channel)
+
+
+def _check_split(request: pdserve_pb2.DecodeGenerateRequest, num_context: int,
+                 params: SamplingParams) -> None:
+    """ValueError (INVALID_ARGUMENT) naming what a split prefill cannot do."""
+    split_at = request.split_at
+    if not split_at:
+        return
+    if split_at < 0 or split_at >= num_context:
+        raise ValueError(f"split_at {split_at} must be in [1, {num_context}): the head is part "
+                         f"of the {num_context}-token context and the tail at least its last "
+                         "token")
+    if not request.remote_prefill or request.local_prefill_below:
+        raise ValueError("split_at needs remote_prefill=true and no local_prefill_below")
+    if params.prompt_logprobs is not None:
+        raise ValueError("split_at with prompt_logprobs: the prefill pod computes only the "
+                         "head, so no pod has every prompt position's logits")

@@ -150,30 +150,34 @@ class KVTarget(_message.Message):
     def __init__(self, endpoints: _Optional[_Iterable[str]] = ..., ticket: _Optional[bytes] = ..., transport: _Optional[str] = ..., generation: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., num_held_tokens: _Optional[int] = ...) -> None: ...
 
 class DecodeGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "output_token_ids", "remote_prefill", "local_prefill_below")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "output_token_ids", "remote_prefill", "local_prefill_below", "split_at")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     REMOTE_PREFILL_FIELD_NUMBER: _ClassVar[int]
     LOCAL_PREFILL_BELOW_FIELD_NUMBER: _ClassVar[int]
+    SPLIT_AT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     output_token_ids: _containers.RepeatedScalarFieldContainer[int]
     remote_prefill: bool
     local_prefill_below: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., remote_prefill: _Optional[bool] = ..., local_prefill_below: _Optional[int] = ...) -> None: ...
+    split_at: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., remote_prefill: _Optional[bool] = ..., local_prefill_below: _Optional[int] = ..., split_at: _Optional[int] = ...) -> None: ...
 
 class Reserved(_message.Message):
-    __slots__ = ("target", "block_size", "num_reserved_blocks")
+    __slots__ = ("target", "block_size", "num_reserved_blocks", "split_at")
     TARGET_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_RESERVED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SPLIT_AT_FIELD_NUMBER: _ClassVar[int]
     target: KVTarget
     block_size: int
     num_reserved_blocks: int
-    def __init__(self, target: _Optional[_Union[KVTarget, _Mapping]] = ..., block_size: _Optional[int] = ..., num_reserved_blocks: _Optional[int] = ...) -> None: ...
+    split_at: int
+    def __init__(self, target: _Optional[_Union[KVTarget, _Mapping]] = ..., block_size: _Optional[int] = ..., num_reserved_blocks: _Optional[int] = ..., split_at: _Optional[int] = ...) -> None: ...
 
 class DecodeTokens(_message.Message):
     __slots__ = ("first_index", "token_ids", "logprobs", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "prompt_logprobs")

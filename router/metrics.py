@@ -56,6 +56,12 @@ class RouterMetrics:
             "Requests moved to a new pod pair after their decode pod failed",
             registry=r,
         )
+        self.split_prefills = Counter(
+            "pdserve_router_split_prefills_total",
+            "Requests whose prompt the prefill pod and the decode pod computed together "
+            "(--split-prefill-min-tokens: the head on the prefill pod, the tail on the "
+            "decode pod)", registry=r,
+        )
         self.local_prefills = Counter(
             "pdserve_router_local_prefills_total",
             "Requests a decode pod prefilled itself (--local-prefill-max-tokens) instead "

@@ -45,6 +45,7 @@ from router.registry.static import StaticPodSource
 from router.routing.admission import AdmissionSettings, PrefillAdmission
 from router.routing.local_prefill import LocalPrefill, LocalPrefillSettings, LocalRate
 from router.routing.policy import RoutingPolicy
+from router.routing.split_prefill import SplitPrefill, SplitSettings
 from router.sessions import InMemorySessionStore, RedisSessionStore, SessionStore
 
 log = logging.getLogger(__name__)
@@ -146,6 +147,8 @@ class RouterServer:
                                      min_wait=c.local_prefill_min_wait,
                                      report_age=2 * c.load_poll_interval),
                 cached_prefix=index.cached_prefix, rate=local_rate),
+            split=SplitPrefill(self.pool, SplitSettings(
+                min_tokens=c.split_prefill_min_tokens, head_share=c.split_prefill_head_share)),
         )
         frontend = self._frontend = Frontend(model_name=c.model_name,
                                              max_model_len=max_model_len,

@@ -123,7 +123,19 @@ class Attempt:
             output_token_ids=self._out.output_ids,
             remote_prefill=remote_prefill,
             local_prefill_below=below,
+            split_at=self._split_at(address) if remote_prefill and not below else 0,
         )
+
+    def _split_at(self, address: str) -> int:
+        """The head's length if this request is split across the prefill pod
+        and decode pod `address` (router/routing/split_prefill.py), else 0.
+        Not a migrated request (its context has output), and not one that
+        wants prompt logprobs."""
+        rule = self._deps.split
+        if (rule is None or self._out.output_ids
+                or self._request.sampling.prompt_logprobs is not None):
+            return 0
+        return rule.split_at(address, len(self._request.prompt_token_ids))
 
     def _sampling_proto(self) -> pb.SamplingParams:
         """The request's sampling for a pod; without prompt logprobs once an
@@ -230,10 +242,25 @@ class Attempt:
                 raise AttemptFailed(f"decode pod {address} did not answer Reserved first",
                                     addresses=frozenset({address}), migrate=True)
             self._to_state(FlowState.PREFILLING)
+            split_at = first.reserved.split_at
             prefill_address, prefill_call, token = await self._prefill(
-                first.reserved.target, address, stack, slot)
+                first.reserved.target, address, stack, slot, split_at)
             ending = PrefillEnding(prefill_call)
             stack.callback(ending.close)
+            if split_at:
+                # The prefill pod computed the head only: its token is no output.
+                # Token 0 comes from the decode pod, once the head is all in.
+                self._out.set_cached_tokens(token.num_cached_tokens)
+                self._deps.metrics.split_prefills.inc()
+                self._to_state(FlowState.DECODING)
+                ending.verdict = verdict = asyncio.ensure_future(
+                    self._transfer_verdict(prefill_address, prefill_call, address))
+                async with contextlib.aclosing(self._read_tokens(address, call, None)) as deltas:
+                    async with contextlib.aclosing(unless_verdict_fails(deltas, verdict)) as relay:
+                        async for delta in relay:
+                            ending.finished = delta.finish_reason is not None
+                            yield delta
+                return
             self._out.set_cached_tokens(token.num_cached_tokens)
             self._take_prompt_logprobs(token.prompt_logprobs)
             first_logprobs = ()
@@ -257,7 +284,7 @@ class Attempt:
                         yield delta
 
     async def _prefill(self, target: pb.KVTarget, decode_address: str,
-                       stack: contextlib.ExitStack, slot: AdmissionSlot,
+                       stack: contextlib.ExitStack, slot: AdmissionSlot, split_at: int = 0,
                        ) -> tuple[str, grpc.aio.UnaryStreamCall, pb.PrefillFirstToken]:
         """Prefill.Prefill against `target`, on up to 1 + max_prefill_retries
         pods (first the one whose turn `slot` holds; the slot is released at
@@ -276,15 +303,28 @@ class Attempt:
         gone, so the attempt ends and the request starts over on a new pair;
         only the broken pods are left out. After the first token nothing is
         retried against the reservation (see `disaggregated`).
+
+        `split_at` > 0 (the decode pod took a split): the prefill pod computes
+        the head, `prompt[:split_at]`, greedy; the token it samples is not the
+        request's. A retry here fails at the decode pod (a split cannot
+        restart: its tail may have read the layers), so the attempt ends.
         """
         policy, metrics = self._deps.policy, self._deps.metrics
-        request = pb.PrefillRequest(
-            request_id=self._request_id,
-            prompt_token_ids=self._request.prompt_token_ids,
-            sampling=self._sampling_proto(),
-            output_token_ids=self._out.output_ids,
-            target=target,
-        )
+        if split_at:
+            request = pb.PrefillRequest(
+                request_id=self._request_id,
+                prompt_token_ids=self._request.prompt_token_ids[:split_at],
+                sampling=pb.SamplingParams(max_tokens=1, temperature=0.0, top_p=1.0),
+                target=target,
+            )
+        else:
+            request = pb.PrefillRequest(
+                request_id=self._request_id,
+                prompt_token_ids=self._request.prompt_token_ids,
+                sampling=self._sampling_proto(),
+                output_token_ids=self._out.output_ids,
+                target=target,
+            )
         tried: set[str] = set(self._left_out)
         broken: set[str] = set()
         failures: list[str] = []

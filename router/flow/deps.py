@@ -15,6 +15,7 @@ from router.routing.admission import PrefillAdmission
 from router.routing.base import PodPool
 from router.routing.local_prefill import LocalPrefill
 from router.routing.policy import RoutingPolicy
+from router.routing.split_prefill import SplitPrefill
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,3 +46,4 @@ class FlowDeps:
     settings: FlowSettings
     admission: PrefillAdmission
     local_prefill: LocalPrefill | None = None  # None: every P/D request takes the P/D path
+    split: SplitPrefill | None = None  # None: no prompt is split across the pods

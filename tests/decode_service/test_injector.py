@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from decode_service.injector import KVInjector, TransferFailed
+from engine.layer_gate import LayerGate
 from engine.metrics import PodMetrics
 
 pytestmark = pytest.mark.timeout(60)
@@ -240,3 +241,61 @@ def test_next_ready_extrapolates_the_layers_cadence_and_learns_ends_lag():
 
     asyncio.run(scenario())
     injector.close()
+
+
+def test_a_split_head_marks_its_gate_per_layer_and_starts_the_tail_after_layer_0():
+    """The split prefill's head (engine.layer_gate): each layer is in the
+    cache before its mark, the tail starts once, after layer 0, and END
+    settles R as usual (the prefill pod's token is the future's)."""
+    caches = _caches()
+    injector = KVInjector(caches, PodMetrics.create("decode"))
+    gate = LayerGate(NUM_LAYERS)
+    seen: list[tuple[str, int]] = []
+
+    async def scenario():
+        slots = _slots([1], 12)
+        sent = [torch.randn(2, 12, HEADS, DIM) for _ in range(NUM_LAYERS)]
+
+        def started() -> None:
+            flat = caches[0].view(2, BLOCKS * BLOCK, HEADS, DIM)
+            assert torch.equal(flat[:, 16:28], sent[0])  # layer 0 is in already
+            seen.append(("tail", gate._layers_in))
+
+        ready = injector.expect("r", slots, NUM_LAYERS, num_bytes=1, gate=gate,
+                                on_first_layer=started)
+        for layer, kv in enumerate(sent):
+            injector.on_layer_ready("r", layer, kv)
+        injector.on_complete("r", 9)
+        assert await asyncio.wait_for(ready, 10) == 9
+
+    asyncio.run(scenario())
+    injector.close()
+    assert seen == [("tail", 1)]
+    assert gate.complete and not gate.failed
+
+
+@pytest.mark.parametrize("how", ["failed", "restart", "forget"])
+def test_a_split_head_that_cannot_finish_opens_its_gate(how):
+    """Whatever stops the head (a failed transfer, a sender restart: the tail
+    may have read the layers it would overwrite, a forget before R
+    settled), the gate fails, so the engine's forward never waits for
+    layers that will not come."""
+    injector = KVInjector(_caches(), PodMetrics.create("decode"))
+    gate = LayerGate(NUM_LAYERS)
+
+    async def scenario():
+        ready = injector.expect("r", _slots([0], 8), NUM_LAYERS, num_bytes=1, gate=gate)
+        injector.on_layer_ready("r", 0, torch.randn(2, 8, HEADS, DIM))
+        if how == "failed":
+            injector.on_failed("r", "sender_aborted: prefill pod stopped")
+        elif how == "restart":
+            await asyncio.to_thread(injector.on_restart, "r", "sender_lost: connection_lost")
+        else:
+            await injector.forget("r")
+            return
+        with pytest.raises(TransferFailed):
+            await asyncio.wait_for(ready, 10)
+
+    asyncio.run(scenario())
+    injector.close()
+    assert gate.failed and not gate.wait(1)

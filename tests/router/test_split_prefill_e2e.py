@@ -1,0 +1,128 @@
+"""The split prefill end to end (docs/architecture.md, "Open: one prompt on
+both pods"): real prefill and decode pods and a real `pdserve router` on
+loopback, driven by the openai client. With `--split-prefill-min-tokens`,
+a long prompt sent while the decode pod is idle is split: the prefill pod
+computes the head and streams its layers, the decode pod computes the tail
+behind them and samples token 0. Every output (greedy and seeded, streamed
+or not) equals the undisturbed run on an in-process engine of the same
+checkpoint, and the decode pod receives the head's KV only."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+
+import openai
+import pytest
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from tests.integration.pods import start_pods
+from tests.router.router_process import RouterProcess, start_router, wait_ready
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+MAX_TOKENS = 8
+SPLITS = "pdserve_router_split_prefills_total"
+KV_BYTES = "pdserve_kv_transfer_bytes_total"
+
+
+def _prompt(seed: int, length: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(5, 1100) for _ in range(length)]
+
+
+# (prompt, sampling as the client sends it)
+CASES = [
+    (_prompt(1, 300), {"temperature": 0}),
+    (_prompt(2, 171), {"temperature": 0.8, "seed": 11}),
+    (_prompt(3, 64), {"temperature": 0}),
+]
+
+
+@pytest.fixture(scope="module")
+def pods(tiny_model_dir) -> Iterator[dict]:
+    started = start_pods({
+        "prefill": ("prefill", {"block_size": 16, "num_blocks": 512, "no_prefix_cache": True}),
+        "decode": ("decode", {"block_size": 16, "num_blocks": 512,
+                              "landing_memory": "256MiB"}),
+    }, tiny_model_dir)
+    yield started
+    for pod in started.values():
+        pod.terminate()
+
+
+@pytest.fixture(scope="module")
+def undisturbed(tiny_model_dir) -> list[str]:
+    engine = LLMEngine(EngineConfig(model_dir=str(tiny_model_dir), dtype="float32",
+                                    num_blocks=256))
+    return [engine.generate([prompt], SamplingParams(
+        temperature=sampling["temperature"], seed=sampling.get("seed"),
+        max_tokens=MAX_TOKENS, ignore_eos=True))[0].text for prompt, sampling in CASES]
+
+
+def _router(tiny_model_dir, pods, **flags) -> RouterProcess:
+    flags = {"local_prefill_max_tokens": 0, **flags}
+    router = start_router(tiny_model_dir, prefill=[pods["prefill"].address],
+                          decode=[pods["decode"].address], **flags)
+    wait_ready(router)
+    return router
+
+
+def _complete(router: RouterProcess, prompt: list[int], sampling: dict, stream: bool) -> str:
+    client = openai.OpenAI(base_url=router.base_url, api_key="x", max_retries=0, timeout=120)
+    reply = client.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS,
+                                      stream=stream, extra_body={"ignore_eos": True},
+                                      **sampling)
+    if stream:
+        return "".join(chunk.choices[0].text for chunk in reply if chunk.choices)
+    return reply.choices[0].text
+
+
+def _idle(router: RouterProcess, pods) -> None:
+    """Until the router's view of the decode pod shows no running request
+    (its load poll, every 0.2 s here)."""
+    time.sleep(0.6)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_split_prompt_gives_the_undisturbed_output(tiny_model_dir, pods, undisturbed, stream):
+    router = _router(tiny_model_dir, pods, split_prefill_min_tokens=64)
+    decode = pods["decode"]
+    try:
+        for (prompt, sampling), expected in zip(CASES, undisturbed, strict=True):
+            _idle(router, pods)
+            splits = router.metric(SPLITS)
+            sent = decode.metric_value(KV_BYTES, role="decode")
+            assert _complete(router, prompt, sampling, stream) == expected
+            assert router.metric(SPLITS) == splits + 1
+            # the head alone crossed: 55 % of the prompt, rounded
+            per_token = (decode.metric_value(KV_BYTES, role="decode") - sent) / round(
+                len(prompt) * 0.55)
+            assert per_token == pytest.approx(_kv_bytes_per_token(tiny_model_dir))
+        assert "moves to a new pod pair" not in router.log_tail(200_000)
+    finally:
+        router.terminate()
+
+
+def test_short_prompts_and_the_rule_off_take_the_whole_prompt_path(
+        tiny_model_dir, pods, undisturbed):
+    router = _router(tiny_model_dir, pods, split_prefill_min_tokens=200)
+    try:
+        for (prompt, sampling), expected in zip(CASES, undisturbed, strict=True):
+            _idle(router, pods)
+            assert _complete(router, prompt, sampling, False) == expected
+        assert router.metric(SPLITS) == 1  # the 300-token prompt only
+    finally:
+        router.terminate()
+
+
+def _kv_bytes_per_token(model_dir) -> float:
+    import json
+
+    config = json.loads((model_dir / "config.json").read_text())
+    heads = config.get("num_key_value_heads", config["num_attention_heads"])
+    head_dim = config.get("head_dim", config["hidden_size"] // config["num_attention_heads"])
+    return 2 * config["num_hidden_layers"] * heads * head_dim * 4  # K and V, float32
