@@ -1,5 +1,5 @@
 """`pdserve bench prefill-split`: what one prompt split across the prefill
-and the decode pod would give (docs/architecture.md, "Open: one prompt on
+and the decode pod would give (docs/architecture.md, "One prompt on
 both pods").
 
 Why: with equal cores, the colocated baseline computes a prompt on two

@@ -40,7 +40,7 @@ the pod's event loop unless another caller is named:
      v                queued commit
     COMMITTED         R runs in the batch; the engine alone owns it from here
 
-    A split prefill (`open(split_at)`, docs/architecture.md "Open: one prompt
+    A split prefill (`open(split_at)`, docs/architecture.md "One prompt
     on both pods"): only the head [held, split_at) comes over the wire; after
     its layer 0 the injector thread queues `start_tail` instead of, at the
     end, `commit_remote`, and the engine computes the tail behind the

@@ -1,6 +1,6 @@
 """`LayerGate`: the head of a prompt whose KV arrives layer by layer while
 this engine computes the tail (the split prefill, docs/architecture.md,
-"Open: one prompt on both pods").
+"One prompt on both pods").
 
 The decode pod would reserve the request's blocks (`reserve_remote`), start
 its tail with `LLMEngine.start_tail` once the head's first layer is in, and

@@ -273,7 +273,7 @@ class LLMEngine:
             self._pending.append(_output(request, (), ()))
 
     def start_tail(self, request_id: str, num_head_tokens: int, gate: LayerGate) -> None:
-        """Decode pod, split prefill (docs/architecture.md, "Open: one prompt
+        """Decode pod, split prefill (docs/architecture.md, "One prompt
         on both pods"): a reservation whose context tokens [0, num_head_tokens)
         come from a prefill pod layer by layer while this engine computes the
         rest. The request runs from the next step on: its tail is scheduled as

@@ -1,5 +1,5 @@
 """`SplitPrefill`: when one prompt is computed on both pods (the split
-prefill, docs/architecture.md "Open: one prompt on both pods").
+prefill, docs/architecture.md "One prompt on both pods").
 
 Why: with equal hardware, the colocated baseline computes a prompt on all
 of its cores, a prefill pod on its share, so at low load disaggregated TTFT

@@ -1,4 +1,4 @@
-"""The split prefill end to end (docs/architecture.md, "Open: one prompt on
+"""The split prefill end to end (docs/architecture.md, "One prompt on
 both pods"): real prefill and decode pods and a real `pdserve router` on
 loopback, driven by the openai client. With `--split-prefill-min-tokens`,
 a long prompt sent while the decode pod is idle is split: the prefill pod
@@ -10,6 +10,7 @@ checkpoint, and the decode pod receives the head's KV only."""
 from __future__ import annotations
 
 import random
+import threading
 import time
 from collections.abc import Iterator
 
@@ -64,9 +65,9 @@ def undisturbed(tiny_model_dir) -> list[str]:
 
 
 def _router(tiny_model_dir, pods, **flags) -> RouterProcess:
-    flags = {"local_prefill_max_tokens": 0, **flags}
-    router = start_router(tiny_model_dir, prefill=[pods["prefill"].address],
-                          decode=[pods["decode"].address], **flags)
+    flags = {"local_prefill_max_tokens": 0, "prefill": [pods["prefill"].address]
+             if pods["prefill"] else None, **flags}
+    router = start_router(tiny_model_dir, decode=[pods["decode"].address], **flags)
     wait_ready(router)
     return router
 
@@ -126,3 +127,54 @@ def _kv_bytes_per_token(model_dir) -> float:
     heads = config.get("num_key_value_heads", config["num_attention_heads"])
     head_dim = config.get("head_dim", config["hidden_size"] // config["num_attention_heads"])
     return 2 * config["num_hidden_layers"] * heads * head_dim * 4  # K and V, float32
+
+
+def test_a_prefill_pod_killed_mid_head_moves_the_request_and_loses_nothing(tiny_model_dir):
+    """kill -9 of the prefill pod computing a split's head (16 tokens a step,
+    so the head takes a while): the decode pod fails the split (it cannot
+    restart), the router moves the request with no token out, and the
+    client gets the undisturbed output."""
+    prompt = _prompt(7, 2400)  # a head of 1,320 tokens: 83 prefill steps of 16
+    engine = LLMEngine(EngineConfig(model_dir=str(tiny_model_dir), dtype="float32",
+                                    num_blocks=256))
+    expected = engine.generate([prompt], SamplingParams(
+        temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))[0].text
+    slow = {"block_size": 16, "num_blocks": 512, "no_prefix_cache": True,
+            "max_num_batched_tokens": 16}
+    started = start_pods({
+        "p1": ("prefill", slow), "p2": ("prefill", slow),
+        "decode": ("decode", {"block_size": 16, "num_blocks": 512,
+                              "landing_memory": "256MiB"}),
+    }, tiny_model_dir)
+    router = None
+    try:
+        router = _router(tiny_model_dir, {"prefill": None, "decode": started["decode"]},
+                         prefill=[started["p1"].address, started["p2"].address],
+                         split_prefill_min_tokens=64)
+        result: list[object] = []
+        thread = threading.Thread(target=lambda: result.append(
+            _complete(router, prompt, {"temperature": 0}, True)))
+        thread.start()
+        deadline = time.monotonic() + 30
+        victim = None
+        while victim is None:
+            assert time.monotonic() < deadline, "the head never reached a prefill pod"
+            for name in ("p1", "p2"):
+                address = started[name].address
+                if router.metric("pdserve_router_queue_dispatched_tokens", pod=address) > 0:
+                    victim = started[name]
+            time.sleep(0.005)
+        victim.kill()
+        thread.join(240)
+        log = router.log_tail(100_000)
+        assert result == [expected], log[-4000:]
+        # the split on the killed pod failed, the next one (or a whole
+        # prefill, the decode pod now busy) finished the request
+        assert "moves to a new pod pair after 0 tokens" in log or (
+            router.metric("pdserve_retries_total", role="prefill") >= 1), log[-4000:]
+        assert router.metric(SPLITS) >= 1
+    finally:
+        if router is not None:
+            router.terminate()
+        for pod in started.values():
+            pod.kill()
