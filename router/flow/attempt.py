@@ -255,11 +255,25 @@ class Attempt:
                 self._to_state(FlowState.DECODING)
                 ending.verdict = verdict = asyncio.ensure_future(
                     self._transfer_verdict(prefill_address, prefill_call, address))
-                async with contextlib.aclosing(self._read_tokens(address, call, None)) as deltas:
-                    async with contextlib.aclosing(unless_verdict_fails(deltas, verdict)) as relay:
-                        async for delta in relay:
-                            ending.finished = delta.finish_reason is not None
-                            yield delta
+                relayed = False
+                try:
+                    async with contextlib.aclosing(
+                            self._read_tokens(address, call, None)) as deltas:
+                        async with contextlib.aclosing(
+                                unless_verdict_fails(deltas, verdict)) as relay:
+                            async for delta in relay:
+                                relayed = True
+                                ending.finished = delta.finish_reason is not None
+                                yield delta
+                except AttemptFailed as failure:
+                    if relayed or address not in failure.addresses:
+                        raise
+                    # Before token 0 the decode pod fails a split whose head did
+                    # not arrive whole (a lost sender cannot restart a split): the
+                    # head's failure, not the decode pod's, which stays a
+                    # candidate (a broken one was marked unhealthy already).
+                    raise AttemptFailed(failure.reason, addresses=failure.addresses - {address},
+                                        migrate=True) from None
                 return
             self._out.set_cached_tokens(token.num_cached_tokens)
             self._take_prompt_logprobs(token.prompt_logprobs)

@@ -41,7 +41,8 @@ CLI_FLAGS: dict[str, frozenset[str]] = {
         "--pod-tls-cert-file", "--pod-tls-key-file", "--pod-token-file",
         "--http-header-timeout", "--http-keepalive-timeout", "--max-concurrent-per-client",
         "--routing-policy", "--local-prefill-below", "--local-prefill-max-tokens",
-        "--local-prefill-min-wait", "--registry-absent-grace",
+        "--local-prefill-min-wait", "--split-prefill-min-tokens",
+        "--split-prefill-head-share", "--registry-absent-grace",
     }),
     "prefill": frozenset({
         "--model", "--host", "--port", "--metrics-port", "--block-size", "--kv-cache-memory",

@@ -93,6 +93,8 @@ def test_static_mode_router_gets_headless_service_addresses() -> None:
         "--local-prefill-below": "0",
         "--local-prefill-max-tokens": "2048",
         "--local-prefill-min-wait": "2",
+        "--split-prefill-min-tokens": "0",
+        "--split-prefill-head-share": "0.55",
         "--registry-absent-grace": "10",
     }
 
