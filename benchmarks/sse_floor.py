@@ -54,10 +54,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # ------------------------------------------------------------------ server
 
 
-def _serve(port: int, step_s: float) -> None:
-    from aiohttp import web
-
-    waiters: list[asyncio.Future] = []
+def _start_steps(waiters: list[asyncio.Future], step_s: float) -> None:
+    """Every `step_s`, wake every stream waiting in `waiters` at once, as
+    the router's Session reader does when a decode pod's step arrives."""
+    loop = asyncio.get_running_loop()
 
     def step() -> None:
         ready, waiters[:] = list(waiters), []
@@ -65,6 +65,14 @@ def _serve(port: int, step_s: float) -> None:
             if not waiter.done():
                 waiter.set_result(None)
         loop.call_later(step_s, step)
+
+    loop.call_later(step_s, step)
+
+
+def _serve(port: int, step_s: float) -> None:
+    from aiohttp import web
+
+    waiters: list[asyncio.Future] = []
 
     async def stream(request: web.Request) -> web.StreamResponse:
         response = web.StreamResponse(
@@ -89,7 +97,7 @@ def _serve(port: int, step_s: float) -> None:
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", port).start()
-        loop.call_later(step_s, step)
+        _start_steps(waiters, step_s)
         print("ready", flush=True)
         await asyncio.Event().wait()
 
@@ -104,13 +112,6 @@ def _serve_grpc(port: int, step_s: float) -> None:
     from proto import pdserve_pb2_grpc
 
     waiters: list[asyncio.Future] = []
-
-    def step() -> None:
-        ready, waiters[:] = list(waiters), []
-        for waiter in ready:
-            if not waiter.done():
-                waiter.set_result(None)
-        loop.call_later(step_s, step)
 
     class Floor(pdserve_pb2_grpc.RouterServicer):
         async def Generate(self, request, context):
@@ -130,7 +131,7 @@ def _serve_grpc(port: int, step_s: float) -> None:
         pdserve_pb2_grpc.add_RouterServicer_to_server(Floor(), server)
         server.add_insecure_port(f"127.0.0.1:{port}")
         await server.start()
-        loop.call_later(step_s, step)
+        _start_steps(waiters, step_s)
         print("ready", flush=True)
         await server.wait_for_termination()
 

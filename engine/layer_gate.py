@@ -2,13 +2,14 @@
 this engine computes the tail (the split prefill, docs/architecture.md,
 "One prompt on both pods").
 
-The decode pod would reserve the request's blocks (`reserve_remote`), start
-its tail with `LLMEngine.start_tail` once the head's first layer is in, and
-have its injector call `mark(n)` after writing the head's KV of layers
-0..n-1 into the reserved slots. The forward that computes the tail calls
-`wait(layer)` before each layer's attention reads the cache, so layer l of
-the tail runs as soon as layer l of the head has landed, while the prefill
-pod is still computing the later layers. `fail()` (the transfer will not
+The decode pod reserves the request's blocks (`reserve_remote`), starts its
+tail with `LLMEngine.start_tail` once the head's first layer is in
+(decode_service/kv_import.py), and its injector calls `mark(n)` after
+writing the head's KV of layers 0..n-1 into the reserved slots. The
+forward that computes the tail calls `wait(layer)` before each layer's
+attention reads the cache, so layer l of the tail runs as soon as layer l
+of the head has landed, while the prefill pod is still computing the later
+layers. `fail()` (the transfer will not
 complete) opens every wait: the engine then ends the request aborted after
 the step, before its blocks can enter the prefix cache.
 

@@ -83,9 +83,14 @@ def _complete(router: RouterProcess, prompt: list[int], sampling: dict, stream: 
 
 
 def _idle(router: RouterProcess, pods) -> None:
-    """Until the router's view of the decode pod shows no running request
-    (its load poll, every 0.2 s here)."""
-    time.sleep(0.6)
+    """Until the decode pod runs nothing, and then long enough for the
+    router's load poll (every 0.2 s here) to have seen it: the rule splits
+    only onto an idle decode pod."""
+    deadline = time.monotonic() + 30
+    while pods["decode"].metric_value("pdserve_requests_running", role="decode"):
+        assert time.monotonic() < deadline, "the decode pod never went idle"
+        time.sleep(0.05)
+    time.sleep(1.0)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
