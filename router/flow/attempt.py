@@ -247,55 +247,58 @@ class Attempt:
                 first.reserved.target, address, stack, slot, split_at)
             ending = PrefillEnding(prefill_call)
             stack.callback(ending.close)
+            self._out.set_cached_tokens(token.num_cached_tokens)
             if split_at:
                 # The prefill pod computed the head only: its token is no output.
                 # Token 0 comes from the decode pod, once the head is all in.
-                self._out.set_cached_tokens(token.num_cached_tokens)
                 self._deps.metrics.split_prefills.inc()
                 self._to_state(FlowState.DECODING)
-                ending.verdict = verdict = asyncio.ensure_future(
-                    self._transfer_verdict(prefill_address, prefill_call, address))
-                relayed = False
-                try:
-                    async with contextlib.aclosing(
-                            self._read_tokens(address, call, None)) as deltas:
-                        async with contextlib.aclosing(
-                                unless_verdict_fails(deltas, verdict)) as relay:
-                            async for delta in relay:
-                                relayed = True
-                                ending.finished = delta.finish_reason is not None
-                                yield delta
-                except AttemptFailed as failure:
-                    if relayed or address not in failure.addresses:
-                        raise
-                    # Before token 0 the decode pod fails a split whose head did
-                    # not arrive whole (a lost sender cannot restart a split): the
-                    # head's failure, not the decode pod's, which stays a
-                    # candidate (a broken one was marked unhealthy already).
-                    raise AttemptFailed(failure.reason, addresses=failure.addresses - {address},
-                                        migrate=True) from None
-                return
-            self._out.set_cached_tokens(token.num_cached_tokens)
-            self._take_prompt_logprobs(token.prompt_logprobs)
-            first_logprobs = ()
-            if token.HasField("logprob"):
-                first_logprobs = logprobs_from_proto([token.logprob])
-            delta = self._out.accept(self._out.next_index, [token.token_id], first_logprobs)
-            self._to_state(FlowState.DECODING)
-            if self._out.stopped:  # a stop string ended in the very first token
-                call.cancel()
-                self._deps.metrics.aborts.labels(reason="stop_string").inc()
-                yield fold_final(delta, self._finish("stop"))
-                return
-            if delta is not None:
-                yield delta  # the first token goes out before the transfer is decided
-            ending.verdict = verdict = asyncio.ensure_future(
-                self._transfer_verdict(prefill_address, prefill_call, address))
+            else:
+                self._take_prompt_logprobs(token.prompt_logprobs)
+                first_logprobs = ()
+                if token.HasField("logprob"):
+                    first_logprobs = logprobs_from_proto([token.logprob])
+                delta = self._out.accept(self._out.next_index, [token.token_id], first_logprobs)
+                self._to_state(FlowState.DECODING)
+                if self._out.stopped:  # a stop string ended in the very first token
+                    call.cancel()
+                    self._deps.metrics.aborts.labels(reason="stop_string").inc()
+                    yield fold_final(delta, self._finish("stop"))
+                    return
+                if delta is not None:
+                    yield delta  # the first token goes out before the transfer is decided
+            async with contextlib.aclosing(self._decode_after_prefill(
+                    address, call, prefill_address, prefill_call, ending,
+                    split=bool(split_at))) as deltas:
+                async for delta in deltas:
+                    yield delta
+
+    async def _decode_after_prefill(self, address: str, call, prefill_address: str,
+                                    prefill_call: grpc.aio.UnaryStreamCall,
+                                    ending: PrefillEnding, *, split: bool
+                                    ) -> AsyncIterator[Delta]:
+        """The decode stream once the prefill pod has streamed its first token
+        and still owes the transfer's verdict (`unless_verdict_fails`).
+
+        A split (`split`): before token 0 the decode pod fails a split whose
+        head did not arrive whole (a lost sender cannot restart a split). That
+        is the head's failure, not the decode pod's, which stays a candidate
+        for the next attempt (a broken one was marked unhealthy already)."""
+        ending.verdict = verdict = asyncio.ensure_future(
+            self._transfer_verdict(prefill_address, prefill_call, address))
+        relayed = False
+        try:
             async with contextlib.aclosing(self._read_tokens(address, call, None)) as deltas:
                 async with contextlib.aclosing(unless_verdict_fails(deltas, verdict)) as relay:
                     async for delta in relay:
+                        relayed = True
                         ending.finished = delta.finish_reason is not None
                         yield delta
+        except AttemptFailed as failure:
+            if not split or relayed or address not in failure.addresses:
+                raise
+            raise AttemptFailed(failure.reason, addresses=failure.addresses - {address},
+                                migrate=True) from None
 
     async def _prefill(self, target: pb.KVTarget, decode_address: str,
                        stack: contextlib.ExitStack, slot: AdmissionSlot, split_at: int = 0,
