@@ -50,9 +50,10 @@ BASE=$($PY -c "from engine.make_model import ensure_model; print(ensure_model('b
 
 has() { [[ " ${STEPS:-tests engine kernels ttft serve} " == *" $1 "* ]]; }
 
-has tests && TAIL=40 step gpu-tests "${T_TESTS:-130}" env TRITON_INTERPRET=0 $PY -m pytest -q -m gpu \
+has tests && TAIL=40 step gpu-tests "${T_TESTS:-300}" env TRITON_INTERPRET=0 $PY -m pytest -q -m gpu \
   -p no:cacheprovider -o addopts= ${PYTEST_ARGS:-} tests/kernels/test_gpu.py tests/engine/test_cuda_graphs_gpu.py \
-  tests/kv_transfer/test_device.py tests/engine/test_linear.py tests/kernels/test_dispatch.py
+  tests/kv_transfer/test_device.py tests/engine/test_linear.py tests/kernels/test_dispatch.py \
+  tests/router/test_split_prefill_gpu.py
 
 # CUDA graphs against eager in bfloat16, then float32 with graphs
 has engine && for run in bfloat16: bfloat16:--enforce-eager float32:; do
@@ -106,5 +107,6 @@ if has disagg; then
     --no-progress
   find "${TRITON_CACHE_DIR:-$HOME/.triton/cache}" -type f -printf '%T@ %p\n' 2>/dev/null \
     | sort -n > "$OUT_DIR/triton-cache.log"
+  [ -n "${TAR:-}" ] && tar czf "$TAR" -C "$OUT_DIR" .
 fi
 echo "=== done"

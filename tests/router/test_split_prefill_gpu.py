@@ -1,0 +1,92 @@
+"""The split prefill on a real CUDA device (docs/architecture.md, "One
+prompt on both pods"): prefill and decode pods on the GPU, the decode pod
+with the large blocks it runs in production (128 tokens, the prefill pod
+16), a real `pdserve router` splitting every long prompt. The decode
+pod's injector copies each head layer into the paged cache on its side
+stream and waits for that copy before it opens the layer's gate to the
+tail's forward (decode_service/injector.py); were that wait missing, the
+tail would attend over a half-written head and the output would drift.
+Every output (greedy and seeded, whole and streamed) must equal an
+in-process engine's on the same GPU.
+
+Skipped without CUDA; on a GPU machine the file re-runs itself with
+compiled Triton kernels (tests/gpu_rerun.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from tests.gpu_rerun import GPU_MARKS, compiled_only, needs_rerun, rerun_compiled
+from tests.integration.pods import start_pods
+from tests.router.test_split_prefill_e2e import (
+    CASES,
+    KV_BYTES,
+    MAX_TOKENS,
+    SPLITS,
+    _complete,
+    _idle,
+    _kv_bytes_per_token,
+    _prompt,
+    _router,
+)
+
+pytestmark = GPU_MARKS
+
+# the e2e cases and a prompt whose head (1,100 tokens) spans nine decode blocks
+GPU_CASES = [*CASES, (_prompt(4, 2000), {"temperature": 0})]
+
+
+@pytest.mark.timeout(900)
+@needs_rerun
+def test_gpu_split_suite_compiled():
+    rerun_compiled(__file__)
+
+
+@pytest.fixture(scope="module")
+def pods(tiny_model_dir) -> Iterator[dict]:
+    started = start_pods({
+        "prefill": ("prefill", {"device": "cuda", "block_size": 16, "num_blocks": 512,
+                                "no_prefix_cache": True}),
+        "decode": ("decode", {"device": "cuda", "block_size": 128, "num_blocks": 64,
+                              "landing_memory": "256MiB"}),
+    }, tiny_model_dir)
+    yield started
+    for pod in started.values():
+        pod.terminate()
+
+
+@pytest.fixture(scope="module")
+def undisturbed(tiny_model_dir) -> list[str]:
+    engine = LLMEngine(EngineConfig(model_dir=str(tiny_model_dir), dtype="float32",
+                                    device="cuda", num_blocks=256))
+    return [engine.generate([prompt], SamplingParams(
+        temperature=sampling["temperature"], seed=sampling.get("seed"),
+        max_tokens=MAX_TOKENS, ignore_eos=True))[0].text for prompt, sampling in GPU_CASES]
+
+
+@compiled_only
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_split_prompt_on_the_gpu_gives_the_undisturbed_output(
+        tiny_model_dir, pods, undisturbed, stream):
+    router = _router(tiny_model_dir, pods, split_prefill_min_tokens=64)
+    decode = pods["decode"]
+    try:
+        for (prompt, sampling), expected in zip(GPU_CASES, undisturbed, strict=True):
+            _idle(router, pods)
+            splits = router.metric(SPLITS)
+            sent = decode.metric_value(KV_BYTES, role="decode")
+            assert _complete(router, prompt, sampling, stream) == expected
+            assert router.metric(SPLITS) == splits + 1
+            per_token = (decode.metric_value(KV_BYTES, role="decode") - sent) / round(
+                len(prompt) * 0.55)
+            assert per_token == pytest.approx(_kv_bytes_per_token(tiny_model_dir))
+        assert "moves to a new pod pair" not in router.log_tail(200_000)
+    finally:
+        router.terminate()
