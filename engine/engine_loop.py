@@ -125,6 +125,8 @@ class EngineLoop:
         self._join_fraction = 0.0
         self._step_s = 0.0  # moving average of step() wall time
         self._held_for: str | None = None
+        # a split prefill's tail done on its own thread: step again at once
+        engine.tails.wake = lambda: self._commands.put(_Wake())
 
     # ------------------------------------------------------------ lifecycle
 

@@ -24,6 +24,11 @@ from __future__ import annotations
 import threading
 
 
+class HeadLost(Exception):
+    """Raised by a tail's forward run beside the steps (engine.tail_worker)
+    when its gate fails: nothing after that layer is worth computing."""
+
+
 class LayerGate:
     """How many of the head's layers are in the cache, for one request."""
 

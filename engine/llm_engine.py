@@ -3,7 +3,8 @@
 Threading: single-threaded. Every method is called from the one engine loop
 thread (`engine.engine_loop.EngineLoop` in the pods, the caller's thread in
 `generate()` and tests). Only `kv_caches` may be read elsewhere (the decode
-pod's injector writes into reserved slots; the tensors never move).
+pod's injector writes into reserved slots; the tensors never move), and a
+split prefill's tail computes on its own thread (`engine.tail_worker`).
 
 A request's life (states in `engine.request`):
 
@@ -13,7 +14,10 @@ A request's life (states in `engine.request`):
     reserve_remote ─> reserved (blocks for context + max_tokens held, a cached
                       prefix pinned; the injector fills the rest) ─ commit_remote
                       ─> running ─> finished
-    abort_request: any state ─> finished ("abort"), blocks freed at once
+    reserve_remote ─> reserved ─ start_tail (a split prefill: the tail computes
+                      on the tail worker) ─> running with one context token left
+    abort_request: any state ─> finished ("abort"), blocks freed at once (a
+                      split's tail still computing: once it stopped)
 
 `step()` schedules one batch, runs one forward pass, samples, and returns
 one `RequestOutput` per request that sampled a token or finished (a finish
@@ -65,6 +69,7 @@ from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.step_pipeline import CompletedStep, StepPipeline
+from engine.tail_worker import TailJob, TailWorker
 from engine.text_stream import TextStream
 from kernels import native
 from kernels.checks import HEAD_DIMS
@@ -141,6 +146,8 @@ class LLMEngine:
         self._requests: dict[str, Request] = {}
         # Finished between steps (abort, commit ending a request): reported next step.
         self._pending: list[RequestOutput] = []
+        # split prefills' tails, computed beside the steps (start_tail)
+        self.tails = TailWorker(self.model)
 
     # ------------------------------------------------------------ admission
 
@@ -276,10 +283,12 @@ class LLMEngine:
         """Decode pod, split prefill (docs/architecture.md, "One prompt
         on both pods"): a reservation whose context tokens [0, num_head_tokens)
         come from a prefill pod layer by layer while this engine computes the
-        rest. The request runs from the next step on: its tail is scheduled as
-        a prompt chunk over the head, whose forward waits on `gate` before
-        each layer's attention; it samples the first token here. A failed
-        gate ends the request aborted after that step."""
+        rest, each layer of it waiting on `gate` for that layer of the head.
+        The tail but its last token computes on the tail worker, beside the
+        steps (engine.tail_worker); then the request joins the next step,
+        which computes the last token and samples token 0. A tail of one
+        token runs in the next step itself, whose forward waits on the gate.
+        A failed gate ends the request aborted."""
         request = self._requests.get(request_id)
         if request is None or request.status is not RequestStatus.WAITING_FOR_REMOTE_KV:
             state = "unknown" if request is None else request.status.name
@@ -293,8 +302,27 @@ class LLMEngine:
             raise ValueError(f"the gate counts {gate.num_layers} layers, the model has "
                              f"{self.model_config.num_hidden_layers}")
         request.num_computed_tokens = num_head_tokens
+        last = request.num_context_tokens - 1
+        if num_head_tokens < last:
+            ids, positions, ctx = self.runner.tail_inputs(request, num_head_tokens, last, gate)
+            self.tails.start(TailJob(request_id, ids, positions, ctx, gate))
+            return
         request.layer_gate = gate
         self.scheduler.commit_reserved(request)
+
+    def _settle_tails(self) -> None:
+        """Tails the worker finished: the request joins the steps with its
+        last context token to compute, or (its head lost, or aborted while
+        the tail ran) ends aborted, now that nothing writes its blocks."""
+        for job in self.tails.finished():
+            request = self._requests[job.request_id]
+            if job.aborted or not job.ok:
+                self._finish(request, RequestStatus.FINISHED_ABORTED)
+                self._pending.append(_output(request, (), ()))
+                continue
+            request.num_computed_tokens = request.num_context_tokens - 1
+            self.block_manager.cache_computed_blocks(request)
+            self.scheduler.commit_reserved(request)
 
     def _settle_gates(self, plan: SchedulerOutput) -> None:
         """After a step that computed a split prefill's tail: its forward
@@ -317,6 +345,13 @@ class LLMEngine:
         request = self._requests.get(request_id)
         if request is None or request.is_finished:
             return False
+        tail = self.tails.job(request_id)
+        if tail is not None:  # its blocks are freed once the tail stops writing them
+            if tail.aborted:
+                return False
+            tail.aborted = True
+            tail.gate.fail()
+            return True
         self._finish(request, RequestStatus.FINISHED_ABORTED)
         self._pending.append(_output(request, (), ()))
         return True
@@ -328,9 +363,10 @@ class LLMEngine:
         finish reports, or a step in flight. Reserved requests need no step
         until committed."""
         return bool(self.scheduler.waiting or self.scheduler.running or self._pending
-                    or self._pipeline)
+                    or self._pipeline or self.tails.has_finished())
 
     def step(self) -> list[RequestOutput]:
+        self._settle_tails()
         outputs, self._pending = self._pending, []
         if self.grammars and self._pipeline and self.grammars.tokens_in_flight():
             # A grammar request's next mask needs the token in flight: complete

@@ -287,6 +287,33 @@ class ModelRunner:
             kernel_backend=self.model.kernel_backend,
         )
 
+    def tail_inputs(self, request: Request, start: int, end: int, gate: LayerGate
+                    ) -> tuple[torch.Tensor, torch.Tensor, PagedAttentionContext]:
+        """Input ids, positions and context of a split prefill's tail, context
+        tokens [start, end), computed on its own (engine.tail_worker): fresh
+        tensors, not the step buffers, as it runs beside the steps. Every
+        layer waits for `gate` and stops when it fails."""
+        bs, device = self.block_size, self.device
+        input_ids = to_device(torch.tensor(request.all_token_ids[start:end], dtype=torch.long),
+                              device)
+        positions = to_device(torch.arange(start, end), device)
+        ctx = PagedAttentionContext(
+            kv_caches=self.kv_caches,
+            slot_mapping=slots_for(request.block_ids, bs, start, end, device),
+            num_decode=0,
+            decode_block_tables=self._no_rows,
+            decode_context_lens=self._no_rows,
+            prefill_chunks=(PrefillChunk(0, end - start, 0, end),),
+            prefill_context_slots=slots_for(request.block_ids, bs, 0, end, device),
+            scale=self.scale,
+            sliding_window=self.sliding_window,
+            layers=self.layer_attention,
+            gates=(gate,),
+            stop_on_failed_gate=True,
+            kernel_backend=self.model.kernel_backend,
+        )
+        return input_ids, positions, ctx
+
     def decode_graph_context(self, size: int) -> PagedAttentionContext:
         """The context a bucket's graph is captured with: `size` decode rows over
         the full-width static tensors, no prefill, no hook."""

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 import kernels
 from engine.kv_hook import LayerKVHook, LayerKVSpan
 from engine.layer_attention import LayerAttention
-from engine.layer_gate import LayerGate
+from engine.layer_gate import HeadLost, LayerGate
 from kernels import native
 from kernels.dispatch import Backend
 from kernels.reference import soft_cap
@@ -78,6 +78,7 @@ class PagedAttentionContext:
                  sliding_window: int | None, hook: LayerKVHook | None = None,
                  spans: tuple[LayerKVSpan, ...] = (),
                  gates: tuple[LayerGate, ...] = (),
+                 stop_on_failed_gate: bool = False,
                  kernel_backend: Backend = Backend.AUTO,
                  layers: tuple[LayerAttention, ...] = ()) -> None:
         self.kv_caches = kv_caches
@@ -94,6 +95,9 @@ class PagedAttentionContext:
         # A split prefill's tail reads its head from the cache: each layer
         # waits until the head's KV of that layer has landed (engine.layer_gate).
         self.gates = gates
+        # A tail's own forward (engine.tail_worker) stops at a failed gate;
+        # a step's forward runs on (its other requests need their tokens).
+        self.stop_on_failed_gate = stop_on_failed_gate
         self.kernel_backend = kernel_backend
         # The native prefill kernel is the CPU choice of `auto`, as for the
         # decode kernels (`kernels.dispatch`); `torch` / `triton` keep SDPA.
@@ -111,7 +115,9 @@ class PagedAttentionContext:
                v: torch.Tensor) -> torch.Tensor:
         """Called by the model's layer `layer_idx`; see module docstring."""
         for gate in self.gates:
-            gate.wait(layer_idx)  # a failed one opens; the engine voids the request
+            # a failed one opens; the engine voids the request
+            if not gate.wait(layer_idx) and self.stop_on_failed_gate:
+                raise HeadLost(f"the split prefill's head failed before layer {layer_idx}")
         cache = self.kv_caches[layer_idx]
         spec = self._layer(layer_idx)
         kernels.inject_kv(cache, torch.stack((k, v)).to(cache.dtype), self.slot_mapping,

@@ -76,12 +76,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default 2; 0: the tokens alone decide)")
     parser.add_argument("--split-prefill-min-tokens", type=int, default=0, metavar="TOKENS",
                         help="one prompt on both pods: a context of at least this many tokens "
-                             "is split when its decode pod is idle, the prefill pod computing "
-                             "the head and the decode pod the tail behind it (default 0 = "
-                             "never; docs/router.md, \"Split prefill\")")
+                             "is split when its decode pod has no queue, the prefill pod "
+                             "computing the head and the decode pod the tail behind it "
+                             "(default 0 = never; docs/router.md, \"Split prefill\")")
     parser.add_argument("--split-prefill-head-share", type=float, default=0.55, metavar="F",
-                        help="... the head's share of the context (default 0.55: the tail "
-                             "attends over the head, so costs more per token)")
+                        help="... the head's share of the context on an idle decode pod "
+                             "(default 0.55: the tail attends over the head, so costs more "
+                             "per token)")
+    parser.add_argument("--split-prefill-busy-head-share", type=float, default=0.7,
+                        metavar="F",
+                        help="... the head's share on a decode pod with a running batch, "
+                             "whose tail shares its cores with the decode steps (default 0.7)")
     parser.add_argument("--local-prefill-below", type=int, default=0, metavar="TOKENS",
                         help="conditional disaggregation: a prompt with fewer new tokens "
                              "than this (after the decode pod's cached prefix) is prefilled "
@@ -167,6 +172,7 @@ def config_from_args(args: argparse.Namespace):
         local_prefill_min_wait=args.local_prefill_min_wait,
         split_prefill_min_tokens=args.split_prefill_min_tokens,
         split_prefill_head_share=args.split_prefill_head_share,
+        split_prefill_busy_head_share=args.split_prefill_busy_head_share,
         tls=router_tls_from_args(args),
         pod_security=router_pod_security_from_args(args),
         local_prefill_below=args.local_prefill_below,

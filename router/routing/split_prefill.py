@@ -15,18 +15,22 @@ loop. A request is split when:
 1. the rule is on: `--split-prefill-min-tokens` M > 0, and its context
    (prompt, and no output yet: a migrated request is not split) has at
    least M tokens;
-2. the decode pod is idle: no running or waiting sequences in its last
-   load report, and no other request of this router in flight there. The
-   tail's forward holds the pod's whole step while it waits for the head's
-   layers, so a running batch would stall for the prompt's time;
+2. the decode pod has no queue: no waiting sequences in its last load
+   report. A running batch is no bar: the pod computes the tail on its
+   tail worker (engine/tail_worker.py), beside the decode steps, which go
+   on while the tail waits for the head's layers;
 3. the request wants no prompt logprobs (no pod would compute every
    prompt position's logits).
 
-The head is `--split-prefill-head-share` of the context (default 0.55: the
-tail attends over the head, so it costs more per token; `pdserve bench
-prefill-split` measures the balance). The decode pod may decline (its
-cached prefix holds the head already): its `Reserved.split_at` says what
-it took, 0 for an ordinary reservation.
+The head is `--split-prefill-head-share` of the context on an idle decode
+pod (default 0.55: the tail attends over the head, so it costs more per
+token; `pdserve bench prefill-split` measures the balance), and
+`--split-prefill-busy-head-share` on one with running sequences (default
+0.7: there the tail shares the pod's cores with the decode steps, so it
+gets less of them; docs/benchmarks.md, "Split prefill beside a running
+batch"). The decode pod may decline (its cached prefix holds the head
+already): its `Reserved.split_at` says what it took, 0 for an ordinary
+reservation.
 """
 
 from __future__ import annotations
@@ -38,19 +42,21 @@ from router.routing.base import PodPool
 
 @dataclass(frozen=True, slots=True)
 class SplitSettings:
-    """`min_tokens`: M above (0 = off). `head_share`: the head's share of the
-    context."""
+    """`min_tokens`: M above (0 = off). `head_share`, `busy_head_share`: the
+    head's share of the context on an idle decode pod, on a decoding one."""
 
     min_tokens: int = 0
     head_share: float = 0.55
+    busy_head_share: float = 0.7
 
     def __post_init__(self) -> None:
         if not 0 <= self.min_tokens <= 1 << 20:
             raise ValueError(f"split prefill min tokens must be in [0, {1 << 20}], "
                              f"got {self.min_tokens}")
-        if not 0.05 <= self.head_share <= 0.95:
-            raise ValueError(f"split prefill head share must be in [0.05, 0.95], "
-                             f"got {self.head_share}")
+        for name, share in (("head share", self.head_share),
+                            ("busy head share", self.busy_head_share)):
+            if not 0.05 <= share <= 0.95:
+                raise ValueError(f"split prefill {name} must be in [0.05, 0.95], got {share}")
 
 
 class SplitPrefill:
@@ -64,10 +70,12 @@ class SplitPrefill:
         """The head's length for a request reserving `num_context` context
         tokens on decode pod `address` (this router's track of the request
         already counted there), or 0: not split."""
-        min_tokens = self.settings.min_tokens
-        if not min_tokens or num_context < max(min_tokens, 2):
+        settings = self.settings
+        if not settings.min_tokens or num_context < max(settings.min_tokens, 2):
             return 0
         pod = next((p for p in self._pool.pods("decode") if p.address == address), None)
-        if pod is None or pod.num_running or pod.num_waiting or pod.in_flight > 1:
+        if pod is None or pod.num_waiting:
             return 0
-        return min(num_context - 1, max(1, round(num_context * self.settings.head_share)))
+        busy = pod.num_running or pod.in_flight > 1
+        share = settings.busy_head_share if busy else settings.head_share
+        return min(num_context - 1, max(1, round(num_context * share)))

@@ -42,7 +42,8 @@ CLI_FLAGS: dict[str, frozenset[str]] = {
         "--http-header-timeout", "--http-keepalive-timeout", "--max-concurrent-per-client",
         "--routing-policy", "--local-prefill-below", "--local-prefill-max-tokens",
         "--local-prefill-min-wait", "--split-prefill-min-tokens",
-        "--split-prefill-head-share", "--registry-absent-grace",
+        "--split-prefill-head-share", "--split-prefill-busy-head-share",
+        "--registry-absent-grace",
     }),
     "prefill": frozenset({
         "--model", "--host", "--port", "--metrics-port", "--block-size", "--kv-cache-memory",

@@ -95,6 +95,7 @@ def test_static_mode_router_gets_headless_service_addresses() -> None:
         "--local-prefill-min-wait": "2",
         "--split-prefill-min-tokens": "0",
         "--split-prefill-head-share": "0.55",
+        "--split-prefill-busy-head-share": "0.7",
         "--registry-absent-grace": "10",
     }
 

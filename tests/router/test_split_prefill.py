@@ -1,7 +1,8 @@
 """The split-prefill rule (router/routing/split_prefill.py): off by default,
-only contexts of at least M tokens, only onto an idle decode pod, the head
-a share of the context that leaves the tail at least one token; bad
-settings name their limits."""
+only contexts of at least M tokens, onto a decode pod with no queue (a
+running batch is no bar: it gets a longer head), the head a share of the
+context that leaves the tail at least one token; bad settings name their
+limits."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ from router.routing.split_prefill import SplitPrefill, SplitSettings
 from tests.router.test_local_prefill import DECODE_A, _load, _Pool
 
 
-def _rule(min_tokens: int = 256, head_share: float = 0.55, **report) -> SplitPrefill:
+def _rule(min_tokens: int = 256, head_share: float = 0.55, busy_head_share: float = 0.7,
+          **report) -> SplitPrefill:
     pool = _Pool(_load(DECODE_A, "decode", **{"in_flight": 1, **report}))
-    return SplitPrefill(pool, SplitSettings(min_tokens=min_tokens, head_share=head_share))
+    return SplitPrefill(pool, SplitSettings(min_tokens=min_tokens, head_share=head_share,
+                                            busy_head_share=busy_head_share))
 
 
 def test_an_idle_decode_pod_splits_a_long_context():
@@ -23,10 +26,15 @@ def test_an_idle_decode_pod_splits_a_long_context():
     assert _rule(min_tokens=2, head_share=0.95).split_at(DECODE_A, 2) == 1  # a tail token
 
 
-@pytest.mark.parametrize("report", [{"num_running": 1}, {"num_waiting": 1}, {"in_flight": 2}],
-                         ids=["running", "waiting", "another-request-of-this-router"])
-def test_a_busy_decode_pod_is_not_split_onto(report):
-    assert _rule(**report).split_at(DECODE_A, 1000) == 0
+@pytest.mark.parametrize("report", [{"num_running": 1}, {"in_flight": 2}],
+                         ids=["running", "another-request-of-this-router"])
+def test_a_decoding_pod_takes_the_busy_share(report):
+    assert _rule(**report).split_at(DECODE_A, 1000) == 700
+    assert _rule(busy_head_share=0.8, **report).split_at(DECODE_A, 301) == 241
+
+
+def test_a_decode_pod_with_a_queue_is_not_split_onto():
+    assert _rule(num_waiting=1).split_at(DECODE_A, 1000) == 0
 
 
 def test_off_short_or_unknown_is_not_split():
@@ -38,6 +46,8 @@ def test_off_short_or_unknown_is_not_split():
 def test_bad_settings_say_their_limits():
     with pytest.raises(ValueError, match=r"head share must be in \[0.05, 0.95\], got 1.0"):
         SplitSettings(min_tokens=1, head_share=1.0)
+    with pytest.raises(ValueError, match=r"busy head share must be in \[0.05, 0.95\], got 0.0"):
+        SplitSettings(min_tokens=1, busy_head_share=0.0)
     with pytest.raises(ValueError, match=r"min tokens must be in \[0, 1048576\], got -1"):
         SplitSettings(min_tokens=-1)
     with pytest.raises(ValueError, match="head share"):
