@@ -173,13 +173,16 @@ def test_prefill_and_decode_pods_killed_during_a_run(cluster):
     # prefix affinity sends the same prompt to the same prefill pod: kill that one
     victim_prefill = _prefill_pod_for(cluster, warm)
     prompts = [warm] + [f"Request number {i} asks about topic {i * 7}" for i in range(7)]
-    expected = {p: _generate(cluster["co"], p, 80) for p in prompts}
+    # long enough that the killed decode pod is still decoding what it
+    # serves (80 tokens could all be out between the poll and the kill
+    # under a loaded machine, leaving nothing to migrate)
+    expected = {p: _generate(cluster["co"], p, 240) for p in prompts}
     results: dict[str, object] = {}
     migrations_before = pd.metric("pdserve_migrations_total")
 
     def client(prompt: str) -> None:
         try:
-            results[prompt] = _generate(pd, prompt, 80, timeout=90)
+            results[prompt] = _generate(pd, prompt, 240, timeout=90)
         except grpc.RpcError as exc:  # a clear error is allowed; a hang is not
             results[prompt] = exc
 
