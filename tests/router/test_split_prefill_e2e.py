@@ -5,7 +5,9 @@ a long prompt sent while the decode pod is idle is split: the prefill pod
 computes the head and streams its layers, the decode pod computes the tail
 behind them and samples token 0. Every output (greedy and seeded, streamed
 or not) equals the undisturbed run on an in-process engine of the same
-checkpoint, and the decode pod receives the head's KV only."""
+checkpoint, and the decode pod receives the head's KV only; a prompt sent
+while another request decodes is split too (the busy head share), and
+neither output changes."""
 
 from __future__ import annotations
 
@@ -84,8 +86,8 @@ def _complete(router: RouterProcess, prompt: list[int], sampling: dict, stream: 
 
 def _idle(router: RouterProcess, pods) -> None:
     """Until the decode pod runs nothing, and then long enough for the
-    router's load poll (every 0.2 s here) to have seen it: the rule splits
-    only onto an idle decode pod."""
+    router's load poll (every 0.2 s here) to have seen it: onto an idle
+    decode pod the head is 0.55 of the prompt (0.7 beside a batch)."""
     deadline = time.monotonic() + 30
     while pods["decode"].metric_value("pdserve_requests_running", role="decode"):
         assert time.monotonic() < deadline, "the decode pod never went idle"
@@ -93,12 +95,14 @@ def _idle(router: RouterProcess, pods) -> None:
     time.sleep(1.0)
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-def test_a_split_prompt_gives_the_undisturbed_output(tiny_model_dir, pods, undisturbed, stream):
-    router = _router(tiny_model_dir, pods, split_prefill_min_tokens=64)
+def check_splits(model_dir, pods, cases, undisturbed: list[str], stream: bool) -> None:
+    """Each case, sent to an idle decode pod through a router that splits
+    every prompt of 64 tokens or more: split, equal to its undisturbed
+    output, and only the head's KV crossed."""
+    router = _router(model_dir, pods, split_prefill_min_tokens=64)
     decode = pods["decode"]
     try:
-        for (prompt, sampling), expected in zip(CASES, undisturbed, strict=True):
+        for (prompt, sampling), expected in zip(cases, undisturbed, strict=True):
             _idle(router, pods)
             splits = router.metric(SPLITS)
             sent = decode.metric_value(KV_BYTES, role="decode")
@@ -107,10 +111,57 @@ def test_a_split_prompt_gives_the_undisturbed_output(tiny_model_dir, pods, undis
             # the head alone crossed: 55 % of the prompt, rounded
             per_token = (decode.metric_value(KV_BYTES, role="decode") - sent) / round(
                 len(prompt) * 0.55)
-            assert per_token == pytest.approx(_kv_bytes_per_token(tiny_model_dir))
+            assert per_token == pytest.approx(_kv_bytes_per_token(model_dir))
         assert "moves to a new pod pair" not in router.log_tail(200_000)
     finally:
         router.terminate()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_split_prompt_gives_the_undisturbed_output(tiny_model_dir, pods, undisturbed, stream):
+    check_splits(tiny_model_dir, pods, CASES, undisturbed, stream)
+
+
+def check_split_beside_a_decoding_request(model_dir, pods, case, device: str,
+                                          background_tokens: int) -> None:
+    """`case` sent while another request decodes `background_tokens` on the
+    decode pod: split with the busy head share (0.7), its tail computing on
+    the decode pod's tail worker beside the engine loop's steps; both
+    outputs equal their undisturbed runs on an engine on `device`."""
+    (prompt, sampling), background = case, _prompt(5, 20)
+    engine = LLMEngine(EngineConfig(model_dir=str(model_dir), dtype="float32", device=device,
+                                    num_blocks=256))
+    expected_background = engine.generate([background], SamplingParams(
+        temperature=0, max_tokens=background_tokens, ignore_eos=True))[0].text
+    expected = engine.generate([prompt], SamplingParams(
+        temperature=sampling["temperature"], seed=sampling.get("seed"),
+        max_tokens=MAX_TOKENS, ignore_eos=True))[0].text
+    router = _router(model_dir, pods, split_prefill_min_tokens=64)
+    decode = pods["decode"]
+    try:
+        _idle(router, pods)
+        client = openai.OpenAI(base_url=router.base_url, api_key="x", max_retries=0,
+                               timeout=120)
+        chunks = iter(client.completions.create(
+            model="tiny", prompt=background, max_tokens=background_tokens, temperature=0,
+            stream=True, extra_body={"ignore_eos": True}))
+        text = next(chunks).choices[0].text  # decoding now
+        splits = router.metric(SPLITS)
+        sent = decode.metric_value(KV_BYTES, role="decode")
+        assert _complete(router, prompt, sampling, True) == expected
+        assert router.metric(SPLITS) == splits + 1
+        per_token = (decode.metric_value(KV_BYTES, role="decode") - sent) / round(
+            len(prompt) * 0.7)
+        assert per_token == pytest.approx(_kv_bytes_per_token(model_dir))
+        text += "".join(chunk.choices[0].text for chunk in chunks if chunk.choices)
+        assert text == expected_background
+    finally:
+        router.terminate()
+
+
+def test_a_split_beside_a_decoding_request_gives_both_undisturbed_outputs(
+        tiny_model_dir, pods):
+    check_split_beside_a_decoding_request(tiny_model_dir, pods, CASES[0], "cpu", 600)
 
 
 def test_short_prompts_and_the_rule_off_take_the_whole_prompt_path(

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import openai
 import pytest
 
 from engine.config import EngineConfig
@@ -27,22 +26,16 @@ from tests.gpu_rerun import GPU_MARKS, compiled_only, needs_rerun, rerun_compile
 from tests.integration.pods import start_pods
 from tests.router.test_split_prefill_e2e import (
     CASES,
-    KV_BYTES,
     MAX_TOKENS,
-    SPLITS,
-    _complete,
-    _idle,
-    _kv_bytes_per_token,
     _prompt,
-    _router,
+    check_split_beside_a_decoding_request,
+    check_splits,
 )
 
 pytestmark = GPU_MARKS
 
 # the e2e cases and a prompt whose head (1,100 tokens) spans nine decode blocks
 GPU_CASES = [*CASES, (_prompt(4, 2000), {"temperature": 0})]
-# a request still decoding while another's tail computes beside it
-BACKGROUND_TOKENS = 1500
 
 
 @pytest.mark.timeout(900)
@@ -78,56 +71,13 @@ def undisturbed(tiny_model_dir) -> list[str]:
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_a_split_prompt_on_the_gpu_gives_the_undisturbed_output(
         tiny_model_dir, pods, undisturbed, stream):
-    router = _router(tiny_model_dir, pods, split_prefill_min_tokens=64)
-    decode = pods["decode"]
-    try:
-        for (prompt, sampling), expected in zip(GPU_CASES, undisturbed, strict=True):
-            _idle(router, pods)
-            splits = router.metric(SPLITS)
-            sent = decode.metric_value(KV_BYTES, role="decode")
-            assert _complete(router, prompt, sampling, stream) == expected
-            assert router.metric(SPLITS) == splits + 1
-            per_token = (decode.metric_value(KV_BYTES, role="decode") - sent) / round(
-                len(prompt) * 0.55)
-            assert per_token == pytest.approx(_kv_bytes_per_token(tiny_model_dir))
-        assert "moves to a new pod pair" not in router.log_tail(200_000)
-    finally:
-        router.terminate()
+    check_splits(tiny_model_dir, pods, GPU_CASES, undisturbed, stream)
 
 
 @compiled_only
 @pytest.mark.timeout(600)
 def test_a_split_beside_a_decoding_request_on_the_gpu_gives_both_undisturbed_outputs(
         tiny_model_dir, pods):
-    """The tail computes on the decode pod's tail worker while its engine
-    loop steps a running request: two threads launching on one device.
-    The router takes the busy head share (0.7) for it."""
-    background, (prompt, sampling) = _prompt(5, 20), GPU_CASES[-1]
-    engine = LLMEngine(EngineConfig(model_dir=str(tiny_model_dir), dtype="float32",
-                                    device="cuda", num_blocks=256))
-    long = SamplingParams(temperature=0, max_tokens=BACKGROUND_TOKENS, ignore_eos=True)
-    expected_background = engine.generate([background], long)[0].text
-    expected = engine.generate([prompt], SamplingParams(
-        temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))[0].text
-    router = _router(tiny_model_dir, pods, split_prefill_min_tokens=64)
-    decode = pods["decode"]
-    try:
-        _idle(router, pods)
-        client = openai.OpenAI(base_url=router.base_url, api_key="x", max_retries=0,
-                               timeout=120)
-        stream = client.completions.create(model="tiny", prompt=background,
-                                           max_tokens=BACKGROUND_TOKENS, temperature=0,
-                                           stream=True, extra_body={"ignore_eos": True})
-        chunks = iter(stream)
-        text = next(chunks).choices[0].text  # decoding now
-        splits = router.metric(SPLITS)
-        sent = decode.metric_value(KV_BYTES, role="decode")
-        assert _complete(router, prompt, sampling, True) == expected
-        text += "".join(chunk.choices[0].text for chunk in chunks if chunk.choices)
-        assert text == expected_background
-        assert router.metric(SPLITS) == splits + 1
-        per_token = (decode.metric_value(KV_BYTES, role="decode") - sent) / round(
-            len(prompt) * 0.7)
-        assert per_token == pytest.approx(_kv_bytes_per_token(tiny_model_dir))
-    finally:
-        router.terminate()
+    """Two threads launching on one device: the tail worker and the engine
+    loop stepping a request that decodes 1,500 tokens."""
+    check_split_beside_a_decoding_request(tiny_model_dir, pods, GPU_CASES[-1], "cuda", 1500)
