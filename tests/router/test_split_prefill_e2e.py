@@ -11,6 +11,7 @@ neither output changes."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 import threading
 import time
@@ -45,25 +46,42 @@ CASES = [
 ]
 
 
+@contextlib.contextmanager
+def split_pods(model_dir, device: str = "cpu", decode_block_size: int = 16,
+               decode_blocks: int = 512) -> Iterator[dict]:
+    """A prefill pod (16-token blocks, no prefix cache) and a decode pod on `device`."""
+    started = start_pods({
+        "prefill": ("prefill", {"device": device, "block_size": 16, "num_blocks": 512,
+                                "no_prefix_cache": True}),
+        "decode": ("decode", {"device": device, "block_size": decode_block_size,
+                              "num_blocks": decode_blocks, "landing_memory": "256MiB"}),
+    }, model_dir)
+    try:
+        yield started
+    finally:
+        for pod in started.values():
+            pod.terminate()
+
+
+def undisturbed_texts(model_dir, cases, device: str = "cpu",
+                      max_tokens: int = MAX_TOKENS) -> list[str]:
+    """Each case's output on an in-process engine, alone."""
+    engine = LLMEngine(EngineConfig(model_dir=str(model_dir), dtype="float32", device=device,
+                                    num_blocks=256))
+    return [engine.generate([prompt], SamplingParams(
+        temperature=sampling["temperature"], seed=sampling.get("seed"),
+        max_tokens=max_tokens, ignore_eos=True))[0].text for prompt, sampling in cases]
+
+
 @pytest.fixture(scope="module")
 def pods(tiny_model_dir) -> Iterator[dict]:
-    started = start_pods({
-        "prefill": ("prefill", {"block_size": 16, "num_blocks": 512, "no_prefix_cache": True}),
-        "decode": ("decode", {"block_size": 16, "num_blocks": 512,
-                              "landing_memory": "256MiB"}),
-    }, tiny_model_dir)
-    yield started
-    for pod in started.values():
-        pod.terminate()
+    with split_pods(tiny_model_dir) as started:
+        yield started
 
 
 @pytest.fixture(scope="module")
 def undisturbed(tiny_model_dir) -> list[str]:
-    engine = LLMEngine(EngineConfig(model_dir=str(tiny_model_dir), dtype="float32",
-                                    num_blocks=256))
-    return [engine.generate([prompt], SamplingParams(
-        temperature=sampling["temperature"], seed=sampling.get("seed"),
-        max_tokens=MAX_TOKENS, ignore_eos=True))[0].text for prompt, sampling in CASES]
+    return undisturbed_texts(tiny_model_dir, CASES)
 
 
 def _router(tiny_model_dir, pods, **flags) -> RouterProcess:
@@ -95,6 +113,19 @@ def _idle(router: RouterProcess, pods) -> None:
     time.sleep(1.0)
 
 
+def _complete_split(model_dir, router: RouterProcess, decode, prompt: list[int],
+                    sampling: dict, stream: bool, expected: str, head_share: float) -> None:
+    """The request is split and gives `expected`; the head alone crossed:
+    `head_share` of the prompt, rounded."""
+    splits = router.metric(SPLITS)
+    sent = decode.metric_value(KV_BYTES, role="decode")
+    assert _complete(router, prompt, sampling, stream) == expected
+    assert router.metric(SPLITS) == splits + 1
+    per_token = (decode.metric_value(KV_BYTES, role="decode") - sent) / round(
+        len(prompt) * head_share)
+    assert per_token == pytest.approx(_kv_bytes_per_token(model_dir))
+
+
 def check_splits(model_dir, pods, cases, undisturbed: list[str], stream: bool) -> None:
     """Each case, sent to an idle decode pod through a router that splits
     every prompt of 64 tokens or more: split, equal to its undisturbed
@@ -104,14 +135,7 @@ def check_splits(model_dir, pods, cases, undisturbed: list[str], stream: bool) -
     try:
         for (prompt, sampling), expected in zip(cases, undisturbed, strict=True):
             _idle(router, pods)
-            splits = router.metric(SPLITS)
-            sent = decode.metric_value(KV_BYTES, role="decode")
-            assert _complete(router, prompt, sampling, stream) == expected
-            assert router.metric(SPLITS) == splits + 1
-            # the head alone crossed: 55 % of the prompt, rounded
-            per_token = (decode.metric_value(KV_BYTES, role="decode") - sent) / round(
-                len(prompt) * 0.55)
-            assert per_token == pytest.approx(_kv_bytes_per_token(model_dir))
+            _complete_split(model_dir, router, decode, prompt, sampling, stream, expected, 0.55)
         assert "moves to a new pod pair" not in router.log_tail(200_000)
     finally:
         router.terminate()
@@ -129,13 +153,9 @@ def check_split_beside_a_decoding_request(model_dir, pods, case, device: str,
     the decode pod's tail worker beside the engine loop's steps; both
     outputs equal their undisturbed runs on an engine on `device`."""
     (prompt, sampling), background = case, _prompt(5, 20)
-    engine = LLMEngine(EngineConfig(model_dir=str(model_dir), dtype="float32", device=device,
-                                    num_blocks=256))
-    expected_background = engine.generate([background], SamplingParams(
-        temperature=0, max_tokens=background_tokens, ignore_eos=True))[0].text
-    expected = engine.generate([prompt], SamplingParams(
-        temperature=sampling["temperature"], seed=sampling.get("seed"),
-        max_tokens=MAX_TOKENS, ignore_eos=True))[0].text
+    (expected,) = undisturbed_texts(model_dir, [case], device)
+    (expected_background,) = undisturbed_texts(model_dir, [(background, {"temperature": 0})],
+                                               device, background_tokens)
     router = _router(model_dir, pods, split_prefill_min_tokens=64)
     decode = pods["decode"]
     try:
@@ -146,13 +166,7 @@ def check_split_beside_a_decoding_request(model_dir, pods, case, device: str,
             model="tiny", prompt=background, max_tokens=background_tokens, temperature=0,
             stream=True, extra_body={"ignore_eos": True}))
         text = next(chunks).choices[0].text  # decoding now
-        splits = router.metric(SPLITS)
-        sent = decode.metric_value(KV_BYTES, role="decode")
-        assert _complete(router, prompt, sampling, True) == expected
-        assert router.metric(SPLITS) == splits + 1
-        per_token = (decode.metric_value(KV_BYTES, role="decode") - sent) / round(
-            len(prompt) * 0.7)
-        assert per_token == pytest.approx(_kv_bytes_per_token(model_dir))
+        _complete_split(model_dir, router, decode, prompt, sampling, True, expected, 0.7)
         text += "".join(chunk.choices[0].text for chunk in chunks if chunk.choices)
         assert text == expected_background
     finally:

@@ -19,17 +19,14 @@ from collections.abc import Iterator
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
 from tests.gpu_rerun import GPU_MARKS, compiled_only, needs_rerun, rerun_compiled
-from tests.integration.pods import start_pods
 from tests.router.test_split_prefill_e2e import (
     CASES,
-    MAX_TOKENS,
     _prompt,
     check_split_beside_a_decoding_request,
     check_splits,
+    split_pods,
+    undisturbed_texts,
 )
 
 pytestmark = GPU_MARKS
@@ -46,24 +43,13 @@ def test_gpu_split_suite_compiled():
 
 @pytest.fixture(scope="module")
 def pods(tiny_model_dir) -> Iterator[dict]:
-    started = start_pods({
-        "prefill": ("prefill", {"device": "cuda", "block_size": 16, "num_blocks": 512,
-                                "no_prefix_cache": True}),
-        "decode": ("decode", {"device": "cuda", "block_size": 128, "num_blocks": 64,
-                              "landing_memory": "256MiB"}),
-    }, tiny_model_dir)
-    yield started
-    for pod in started.values():
-        pod.terminate()
+    with split_pods(tiny_model_dir, "cuda", decode_block_size=128, decode_blocks=64) as started:
+        yield started
 
 
 @pytest.fixture(scope="module")
 def undisturbed(tiny_model_dir) -> list[str]:
-    engine = LLMEngine(EngineConfig(model_dir=str(tiny_model_dir), dtype="float32",
-                                    device="cuda", num_blocks=256))
-    return [engine.generate([prompt], SamplingParams(
-        temperature=sampling["temperature"], seed=sampling.get("seed"),
-        max_tokens=MAX_TOKENS, ignore_eos=True))[0].text for prompt, sampling in GPU_CASES]
+    return undisturbed_texts(tiny_model_dir, GPU_CASES, "cuda")
 
 
 @compiled_only
