@@ -67,7 +67,7 @@ from engine.prompt_logprobs import take_prompt_logprobs
 from engine.request import Request, RequestStatus
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import Scheduler
 from engine.step_pipeline import CompletedStep, StepPipeline
 from engine.tail_worker import TailJob, TailWorker
 from engine.text_stream import TextStream
@@ -285,10 +285,10 @@ class LLMEngine:
         come from a prefill pod layer by layer while this engine computes the
         rest, each layer of it waiting on `gate` for that layer of the head.
         The tail but its last token computes on the tail worker, beside the
-        steps (engine.tail_worker); then the request joins the next step,
-        which computes the last token and samples token 0. A tail of one
-        token runs in the next step itself, whose forward waits on the gate.
-        A failed gate ends the request aborted."""
+        steps (engine.tail_worker; a tail of one token waits there for the
+        whole head); then the request joins the next step, which computes
+        the last token and samples token 0. A failed gate ends the request
+        aborted."""
         request = self._requests.get(request_id)
         if request is None or request.status is not RequestStatus.WAITING_FOR_REMOTE_KV:
             state = "unknown" if request is None else request.status.name
@@ -303,12 +303,9 @@ class LLMEngine:
                              f"{self.model_config.num_hidden_layers}")
         request.num_computed_tokens = num_head_tokens
         last = request.num_context_tokens - 1
-        if num_head_tokens < last:
-            ids, positions, ctx = self.runner.tail_inputs(request, num_head_tokens, last, gate)
-            self.tails.start(TailJob(request_id, ids, positions, ctx, gate))
-            return
-        request.layer_gate = gate
-        self.scheduler.commit_reserved(request)
+        inputs = (self.runner.tail_inputs(request, num_head_tokens, last, gate)
+                  if num_head_tokens < last else None)
+        self.tails.start(TailJob(request_id, gate, inputs))
 
     def _settle_tails(self) -> None:
         """Tails the worker finished: the request joins the steps with its
@@ -323,20 +320,6 @@ class LLMEngine:
             request.num_computed_tokens = request.num_context_tokens - 1
             self.block_manager.cache_computed_blocks(request)
             self.scheduler.commit_reserved(request)
-
-    def _settle_gates(self, plan: SchedulerOutput) -> None:
-        """After a step that computed a split prefill's tail: its forward
-        waited for every layer of the head, so the gate is done with; or the
-        head never arrived whole (a failed gate), and what the step computed
-        is void: the request ends aborted now, before `update_computed`
-        could enter its blocks in the prefix cache."""
-        for s in plan.scheduled:
-            gate = s.request.layer_gate
-            if gate is None or not gate.complete:
-                continue
-            s.request.layer_gate = None
-            if gate.failed:
-                self.abort_request(s.request.request_id)
 
     def abort_request(self, request_id: str) -> bool:
         """Abort in any state and free its blocks (once the step in flight that
@@ -384,7 +367,6 @@ class LLMEngine:
 
     def _finish_step(self, step: CompletedStep) -> list[RequestOutput]:
         """A completed step's tokens: append, stop checks, outputs."""
-        self._settle_gates(step.plan)
         self.scheduler.update_computed(step.plan)
         if step.prompt_logprobs is not None:
             deliver_prompt_logprobs(*step.prompt_logprobs)

@@ -6,8 +6,7 @@ prefill chunks; see `engine.paged_attention_context`), writes the step's
 inputs (token ids, positions, slot mapping, decode block tables and context
 lengths, sampled rows) into the persistent `StepInputs` tensors, and builds
 the attention context over views of them (plus, only when a chunk needs it,
-the gathered prefill context's slots, the LayerKVHook spans, and the gates
-of split prefills whose head is still arriving). `forward`
+the gathered prefill context's slots, and the LayerKVHook spans). `forward`
 runs the model on those inputs and returns the float32 logits of the rows
 that sample (a request's last scheduled row when the step samples for it:
 it finished its prompt or is decoding). `execute` is both, in order.
@@ -163,13 +162,9 @@ class ModelRunner:
         positions, sample_rows, sampling = self._write_rows(inputs, ordered)
         tables = inputs.block_tables.write_table([s.request.block_ids for s in decode])
         context_lens = inputs.context_lens.write_rows([s.end for s in decode])
-        # split prefills' tails whose head is still arriving (engine.layer_gate)
-        gates = tuple(s.request.layer_gate for s in ordered
-                      if s.request.layer_gate is not None and not s.request.layer_gate.complete)
-        bucket = None if gates else self._graph_bucket(decode, prefill, streamed)
+        bucket = self._graph_bucket(decode, prefill, streamed)
         ctx = None if bucket is not None else self._eager_context(
-            inputs, decode, prefill, tables, context_lens, tuple(span for _, span in streamed),
-            gates)
+            inputs, decode, prefill, tables, context_lens, tuple(span for _, span in streamed))
         rows, sources = (self._index_tensors(*zip(*placeholders, strict=True)) if placeholders
                          else (self._no_rows, self._no_rows))
         return PreparedStep(
@@ -255,8 +250,8 @@ class ModelRunner:
 
     def _eager_context(self, inputs: StepInputs, decode: list[ScheduledRequest],
                        prefill: list[ScheduledRequest], tables: torch.Tensor,
-                       context_lens: torch.Tensor, spans: tuple[LayerKVSpan, ...],
-                       gates: tuple[LayerGate, ...] = ()) -> PagedAttentionContext:
+                       context_lens: torch.Tensor,
+                       spans: tuple[LayerKVSpan, ...]) -> PagedAttentionContext:
         bs = self.block_size
         chunks: list[PrefillChunk] = []
         context_slots: list[torch.Tensor] = []
@@ -283,7 +278,6 @@ class ModelRunner:
             layers=self.layer_attention,
             hook=self.layer_kv_hook,
             spans=spans,
-            gates=gates,
             kernel_backend=self.model.kernel_backend,
         )
 
@@ -308,8 +302,7 @@ class ModelRunner:
             scale=self.scale,
             sliding_window=self.sliding_window,
             layers=self.layer_attention,
-            gates=(gate,),
-            stop_on_failed_gate=True,
+            gate=gate,
             kernel_backend=self.model.kernel_backend,
         )
         return input_ids, positions, ctx

@@ -77,8 +77,7 @@ class PagedAttentionContext:
                  prefill_context_slots: torch.Tensor | None, scale: float,
                  sliding_window: int | None, hook: LayerKVHook | None = None,
                  spans: tuple[LayerKVSpan, ...] = (),
-                 gates: tuple[LayerGate, ...] = (),
-                 stop_on_failed_gate: bool = False,
+                 gate: LayerGate | None = None,
                  kernel_backend: Backend = Backend.AUTO,
                  layers: tuple[LayerAttention, ...] = ()) -> None:
         self.kv_caches = kv_caches
@@ -92,12 +91,10 @@ class PagedAttentionContext:
         self.sliding_window = sliding_window
         self.hook = hook
         self.spans = spans
-        # A split prefill's tail reads its head from the cache: each layer
-        # waits until the head's KV of that layer has landed (engine.layer_gate).
-        self.gates = gates
-        # A tail's own forward (engine.tail_worker) stops at a failed gate;
-        # a step's forward runs on (its other requests need their tokens).
-        self.stop_on_failed_gate = stop_on_failed_gate
+        # A split prefill's tail (its own forward, engine.tail_worker) reads
+        # its head from the cache: each layer waits until the head's KV of
+        # that layer has landed (engine.layer_gate), and stops at a failed gate.
+        self.gate = gate
         self.kernel_backend = kernel_backend
         # The native prefill kernel is the CPU choice of `auto`, as for the
         # decode kernels (`kernels.dispatch`); `torch` / `triton` keep SDPA.
@@ -114,10 +111,8 @@ class PagedAttentionContext:
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> torch.Tensor:
         """Called by the model's layer `layer_idx`; see module docstring."""
-        for gate in self.gates:
-            # a failed one opens; the engine voids the request
-            if not gate.wait(layer_idx) and self.stop_on_failed_gate:
-                raise HeadLost(f"the split prefill's head failed before layer {layer_idx}")
+        if self.gate is not None and not self.gate.wait(layer_idx):
+            raise HeadLost(f"the split prefill's head failed before layer {layer_idx}")
         cache = self.kv_caches[layer_idx]
         spec = self._layer(layer_idx)
         kernels.inject_kv(cache, torch.stack((k, v)).to(cache.dtype), self.slot_mapping,
@@ -159,7 +154,7 @@ class PagedAttentionContext:
         """A pure-decode step's layer in one fused call; None (the model's split
         path, then `attend`) when the step has prefill chunks. The step's
         arguments are bound (and checked) at the first layer."""
-        if self.prefill_chunks or not self.num_decode or self.gates:
+        if self.prefill_chunks or not self.num_decode:
             return None
         spec = self._layer(layer_idx)
         fused = self._fused.get(spec)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 
-from engine.layer_gate import LayerGate
 from engine.sampling_params import SamplingParams
 
 
@@ -91,8 +90,7 @@ class Request:
                  "all_token_ids", "num_context_tokens", "status", "num_computed_tokens",
                  "num_cached_tokens", "block_ids", "block_hashes", "num_cached_blocks",
                  "num_kv_streamed", "was_scheduled", "num_output_placeholders",
-                 "last_step_id", "prompt_logprobs", "num_prompt_logprobs_planned",
-                 "layer_gate")
+                 "last_step_id", "prompt_logprobs", "num_prompt_logprobs_planned")
 
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int],
                  sampling_params: SamplingParams, *, output_token_ids: Sequence[int] = (),
@@ -123,9 +121,6 @@ class Request:
         self.prompt_logprobs: list | None = (
             [] if sampling_params.prompt_logprobs is not None else None)
         self.num_prompt_logprobs_planned = 0
-        # A split prefill's tail (LLMEngine.start_tail): the head's KV arrives
-        # layer by layer; the forward waits on this gate (engine.layer_gate).
-        self.layer_gate: LayerGate | None = None
 
     @property
     def num_tokens(self) -> int:

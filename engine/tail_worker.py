@@ -11,7 +11,8 @@ steps go on decoding meanwhile (torch and the native kernels release the
 GIL, so on a CPU pod the two share its cores). Once the forward is done,
 the request joins the next step with one context token left: that step
 computes it over the whole context and samples token 0, as any prompt's
-last chunk would.
+last chunk would. A tail of that one token alone has no forward here: the
+job waits for the whole head, so the step finds every layer in.
 
 Threads: `start` and `finished` from the engine thread; the worker thread
 runs one forward at a time, in the order started, and calls `wake` after
@@ -38,13 +39,12 @@ log = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class TailJob:
-    """One tail: the forward's inputs and what became of it."""
+    """One tail: the forward's inputs (input ids, positions, context; None
+    for a tail of one token) and what became of it."""
 
     request_id: str
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    context: PagedAttentionContext
     gate: LayerGate
+    inputs: tuple[torch.Tensor, torch.Tensor, PagedAttentionContext] | None
     # set by the engine thread: the request was aborted while its tail ran
     aborted: bool = False
     # set by the worker: the forward ran every layer over a whole head
@@ -97,9 +97,12 @@ class TailWorker:
         while True:
             job = self._jobs.get()
             try:
-                self._forward(job.input_ids, job.positions, job.context)
-                if job.context.kv_caches and job.context.kv_caches[0].is_cuda:
-                    torch.cuda.current_stream().synchronize()
+                if job.inputs is None:
+                    job.gate.wait(job.gate.num_layers - 1)
+                else:
+                    self._forward(*job.inputs)
+                    if job.inputs[0].is_cuda:
+                        torch.cuda.current_stream().synchronize()
                 job.ok = not job.gate.failed
             except HeadLost:
                 job.ok = False
