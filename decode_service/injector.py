@@ -56,6 +56,7 @@ from engine.layer_gate import LayerGate
 from engine.metrics import PodMetrics
 from kernels.dispatch import Backend
 from kv_transfer.base import KVReceiveListener
+from proto.reasons import SPLIT_HEAD_LOST
 
 log = logging.getLogger(__name__)
 _RESTART_WAIT_S = 30.0
@@ -362,7 +363,7 @@ class KVInjector(KVReceiveListener):
                 p = self._pending.get(request_id)
             if p is not None and p.gate is not None and not p.settled:
                 # a split's tail may have read the layers a restart overwrites
-                p.fail(TransferFailed(request_id, f"sender lost mid-split ({reason})"))
+                p.fail(TransferFailed(request_id, f"{SPLIT_HEAD_LOST} ({reason})"))
             elif p is not None and p.state in (InjectState.WAITING, InjectState.INJECTING):
                 log.info("KV of %s restarts from layer 0 (%s)", request_id, reason)
                 if p.state is InjectState.INJECTING:

@@ -120,6 +120,7 @@ class EngineLoop:
         self._counted_hits = 0
         self.block_size: int = int(engine.config.block_size)
         self.max_model_len: int = int(engine.max_model_len)
+        self.device_type: str = engine.device.type  # "cpu" | "cuda"
         # join holds (join_transfers); loop thread only after start
         self._next_ready: Callable[[], tuple[str, float] | None] | None = None
         self._join_fraction = 0.0

@@ -29,4 +29,5 @@ def load_report(role: str, model: str, generation: int, loop: EngineLoop,
         max_model_len=loop.max_model_len,
         draining=gate.draining,
         cache_events_channel=cache_events_channel,
+        device=loop.device_type,
     )

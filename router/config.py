@@ -97,12 +97,15 @@ class RouterConfig:
     local_prefill_queue_ratio: float = 1.0
     local_prefill_min_wait: float = 2.0
     # One prompt on both pods (router/routing/split_prefill.py): contexts of
-    # at least this many tokens (0 = never) are split when the decode pod has
-    # no queue, the head (this share of the context; the busy share beside a
-    # running batch) on the prefill pod.
-    split_prefill_min_tokens: int = 0
+    # at least this many tokens (0 = never; None = auto: 256 onto a decode pod
+    # on CPU, never onto one on another device) are split when the decode pod has
+    # no queue and runs at most `split_prefill_max_running` sequences, the head
+    # (this share of the context; the busy share beside a running batch) on
+    # the prefill pod.
+    split_prefill_min_tokens: int | None = None
     split_prefill_head_share: float = 0.55
     split_prefill_busy_head_share: float = 0.7
+    split_prefill_max_running: int = 3
     # TLS of the public HTTP and gRPC listeners (with a CA: client certificates
     # required), and how the router reaches its pods (docs/deploy.md, Security).
     tls: TlsFiles | None = None
@@ -191,7 +194,8 @@ class RouterConfig:
             raise ValueError(f"local_prefill_min_wait must be in [0, 3600] seconds, "
                              f"got {self.local_prefill_min_wait}")
         SplitSettings(self.split_prefill_min_tokens, self.split_prefill_head_share,
-                      self.split_prefill_busy_head_share)  # checks
+                      self.split_prefill_busy_head_share,
+                      self.split_prefill_max_running)  # checks
         if not 0 <= self.local_prefill_below <= 1 << 20:
             raise ValueError(f"local_prefill_below must be in [0, {1 << 20}], "
                              f"got {self.local_prefill_below}")

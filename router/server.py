@@ -149,7 +149,8 @@ class RouterServer:
                 cached_prefix=index.cached_prefix, rate=local_rate),
             split=SplitPrefill(self.pool, SplitSettings(
                 min_tokens=c.split_prefill_min_tokens, head_share=c.split_prefill_head_share,
-                busy_head_share=c.split_prefill_busy_head_share)),
+                busy_head_share=c.split_prefill_busy_head_share,
+                max_running=c.split_prefill_max_running)),
         )
         frontend = self._frontend = Frontend(model_name=c.model_name,
                                              max_model_len=max_model_len,

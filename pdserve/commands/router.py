@@ -21,6 +21,17 @@ def _addresses(value: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in value.split(",") if part.strip())
 
 
+def _tokens_or_auto(value: str) -> int | None:
+    """`--split-prefill-min-tokens`: a token count, or `auto` (None)."""
+    if value == "auto":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a token count or 'auto', got {value!r}") from None
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="model directory (tokenizer, config.json)")
     parser.add_argument("--served-model-name", default="",
@@ -74,11 +85,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the prefill pod's learnt rate, so the decode pod's running batch "
                              "pays for a prompt only when it would otherwise wait that long "
                              "(default 2; 0: the tokens alone decide)")
-    parser.add_argument("--split-prefill-min-tokens", type=int, default=0, metavar="TOKENS",
+    parser.add_argument("--split-prefill-min-tokens", type=_tokens_or_auto, default=None,
+                        metavar="TOKENS",
                         help="one prompt on both pods: a context of at least this many tokens "
                              "is split when its decode pod has no queue, the prefill pod "
                              "computing the head and the decode pod the tail behind it "
-                             "(default 0 = never; docs/router.md, \"Split prefill\")")
+                             "(0 = never; default auto: 256 onto a decode pod on CPU, never "
+                             "onto one on a GPU; docs/router.md, \"Split prefill\")")
     parser.add_argument("--split-prefill-head-share", type=float, default=0.55, metavar="F",
                         help="... the head's share of the context on an idle decode pod "
                              "(default 0.55: the tail attends over the head, so costs more "
@@ -87,6 +100,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar="F",
                         help="... the head's share on a decode pod with a running batch, "
                              "whose tail shares its cores with the decode steps (default 0.7)")
+    parser.add_argument("--split-prefill-max-running", type=int, default=3, metavar="N",
+                        help="... and never onto a decode pod running more than N sequences: "
+                             "there the tail only slows the batch (default 3)")
     parser.add_argument("--local-prefill-below", type=int, default=0, metavar="TOKENS",
                         help="conditional disaggregation: a prompt with fewer new tokens "
                              "than this (after the decode pod's cached prefix) is prefilled "
@@ -173,6 +189,7 @@ def config_from_args(args: argparse.Namespace):
         split_prefill_min_tokens=args.split_prefill_min_tokens,
         split_prefill_head_share=args.split_prefill_head_share,
         split_prefill_busy_head_share=args.split_prefill_busy_head_share,
+        split_prefill_max_running=args.split_prefill_max_running,
         tls=router_tls_from_args(args),
         pod_security=router_pod_security_from_args(args),
         local_prefill_below=args.local_prefill_below,

@@ -36,6 +36,7 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 
 from proto import pdserve_pb2 as pb
+from proto.reasons import SPLIT_HEAD_LOST
 from router.api_error import ApiError
 from router.decode_session import SessionCall
 from router.flow.deps import FlowDeps
@@ -281,9 +282,11 @@ class Attempt:
         and still owes the transfer's verdict (`unless_verdict_fails`).
 
         A split (`split`): before token 0 the decode pod fails a split whose
-        head did not arrive whole (a lost sender cannot restart a split). That
-        is the head's failure, not the decode pod's, which stays a candidate
-        for the next attempt (a broken one was marked unhealthy already)."""
+        head's sender went away (`SPLIT_HEAD_LOST`: a split cannot restart).
+        That is the head's failure, not the decode pod's, which stays a
+        candidate for the next attempt (a broken one was marked unhealthy
+        already). A decode pod that refused the head's KV (a bad checksum,
+        ...) is left out, as on the whole-prompt path."""
         ending.verdict = verdict = asyncio.ensure_future(
             self._transfer_verdict(prefill_address, prefill_call, address))
         relayed = False
@@ -295,7 +298,8 @@ class Attempt:
                         ending.finished = delta.finish_reason is not None
                         yield delta
         except AttemptFailed as failure:
-            if not split or relayed or address not in failure.addresses:
+            head_lost = split and not relayed and SPLIT_HEAD_LOST in failure.reason
+            if not head_lost or address not in failure.addresses:
                 raise
             raise AttemptFailed(failure.reason, addresses=failure.addresses - {address},
                                 migrate=True) from None

@@ -278,4 +278,5 @@ class PolledPodPool(PodPool):
             in_flight=requests,
             in_flight_tokens=tokens,
             cache_events_channel=report.cache_events_channel,
+            device=report.device,
         )

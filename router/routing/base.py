@@ -78,6 +78,7 @@ class PodLoad:
     in_flight_tokens: int = 0  # prompt tokens of those requests (passed to track())
     # where the pod publishes its prefix-cache events ("" = CacheEvents.Subscribe only)
     cache_events_channel: str = ""
+    device: str = ""  # the pod's torch device type: "cpu", "cuda" ("" = not reported)
 
     def __post_init__(self) -> None:
         check_address(self.address)

@@ -14,11 +14,20 @@ loop. A request is split when:
 
 1. the rule is on: `--split-prefill-min-tokens` M > 0, and its context
    (prompt, and no output yet: a migrated request is not split) has at
-   least M tokens;
-2. the decode pod has no queue: no waiting sequences in its last load
-   report. A running batch is no bar: the pod computes the tail on its
-   tail worker (engine/tail_worker.py), beside the decode steps, which go
-   on while the tail waits for the head's layers;
+   least M tokens. The default, `auto`, is M = 256 onto a decode pod on
+   CPU and never onto one on another device (its `LoadReport.device`):
+   measured on CPU (heavy-0.4, TTFT 1.2-1.4x colocated's against 2.0x
+   unsplit, docs/benchmarks.md), not yet for speed on a GPU, where a
+   prompt's prefill is a few milliseconds of a step;
+2. the decode pod has no queue (no waiting sequences in its last load
+   report) and runs at most `--split-prefill-max-running` sequences
+   (default 3; the larger of its report's and this router's own count).
+   A small running batch is no bar: the pod computes the tail on its tail
+   worker (engine/tail_worker.py), beside the decode steps, which go on
+   while the tail waits for the head's layers. A larger one is: there the
+   decode pod has no spare core, and the tail only slows its batch
+   (measured at 0.8 req/s without the cap: E2E p50 and ITL p50 both
+   about +30%; docs/benchmarks.md, "Split prefill: the running cap");
 3. the request wants no prompt logprobs (no pod would compute every
    prompt position's logits).
 
@@ -39,24 +48,35 @@ from dataclasses import dataclass
 
 from router.routing.base import PodPool
 
+# `auto`'s M: onto a decode pod whose LoadReport.device is this, contexts of
+# at least this many tokens
+AUTO_DEVICE = "cpu"
+AUTO_MIN_TOKENS = 256
+
 
 @dataclass(frozen=True, slots=True)
 class SplitSettings:
-    """`min_tokens`: M above (0 = off). `head_share`, `busy_head_share`: the
-    head's share of the context on an idle decode pod, on a decoding one."""
+    """`min_tokens`: M above (0 = off, None = auto). `head_share`,
+    `busy_head_share`: the head's share of the context on an idle decode
+    pod, on a decoding one. `max_running`: no split onto a decode pod
+    running more sequences."""
 
-    min_tokens: int = 0
+    min_tokens: int | None = None
     head_share: float = 0.55
     busy_head_share: float = 0.7
+    max_running: int = 3
 
     def __post_init__(self) -> None:
-        if not 0 <= self.min_tokens <= 1 << 20:
+        if self.min_tokens is not None and not 0 <= self.min_tokens <= 1 << 20:
             raise ValueError(f"split prefill min tokens must be in [0, {1 << 20}], "
                              f"got {self.min_tokens}")
         for name, share in (("head share", self.head_share),
                             ("busy head share", self.busy_head_share)):
             if not 0.05 <= share <= 0.95:
                 raise ValueError(f"split prefill {name} must be in [0.05, 0.95], got {share}")
+        if not 0 <= self.max_running <= 1 << 16:
+            raise ValueError(f"split prefill max running must be in [0, {1 << 16}], "
+                             f"got {self.max_running}")
 
 
 class SplitPrefill:
@@ -71,11 +91,16 @@ class SplitPrefill:
         tokens on decode pod `address` (this router's track of the request
         already counted there), or 0: not split."""
         settings = self.settings
-        if not settings.min_tokens or num_context < max(settings.min_tokens, 2):
+        auto = settings.min_tokens is None
+        min_tokens = AUTO_MIN_TOKENS if auto else settings.min_tokens
+        if not min_tokens or num_context < max(min_tokens, 2):
             return 0
         pod = next((p for p in self._pool.pods("decode") if p.address == address), None)
-        if pod is None or pod.num_waiting:
+        if pod is None or pod.num_waiting or (auto and pod.device != AUTO_DEVICE):
             return 0
-        busy = pod.num_running or pod.in_flight > 1
+        running = max(pod.num_running, pod.in_flight - 1)  # in_flight counts this request
+        if running > settings.max_running:
+            return 0
+        busy = running > 0
         share = settings.busy_head_share if busy else settings.head_share
         return min(num_context - 1, max(1, round(num_context * share)))

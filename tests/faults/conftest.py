@@ -60,17 +60,22 @@ def stack(tiny_model_dir) -> Iterator[FaultStack]:
                          ("127.0.0.1", grpc_decode.kv_port)).start()
     prefill_grpc = FaultProxy(("127.0.0.1", 0), _local(prefill.address)).start()
     decode_grpc = FaultProxy(("127.0.0.1", 0), _local(decode.address)).start()
-    router = None
+    routers = []
     try:
-        router = start_router(tiny_model_dir, prefill=[prefill_grpc.address],
-                              decode=[decode_grpc.address],
-                              request_timeout=REQUEST_TIMEOUT_S, max_migrations=2)
+        common = dict(prefill=[prefill_grpc.address], decode=[decode_grpc.address],
+                      request_timeout=REQUEST_TIMEOUT_S, max_migrations=2)
+        # the whole-prompt path: a lost sender restarts against the same reservation
+        router = start_router(tiny_model_dir, split_prefill_min_tokens=0, **common)
+        routers.append(router)
+        split_router = start_router(tiny_model_dir, **common)
+        routers.append(split_router)
         wait_ready(router)
+        wait_ready(split_router)
         faults = FaultStack(prefill, decode, router, kv, prefill_grpc, decode_grpc, {},
-                            grpc_decode, grpc_kv)
+                            grpc_decode, grpc_kv, split_router)
         yield faults
     finally:
-        if router is not None:
+        for router in routers:
             router.terminate()
         for proxy in (kv, prefill_grpc, decode_grpc, grpc_kv):
             proxy.close()
@@ -111,8 +116,20 @@ def reference(stack):
     tokens(WARM_UP, 4)
     warm_up_grpc_decode(stack)
     warm_up_grammar(stack)
+    warm_up_split(stack)
     stack.record_baseline()
     return tokens
+
+
+def warm_up_split(stack: FaultStack) -> None:
+    """One split request through the split router: its first opens that
+    router's connections to the pods and the decode pod's tail worker (a
+    thread that then stays), which the baseline must hold."""
+    prompt = " ".join(f"warm{i}" for i in range(300))
+    splits = stack.split_router.metric("pdserve_router_split_prefills_total")
+    outcome = generate(stack.split_router.grpc_address, prompt, 2, timeout=60)
+    assert outcome.error is None, outcome.describe()
+    assert stack.split_router.metric("pdserve_router_split_prefills_total") == splits + 1
 
 
 def warm_up_grammar(stack: FaultStack) -> None:

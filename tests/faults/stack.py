@@ -77,6 +77,9 @@ class FaultStack:
     baseline: dict[str, Usage]
     grpc_decode: PodProcess  # outside the router: a decode pod with the gRPC KV connector
     grpc_kv: FaultProxy  # in front of grpc_decode's KV port (it advertises 127.0.0.2 too)
+    # the same pods behind a second router that splits a long prompt across
+    # them (its default, auto: on for CPU decode pods); `router` does not
+    split_router: RouterProcess | None = None
 
     @property
     def proxies(self) -> tuple[FaultProxy, ...]:

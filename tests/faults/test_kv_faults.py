@@ -34,12 +34,19 @@ def _failures(pod, reason: str) -> float:
         return 0.0
 
 
-def _run_with_kv_fault(faults, fault: Fault, connections: int | None = None):
+def _run_with_kv_fault(faults, fault: Fault, connections: int | None = None,
+                       path: str = "whole"):
     """The request with `fault` on the KV connections opened from now on
-    (the prefill pod's pooled streams are reset, so its transfer opens new ones)."""
+    (the prefill pod's pooled streams are reset, so its transfer opens new ones).
+    `path` "split": through the router that splits the prompt across the pods."""
     faults.kv.set_fault(fault, connections)
     faults.kv.reset_all()
-    return generate(faults.router.grpc_address, PROMPT, MAX_TOKENS, timeout=30)
+    router = faults.split_router if path == "split" else faults.router
+    return generate(router.grpc_address, PROMPT, MAX_TOKENS, timeout=30)
+
+
+def _splits(faults) -> float:
+    return faults.split_router.metric("pdserve_router_split_prefills_total")
 
 
 @pytest.mark.parametrize("fault", [Fault(latency_s=0.01), Fault(bytes_per_s=2e6)],
@@ -54,17 +61,22 @@ def test_a_slow_kv_link_keeps_the_output_exact(faults, reference, fault):
 @pytest.mark.parametrize("fault", [Fault(drop_after_bytes=50_000),
                                    Fault(truncate_after_bytes=50_000)],
                          ids=["drop", "truncate"])
+@pytest.mark.parametrize("path", ["whole", "split"])
 def test_a_connection_lost_mid_transfer_moves_the_request_and_keeps_it_exact(
-        faults, reference, fault):
+        faults, reference, fault, path):
+    # a lost head of a split fails the split (it cannot restart) and the
+    # request moves, its decode pod still a candidate: here the only one
     expected = reference(PROMPT, MAX_TOKENS)
-    migrations = faults.router.metric("pdserve_migrations_total")
-    got = _run_with_kv_fault(faults, fault, connections=STREAMS)
+    router = faults.split_router if path == "split" else faults.router
+    migrations, splits = router.metric("pdserve_migrations_total"), _splits(faults)
+    got = _run_with_kv_fault(faults, fault, connections=STREAMS, path=path)
     assert got.error is None, got.describe()
     assert got.tokens == expected
     assert faults.kv.triggered >= 1
     # one move per faulty connection the transfer used (one or both streams)
-    moved = faults.router.metric("pdserve_migrations_total") - migrations
+    moved = router.metric("pdserve_migrations_total") - migrations
     assert 1 <= moved <= STREAMS
+    assert (_splits(faults) > splits) == (path == "split")
 
 
 def test_a_link_that_always_drops_fails_with_a_clear_error(faults):
@@ -76,9 +88,11 @@ def test_a_link_that_always_drops_fails_with_a_clear_error(faults):
     assert got.seconds < REQUEST_TIMEOUT_S
 
 
-def test_corrupted_kv_is_refused_and_the_request_fails_clearly(faults):
+@pytest.mark.parametrize("path", ["whole", "split"])
+def test_corrupted_kv_is_refused_and_the_request_fails_clearly(faults, path):
     refused = _failures(faults.decode, "bad_checksum")
-    got = _run_with_kv_fault(faults, Fault(corrupt_at_byte=30_000), connections=STREAMS)
+    got = _run_with_kv_fault(faults, Fault(corrupt_at_byte=30_000), connections=STREAMS,
+                             path=path)
     assert faults.kv.triggered >= 1
     # the decode pod that refused the KV is not tried again, and it is the only one
     assert got.error is not None, got.describe()

@@ -43,6 +43,7 @@ CLI_FLAGS: dict[str, frozenset[str]] = {
         "--routing-policy", "--local-prefill-below", "--local-prefill-max-tokens",
         "--local-prefill-min-wait", "--split-prefill-min-tokens",
         "--split-prefill-head-share", "--split-prefill-busy-head-share",
+        "--split-prefill-max-running",
         "--registry-absent-grace",
     }),
     "prefill": frozenset({

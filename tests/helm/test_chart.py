@@ -125,6 +125,8 @@ def test_default_values_satisfy_schema() -> None:
         ({"tls": {"router": {"secretName": "Bad_Name"}}}, ["tls", "router", "secretName"]),
         ({"tls": {"router": {"ca": "x"}}}, ["tls", "router"]),
         ({"podToken": {"value": "two words"}}, ["podToken", "value"]),
+        ({"router": {"splitPrefillMinTokens": "always"}}, ["router", "splitPrefillMinTokens"]),
+        ({"router": {"splitPrefillMinTokens": -1}}, ["router", "splitPrefillMinTokens"]),
         ({"networkPolicy": {"metricsFrom": "monitoring"}}, ["networkPolicy", "metricsFrom"]),
         ({"metrics": {"serviceMonitor": {"interval": "often"}}},
          ["metrics", "serviceMonitor", "interval"]),

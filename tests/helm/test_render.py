@@ -93,9 +93,10 @@ def test_static_mode_router_gets_headless_service_addresses() -> None:
         "--local-prefill-below": "0",
         "--local-prefill-max-tokens": "2048",
         "--local-prefill-min-wait": "2",
-        "--split-prefill-min-tokens": "0",
+        "--split-prefill-min-tokens": "auto",
         "--split-prefill-head-share": "0.55",
         "--split-prefill-busy-head-share": "0.7",
+        "--split-prefill-max-running": "3",
         "--registry-absent-grace": "10",
     }
 

@@ -50,3 +50,23 @@ def test_router_flags_reach_the_config() -> None:
     assert (idle.local_prefill_min_wait, idle.local_prefill_max_tokens) == (5.0, 0)
     assert (config.local_prefill_min_wait, config.local_prefill_max_tokens) == (2.0, 2048)
 
+
+
+def test_split_prefill_flags_reach_the_config(capsys) -> None:
+    import argparse
+
+    from pdserve.commands.router import add_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    base = ["--model", "m", "--colocated", "127.0.0.1:1"]
+    auto = config_from_args(parser.parse_args(base))
+    assert (auto.split_prefill_min_tokens, auto.split_prefill_max_running) == (None, 3)
+    assert config_from_args(parser.parse_args(
+        [*base, "--split-prefill-min-tokens", "auto"])).split_prefill_min_tokens is None
+    set_ = config_from_args(parser.parse_args(
+        [*base, "--split-prefill-min-tokens", "0", "--split-prefill-max-running", "8"]))
+    assert (set_.split_prefill_min_tokens, set_.split_prefill_max_running) == (0, 8)
+    with pytest.raises(SystemExit):
+        parser.parse_args([*base, "--split-prefill-min-tokens", "always"])
+    assert "expected a token count or 'auto', got 'always'" in capsys.readouterr().err

@@ -43,8 +43,12 @@ def cluster(tiny_model_dir):
     prefill, decode, colocated = pods[0], pods[1:4], pods[4]
     routers = []
     try:
+        # the whole-prompt path: token 0 comes from the prefill pod, before the
+        # transfer's verdict (a split's comes from the decode pod, once the
+        # head is in: no such window)
         routers.append(start_router(tiny_model_dir, prefill=[prefill.address],
-                                    decode=[d.address for d in decode], max_migrations=2))
+                                    decode=[d.address for d in decode], max_migrations=2,
+                                    split_prefill_min_tokens=0))
         routers.append(start_router(tiny_model_dir, colocated=[colocated.address]))
         for router in routers:
             wait_ready(router)

@@ -81,9 +81,13 @@ def cluster(tiny_model_dir):
     prefill, decode = pods[:3], pods[3:6]
     routers = []
     try:
+        # the whole-prompt path, whose lost sender restarts against the same
+        # reservation (a split cannot: tests/router/test_split_prefill_e2e.py
+        # kills a prefill pod mid-head)
         routers.append(start_router(tiny_model_dir, prefill=[p.address for p in prefill],
                                     decode=[d.address for d in decode],
-                                    load_poll_interval=30, max_migrations=4))
+                                    load_poll_interval=30, max_migrations=4,
+                                    split_prefill_min_tokens=0))
         routers.append(start_router(tiny_model_dir, colocated=[pods[6].address]))
         for router in routers:
             wait_ready(router)

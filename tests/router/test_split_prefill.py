@@ -1,23 +1,24 @@
-"""The split-prefill rule (router/routing/split_prefill.py): off by default,
-only contexts of at least M tokens, onto a decode pod with no queue (a
-running batch is no bar: it gets a longer head), the head a share of the
-context that leaves the tail at least one token; bad settings name their
-limits."""
+"""The split-prefill rule (router/routing/split_prefill.py): by default
+(auto) onto decode pods on CPU only; only contexts of at least M tokens,
+onto a decode pod with no queue (a small running batch is no bar: it gets
+a longer head; one over the cap is), the head a share of the context that
+leaves the tail at least one token; bad settings name their limits."""
 
 from __future__ import annotations
 
 import pytest
 
 from router.config import RouterConfig
-from router.routing.split_prefill import SplitPrefill, SplitSettings
+from router.routing.split_prefill import AUTO_MIN_TOKENS, SplitPrefill, SplitSettings
 from tests.router.test_local_prefill import DECODE_A, _load, _Pool
 
 
-def _rule(min_tokens: int = 256, head_share: float = 0.55, busy_head_share: float = 0.7,
-          **report) -> SplitPrefill:
+def _rule(min_tokens: int | None = 256, head_share: float = 0.55, busy_head_share: float = 0.7,
+          max_running: int = 3, **report) -> SplitPrefill:
     pool = _Pool(_load(DECODE_A, "decode", **{"in_flight": 1, **report}))
     return SplitPrefill(pool, SplitSettings(min_tokens=min_tokens, head_share=head_share,
-                                            busy_head_share=busy_head_share))
+                                            busy_head_share=busy_head_share,
+                                            max_running=max_running))
 
 
 def test_an_idle_decode_pod_splits_a_long_context():
@@ -37,6 +38,31 @@ def test_a_decode_pod_with_a_queue_is_not_split_onto():
     assert _rule(num_waiting=1).split_at(DECODE_A, 1000) == 0
 
 
+@pytest.mark.parametrize("count", ["num_running", "in_flight"])
+def test_a_decode_pod_running_more_than_the_cap_is_not_split_onto(count):
+    # in_flight counts the request being placed, num_running does not
+    at_cap = {"num_running": 3} if count == "num_running" else {"in_flight": 4}
+    over = {"num_running": 4} if count == "num_running" else {"in_flight": 5}
+    assert _rule(**at_cap).split_at(DECODE_A, 1000) == 700
+    assert _rule(**over).split_at(DECODE_A, 1000) == 0
+    assert _rule(max_running=4, **over).split_at(DECODE_A, 1000) == 700
+    assert _rule(max_running=0, num_running=1).split_at(DECODE_A, 1000) == 0
+    assert _rule(max_running=0).split_at(DECODE_A, 1000) == 550  # only onto an idle pod
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda", ""])
+def test_auto_splits_onto_a_cpu_decode_pod_only(device):
+    on_cpu = device == "cpu"
+    assert _rule(None, device=device).split_at(DECODE_A, AUTO_MIN_TOKENS) == (
+        round(AUTO_MIN_TOKENS * 0.55) if on_cpu else 0)
+    assert _rule(None, device=device).split_at(DECODE_A, AUTO_MIN_TOKENS - 1) == 0
+    # a number is the operator's choice, whatever the device
+    assert _rule(128, device=device).split_at(DECODE_A, 200) == 110
+    assert SplitSettings().min_tokens is None  # auto is the default
+    assert RouterConfig(model_dir="m", prefill=["127.0.0.1:1"],
+                        decode=["127.0.0.1:2"]).split_prefill_min_tokens is None
+
+
 def test_off_short_or_unknown_is_not_split():
     assert _rule(min_tokens=0).split_at(DECODE_A, 10_000) == 0
     assert _rule().split_at(DECODE_A, 255) == 0
@@ -50,6 +76,8 @@ def test_bad_settings_say_their_limits():
         SplitSettings(min_tokens=1, busy_head_share=0.0)
     with pytest.raises(ValueError, match=r"min tokens must be in \[0, 1048576\], got -1"):
         SplitSettings(min_tokens=-1)
+    with pytest.raises(ValueError, match=r"max running must be in \[0, 65536\], got -1"):
+        SplitSettings(min_tokens=1, max_running=-1)
     with pytest.raises(ValueError, match="head share"):
         RouterConfig(model_dir="m", prefill=["127.0.0.1:1"], decode=["127.0.0.1:2"],
                      split_prefill_min_tokens=256, split_prefill_head_share=0.0)

@@ -178,9 +178,11 @@ def test_a_split_beside_a_decoding_request_gives_both_undisturbed_outputs(
     check_split_beside_a_decoding_request(tiny_model_dir, pods, CASES[0], "cpu", 600)
 
 
+@pytest.mark.parametrize("min_tokens", [200, None], ids=["200", "auto-on-a-cpu-decode-pod"])
 def test_short_prompts_and_the_rule_off_take_the_whole_prompt_path(
-        tiny_model_dir, pods, undisturbed):
-    router = _router(tiny_model_dir, pods, split_prefill_min_tokens=200)
+        tiny_model_dir, pods, undisturbed, min_tokens):
+    # auto (the default) is 256 onto a decode pod on CPU: the same cut here
+    router = _router(tiny_model_dir, pods, split_prefill_min_tokens=min_tokens)
     try:
         for (prompt, sampling), expected in zip(CASES, undisturbed, strict=True):
             _idle(router, pods)
