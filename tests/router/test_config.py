@@ -51,7 +51,6 @@ def test_router_flags_reach_the_config() -> None:
     assert (config.local_prefill_min_wait, config.local_prefill_max_tokens) == (2.0, 2048)
 
 
-
 def test_split_prefill_flags_reach_the_config(capsys) -> None:
     import argparse
 
