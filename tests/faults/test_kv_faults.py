@@ -41,8 +41,11 @@ def _run_with_kv_fault(faults, fault: Fault, connections: int | None = None,
     `path` "split": through the router that splits the prompt across the pods."""
     faults.kv.set_fault(fault, connections)
     faults.kv.reset_all()
-    router = faults.split_router if path == "split" else faults.router
-    return generate(router.grpc_address, PROMPT, MAX_TOKENS, timeout=30)
+    return generate(_router(faults, path).grpc_address, PROMPT, MAX_TOKENS, timeout=30)
+
+
+def _router(faults, path: str):
+    return faults.split_router if path == "split" else faults.router
 
 
 def _splits(faults) -> float:
@@ -67,7 +70,7 @@ def test_a_connection_lost_mid_transfer_moves_the_request_and_keeps_it_exact(
     # a lost head of a split fails the split (it cannot restart) and the
     # request moves, its decode pod still a candidate: here the only one
     expected = reference(PROMPT, MAX_TOKENS)
-    router = faults.split_router if path == "split" else faults.router
+    router = _router(faults, path)
     migrations, splits = router.metric("pdserve_migrations_total"), _splits(faults)
     got = _run_with_kv_fault(faults, fault, connections=STREAMS, path=path)
     assert got.error is None, got.describe()
