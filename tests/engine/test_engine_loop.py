@@ -99,10 +99,16 @@ def test_engine_errors_reach_the_caller_and_the_loop_keeps_serving(engine_config
     async def scenario(loop: EngineLoop):
         with pytest.raises(ValueError, match="exceeds max_model_len 4096"):
             await loop.add_request("big", [1] * 4096, GREEDY)
+        # The first "dup" runs long enough to still be in the batch when the
+        # second arrives (a 6-token request can finish between the two calls).
+        first = await loop.add_request("dup", [5] * 20, SamplingParams(
+            temperature=0.0, max_tokens=400, ignore_eos=True))
         with pytest.raises(ValueError, match="already in use"):
-            first = await loop.add_request("dup", list(range(3, 23)), GREEDY)
             await loop.add_request("dup", list(range(3, 23)), GREEDY)
-        return await _collect(first)
+        assert await loop.abort("dup", "client") is True
+        with pytest.raises(RequestAborted):
+            await _collect(first)
+        return await _collect(await loop.add_request("after", list(range(3, 23)), GREEDY))
 
     assert _run(engine_config, scenario) == (reference_tokens[0], "length")
 
