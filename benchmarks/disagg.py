@@ -154,7 +154,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="requests of each prefill-heavy workload (default 40: with 16, "
                              "colocated's output tok/s at 0.8 req/s spread 16%% over three "
                              "runs, with 40 6%%)")
-    parser.add_argument("--light-requests", type=int, default=32)
+    parser.add_argument("--light-requests", type=int, default=128,
+                        help="requests of light-c8 (default 128: with 32 the run is ~15 s, "
+                             "and its first 8 s, where the prefill pod alone takes 8 prompts "
+                             "at once, set the ratio)")
     parser.add_argument("--trace", default=str(DEFAULT_TRACE), metavar="PATH")
     parser.add_argument("--trace-requests", type=int, default=24,
                         help="the trace's first N lines")
