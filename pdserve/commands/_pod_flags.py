@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+from collections.abc import Mapping
 
 from engine.config import SCHEDULING_POLICIES, EngineConfig
 from pdserve.commands._cpus import add_pinning_arguments, pin_process
@@ -23,7 +24,10 @@ STEP_TOKENS = 2048
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser, *, block_size: int,
-                         prefix_cache_default: bool, mixed_prefill_default: int = 0) -> None:
+                         prefix_cache_default: bool,
+                         mixed_prefill_default: int | Mapping[str, int] = 0) -> None:
+    """`mixed_prefill_default`: --mixed-prefill-tokens' default, or one per
+    device ("cpu", "cuda"), picked once the device is resolved."""
     g = parser.add_argument_group("engine")
     g.add_argument("--model", required=True, metavar="DIR",
                    help="Hugging Face style model directory (config.json + safetensors).")
@@ -48,13 +52,18 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, block_size: int,
                         "chunks, within half the step budget (default 0: off; e.g. 256 on "
                         "prefill pods that see multi-turn traffic; docs/engine.md, "
                         "Configuration).")
+    if isinstance(mixed_prefill_default, Mapping):
+        default_text = ", ".join(f"{n} on {d.upper()}" for d, n in mixed_prefill_default.items())
+        parser.set_defaults(mixed_prefill_by_device=dict(mixed_prefill_default))
+        mixed_prefill_default = None
+    else:
+        default_text = (f"{mixed_prefill_default}"
+                        f"{': off, the whole step budget' if not mixed_prefill_default else ''}")
     g.add_argument("--mixed-prefill-tokens", type=int, default=mixed_prefill_default,
                    metavar="TOKENS",
                    help="With decode-first: a step that decodes computes at most this many "
                         "prompt tokens, so a prompt stalls the running batch in chunks of this "
-                        f"size (default {mixed_prefill_default}"
-                        f"{': off, the whole step budget' if not mixed_prefill_default else ''}; "
-                        "docs/engine.md, Configuration).")
+                        f"size (default {default_text}; docs/engine.md, Configuration).")
     g.add_argument("--kernel-backend", choices=("auto", "triton", "torch"),
                    default=os.environ.get("PDSERVE_KERNEL_BACKEND", "auto"),
                    help="Kernels: Triton on CUDA and torch on CPU (auto), or one of them "
@@ -138,7 +147,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         scheduling_policy=args.scheduling_policy,
         short_prefill_tokens=args.short_prefill_tokens,
-        mixed_prefill_tokens=args.mixed_prefill_tokens,
+        mixed_prefill_tokens=(args.mixed_prefill_by_device[device]
+                              if args.mixed_prefill_tokens is None else args.mixed_prefill_tokens),
         max_model_len=args.max_model_len,
         enable_prefix_caching=args.prefix_cache,
         seed=args.seed,

@@ -63,10 +63,13 @@ def test_mixed_prefill_tokens_default_is_per_role():
                                   *argv])
         return _pod_flags.engine_config_from_args(args)
 
-    assert parsed(decode).mixed_prefill_tokens == decode.DECODE_MIXED_PREFILL_TOKENS == 128
+    assert parsed(decode).mixed_prefill_tokens == decode.DECODE_MIXED_PREFILL_TOKENS["cpu"] == 64
+    cuda = parsed(decode, ["--device", "cuda", "--dtype", "bfloat16"])
+    assert cuda.mixed_prefill_tokens == decode.DECODE_MIXED_PREFILL_TOKENS["cuda"] == 128
+    assert parsed(decode, ["--mixed-prefill-tokens", "0"]).mixed_prefill_tokens == 0
     assert parsed(prefill).mixed_prefill_tokens == 0
     assert parsed(serve).mixed_prefill_tokens == 0
     assert parsed(serve, ["--mixed-prefill-tokens", "64"]).mixed_prefill_tokens == 64
     # a smaller step budget than the decode default is fine: the cap is then moot
-    small = parsed(decode, ["--max-num-batched-tokens", "64"])
-    assert (small.max_num_batched_tokens, small.mixed_prefill_tokens) == (64, 128)
+    small = parsed(decode, ["--max-num-batched-tokens", "32"])
+    assert (small.max_num_batched_tokens, small.mixed_prefill_tokens) == (32, 64)
