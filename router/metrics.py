@@ -101,18 +101,21 @@ class RouterMetrics:
         )
         self.queue_dispatched_tokens = Gauge(
             "pdserve_router_queue_dispatched_tokens",
-            "Tokens to compute this router has sent to a prefill pod and not yet seen finish",
+            "Tokens to compute this router has sent to a prefill pod (or a colocated pod) and "
+            "not yet seen finish (the first token)",
             ["pod"], registry=r,
         )
         self.queue_estimated_wait = Gauge(
             "pdserve_router_queue_estimated_wait_seconds",
             "Estimated wait of a request arriving now for a prefill pod, at the pod's peak "
-            "throughput plus its share of the decode pods' local prefill rate (set once its "
-            "throughput is known)", ["pod"], registry=r,
+            "throughput plus its share of the decode pods' local prefill rate, or for a "
+            "colocated pod at its peak throughput (set once its throughput is known)",
+            ["pod"], registry=r,
         )
         self.queue_prefill_rate = Gauge(
             "pdserve_router_queue_prefill_tokens_per_second",
-            "A prefill pod's computed tokens per busy second, learnt from finished prefills",
+            "A prefill (or colocated) pod's computed tokens per busy second, learnt from "
+            "finished prefills",
             ["pod"], registry=r,
         )
         self.queue_wait = Histogram(

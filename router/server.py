@@ -43,6 +43,7 @@ from router.registry.base import PodEntry, PodSource
 from router.registry.poller import PolledPodPool
 from router.registry.static import StaticPodSource
 from router.routing.admission import AdmissionSettings, PrefillAdmission
+from router.routing.colocated_gate import ColocatedGate
 from router.routing.local_prefill import LocalPrefill, LocalPrefillSettings, LocalRate
 from router.routing.policy import RoutingPolicy
 from router.routing.split_prefill import SplitPrefill, SplitSettings
@@ -139,6 +140,7 @@ class RouterServer:
                                   max_migrations=c.max_migrations,
                                   request_timeout=c.request_timeout),
             admission=admission,
+            colocated_gate=ColocatedGate(self.pool, self.metrics, c.max_queue_wait),
             local_prefill=LocalPrefill(
                 self.pool, admission.least_ahead,
                 LocalPrefillSettings(max_tokens=c.local_prefill_max_tokens,

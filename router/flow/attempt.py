@@ -159,12 +159,17 @@ class Attempt:
         Returns (address, call, first message); the pod's load tracking and
         the call's cancellation are registered on `stack`. Pods that are full
         or unreachable are skipped (counted as retries of `role`); when none
-        is left, ApiError 503 says why."""
+        is left, ApiError 503 says why. A colocated pod whose estimated wait
+        is above --max-queue-wait is skipped too (router/routing/
+        colocated_gate.py), and when every pod left was, ApiError 429."""
         policy = self._deps.policy
         tried: set[str] = set(self._left_out)
         refusals: list[str] = []
         remote = role == "decode"
         num_prompt = len(self._request.prompt_token_ids)
+        # the limit binds a request before its first token only
+        gate = None if remote or self._out.output_ids else self._deps.colocated_gate
+        over: dict[str, float] = {}  # colocated pods skipped for their wait
         while True:
             try:
                 if remote:
@@ -179,10 +184,20 @@ class Attempt:
                         exclude=frozenset(tried),
                     )
             except NoPodAvailable as exc:
+                if over:
+                    raise gate.overloaded(over) from None
                 reason = exc.reason + (f"; refused: {'; '.join(refusals)}" if refusals else "")
                 raise ApiError(503, reason, code="no_pod_available") from None
+            if gate is not None and (wait := gate.over_limit(address)) is not None:
+                over[address] = wait
+                tried.add(address)
+                continue
             with contextlib.ExitStack() as candidate:
                 candidate.enter_context(policy.track(address, num_tokens=num_prompt))
+                slot = None
+                if gate is not None:
+                    slot = gate.sent(address, num_prompt)
+                    candidate.callback(slot.release)  # a no-op once the first token is in
                 try:
                     call, first = await self._deps.channels.open_generate(
                         address, self._generate_request(remote, address), self._remaining())
@@ -192,6 +207,8 @@ class Attempt:
                     self._deps.metrics.retries.labels(role=role).inc()
                     tried.add(address)
                     continue
+                if slot is not None and first is not grpc.aio.EOF:
+                    slot.release(_computed(first, num_prompt))
                 candidate.callback(call.cancel)  # no-op once the request has ended
                 stack.enter_context(candidate.pop_all())
                 return address, call, first
@@ -522,3 +539,12 @@ class Attempt:
     def _finish(self, finish_reason: str) -> Delta:
         self._to_state(FlowState.FINISHED)
         return self._out.finish(finish_reason)
+
+
+def _computed(first, num_prompt: int) -> int:
+    """Prompt tokens a colocated pod computed before its `first` message:
+    the prompt less the cache hit the message reports (at least one)."""
+    if first.WhichOneof("kind") == "tokens" and first.tokens.num_prompt_tokens:
+        tokens = first.tokens
+        return max(1, tokens.num_prompt_tokens - tokens.num_cached_tokens)
+    return max(1, num_prompt)

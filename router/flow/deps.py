@@ -13,6 +13,7 @@ from router.metrics import RouterMetrics
 from router.pod_clients import PodChannels
 from router.routing.admission import PrefillAdmission
 from router.routing.base import PodPool
+from router.routing.colocated_gate import ColocatedGate
 from router.routing.local_prefill import LocalPrefill
 from router.routing.policy import RoutingPolicy
 from router.routing.split_prefill import SplitPrefill
@@ -47,3 +48,4 @@ class FlowDeps:
     admission: PrefillAdmission
     local_prefill: LocalPrefill | None = None  # None: every P/D request takes the P/D path
     split: SplitPrefill | None = None  # None: no prompt is split across the pods
+    colocated_gate: ColocatedGate | None = None  # None: colocated pods shed nothing

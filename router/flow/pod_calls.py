@@ -12,6 +12,7 @@ import grpc
 from proto.roles import PodRole
 from router.api_error import ApiError
 from router.routing.base import PodLoad, PodPool
+from router.routing.colocated_gate import ColocatedGate
 
 
 class AttemptFailed(Exception):
@@ -43,17 +44,24 @@ def client_error(error: grpc.aio.AioRpcError, address: str, timeout: float) -> A
     return None
 
 
-def choose_path(pool: PodPool, left_out: set[str] | frozenset[str]) -> str:
+def choose_path(pool: PodPool, left_out: set[str] | frozenset[str],
+                gate: ColocatedGate | None = None) -> str:
     """"colocated" or "disaggregated" for the next attempt; ApiError 503 when
     neither can serve. `left_out` are pods that already failed this request.
 
     With both paths up, the request goes to the colocated pod when the least
     busy one runs fewer sequences (running + this router's in-flight) than
-    the least busy decode pod; ties go to the P/D pair.
+    the least busy decode pod; ties go to the P/D pair. Colocated pods whose
+    estimated wait is above --max-queue-wait (`gate`) do not count then: the
+    P/D path's own queue decides whether the request waits or is shed.
     """
     colocated = [p for p in pool.pods("colocated") if p.address not in left_out]
     decode = [p for p in pool.pods("decode") if p.address not in left_out]
     prefill = [p for p in pool.pods("prefill") if p.address not in left_out]
+    if colocated and decode and prefill and gate is not None:
+        colocated = [p for p in colocated if gate.over_limit(p.address) is None]
+        if not colocated:
+            return "disaggregated"
     if colocated and decode and prefill:
         def busy(pods: list[PodLoad]) -> int:
             return min(p.num_running + p.in_flight for p in pods)

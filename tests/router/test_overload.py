@@ -16,7 +16,10 @@ pod's transfer timeout is 1 s, far shorter than that queue:
   until they failed after --max-migrations);
 * beyond `--max-queue-wait`, new requests get 429 with the queue's length and
   the limit, the accepted ones complete, and the router keeps serving;
-* the queue's metrics say what happened.
+* the queue's metrics say what happened;
+* a colocated pod (no router queue in front of it) sheds the same way:
+  beyond `--max-queue-wait` of estimated wait at it, new requests get 429
+  naming the pod and the limit, and the accepted ones complete unchanged.
 """
 
 from __future__ import annotations
@@ -88,11 +91,16 @@ def _complete(client: openai.OpenAI, prompt: list[int]) -> str:
     return reply.choices[0].text
 
 
-def _burst(client: openai.OpenAI, prompts: list[list[int]]) -> list[object]:
-    """Send every prompt at once; each result is the text or the exception."""
+def _burst(client: openai.OpenAI, prompts: list[list[int]], *,
+           spacing: float = 0.02) -> list[object]:
+    """Send every prompt, `spacing` seconds apart (arrival order = prompt
+    order), or all together (0); each result is the text or the exception."""
     results: list[object] = [None] * len(prompts)
+    together = threading.Barrier(len(prompts)) if not spacing else None
 
     def one(i: int) -> None:
+        if together is not None:
+            together.wait(30)
         try:
             results[i] = _complete(client, prompts[i])
         except Exception as exc:  # noqa: BLE001 - the test looks at each
@@ -101,7 +109,7 @@ def _burst(client: openai.OpenAI, prompts: list[list[int]]) -> list[object]:
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
     for thread in threads:
         thread.start()
-        time.sleep(0.02)  # arrival order = prompt order
+        time.sleep(spacing)
     for thread in threads:
         thread.join(240)
     return results
@@ -185,6 +193,46 @@ def test_beyond_the_wait_limit_requests_get_429_and_the_rest_complete(
         assert router.metric("pdserve_router_queue_rejected_total") == len(shed)
         # the server keeps serving everyone else
         assert _complete(client, PROMPTS[1]) == undisturbed[1]
+    finally:
+        router.terminate()
+
+
+@pytest.fixture(scope="module")
+def colocated(tiny_model_dir) -> Iterator[dict]:
+    started = start_pods({"colocated": ("colocated", {
+        "block_size": 16, "num_blocks": 1024, "max_num_batched_tokens": 16,
+        "no_prefix_cache": True})}, tiny_model_dir)
+    yield started
+    for pod in started.values():
+        pod.terminate()
+
+
+def test_a_colocated_pod_beyond_the_wait_limit_sheds_with_429(tiny_model_dir, colocated):
+    pod = colocated["colocated"].address
+    router = start_router(tiny_model_dir, colocated=[pod], max_queue_wait=0.05)
+    try:
+        wait_ready(router)
+        client = _client(router)
+        # one at a time (never shed: nothing is outstanding), which also teaches
+        # the router the pod's rate
+        alone = [_complete(client, prompt) for prompt in PROMPTS]
+        results = _burst(client, PROMPTS, spacing=0)
+        shed = [r for r in results if isinstance(r, openai.RateLimitError)]
+        done = [(i, r) for i, r in enumerate(results) if isinstance(r, str)]
+        assert len(shed) + len(done) == NUM_BURST, results
+        assert shed and done
+        assert all(text == alone[i] for i, text in done)
+        error = shed[0]
+        assert int(error.response.headers["retry-after"]) >= 1
+        body = error.body
+        assert body["code"] == "queue_full" and body["type"] == "overloaded_error"
+        assert body["message"].startswith(
+            f"server overloaded: the estimated wait at colocated pod {pod} is ")
+        assert "above the limit --max-queue-wait 0.05s" in body["message"]
+        assert router.metric("pdserve_router_queue_rejected_total") == len(shed)
+        assert router.metric("pdserve_router_queue_prefill_tokens_per_second", pod=pod) > 0
+        assert router.metric("pdserve_router_queue_dispatched_tokens", pod=pod) == 0
+        assert _complete(client, PROMPTS[1]) == alone[1]  # and it keeps serving
     finally:
         router.terminate()
 

@@ -49,6 +49,24 @@ def test_both_paths_pick_the_less_busy_and_ties_go_to_pd():
     assert choose_path(pool, {D}) == "colocated"
 
 
+class _Gate:
+    """A ColocatedGate whose over-the-limit pods the test names."""
+
+    def __init__(self, *over: str) -> None:
+        self.over = set(over)
+
+    def over_limit(self, address: str) -> float | None:
+        return 9.0 if address in self.over else None
+
+
+def test_colocated_pods_beyond_the_wait_limit_leave_the_request_to_pd():
+    pool = FixedPool(prefill={P: 0}, decode={D: 5}, colocated={C: 0})
+    assert choose_path(pool, set(), _Gate()) == "colocated"
+    assert choose_path(pool, set(), _Gate(C)) == "disaggregated"
+    # without a P/D path the colocated attempt itself sheds (Attempt._open_stream)
+    assert choose_path(FixedPool(colocated={C: 0}), set(), _Gate(C)) == "colocated"
+
+
 def test_nothing_to_route_to():
     with pytest.raises(ApiError) as info:
         choose_path(FixedPool(prefill={P: 0}, decode={D: 0}), {D})

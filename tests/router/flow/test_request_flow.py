@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 
 import pytest
 
@@ -17,7 +18,8 @@ from router.metrics import RouterMetrics
 from router.pod_clients import PodChannels
 from router.registry.poller import PolledPodPool
 from router.registry.static import StaticPodSource
-from router.routing.admission import AdmissionSettings, PrefillAdmission
+from router.routing.admission import MIN_SAMPLES, AdmissionSettings, PrefillAdmission
+from router.routing.colocated_gate import ColocatedGate
 from router.routing.policy import RoutingPolicy
 from router.sampling import SamplingSpec
 from router.sessions import InMemorySessionStore
@@ -37,7 +39,8 @@ PROMPT = (5, 9, 2, 7)
 class Cluster:
     """Fake pods + the router-side objects a flow needs."""
 
-    def __init__(self, **settings) -> None:
+    def __init__(self, max_queue_wait: float | None = None, **settings) -> None:
+        self.max_queue_wait = max_queue_wait  # None: no ColocatedGate
         self.wire = Wire()
         self.pods: dict[str, list[FakePod]] = {"prefill": [], "decode": [], "colocated": []}
         self.settings = FlowSettings(**settings)
@@ -55,11 +58,14 @@ class Cluster:
         await self.pool.start()
         self.channels = PodChannels()
         policy = RoutingPolicy(self.pool, InMemorySessionStore())
+        self.gate = None if self.max_queue_wait is None else ColocatedGate(
+            self.pool, self.metrics, self.max_queue_wait)
         self.deps = FlowDeps(pool=self.pool, policy=policy,
                              channels=self.channels, metrics=self.metrics,
                              settings=self.settings,
                              admission=PrefillAdmission(self.pool, policy, self.metrics,
-                                                        AdmissionSettings()))
+                                                        AdmissionSettings()),
+                             colocated_gate=self.gate)
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -127,6 +133,49 @@ def test_colocated_only():
         assert _text(deltas) == expected_text(PROMPT, 4)
         assert deltas[-1].usage.cached_tokens == 3
         assert not pod.requests[0].remote_prefill
+    run(main())
+
+
+def _backlog(gate: ColocatedGate, address: str, tokens: int) -> None:
+    """Teach `gate` a rate for `address` (at most 10,000 tokens/s), then leave
+    `tokens` outstanding there."""
+    for _ in range(MIN_SAMPLES):
+        slot = gate.sent(address, 100)
+        time.sleep(0.01)
+        slot.release(100)
+    gate.sent(address, tokens)
+
+
+def test_colocated_pod_beyond_the_wait_limit_is_skipped():
+    async def main():
+        cluster = Cluster(max_queue_wait=5.0)
+        busy = await cluster.add("colocated")
+        idle = await cluster.add("colocated")
+        async with cluster:
+            _backlog(cluster.gate, busy.address, 10**6)
+            for i in range(4):  # sticky routing would send some of these to `busy`
+                deltas = await _collect(cluster.flow(max_tokens=3, rid=f"r{i}"))
+                assert _text(deltas) == expected_text(PROMPT, 3)
+            # the gate learnt from every first token, and nothing is left outstanding
+            assert cluster.gate.estimated_wait(idle.address) == 0.0
+        assert not busy.requests and len(idle.requests) == 4
+        assert cluster.sample("pdserve_router_queue_rejected_total") == 0
+    run(main())
+
+
+def test_every_colocated_pod_beyond_the_wait_limit_is_429():
+    async def main():
+        cluster = Cluster(max_queue_wait=5.0)
+        pods = [await cluster.add("colocated") for _ in range(2)]
+        async with cluster:
+            for pod in pods:
+                _backlog(cluster.gate, pod.address, 10**6)
+            with pytest.raises(ApiError) as info:
+                await _collect(cluster.flow())
+        assert info.value.status == 429 and info.value.code == "queue_full"
+        assert "above the limit --max-queue-wait 5s" in info.value.message
+        assert not any(pod.requests for pod in pods)
+        assert cluster.sample("pdserve_router_queue_rejected_total") == 1
     run(main())
 
 

@@ -1,0 +1,167 @@
+"""`ColocatedGate`: the `--max-queue-wait` limit in front of colocated pods.
+
+A colocated pod queues what it cannot run in its own scheduler, and the
+router sends it each request at once: its chunked prefill interleaves
+prompts with the running batch, so a router-side queue (as
+`PrefillAdmission` keeps for prefill pods) would only add a hop. Without a
+limit, sustained overload grew that queue without bound: at 1.5x the
+sustainable rate over 96 requests the colocated pod's TTFT p90 was 26 s
+while the P/D path refused what its queue could not start within
+--max-queue-wait (docs/benchmarks.md, "Overload held for 96 requests").
+
+The gate applies the same limit, with the same estimate:
+
+    estimated wait at colocated pod C
+        = max(prompt tokens this router sent C with no first token back yet,
+              C's reported waiting prompt tokens)
+          / C's learnt prefill rate
+
+The rate is `router.routing.admission.Throughput`: tokens computed (the
+prompt less the pod's reported cache hit) per second of time C had prompts
+outstanding, so it is the rate C prefills at beside its running batch; the
+wait uses its peak (decaying), as on the P/D path.
+
+An attempt with no output yet whose chosen pod's wait is above the limit
+goes to the least-waiting other colocated pod within it; where none is
+(`Attempt._open_stream`), the request gets 429 naming the wait, the pod and
+the limit, with Retry-After. As on the P/D path, a pod sheds only once its
+rate is known (`MIN_SAMPLES` first tokens: its warm-up is in the first ones)
+and only while this router has prompts outstanding there: an idle pod takes
+every request, whatever its last report (a poll old) still shows queued.
+An attempt that carries output (a request moved from a failed pod) is never
+shed: its client already has tokens.
+
+Used on the router's event loop only; each router worker keeps its own.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from router.api_error import ApiError
+from router.metrics import RouterMetrics
+from router.routing.admission import Throughput
+from router.routing.base import PodPool
+
+
+@dataclass(slots=True)
+class _Pod:
+    """One colocated pod's prompts in flight, as this router sees them."""
+
+    outstanding: dict[int, int] = field(default_factory=dict)  # ticket -> prompt tokens
+    outstanding_tokens: int = 0
+    next_ticket: int = 0
+    throughput: Throughput = field(default_factory=Throughput)
+
+
+class ColocatedSlot:
+    """One attempt's prompt at a colocated pod until its first token;
+    `release` counts once (later calls are no-ops), so it may also sit on an
+    exit stack for the failure path."""
+
+    __slots__ = ("address", "num_tokens", "_gate", "_ticket", "_released")
+
+    def __init__(self, gate: ColocatedGate, address: str, num_tokens: int, ticket: int) -> None:
+        self.address = address
+        self.num_tokens = num_tokens
+        self._gate = gate
+        self._ticket = ticket
+        self._released = False
+
+    def release(self, computed_tokens: int | None = None) -> None:
+        """The first token is in (`computed_tokens`: what the pod computed for
+        it, which its rate learns from), or the attempt ended before (None)."""
+        if not self._released:
+            self._released = True
+            self._gate._release(self, computed_tokens)
+
+
+class ColocatedGate:
+    """The colocated pods' wait estimates and the limit; one per router."""
+
+    def __init__(self, pool: PodPool, metrics: RouterMetrics, max_queue_wait: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if not 0.0 < max_queue_wait <= 86400.0:
+            raise ValueError(f"max queue wait must be in (0, 86400] seconds, "
+                             f"got {max_queue_wait}")
+        self._pool = pool
+        self._metrics = metrics
+        self.max_queue_wait = max_queue_wait
+        self._clock = clock
+        self._pods: dict[str, _Pod] = {}
+
+    def estimated_wait(self, address: str) -> float | None:
+        """Seconds a prompt sent to `address` now waits before the pod
+        computes it (the module docstring); 0 while this router has nothing
+        outstanding there, None while the pod's rate is unknown."""
+        pod = self._pods.get(address)
+        if pod is None or not pod.outstanding:
+            # idle as far as this router knows: the pod's own report may still
+            # show a queue it has since computed (reports lag by a poll)
+            return 0.0
+        ahead = max(pod.outstanding_tokens, self._reported_waiting(address))
+        rate = pod.throughput.peak_tokens_per_s(self._clock())
+        return None if rate is None else ahead / rate
+
+    def over_limit(self, address: str) -> float | None:
+        """The estimated wait at `address` when it is above the limit (a new
+        request should not go there), else None."""
+        wait = self.estimated_wait(address)
+        return wait if wait is not None and wait > self.max_queue_wait else None
+
+    def overloaded(self, waits: dict[str, float]) -> ApiError:
+        """The 429 for a request every candidate pod refused (`waits`: their
+        estimated waits, each above the limit); counted as shed."""
+        address = min(waits, key=waits.__getitem__)
+        wait, limit = waits[address], self.max_queue_wait
+        self._metrics.queue_rejected.inc()
+        return ApiError(
+            429,
+            f"server overloaded: the estimated wait at colocated pod {address} is {wait:.1f}s "
+            f"({self._pods[address].outstanding_tokens} prompt tokens sent there and not yet "
+            f"computed), above the limit --max-queue-wait {limit:g}s; retry later",
+            code="queue_full", error_type="overloaded_error",
+            retry_after=max(1, math.ceil(wait - limit)),
+        )
+
+    def sent(self, address: str, num_tokens: int) -> ColocatedSlot:
+        """Count a prompt of `num_tokens` sent to `address` until its slot is released."""
+        pod = self._pod(address)
+        ticket = pod.next_ticket
+        pod.next_ticket += 1
+        pod.outstanding[ticket] = num_tokens
+        pod.outstanding_tokens += num_tokens
+        pod.throughput.set_busy(True, self._clock())
+        return ColocatedSlot(self, address, num_tokens, ticket)
+
+    def _release(self, slot: ColocatedSlot, computed_tokens: int | None) -> None:
+        pod = self._pods[slot.address]
+        now = self._clock()
+        pod.outstanding_tokens -= pod.outstanding.pop(slot._ticket)
+        if computed_tokens is not None:
+            pod.throughput.finished(computed_tokens, now)
+        pod.throughput.set_busy(bool(pod.outstanding), now)
+
+    def _reported_waiting(self, address: str) -> int:
+        for pod in self._pool.pods("colocated"):
+            if pod.address == address:
+                return pod.num_waiting_tokens
+        return 0
+
+    def _pod(self, address: str) -> _Pod:
+        """`address`'s state; the first time, its gauges are bound to it (the
+        queue gauges the prefill pods have, under the colocated pod's label)."""
+        pod = self._pods.get(address)
+        if pod is None:
+            pod = self._pods[address] = _Pod()
+            m, nan = self._metrics, math.nan
+            m.queue_dispatched_tokens.labels(pod=address).set_function(
+                lambda: pod.outstanding_tokens)
+            m.queue_estimated_wait.labels(pod=address).set_function(
+                lambda: nan if (w := self.estimated_wait(address)) is None else w)
+            m.queue_prefill_rate.labels(pod=address).set_function(
+                lambda: nan if (r := pod.throughput.tokens_per_s) is None else r)
+        return pod
