@@ -18,8 +18,15 @@ The gate applies the same limit, with the same estimate:
 
 The rate is `router.routing.admission.Throughput`: tokens computed (the
 prompt less the pod's reported cache hit) per second of time C had prompts
-outstanding, so it is the rate C prefills at beside its running batch; the
-wait uses its peak (decaying), as on the P/D path.
+outstanding, so it is the rate C prefills at beside its running batch, as
+it stands (not its peak, which the P/D path uses): a colocated pod's
+prompts share every step with its decodes, and under overload its batch
+grows and its prefill rate falls, where a prefill pod's rises with
+company. At 1.5x the sustainable
+rate (heavy-1.5 over 96 requests, --max-queue-wait 8) the peak let the
+accepted requests' TTFT p90 reach 17.1 s, the rate as it stands 14.3 s,
+and 71 requests met a 10 s TTFT SLO against 68 (docs/benchmarks.md,
+"Colocated pods shed too").
 
 An attempt with no output yet whose chosen pod's wait is above the limit
 goes to the least-waiting other colocated pod within it; where none is
@@ -103,7 +110,7 @@ class ColocatedGate:
             # show a queue it has since computed (reports lag by a poll)
             return 0.0
         ahead = max(pod.outstanding_tokens, self._reported_waiting(address))
-        rate = pod.throughput.peak_tokens_per_s(self._clock())
+        rate = pod.throughput.tokens_per_s
         return None if rate is None else ahead / rate
 
     def over_limit(self, address: str) -> float | None:
