@@ -70,6 +70,14 @@ def detect_model(base_url: str, timeout_s: float = 30.0) -> str:
                          f"({type(exc).__name__}: {exc}); pass --model") from None
 
 
+def session_load(spec: LoadSpec) -> dict:
+    """What of `spec` a sessions run uses: the sessions carry their own
+    lengths and arrival times (in "workload"), so its max_tokens, rate and
+    seed are not recorded as if they had shaped the load."""
+    return {"concurrency": spec.concurrency, "token_count": spec.token_count,
+            "timeout_s": spec.timeout_s}
+
+
 def run_benchmark(run: ServeRun) -> dict:
     """Warm up, read the counters, send the load, read them again; the result
     dict (every field present, None where a figure does not apply)."""
@@ -100,7 +108,7 @@ def run_benchmark(run: ServeRun) -> dict:
     requests = summary.pop("requests")
     return {
         "label": run.label, "base_url": run.base_url, "model": run.model,
-        "workload": run.workload, "load": asdict(run.spec),
+        "workload": run.workload, "load": session_load(run.spec),
         "machine": platform.processor() or platform.machine(), "started_unix": started,
         **summary,
         "goodput": goodput(requests, summary["duration_s"], run.slo_ttft_ms, run.slo_itl_ms),

@@ -59,6 +59,9 @@ def _bench(argv: list[str]) -> argparse.Namespace:
 def _check_result(result: dict, num_requests: int) -> None:
     """Every field present, counts adding up, percentiles ordered, no errors."""
     assert set(result) == FIELDS
+    # the load's own lengths and arrivals are in "workload", not placeholders here
+    assert set(result["load"]) == {"concurrency", "token_count", "timeout_s"}
+    assert result["load"]["concurrency"] >= 1
     assert result["num_requests"] == result["completed"] == num_requests
     assert result["errors"] == 0 and result["error_messages"] == []
     assert len(result["requests"]) == num_requests
