@@ -74,8 +74,8 @@ class RouterConfig:
     # prompt tokens outstanding at one prefill pod before requests queue here
     # (0 = no queue), seconds of work (at the pod's learnt rate) that may wait
     # there behind the prompt it computes, beyond one prompt (0 = tokens only),
-    # and the estimated wait beyond which requests get 429 (for colocated pods
-    # too: router/routing/colocated_gate.py).
+    # and the estimated wait until a new request's prompt is computed beyond
+    # which it gets 429 (at colocated pods too: router/routing/colocated_gate.py).
     prefill_dispatch_tokens: int = 4096
     prefill_dispatch_seconds: float = 1.0
     max_queue_wait: float = 30.0

@@ -70,8 +70,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "batch's end, so the rest wait in the router in expected-finish "
                              "order instead (0 = tokens only; default 1)")
     parser.add_argument("--max-queue-wait", type=float, default=30.0, metavar="SECONDS",
-                        help="refuse new requests with 429 while the estimated wait for a "
-                             "prefill pod (or every colocated pod) is above this (default 30)")
+                        help="refuse a new request with 429 when its estimated wait until "
+                             "its prompt is computed (the prompts ahead of it at a prefill pod, "
+                             "or at every colocated pod, and its own) is above this "
+                             "(default 30)")
     parser.add_argument("--local-prefill-max-tokens", type=int, default=2048, metavar="TOKENS",
                         help="the idle side: a decode pod with spare capacity prefills prompts "
                              "of at most this many new tokens itself while the prefill path is "

@@ -185,10 +185,10 @@ class Attempt:
                     )
             except NoPodAvailable as exc:
                 if over:
-                    raise gate.overloaded(over) from None
+                    raise gate.overloaded(over, num_prompt) from None
                 reason = exc.reason + (f"; refused: {'; '.join(refusals)}" if refusals else "")
                 raise ApiError(503, reason, code="no_pod_available") from None
-            if gate is not None and (wait := gate.over_limit(address)) is not None:
+            if gate is not None and (wait := gate.over_limit(address, num_prompt)) is not None:
                 over[address] = wait
                 tried.add(address)
                 continue

@@ -45,21 +45,22 @@ def client_error(error: grpc.aio.AioRpcError, address: str, timeout: float) -> A
 
 
 def choose_path(pool: PodPool, left_out: set[str] | frozenset[str],
-                gate: ColocatedGate | None = None) -> str:
+                gate: ColocatedGate | None = None, num_tokens: int = 1) -> str:
     """"colocated" or "disaggregated" for the next attempt; ApiError 503 when
     neither can serve. `left_out` are pods that already failed this request.
 
     With both paths up, the request goes to the colocated pod when the least
     busy one runs fewer sequences (running + this router's in-flight) than
     the least busy decode pod; ties go to the P/D pair. Colocated pods whose
-    estimated wait is above --max-queue-wait (`gate`) do not count then: the
-    P/D path's own queue decides whether the request waits or is shed.
+    estimated wait until a prompt of `num_tokens` is computed is above
+    --max-queue-wait (`gate`) do not count then: the P/D path's own queue
+    decides whether the request waits or is shed.
     """
     colocated = [p for p in pool.pods("colocated") if p.address not in left_out]
     decode = [p for p in pool.pods("decode") if p.address not in left_out]
     prefill = [p for p in pool.pods("prefill") if p.address not in left_out]
     if colocated and decode and prefill and gate is not None:
-        colocated = [p for p in colocated if gate.over_limit(p.address) is None]
+        colocated = [p for p in colocated if gate.over_limit(p.address, num_tokens) is None]
         if not colocated:
             return "disaggregated"
     if colocated and decode and prefill:

@@ -201,7 +201,8 @@ class RequestFlow:
         return f"{self.request.request_id}-{self._attempt}"
 
     async def _one_attempt(self) -> AsyncIterator[Delta]:
-        path = choose_path(self._deps.pool, self._left_out, self._deps.colocated_gate)
+        path = choose_path(self._deps.pool, self._left_out, self._deps.colocated_gate,
+                           len(self.request.prompt_token_ids))
         scoring = path == "disaggregated" and self.request.sampling.max_tokens == 0
         local = self._choose_local() if path == "disaggregated" and not scoring else None
         attempt = self._new_attempt()

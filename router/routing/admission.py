@@ -9,7 +9,8 @@ Life of one attempt's admission (all on the router's event loop):
 
     admit(request)   the policy picks the prefill pod P (load = P's reported
         │            queued tokens + what this router has queued or sent there)
-        │ estimated wait at P > --max-queue-wait ──> ApiError 429 (shed)
+        │ estimated wait at P until its prompt is computed > --max-queue-wait
+        │            ──> ApiError 429 (shed)
         v
     QUEUED           per pod, in order of expected finish (below); counts
         │            toward P's routing load
@@ -90,6 +91,16 @@ compilation, allocator growth), which once taught the router a rate 20x
 too low and shed requests from an idle pod. Only a request that would
 queue is shed: one that P has room for now is dispatched at once, whatever
 the estimate.
+
+What is shed by: the estimated wait until the request's own prompt is
+computed, its tokens to compute added to those ahead (at the same rate),
+not the wait for its turn alone, so the limit bounds about what the client
+sees, its first token. Shed at its turn alone, the P/D path held its queue
+at --max-queue-wait and each prompt then took its own compute on the
+prefill pod's core on top: at 1.5x the sustainable rate with
+--max-queue-wait 8 its accepted requests' TTFT sat at 9-12 s and 64-66 of
+96 met a 10 s SLO; counted with the prompt, 71-77 (docs/benchmarks.md,
+"Shedding until the prompt is computed").
 
 Leaving the queue early (client gone, request deadline) removes the waiter;
 a request whose deadline passes while queued gets 504.
@@ -256,14 +267,16 @@ class PrefillAdmission:
         self.settings = settings
         self._queues: dict[str, _PodQueue] = {}
 
-    def estimated_wait(self, address: str, num_tokens: int | None = None) -> float | None:
+    def estimated_wait(self, address: str, num_tokens: int | None = None, *,
+                       computed: bool = False) -> float | None:
         """Seconds a request arriving now would wait for its turn at `address`,
         at the pod's peak throughput plus its share of the decode pods' local
         prefill rate (the module docstring, Estimated wait); None while the
         pod's throughput is unknown. With
         `num_tokens` (the request's tokens to compute), 0 when it would not
         queue, and only the waiters ahead of it count; without, the whole
-        queue."""
+        queue. `computed`: until its own tokens are computed too, at the same
+        rate (what shedding reads: about its first token)."""
         queue = self._queues.get(address)
         if queue is None:
             return 0.0
@@ -275,6 +288,8 @@ class PrefillAdmission:
             if self._goes_now(queue, key, num_tokens):
                 return 0.0
             ahead = sum(w.num_tokens for w in queue.waiters if w.key <= key) + dispatched
+            if computed:
+                ahead += num_tokens
         if ahead == 0:
             return 0.0
         now = time.monotonic()
@@ -409,12 +424,16 @@ class PrefillAdmission:
         except NoPodAvailable as exc:
             raise ApiError(503, exc.reason, code="no_pod_available") from None
         limit = self.settings.max_queue_wait
-        wait = self.estimated_wait(address, _to_compute(request, hits.get(address, 0)))
+
+        def until_computed(pod: str) -> float | None:
+            return self.estimated_wait(pod, _to_compute(request, hits.get(pod, 0)),
+                                       computed=True)
+
+        wait = until_computed(address)
         if wait is None or wait <= limit:
             return address
         # the chosen pod is too far behind: the least-waiting other pod, if any has room
-        waits = {p.address: self.estimated_wait(p.address,
-                                                _to_compute(request, hits.get(p.address, 0)))
+        waits = {p.address: until_computed(p.address)
                  for p in self._pool.pods("prefill") if p.address not in exclude}
         waits[address] = wait
         best = min(waits, key=lambda a: waits[a] if waits[a] is not None else 0.0)
@@ -425,9 +444,10 @@ class PrefillAdmission:
         self._metrics.queue_rejected.inc()
         raise ApiError(
             429,
-            f"server overloaded: the prefill queue's estimated wait is {best_wait:.1f}s "
-            f"({len(queue.waiters)} requests, {queue.queued_tokens} tokens to compute queued in "
-            f"the router for prefill pod {best}), above the limit --max-queue-wait "
+            f"server overloaded: the prefill queue's estimated wait is {best_wait:.1f}s until "
+            f"this prompt is computed ({len(queue.waiters)} requests, {queue.queued_tokens} "
+            f"tokens to compute queued in the router for prefill pod {best}, and its own "
+            f"{_to_compute(request, hits.get(best, 0))}), above the limit --max-queue-wait "
             f"{limit:g}s; retry later",
             code="queue_full", error_type="overloaded_error",
             retry_after=max(1, math.ceil(best_wait - limit)),

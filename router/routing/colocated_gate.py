@@ -28,8 +28,9 @@ accepted requests' TTFT p90 reach 17.1 s, the rate as it stands 14.3 s,
 and 71 requests met a 10 s TTFT SLO against 68 (docs/benchmarks.md,
 "Colocated pods shed too").
 
-An attempt with no output yet whose chosen pod's wait is above the limit
-goes to the least-waiting other colocated pod within it; where none is
+An attempt with no output yet whose chosen pod's wait until its prompt is
+computed (those ahead and its own tokens, as on the P/D path) is above the
+limit goes to the least-waiting other colocated pod within it; where none is
 (`Attempt._open_stream`), the request gets 429 naming the wait, the pod and
 the limit, with Retry-After. As on the P/D path, a pod sheds only once its
 rate is known (`MIN_SAMPLES` first tokens: its warm-up is in the first ones)
@@ -113,23 +114,30 @@ class ColocatedGate:
         rate = pod.throughput.tokens_per_s
         return None if rate is None else ahead / rate
 
-    def over_limit(self, address: str) -> float | None:
-        """The estimated wait at `address` when it is above the limit (a new
-        request should not go there), else None."""
+    def over_limit(self, address: str, num_tokens: int) -> float | None:
+        """The estimated wait at `address` until a prompt of `num_tokens` is
+        computed there (those ahead and its own, at the same rate: about its
+        first token, as the P/D queue sheds) when it is above the limit (the
+        request should not go there), else None. A request that would not
+        wait is never refused."""
         wait = self.estimated_wait(address)
-        return wait if wait is not None and wait > self.max_queue_wait else None
+        if not wait:  # nothing ahead, or the rate unknown
+            return None
+        wait += num_tokens / self._pods[address].throughput.tokens_per_s
+        return wait if wait > self.max_queue_wait else None
 
-    def overloaded(self, waits: dict[str, float]) -> ApiError:
-        """The 429 for a request every candidate pod refused (`waits`: their
-        estimated waits, each above the limit); counted as shed."""
+    def overloaded(self, waits: dict[str, float], num_tokens: int) -> ApiError:
+        """The 429 for a request of `num_tokens` every candidate pod refused
+        (`waits`: from `over_limit`, each above the limit); counted as shed."""
         address = min(waits, key=waits.__getitem__)
         wait, limit = waits[address], self.max_queue_wait
         self._metrics.queue_rejected.inc()
         return ApiError(
             429,
             f"server overloaded: the estimated wait at colocated pod {address} is {wait:.1f}s "
-            f"({self._pods[address].outstanding_tokens} prompt tokens sent there and not yet "
-            f"computed), above the limit --max-queue-wait {limit:g}s; retry later",
+            f"until this prompt is computed ({self._pods[address].outstanding_tokens} prompt "
+            f"tokens sent there and not yet computed, and its own {num_tokens}), above the "
+            f"limit --max-queue-wait {limit:g}s; retry later",
             code="queue_full", error_type="overloaded_error",
             retry_after=max(1, math.ceil(wait - limit)),
         )

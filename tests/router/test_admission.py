@@ -151,15 +151,18 @@ def test_beyond_the_wait_limit_requests_get_429_and_others_go_on(run_async):
         # another router's traffic, seen in the pod's report, counts too
         pool.waiting_tokens[POD] = 1000
         assert admission.estimated_wait(POD) == pytest.approx(1400 / rate)
+        # shed by the wait until its own prompt is computed: 1400 ahead + its 100
+        assert admission.estimated_wait(POD, 100, computed=True) == pytest.approx(1500 / rate)
         with pytest.raises(ApiError) as err:
             await admission.admit(_request(100, "shed"), exclude=frozenset(), timeout=10)
         error = err.value
         assert error.status == 429 and error.code == "queue_full"
-        assert error.message.startswith(
-            f"server overloaded: the prefill queue's estimated wait is {1400 / rate:.1f}s "
-            f"(4 requests, 400 tokens to compute queued in the router for prefill pod {POD}), "
-            "above the limit --max-queue-wait 2s")
-        assert error.headers()["Retry-After"] == str(max(1, int(-(-(1400 / rate - 2) // 1))))
+        assert error.message == (
+            f"server overloaded: the prefill queue's estimated wait is {1500 / rate:.1f}s "
+            f"until this prompt is computed (4 requests, 400 tokens to compute queued in the "
+            f"router for prefill pod {POD}, and its own 100), above the limit --max-queue-wait "
+            "2s; retry later")
+        assert error.headers()["Retry-After"] == str(max(1, int(-(-(1500 / rate - 2) // 1))))
         assert _sample(metrics, "pdserve_router_queue_rejected_total") == 1
         assert _sample(metrics, "pdserve_router_queue_estimated_wait_seconds", pod=POD) > 2
         pool.waiting_tokens[POD] = 0

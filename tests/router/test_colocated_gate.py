@@ -55,20 +55,23 @@ def test_an_unknown_rate_sheds_nothing():
     for _ in range(50):
         gate.sent("a", 1000)
     assert gate.estimated_wait("a") is None
-    assert gate.over_limit("a") is None
+    assert gate.over_limit("a", 1000) is None
 
 
 def test_wait_is_outstanding_tokens_at_the_learnt_rate():
     gate, clock, _ = _gate(limit=2.0)
     _teach(gate, clock, "a", 500, 1.0)  # 500 tokens/s
     assert gate.estimated_wait("a") == 0.0  # nothing outstanding: an idle pod takes anything
+    assert gate.over_limit("a", 5000) is None  # a request that would not wait is never shed
     gate.sent("a", 500)
     assert gate.estimated_wait("a") == pytest.approx(1.0)
-    assert gate.over_limit("a") is None
+    # shed by the wait until its own prompt is computed: 1 s ahead + 500 tokens
+    assert gate.over_limit("a", 400) is None
+    assert gate.over_limit("a", 600) == pytest.approx(2.2)
     third = gate.sent("a", 1000)
     assert gate.estimated_wait("a") == pytest.approx(3.0)
-    assert gate.over_limit("a") == pytest.approx(3.0)
-    assert gate.over_limit("b") is None  # another pod's queue is its own
+    assert gate.over_limit("a", 1) == pytest.approx(3.002)
+    assert gate.over_limit("b", 1) is None  # another pod's queue is its own
     third.release()  # ended before its first token: counts no throughput
     assert gate.estimated_wait("a") == pytest.approx(1.0)
     third.release(1000)  # a second release is a no-op
@@ -108,13 +111,14 @@ def test_429_names_the_wait_the_pod_and_the_limit():
         gate.sent("a", 1000)
     for _ in range(5):
         gate.sent("b", 1000)
-    waits = {a: gate.over_limit(a) for a in ("a", "b")}
-    error = gate.overloaded(waits)
+    waits = {a: gate.over_limit(a, 600) for a in ("a", "b")}
+    error = gate.overloaded(waits, 600)
     assert error.status == 429 and error.code == "queue_full"
-    assert error.message.startswith("server overloaded: the estimated wait at colocated pod a "
-                                    "is 3.0s (3000 prompt tokens sent there")
-    assert "above the limit --max-queue-wait 1.5s" in error.message
-    assert error.retry_after == 2
+    assert error.message == (
+        "server overloaded: the estimated wait at colocated pod a is 3.6s until this prompt "
+        "is computed (3000 prompt tokens sent there and not yet computed, and its own 600), "
+        "above the limit --max-queue-wait 1.5s; retry later")
+    assert error.retry_after == 3
     assert metrics.registry.get_sample_value("pdserve_router_queue_rejected_total") == 1
     assert metrics.registry.get_sample_value(
         "pdserve_router_queue_estimated_wait_seconds", {"pod": "b"}) == pytest.approx(5.0)

@@ -189,6 +189,7 @@ def test_beyond_the_wait_limit_requests_get_429_and_the_rest_complete(
         assert body["code"] == "queue_full" and body["type"] == "overloaded_error"
         assert body["message"].startswith("server overloaded: the prefill queue's estimated "
                                           "wait is ")
+        assert "s until this prompt is computed (" in body["message"]
         assert "above the limit --max-queue-wait 0.05s" in body["message"]
         assert router.metric("pdserve_router_queue_rejected_total") == len(shed)
         # the server keeps serving everyone else
@@ -228,6 +229,7 @@ def test_a_colocated_pod_beyond_the_wait_limit_sheds_with_429(tiny_model_dir, co
         assert body["code"] == "queue_full" and body["type"] == "overloaded_error"
         assert body["message"].startswith(
             f"server overloaded: the estimated wait at colocated pod {pod} is ")
+        assert "s until this prompt is computed (" in body["message"]
         assert "above the limit --max-queue-wait 0.05s" in body["message"]
         assert router.metric("pdserve_router_queue_rejected_total") == len(shed)
         assert router.metric("pdserve_router_queue_prefill_tokens_per_second", pod=pod) > 0

@@ -55,7 +55,7 @@ class _Gate:
     def __init__(self, *over: str) -> None:
         self.over = set(over)
 
-    def over_limit(self, address: str) -> float | None:
+    def over_limit(self, address: str, num_tokens: int) -> float | None:
         return 9.0 if address in self.over else None
 
 
