@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import math
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -140,6 +141,20 @@ class RouterMetrics:
             "Cache-event batches this router missed (gaps in the pods' batch numbers)",
             registry=r,
         )
+
+    def bind_pod_queue(self, pod: str, *, dispatched: Callable[[], float],
+                       wait: Callable[[], float | None],
+                       rate: Callable[[], float | None]) -> None:
+        """Bind `pod`'s queue gauges (tokens sent there not yet seen finish,
+        the estimated wait, the learnt prefill rate) to functions read when
+        /metrics is rendered, on the router's event loop; None reads as NaN
+        (not known yet)."""
+        def known(read: Callable[[], float | None]) -> Callable[[], float]:
+            return lambda: math.nan if (value := read()) is None else value
+
+        self.queue_dispatched_tokens.labels(pod=pod).set_function(dispatched)
+        self.queue_estimated_wait.labels(pod=pod).set_function(known(wait))
+        self.queue_prefill_rate.labels(pod=pod).set_function(known(rate))
 
     def render(self) -> bytes:
         """The text exposition format for GET /metrics."""

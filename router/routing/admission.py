@@ -441,17 +441,11 @@ class PrefillAdmission:
         if best_wait is None or best_wait <= limit:
             return best
         queue = self._queues[best]
-        self._metrics.queue_rejected.inc()
-        raise ApiError(
-            429,
-            f"server overloaded: the prefill queue's estimated wait is {best_wait:.1f}s until "
-            f"this prompt is computed ({len(queue.waiters)} requests, {queue.queued_tokens} "
-            f"tokens to compute queued in the router for prefill pod {best}, and its own "
-            f"{_to_compute(request, hits.get(best, 0))}), above the limit --max-queue-wait "
-            f"{limit:g}s; retry later",
-            code="queue_full", error_type="overloaded_error",
-            retry_after=max(1, math.ceil(best_wait - limit)),
-        )
+        raise shed(self._metrics, best_wait, limit,
+                   f"the prefill queue's estimated wait is {best_wait:.1f}s until this prompt is "
+                   f"computed ({len(queue.waiters)} requests, {queue.queued_tokens} tokens to "
+                   f"compute queued in the router for prefill pod {best}, and its own "
+                   f"{_to_compute(request, hits.get(best, 0))})")
 
     def _reported_waiting(self, address: str) -> int:
         for pod in self._pool.pods("prefill"):
@@ -514,16 +508,25 @@ class PrefillAdmission:
         queue = self._queues.get(address)
         if queue is None:
             queue = self._queues[address] = _PodQueue()
-            m, nan = self._metrics, math.nan
+            m = self._metrics
             m.queue_requests.labels(pod=address).set_function(lambda: len(queue.waiters))
             m.queue_tokens.labels(pod=address).set_function(lambda: queue.queued_tokens)
-            m.queue_dispatched_tokens.labels(pod=address).set_function(
-                lambda: queue.dispatched_tokens)
-            m.queue_estimated_wait.labels(pod=address).set_function(
-                lambda: nan if (w := self.estimated_wait(address)) is None else w)
-            m.queue_prefill_rate.labels(pod=address).set_function(
-                lambda: nan if (r := queue.throughput.tokens_per_s) is None else r)
+            m.bind_pod_queue(address, dispatched=lambda: queue.dispatched_tokens,
+                             wait=lambda: self.estimated_wait(address),
+                             rate=lambda: queue.throughput.tokens_per_s)
         return queue
+
+
+def shed(metrics: RouterMetrics, wait: float, limit: float, what: str) -> ApiError:
+    """The 429 for a request refused because `what` (its estimated wait,
+    `wait` seconds, and what makes it up) is above --max-queue-wait `limit`;
+    counted. Shared with router/routing/colocated_gate.py."""
+    metrics.queue_rejected.inc()
+    return ApiError(
+        429, f"server overloaded: {what}, above the limit --max-queue-wait {limit:g}s; retry later",
+        code="queue_full", error_type="overloaded_error",
+        retry_after=max(1, math.ceil(wait - limit)),
+    )
 
 
 def _to_compute(request: GenerationRequest, cached_tokens: int) -> int:

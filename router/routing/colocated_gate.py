@@ -44,14 +44,13 @@ Used on the router's event loop only; each router worker keeps its own.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from router.api_error import ApiError
 from router.metrics import RouterMetrics
-from router.routing.admission import Throughput
+from router.routing.admission import Throughput, shed
 from router.routing.base import PodPool
 
 
@@ -130,17 +129,11 @@ class ColocatedGate:
         """The 429 for a request of `num_tokens` every candidate pod refused
         (`waits`: from `over_limit`, each above the limit); counted as shed."""
         address = min(waits, key=waits.__getitem__)
-        wait, limit = waits[address], self.max_queue_wait
-        self._metrics.queue_rejected.inc()
-        return ApiError(
-            429,
-            f"server overloaded: the estimated wait at colocated pod {address} is {wait:.1f}s "
-            f"until this prompt is computed ({self._pods[address].outstanding_tokens} prompt "
-            f"tokens sent there and not yet computed, and its own {num_tokens}), above the "
-            f"limit --max-queue-wait {limit:g}s; retry later",
-            code="queue_full", error_type="overloaded_error",
-            retry_after=max(1, math.ceil(wait - limit)),
-        )
+        wait = waits[address]
+        return shed(self._metrics, wait, self.max_queue_wait,
+                    f"the estimated wait at colocated pod {address} is {wait:.1f}s until this "
+                    f"prompt is computed ({self._pods[address].outstanding_tokens} prompt tokens "
+                    f"sent there and not yet computed, and its own {num_tokens})")
 
     def sent(self, address: str, num_tokens: int) -> ColocatedSlot:
         """Count a prompt of `num_tokens` sent to `address` until its slot is released."""
@@ -172,11 +165,7 @@ class ColocatedGate:
         pod = self._pods.get(address)
         if pod is None:
             pod = self._pods[address] = _Pod()
-            m, nan = self._metrics, math.nan
-            m.queue_dispatched_tokens.labels(pod=address).set_function(
-                lambda: pod.outstanding_tokens)
-            m.queue_estimated_wait.labels(pod=address).set_function(
-                lambda: nan if (w := self.estimated_wait(address)) is None else w)
-            m.queue_prefill_rate.labels(pod=address).set_function(
-                lambda: nan if (r := pod.throughput.tokens_per_s) is None else r)
+            self._metrics.bind_pod_queue(address, dispatched=lambda: pod.outstanding_tokens,
+                                         wait=lambda: self.estimated_wait(address),
+                                         rate=lambda: pod.throughput.tokens_per_s)
         return pod

@@ -176,22 +176,8 @@ def test_beyond_the_wait_limit_requests_get_429_and_the_rest_complete(
         # the first prefills teach the router the pod's throughput
         for i in range(MIN_SAMPLES):
             assert _complete(client, PROMPTS[i]) == undisturbed[i]
-        results = _burst(client, PROMPTS)
-        shed = [r for r in results if isinstance(r, openai.RateLimitError)]
-        done = [(i, r) for i, r in enumerate(results) if isinstance(r, str)]
-        assert len(shed) + len(done) == NUM_BURST, results
-        assert shed and done
-        assert all(text == undisturbed[i] for i, text in done)
-        error = shed[0]
-        assert error.status_code == 429
-        assert int(error.response.headers["retry-after"]) >= 1
-        body = error.body
-        assert body["code"] == "queue_full" and body["type"] == "overloaded_error"
-        assert body["message"].startswith("server overloaded: the prefill queue's estimated "
-                                          "wait is ")
-        assert "s until this prompt is computed (" in body["message"]
-        assert "above the limit --max-queue-wait 0.05s" in body["message"]
-        assert router.metric("pdserve_router_queue_rejected_total") == len(shed)
+        _shed_some(router, _burst(client, PROMPTS), undisturbed,
+                   "server overloaded: the prefill queue's estimated wait is ")
         # the server keeps serving everyone else
         assert _complete(client, PROMPTS[1]) == undisturbed[1]
     finally:
@@ -217,26 +203,33 @@ def test_a_colocated_pod_beyond_the_wait_limit_sheds_with_429(tiny_model_dir, co
         # one at a time (never shed: nothing is outstanding), which also teaches
         # the router the pod's rate
         alone = [_complete(client, prompt) for prompt in PROMPTS]
-        results = _burst(client, PROMPTS, spacing=0)
-        shed = [r for r in results if isinstance(r, openai.RateLimitError)]
-        done = [(i, r) for i, r in enumerate(results) if isinstance(r, str)]
-        assert len(shed) + len(done) == NUM_BURST, results
-        assert shed and done
-        assert all(text == alone[i] for i, text in done)
-        error = shed[0]
-        assert int(error.response.headers["retry-after"]) >= 1
-        body = error.body
-        assert body["code"] == "queue_full" and body["type"] == "overloaded_error"
-        assert body["message"].startswith(
-            f"server overloaded: the estimated wait at colocated pod {pod} is ")
-        assert "s until this prompt is computed (" in body["message"]
-        assert "above the limit --max-queue-wait 0.05s" in body["message"]
-        assert router.metric("pdserve_router_queue_rejected_total") == len(shed)
+        _shed_some(router, _burst(client, PROMPTS, spacing=0), alone,
+                   f"server overloaded: the estimated wait at colocated pod {pod} is ")
         assert router.metric("pdserve_router_queue_prefill_tokens_per_second", pod=pod) > 0
         assert router.metric("pdserve_router_queue_dispatched_tokens", pod=pod) == 0
         assert _complete(client, PROMPTS[1]) == alone[1]  # and it keeps serving
     finally:
         router.terminate()
+
+
+def _shed_some(router: RouterProcess, results: list[object], expected: list[str],
+               message_start: str) -> None:
+    """A burst of PROMPTS beyond --max-queue-wait 0.05: some got 429 with the
+    wait, the limit and Retry-After, every other one its undisturbed text."""
+    shed = [r for r in results if isinstance(r, openai.RateLimitError)]
+    done = [(i, r) for i, r in enumerate(results) if isinstance(r, str)]
+    assert len(shed) + len(done) == NUM_BURST, results
+    assert shed and done
+    assert all(text == expected[i] for i, text in done)
+    error = shed[0]
+    assert error.status_code == 429
+    assert int(error.response.headers["retry-after"]) >= 1
+    body = error.body
+    assert body["code"] == "queue_full" and body["type"] == "overloaded_error"
+    assert body["message"].startswith(message_start)
+    assert "s until this prompt is computed (" in body["message"]
+    assert "above the limit --max-queue-wait 0.05s" in body["message"]
+    assert router.metric("pdserve_router_queue_rejected_total") == len(shed)
 
 
 def _watch_queue(router: RouterProcess, pod: str):
