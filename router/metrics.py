@@ -110,7 +110,7 @@ class RouterMetrics:
             "pdserve_router_queue_estimated_wait_seconds",
             "Estimated wait of a request arriving now for a prefill pod, at the pod's peak "
             "throughput plus its share of the decode pods' local prefill rate, or for a "
-            "colocated pod at its peak throughput (set once its throughput is known)",
+            "colocated pod at its throughput as it stands (set once its throughput is known)",
             ["pod"], registry=r,
         )
         self.queue_prefill_rate = Gauge(

@@ -16,17 +16,22 @@ The gate applies the same limit, with the same estimate:
               C's reported waiting prompt tokens)
           / C's learnt prefill rate
 
+(whole prompts: the router learns a colocated pod's cache hit only from its
+first token, so a prompt C holds a prefix of counts in full until then).
+
 The rate is `router.routing.admission.Throughput`: tokens computed (the
 prompt less the pod's reported cache hit) per second of time C had prompts
 outstanding, so it is the rate C prefills at beside its running batch, as
 it stands (not its peak, which the P/D path uses): a colocated pod's
 prompts share every step with its decodes, and under overload its batch
 grows and its prefill rate falls, where a prefill pod's rises with
-company. At 1.5x the sustainable
-rate (heavy-1.5 over 96 requests, --max-queue-wait 8) the peak let the
-accepted requests' TTFT p90 reach 17.1 s, the rate as it stands 14.3 s,
-and 71 requests met a 10 s TTFT SLO against 68 (docs/benchmarks.md,
-"Colocated pods shed too").
+company. At 1.5x the sustainable rate (heavy-1.5 over 96 requests,
+--max-queue-wait 8, shedding at the turn) the peak let the accepted
+requests' TTFT p90 reach 17.1 s, the rate as it stands 14.3 s, and 71
+requests met a 10 s TTFT SLO against 68 (docs/benchmarks.md, "Colocated
+pods shed too"). Neither sees a pod at its --max-num-seqs, which computes
+no prompt until a sequence ends; there the estimate runs low (the same
+section).
 
 An attempt with no output yet whose chosen pod's wait until its prompt is
 computed (those ahead and its own tokens, as on the P/D path) is above the
