@@ -541,9 +541,10 @@ class Attempt:
         return self._out.finish(finish_reason)
 
 
-def _computed(first, num_prompt: int) -> int:
-    """Prompt tokens a colocated pod computed before its `first` message:
-    the prompt less the cache hit the message reports (at least one)."""
+def _computed(first: pb.DecodeGenerateResponse | pb.SessionEvent, num_prompt: int) -> int:
+    """Prompt tokens a colocated pod computed before its `first` message
+    (Decode.Generate's or the Session's): the prompt less the cache hit it
+    reports (at least one)."""
     if first.WhichOneof("kind") == "tokens" and first.tokens.num_prompt_tokens:
         tokens = first.tokens
         return max(1, tokens.num_prompt_tokens - tokens.num_cached_tokens)
