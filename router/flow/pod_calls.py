@@ -59,11 +59,12 @@ def choose_path(pool: PodPool, left_out: set[str] | frozenset[str],
     colocated = [p for p in pool.pods("colocated") if p.address not in left_out]
     decode = [p for p in pool.pods("decode") if p.address not in left_out]
     prefill = [p for p in pool.pods("prefill") if p.address not in left_out]
-    if colocated and decode and prefill and gate is not None:
-        colocated = [p for p in colocated if gate.over_limit(p.address, num_tokens) is None]
-        if not colocated:
-            return "disaggregated"
     if colocated and decode and prefill:
+        if gate is not None:
+            colocated = [p for p in colocated if gate.over_limit(p.address, num_tokens) is None]
+            if not colocated:
+                return "disaggregated"
+
         def busy(pods: list[PodLoad]) -> int:
             return min(p.num_running + p.in_flight for p in pods)
         return "colocated" if busy(colocated) < busy(decode) else "disaggregated"

@@ -448,10 +448,8 @@ class PrefillAdmission:
                    f"{_to_compute(request, hits.get(best, 0))})")
 
     def _reported_waiting(self, address: str) -> int:
-        for pod in self._pool.pods("prefill"):
-            if pod.address == address:
-                return pod.num_waiting_tokens
-        return 0
+        pod = self._pool.pod("prefill", address)
+        return 0 if pod is None else pod.num_waiting_tokens
 
     def _goes_now(self, queue: _PodQueue, key: float, num_tokens: int) -> bool:
         """A request with `key` would be dispatched at once: ahead of every

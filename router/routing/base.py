@@ -135,6 +135,10 @@ class PodPool(abc.ABC):
     def pods(self, role: str) -> list[PodLoad]:
         """Healthy pods of `role`, sorted by address, with current in-flight counts."""
 
+    def pod(self, role: str, address: str) -> PodLoad | None:
+        """`address`'s load when it is a healthy pod of `role`, else None."""
+        return next((p for p in self.pods(role) if p.address == address), None)
+
     @abc.abstractmethod
     def known(self, role: str) -> list[str]:
         """Addresses of every pod of `role` the registry knows, healthy or not (for messages)."""

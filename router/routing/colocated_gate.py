@@ -114,7 +114,8 @@ class ColocatedGate:
             # idle as far as this router knows: the pod's own report may still
             # show a queue it has since computed (reports lag by a poll)
             return 0.0
-        ahead = max(pod.outstanding_tokens, self._reported_waiting(address))
+        load = self._pool.pod("colocated", address)
+        ahead = max(pod.outstanding_tokens, 0 if load is None else load.num_waiting_tokens)
         rate = pod.throughput.tokens_per_s
         return None if rate is None else ahead / rate
 
@@ -157,12 +158,6 @@ class ColocatedGate:
         if computed_tokens is not None:
             pod.throughput.finished(computed_tokens, now)
         pod.throughput.set_busy(bool(pod.outstanding), now)
-
-    def _reported_waiting(self, address: str) -> int:
-        for pod in self._pool.pods("colocated"):
-            if pod.address == address:
-                return pod.num_waiting_tokens
-        return 0
 
     def _pod(self, address: str) -> _Pod:
         """`address`'s state; the first time, its gauges are bound to it (the

@@ -246,7 +246,7 @@ class LocalPrefill:
         below = self.settings.below
         if not below:
             return 0
-        pod = next((p for p in self._pool.pods("decode") if p.address == address), None)
+        pod = self._pool.pod("decode", address)
         if pod is None or not self._has_room(pod, max_context):
             return 0
         left = self.settings.budget - self._computing.get(address, 0)

@@ -95,7 +95,7 @@ class SplitPrefill:
         min_tokens = AUTO_MIN_TOKENS if auto else settings.min_tokens
         if not min_tokens or num_context < max(min_tokens, 2):
             return 0
-        pod = next((p for p in self._pool.pods("decode") if p.address == address), None)
+        pod = self._pool.pod("decode", address)
         if pod is None or pod.num_waiting or (auto and pod.device != AUTO_DEVICE):
             return 0
         running = max(pod.num_running, pod.in_flight - 1)  # in_flight counts this request

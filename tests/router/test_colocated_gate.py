@@ -25,6 +25,9 @@ class _Pool:
     def pods(self, role: str) -> list[_Load]:
         return self.loads if role == "colocated" else []
 
+    def pod(self, role: str, address: str) -> _Load | None:
+        return next((p for p in self.pods(role) if p.address == address), None)
+
 
 class _Clock:
     def __init__(self) -> None:
