@@ -87,7 +87,9 @@ def run_benchmark(run: ServeRun) -> dict:
                  LoadSpec(max_tokens=2, concurrency=run.warmup, timeout_s=run.spec.timeout_s,
                           token_count=run.spec.token_count))
     urls = list(run.metrics_urls)
-    before = serve_metrics.scrape(urls) if urls else None
+    # settled: the warm-up's last transfer may reach the prefill pod's counter
+    # after its client is done, and would then count in this run's delta
+    before = serve_metrics.scrape_settled(urls) if urls else None
     total = sum(len(s.turns) for s in run.sessions)
     started = time.time()
     if run.progress:

@@ -14,11 +14,12 @@ Before the load and after it, every `--metrics-url` (a pod's Prometheus
                                    caches and so did not receive
                                    (cache-miss-only transfer)
 
-The "after" read waits until the counters settle (two reads 0.2 s apart
+Both reads wait until the counters settle (two reads 0.2 s apart
 agree, at most `settle_s`): a prefill pod counts a transfer's bytes when the
 decode pod's verdict reaches it, which can be after the client has its last
 token (the first token is sent before the verdict; a 1-token request ends
-there).
+there; the "before" read follows the warm-up, whose transfers settle the
+same way).
 
 Where no URL is given the section says so in `note` and its figures are
 None: the router does not list its pods' metrics addresses, but `pdserve up
