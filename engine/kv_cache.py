@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
+from kernels import huge_pages
 
 
 def kv_bytes_per_block(*, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -51,4 +52,6 @@ def allocate_kv_caches(*, num_layers: int, num_blocks: int, block_size: int, num
     """One zeroed cache tensor per layer. Zeroed so that slots never written
     hold finite values (a masked-out 0 * garbage could still be NaN)."""
     shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+    if torch.device(device).type == "cpu":  # swept by every decode step: huge pages
+        return [huge_pages.zeros(shape, dtype) for _ in range(num_layers)]
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]

@@ -37,6 +37,7 @@ import functools
 
 import torch
 
+from kernels import huge_pages
 from kernels.native.loader import build, default_cache_dir, library
 
 __all__ = ["NativeKernelError", "DecodeQKVCall", "PANEL", "build", "default_cache_dir",
@@ -299,7 +300,8 @@ def _panels(weight: torch.Tensor, order: tuple[int, ...] | None = None) -> torch
     panels = padded.view(num_panels, PANEL, k)
     if order is not None:
         panels = panels[:, torch.tensor(order)]
-    return panels.transpose(1, 2).contiguous()
+    # Streamed whole by every decode step: on huge pages (kernels/huge_pages.py).
+    return huge_pages.copy_of(panels.transpose(1, 2))
 
 
 def gemm_panels(x: torch.Tensor, panels: torch.Tensor, out_features: int,

@@ -3,6 +3,7 @@ import torch
 
 from engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
 from engine.kv_cache import allocate_kv_caches, kv_bytes_per_block, num_blocks_for_budget
+from kernels import huge_pages
 
 
 def test_bytes_per_block_and_budget():
@@ -24,3 +25,15 @@ def test_allocation_shape_and_zeroed():
     assert len(caches) == 3 and caches[0].shape == (2, 5, 16, 2, 8)
     assert all(c.count_nonzero() == 0 for c in caches)
     assert caches[0].data_ptr() != caches[1].data_ptr()
+
+
+@pytest.mark.skipif(not huge_pages.available(), reason="no transparent huge pages here")
+def test_cpu_caches_start_on_huge_pages():
+    """A cache of a huge page or more is mapped for 2 MiB pages (kernels/huge_pages.py)."""
+    caches = allocate_kv_caches(num_layers=2, num_blocks=64, block_size=128, num_kv_heads=2,
+                                head_dim=64, dtype=torch.float32, device="cpu")
+    for c in caches:
+        assert c.data_ptr() % huge_pages.HUGE_PAGE == 0 and c.is_contiguous()
+        assert c.count_nonzero() == 0
+    caches[0][1, 3] = 1.0  # the layers are separate memory
+    assert caches[1].count_nonzero() == 0
