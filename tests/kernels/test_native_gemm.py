@@ -1,6 +1,7 @@
-"""kernels/native/gemm.c (the float32 GEMM over 16-column panels: 4-row
-groups below 24 rows, packed 6-row tiles from 24) against a float64 torch
-reference on fresh random inputs."""
+"""kernels/native/gemm.c (the float32 GEMM over 16-column panels: groups of
+4, 2 and 1 rows below 24 rows, with 8 first where the CPU has AVX-512;
+packed 6-row tiles from 24) against a float64 torch reference on fresh
+random inputs."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ def _reference(x, weight, bias):
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 13, 96, 97, 200])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 13, 16, 23, 96, 97, 200])
 @pytest.mark.parametrize("k,n,bias", [(1, 1, False), (7, 15, True), (256, 16, False),
                                       (257, 17, True), (1000, 100, False), (64, 300, True)])
 def test_matches_float64_reference(rows, k, n, bias, threads):
@@ -72,7 +73,7 @@ def test_prefill_rows_equal_the_same_rows_alone(rows, threads):
 
 def test_a_row_does_not_depend_on_the_batch_or_the_threads():
     """One multiply-add chain per output in k order: bit-identical whether a
-    row is alone, in a group of 4, 2 or 1, or computed by another thread."""
+    row is alone, in a group of 8, 4, 2 or 1, or computed by another thread."""
     # 13 x 700 x 200 multiply-adds: past gemm.c's PARALLEL_MIN, so the batch
     # is split over threads while a lone row (below it) runs on one.
     x, weight, b = _case(3, 13, 700, 200, True)
