@@ -4,7 +4,7 @@ A CPU decode step reads every dense weight and every running sequence's KV
 once. On 4 KiB pages that is one TLB entry per 4 KiB: the base model's
 365 MB of weights are ~89,000 pages a step, far past any TLB, and each miss
 walks page tables that the sweep itself has pushed out of cache. With 2 MiB
-pages the same bytes are ~180 entries (docs/engine.md, "Huge pages").
+pages the same bytes are ~180 entries (docs/engine.md, Dense projections, "Huge pages").
 
 `zeros(shape, dtype)` maps anonymous memory, asks the kernel for huge pages
 on it (`madvise(MADV_HUGEPAGE)`: what Linux's default THP mode,
