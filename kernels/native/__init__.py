@@ -41,7 +41,8 @@ from kernels import huge_pages
 from kernels.native.loader import build, default_cache_dir, library
 
 __all__ = ["NativeKernelError", "DecodeQKVCall", "PANEL", "build", "default_cache_dir",
-           "gemm_available", "gemm_bf16_available", "gemm_panels", "gemm_panels_bf16",
+           "gemm_available", "gemm_bf16_available", "gemm_bf16_pairs", "gemm_panels",
+           "gemm_panels_bf16",
            "inject_kv", "library", "pack_panels", "pack_panels_bf16",
            "paged_decode_attention", "prefill_attention", "prefill_attention_available",
            "rms_norm", "rotary_embedding", "silu_and_mul", "supports", "supports_inject",
@@ -348,13 +349,33 @@ def gemm_bf16_available() -> bool:
     return lib is not None and bool(lib.pdserve_gemm_bf16_available())
 
 
+@functools.cache
+def gemm_bf16_pairs() -> bool:
+    """Whether gemm_bf16.c multiplies k in pairs here (AVX512-BF16's
+    `vdpbf16ps`), for weights whose K is even: their panels then hold each
+    panel row pair's 16 columns interleaved (`pack_panels_bf16`)."""
+    lib = library()
+    return lib is not None and bool(lib.pdserve_gemm_bf16_pairs())
+
+
 def pack_panels_bf16(weight: torch.Tensor) -> torch.Tensor:
     """A bfloat16 weight [N, K] as gemm_bf16.c's panels [ceil(N / 16), K, 16]
-    (bfloat16; each panel row's columns in the order gemm_bf16.c unpacks)."""
+    (bfloat16). Where `gemm_bf16_pairs()` and K is even, panel j's rows 2q
+    and 2q + 1 hold (W[16 j + c][2 q], W[16 j + c][2 q + 1]) for c = 0 .. 15
+    in turn; elsewhere each panel row's columns are in the order gemm_bf16.c
+    unpacks."""
     if weight.dim() != 2 or weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
         raise ValueError(f"pack_panels_bf16 takes a bfloat16 CPU weight [N, K], got "
                          f"{weight.dtype} {tuple(weight.shape)} on {weight.device}")
-    return _panels(weight, _BF16_ORDER)
+    n, k = weight.shape
+    if not (k % 2 == 0 and gemm_bf16_pairs()):
+        return _panels(weight, _BF16_ORDER)
+    num_panels = -(-n // PANEL)
+    padded = weight.new_zeros(num_panels * PANEL, k)
+    padded[:n] = weight
+    # [P, 16 columns, K / 2 pairs, 2] -> [P, K / 2, 16, 2]: a pair row's columns in turn
+    pairs = padded.view(num_panels, PANEL, k // 2, 2).permute(0, 2, 1, 3)
+    return huge_pages.copy_of(pairs).view(num_panels, k, PANEL)
 
 
 def gemm_panels_bf16(x: torch.Tensor, panels: torch.Tensor, out_features: int,

@@ -143,6 +143,118 @@ static inline void store_row(const float *acc, const float *bias, long cols, uin
   }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+/* With AVX512-BF16 the panels hold k in pairs instead (pack_panels_bf16
+ * chooses the same way, `pdserve_gemm_bf16_pairs`): for K even, a panel's
+ * pair row q is 32 bfloat16, (W[c][2q], W[c][2q + 1]) for c = 0 .. 15, and
+ * one `vdpbf16ps` takes a row's pair (x[2q], x[2q + 1]), broadcast, against
+ * it: 16 columns x 2 k multiply-adds in one instruction, where the widening
+ * path needs an unpack and two multiply-adds for 16 x 1, so a decode step
+ * reads the bfloat16 bytes at the rate they arrive. x is read as bfloat16
+ * pairs in place (no widening copy).
+ *
+ * Arithmetic: the instruction adds x[2q + 1] W[c][2q + 1], then x[2q] W[c][2q]
+ * to the float32 sum, each product exact and each addition rounded to
+ * nearest even (bfloat16 subnormal inputs and float32 subnormal results are
+ * taken as zero, as the instruction defines). Each output is ONE such chain
+ * over q in order, so a row's result still does not depend on M, its group
+ * or the thread count; against the widening path's chain the order within
+ * a pair differs (up to summation order, as oneDNN's bfloat16 linear). */
+#define KP 64        /* k pairs of a panel per pass: 4 KB, stays in L1 */
+#define PF_PAIRS 64  /* pairs ahead (4 KB) the first row group prefetches */
+
+typedef int32_t pair_t __attribute__((aligned(2), may_alias));
+
+#define PLOAD(r) __m512 z##r = _mm512_loadu_ps(acc + (r) * PANEL)
+#define PSTORE(r) _mm512_storeu_ps(acc + (r) * PANEL, z##r)
+#define PDOT(r) \
+  z##r = _mm512_dpbf16_ps(z##r, (__m512bh)_mm512_set1_epi32(((const pair_t *)(x + (r) * x_stride))[q]), w)
+#define PK_LOOP(BODY)                                                                   \
+  _Pragma("GCC unroll 4")                                                               \
+  for (long q = 0; q < qc; q++) {                                                       \
+    if (prefetch == NEAR)                                                               \
+      _mm_prefetch((const char *)(p + (q + PF_PAIRS) * 2 * PANEL), _MM_HINT_T0);        \
+    else if (prefetch == NEXT_BLOCK)                                                    \
+      _mm_prefetch((const char *)(p + (q + KP) * 2 * PANEL), _MM_HINT_T1);              \
+    const __m512bh w = (__m512bh)_mm512_loadu_si512((const void *)(p + q * 2 * PANEL)); \
+    BODY                                                                                \
+  }
+
+static inline void prows16(const uint16_t *x, long x_stride, const uint16_t *p, long qc,
+                           float *acc, int prefetch) {
+  PLOAD(0); PLOAD(1); PLOAD(2); PLOAD(3); PLOAD(4); PLOAD(5); PLOAD(6); PLOAD(7);
+  PLOAD(8); PLOAD(9); PLOAD(10); PLOAD(11); PLOAD(12); PLOAD(13); PLOAD(14); PLOAD(15);
+  PK_LOOP(PDOT(0); PDOT(1); PDOT(2); PDOT(3); PDOT(4); PDOT(5); PDOT(6); PDOT(7);
+          PDOT(8); PDOT(9); PDOT(10); PDOT(11); PDOT(12); PDOT(13); PDOT(14); PDOT(15);)
+  PSTORE(0); PSTORE(1); PSTORE(2); PSTORE(3); PSTORE(4); PSTORE(5); PSTORE(6); PSTORE(7);
+  PSTORE(8); PSTORE(9); PSTORE(10); PSTORE(11); PSTORE(12); PSTORE(13); PSTORE(14); PSTORE(15);
+}
+
+static inline void prows8(const uint16_t *x, long x_stride, const uint16_t *p, long qc,
+                          float *acc, int prefetch) {
+  PLOAD(0); PLOAD(1); PLOAD(2); PLOAD(3); PLOAD(4); PLOAD(5); PLOAD(6); PLOAD(7);
+  PK_LOOP(PDOT(0); PDOT(1); PDOT(2); PDOT(3); PDOT(4); PDOT(5); PDOT(6); PDOT(7);)
+  PSTORE(0); PSTORE(1); PSTORE(2); PSTORE(3); PSTORE(4); PSTORE(5); PSTORE(6); PSTORE(7);
+}
+
+static inline void prows4(const uint16_t *x, long x_stride, const uint16_t *p, long qc,
+                          float *acc, int prefetch) {
+  PLOAD(0); PLOAD(1); PLOAD(2); PLOAD(3);
+  PK_LOOP(PDOT(0); PDOT(1); PDOT(2); PDOT(3);)
+  PSTORE(0); PSTORE(1); PSTORE(2); PSTORE(3);
+}
+
+static inline void prows1(const uint16_t *x, long x_stride, const uint16_t *p, long qc,
+                          float *acc, int prefetch) {
+  PLOAD(0);
+  PK_LOOP(PDOT(0);)
+  PSTORE(0);
+}
+
+int pdserve_gemm_bf16_pairs(void) { return 1; }
+
+/* pdserve_gemm_panels_bf16 for K even on panels of k pairs. */
+static void gemm_pairs(const uint16_t *x, long x_stride, long M, const uint16_t *panels,
+                       long K, long N, const float *bias, uint16_t *out, long out_stride,
+                       int num_threads) {
+  const long num_panels = (N + PANEL - 1) / PANEL, pairs = K / 2;
+#pragma omp parallel num_threads(num_threads)
+  {
+    float acc[MB * PANEL] __attribute__((aligned(64)));
+    for (long m0 = 0; m0 < M; m0 += MB) {
+      const long rows = M - m0 < MB ? M - m0 : MB;
+      const uint16_t *xb = x + m0 * x_stride;
+#pragma omp for schedule(static)
+      for (long j = 0; j < num_panels; j++) {
+        const uint16_t *pj = panels + j * K * PANEL;
+        memset(acc, 0, sizeof(float) * PANEL * rows);
+        for (long q0 = 0; q0 < pairs; q0 += KP) {
+          const long qc = pairs - q0 < KP ? pairs - q0 : KP;
+          const uint16_t *p = pj + q0 * 2 * PANEL;
+          const int later = q0 + KP < pairs ? NEXT_BLOCK : NONE;
+          int prefetch = NEAR;
+          long m = 0;
+          for (; m + 16 <= rows; m += 16, prefetch = later)
+            prows16(xb + m * x_stride + 2 * q0, x_stride, p, qc, acc + m * PANEL, prefetch);
+          for (; m + 8 <= rows; m += 8, prefetch = later)
+            prows8(xb + m * x_stride + 2 * q0, x_stride, p, qc, acc + m * PANEL, prefetch);
+          for (; m + 4 <= rows; m += 4, prefetch = later)
+            prows4(xb + m * x_stride + 2 * q0, x_stride, p, qc, acc + m * PANEL, prefetch);
+          for (; m < rows; m++, prefetch = later)
+            prows1(xb + m * x_stride + 2 * q0, x_stride, p, qc, acc + m * PANEL, prefetch);
+        }
+        const long cols = (j + 1) * PANEL <= N ? PANEL : N - j * PANEL;
+        for (long m = 0; m < rows; m++)
+          store_row(acc + m * PANEL, bias == NULL ? NULL : bias + j * PANEL, cols,
+                    out + (m0 + m) * out_stride + j * PANEL);
+      }
+    }
+  }
+}
+#else
+int pdserve_gemm_bf16_pairs(void) { return 0; }
+#endif
+
 int pdserve_gemm_bf16_available(void) { return 1; }
 
 /* out[m][n] = bfloat16(sum_k x[m][k] * W[n][k] (+ bias[n])) for m < M, n < N;
@@ -155,6 +267,12 @@ int pdserve_gemm_panels_bf16(const uint16_t *x16, long x16_stride, long M,
   if (M < 0 || K < 1 || N < 1) return 2;
   if (M == 0) return 0;
   num_threads = gemm_team(M, K, N, num_threads);
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  if (K % 2 == 0) {
+    gemm_pairs(x16, x16_stride, M, panels, K, N, bias, out, out_stride, num_threads);
+    return 0;
+  }
+#endif
   const long num_panels = (N + PANEL - 1) / PANEL;
   /* The rows widened once (M is a decode batch: small), K floats apart. */
   float *x = malloc(sizeof(float) * M * K);
@@ -200,6 +318,7 @@ int pdserve_gemm_panels_bf16(const uint16_t *x16, long x16_stride, long M,
 #else /* no AVX2 + FMA: the caller keeps the float32 dense path */
 
 int pdserve_gemm_bf16_available(void) { return 0; }
+int pdserve_gemm_bf16_pairs(void) { return 0; }
 
 int pdserve_gemm_panels_bf16(const uint16_t *x16, long x_stride, long M, const uint16_t *panels,
                              long K, long N, const float *bias, uint16_t *out, long out_stride,

@@ -44,6 +44,7 @@ SIGNATURES = {
     "pdserve_gemm_available": [],
     "pdserve_gemm_panels": [_P, _L, _L, _P, _L, _L, _P, _P, _L, _I],
     "pdserve_gemm_bf16_available": [],
+    "pdserve_gemm_bf16_pairs": [],
     "pdserve_gemm_panels_bf16": [_P, _L, _L, _P, _L, _L, _P, _P, _L, _I],
     "pdserve_prefill_attention_available": [],
     "pdserve_prefill_attention": [_P, _L, _P, _L, _P, _L, _P, _L] + [_I] * 7 + [_F, _I],

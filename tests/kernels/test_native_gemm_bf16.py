@@ -1,6 +1,7 @@
-"""kernels/native/gemm_bf16.c (the decode rows' bfloat16 GEMM over 16-column
-bfloat16 panels, float32 accumulation) against a float64 torch reference on
-fresh random inputs."""
+"""kernels/native/gemm_bf16.c (the bfloat16 GEMM over 16-column bfloat16
+panels, float32 accumulation; k in pairs with `vdpbf16ps` where the CPU has
+AVX512-BF16 and K is even) against a float64 torch reference on fresh
+random inputs."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def _assert_rounded_reference(got, x, weight, bias):
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 97])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 16, 29, 97])
 @pytest.mark.parametrize("k,n,bias", [(1, 1, False), (7, 15, True), (128, 16, False),
                                       (129, 17, True), (1000, 100, False), (64, 300, True)])
 def test_matches_float64_reference(rows, k, n, bias, threads):
@@ -67,14 +68,16 @@ def test_every_column_lands_in_its_place():
 
 def test_a_row_does_not_depend_on_the_batch_or_the_threads():
     """One multiply-add chain per output in k order, rounded once: bit-identical
-    whether a row is alone, in a group of 4, 2 or 1, or on another thread."""
-    x, weight, b = _case(3, 13, 700, 200, True)
+    whether a row is alone, in a group of 16, 8, 4, 2 or 1, or on another
+    thread."""
+    x, weight, b = _case(3, 29, 700, 200, True)
     panels = native.pack_panels_bf16(weight)
     together = native.gemm_panels_bf16(x, panels, 200, b, num_threads=2)
     for threads in (1, 3):
         assert torch.equal(native.gemm_panels_bf16(x, panels, 200, b, num_threads=threads),
                            together)
-    for i in range(13):
+    assert torch.equal(native.gemm_panels_bf16(x[3:12], panels, 200, b), together[3:12])
+    for i in range(29):
         assert torch.equal(native.gemm_panels_bf16(x[i : i + 1], panels, 200, b),
                            together[i : i + 1])
 
@@ -127,3 +130,17 @@ def test_zero_rows_and_refusals():
                                 out=torch.empty(2, 20))
     with pytest.raises(ValueError, match="bfloat16 CPU weight"):
         native.pack_panels_bf16(weight.float())
+
+
+@pytest.mark.skipif(not native.gemm_bf16_pairs(), reason="no AVX512-BF16 pairs kernel here")
+def test_pairs_layout_holds_each_pair_of_k_per_column():
+    """With K even the panels hold (W[c][2q], W[c][2q + 1]) for each column
+    in turn; with K odd they keep the widening layout (and still multiply
+    right: the reference test above covers K = 7 and 129)."""
+    weight = torch.randn(21, 10).bfloat16()
+    panels = native.pack_panels_bf16(weight).view(2, 5, 16, 2)
+    for c in range(21):
+        for q in range(5):
+            for t in range(2):
+                assert panels[c // 16, q, c % 16, t] == weight[c, 2 * q + t]
+    assert not panels[1, :, 5:].any()  # columns past N are zero
