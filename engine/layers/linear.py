@@ -47,9 +47,9 @@ weights as bfloat16 panels the same way (`kernels.native.gemm_panels_bf16`,
 widened in registers): half the bytes of the float32 copy oneDNN would
 multiply there, and one copy of the weights instead of two. On a CPU with
 AVX512-BF16 (where oneDNN does multiply bfloat16) the panels hold k in
-pairs for `vdpbf16ps` and `auto` takes them too: 1.2-1.3x oneDNN's
-decode step at batch 4-8 on one core, prefill within 3 % of it
-(docs/benchmarks.md, "bfloat16 in pairs").
+pairs for `vdpbf16ps`; `auto` leaves bfloat16 to oneDNN there and
+`native` takes them: 1.2-1.3x oneDNN's decode step at batch 4-8, prefill
+4-6 % slower (docs/benchmarks.md, "bfloat16 in pairs").
 """
 
 from __future__ import annotations
@@ -120,18 +120,17 @@ def resolve_decode_matmul(value: DecodeMatmul | str, dtype: torch.dtype, device:
                           backend: MatmulBackend) -> bool:
     """Whether the projections take the native GEMM; ``native`` where it cannot ->
     ValueError."""
-    from kernels import native
-
     value = DecodeMatmul.parse(value)
     if value is DecodeMatmul.OFF:
         return False
     reason = native_unsupported_reason(dtype, device, backend)
     if value is DecodeMatmul.NATIVE and reason:
         raise ValueError(f"decode matmul 'native' unavailable: {reason}")
-    if (reason is None and dtype == torch.bfloat16 and not upcasts_bfloat16()
-            and not native.gemm_bf16_pairs()):
-        # oneDNN multiplies bfloat16 natively on this CPU (AMX, or AVX512-BF16
-        # without the pairs kernel built): the widening panels lose to it.
+    if reason is None and dtype == torch.bfloat16 and not upcasts_bfloat16():
+        # oneDNN multiplies bfloat16 natively on this CPU (AVX512-BF16 or
+        # AMX). The panels (in pairs with AVX512-BF16) decode faster but
+        # prefill 4-6 % slower there and served no faster at the peer's
+        # load (docs/benchmarks.md, "bfloat16 in pairs"): `native` only.
         return value is DecodeMatmul.NATIVE
     return reason is None
 

@@ -29,6 +29,9 @@
  * the blocking (k-blocks kept in L1 while every 4-row group uses them,
  * prefetch ahead) is gemm.c's, at twice the k rows per byte.
  *
+ * Where the CPU has AVX512-BF16 and K is even, the panels hold k in pairs
+ * and `vdpbf16ps` multiplies them instead (gemm_pairs, below; no widening).
+ *
  * AVX2 + FMA only; elsewhere pdserve_gemm_bf16_available() is 0 and the
  * caller keeps the float32 dense path.
  */
@@ -38,6 +41,7 @@
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
+#include <omp.h>
 
 #include "gemm_panels.h"
 
@@ -218,14 +222,18 @@ static void gemm_pairs(const uint16_t *x, long x_stride, long M, const uint16_t 
                        long K, long N, const float *bias, uint16_t *out, long out_stride,
                        int num_threads) {
   const long num_panels = (N + PANEL - 1) / PANEL, pairs = K / 2;
+  /* Each thread takes a fixed share of the panels for every block of rows:
+   * no barrier between blocks (a prefill chunk is several), where one cost
+   * a scheduler tick whenever another process held a core (gemm.c). */
 #pragma omp parallel num_threads(num_threads)
   {
     float acc[MB * PANEL] __attribute__((aligned(64)));
+    const long team = omp_get_num_threads(), me = omp_get_thread_num();
+    const long j0 = num_panels * me / team, j1 = num_panels * (me + 1) / team;
     for (long m0 = 0; m0 < M; m0 += MB) {
       const long rows = M - m0 < MB ? M - m0 : MB;
       const uint16_t *xb = x + m0 * x_stride;
-#pragma omp for schedule(static)
-      for (long j = 0; j < num_panels; j++) {
+      for (long j = j0; j < j1; j++) {
         const uint16_t *pj = panels + j * K * PANEL;
         memset(acc, 0, sizeof(float) * PANEL * rows);
         for (long q0 = 0; q0 < pairs; q0 += KP) {
