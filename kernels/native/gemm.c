@@ -61,10 +61,7 @@
 #define K_LOOP(BODY)                                                                    \
   _Pragma("GCC unroll 4")                                                               \
   for (long k = 0; k < kc; k++) {                                                       \
-    if (prefetch == NEAR)                                                               \
-      _mm_prefetch((const char *)(p + (k + PREFETCH) * PANEL), _MM_HINT_T0);            \
-    else if (prefetch == NEXT_BLOCK)                                                    \
-      _mm_prefetch((const char *)(p + (k + KC) * PANEL), _MM_HINT_T1);                  \
+    PREFETCH_PANEL(prefetch, p + (k + PREFETCH) * PANEL, p + (k + KC) * PANEL);         \
     const __m256 b0 = _mm256_loadu_ps(p + k * PANEL), b1 = _mm256_loadu_ps(p + k * PANEL + 8); \
     BODY                                                                                \
   }
@@ -112,10 +109,7 @@ static inline void rows1(const float *x, long x_stride, const float *p, long kc,
 #define ZK_LOOP(BODY)                                                                    \
   _Pragma("GCC unroll 4")                                                               \
   for (long k = 0; k < kc; k++) {                                                       \
-    if (prefetch == NEAR)                                                               \
-      _mm_prefetch((const char *)(p + (k + PREFETCH) * PANEL), _MM_HINT_T0);            \
-    else if (prefetch == NEXT_BLOCK)                                                    \
-      _mm_prefetch((const char *)(p + (k + KC) * PANEL), _MM_HINT_T1);                  \
+    PREFETCH_PANEL(prefetch, p + (k + PREFETCH) * PANEL, p + (k + KC) * PANEL);         \
     const __m512 b = _mm512_loadu_ps(p + k * PANEL);                                    \
     BODY                                                                                \
   }

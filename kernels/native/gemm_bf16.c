@@ -64,10 +64,7 @@
   const __m256i zero = _mm256_setzero_si256();                                          \
   _Pragma("GCC unroll 4")                                                               \
   for (long k = 0; k < kc; k++) {                                                       \
-    if (prefetch == NEAR)                                                               \
-      _mm_prefetch((const char *)(p + (k + PREFETCH) * PANEL), _MM_HINT_T0);            \
-    else if (prefetch == NEXT_BLOCK)                                                    \
-      _mm_prefetch((const char *)(p + (k + KC) * PANEL), _MM_HINT_T1);                  \
+    PREFETCH_PANEL(prefetch, p + (k + PREFETCH) * PANEL, p + (k + KC) * PANEL);         \
     const __m256i w = _mm256_loadu_si256((const __m256i *)(p + k * PANEL));             \
     const __m256 b0 = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, w));             \
     const __m256 b1 = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, w));             \
@@ -176,10 +173,7 @@ typedef int32_t pair_t __attribute__((aligned(2), may_alias));
 #define PK_LOOP(BODY)                                                                   \
   _Pragma("GCC unroll 4")                                                               \
   for (long q = 0; q < qc; q++) {                                                       \
-    if (prefetch == NEAR)                                                               \
-      _mm_prefetch((const char *)(p + (q + PF_PAIRS) * 2 * PANEL), _MM_HINT_T0);        \
-    else if (prefetch == NEXT_BLOCK)                                                    \
-      _mm_prefetch((const char *)(p + (q + KP) * 2 * PANEL), _MM_HINT_T1);              \
+    PREFETCH_PANEL(prefetch, p + (q + PF_PAIRS) * 2 * PANEL, p + (q + KP) * 2 * PANEL); \
     const __m512bh w = (__m512bh)_mm512_loadu_si512((const void *)(p + q * 2 * PANEL)); \
     BODY                                                                                \
   }

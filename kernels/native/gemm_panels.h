@@ -6,6 +6,17 @@
 
 #define PANEL 16 /* output columns of one panel: two 8-float AVX registers */
 enum { NONE, NEAR, NEXT_BLOCK };
+/* A row group's prefetch at one k: NEAR (the first group brings the panel
+ * in: `near`, some rows ahead, into L1), NEXT_BLOCK (the later groups find
+ * it in L1 and fetch the panel's next block meanwhile: `next`, into L2) or
+ * NONE. */
+#define PREFETCH_PANEL(prefetch, near, next)                                 \
+  do {                                                                      \
+    if ((prefetch) == NEAR)                                                 \
+      _mm_prefetch((const char *)(near), _MM_HINT_T0);                      \
+    else if ((prefetch) == NEXT_BLOCK)                                      \
+      _mm_prefetch((const char *)(next), _MM_HINT_T1);                      \
+  } while (0)
 #define PARALLEL_MIN (1L << 20) /* multiply-adds of a call worth a second thread */
 
 /* Threads for an M x K x N call asked to use `num_threads`: at least one, no
