@@ -51,7 +51,7 @@ def available() -> bool:
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zeroed, contiguous CPU tensor, on huge pages where the kernel has them."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < HUGE_PAGE or not available():
         return torch.zeros(shape, dtype=dtype)
     try:

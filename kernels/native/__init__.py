@@ -11,8 +11,8 @@ dense projection of a float32 model (weights packed in 16-column panels):
 decode rows, which oneDNN's small-batch kernel leaves at half the read
 bandwidth, and prefill rows on 6-row tiles (`pack_panels`, `gemm_panels`);
 `gemm_bf16.c` the same from bfloat16 panels, widened in registers, for CPUs
-where oneDNN has no bfloat16 linear (`pack_panels_bf16`,
-`gemm_panels_bf16`). RMSNorm and RoPE are 8-10 small torch ops each, whose
+where oneDNN has no bfloat16 linear, or k in pairs with AVX512-BF16
+(`pack_panels_bf16`, `gemm_panels_bf16`). RMSNorm and RoPE are 8-10 small torch ops each, whose
 dispatch costs more than their arithmetic, and the KV inject's skip of
 padding slots is a boolean-mask gather and scatter; `elementwise.c` does
 each in one call. `fused.c` goes further for the decode step: SwiGLU's
@@ -291,14 +291,19 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     return _panels(weight)
 
 
-def _panels(weight: torch.Tensor, order: tuple[int, ...] | None = None) -> torch.Tensor:
-    """weight [N, K] as [ceil(N / 16), K, 16], zero past N; `order`: the
-    column each position of a panel row holds (natural order if None)."""
+def _by_panel(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] as [ceil(N / 16), 16, K], zero past N."""
     n, k = weight.shape
     num_panels = -(-n // PANEL)
     padded = weight.new_zeros(num_panels * PANEL, k)
     padded[:n] = weight
-    panels = padded.view(num_panels, PANEL, k)
+    return padded.view(num_panels, PANEL, k)
+
+
+def _panels(weight: torch.Tensor, order: tuple[int, ...] | None = None) -> torch.Tensor:
+    """weight [N, K] as [ceil(N / 16), K, 16], zero past N; `order`: the
+    column each position of a panel row holds (natural order if None)."""
+    panels = _by_panel(weight)
     if order is not None:
         panels = panels[:, torch.tensor(order)]
     # Streamed whole by every decode step: on huge pages (kernels/huge_pages.py).
@@ -367,15 +372,13 @@ def pack_panels_bf16(weight: torch.Tensor) -> torch.Tensor:
     if weight.dim() != 2 or weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
         raise ValueError(f"pack_panels_bf16 takes a bfloat16 CPU weight [N, K], got "
                          f"{weight.dtype} {tuple(weight.shape)} on {weight.device}")
-    n, k = weight.shape
+    k = weight.shape[1]
     if not (k % 2 == 0 and gemm_bf16_pairs()):
         return _panels(weight, _BF16_ORDER)
-    num_panels = -(-n // PANEL)
-    padded = weight.new_zeros(num_panels * PANEL, k)
-    padded[:n] = weight
+    panels = _by_panel(weight)
     # [P, 16 columns, K / 2 pairs, 2] -> [P, K / 2, 16, 2]: a pair row's columns in turn
-    pairs = padded.view(num_panels, PANEL, k // 2, 2).permute(0, 2, 1, 3)
-    return huge_pages.copy_of(pairs).view(num_panels, k, PANEL)
+    pairs = panels.view(panels.shape[0], PANEL, k // 2, 2).permute(0, 2, 1, 3)
+    return huge_pages.copy_of(pairs).view(panels.shape[0], k, PANEL)
 
 
 def gemm_panels_bf16(x: torch.Tensor, panels: torch.Tensor, out_features: int,
