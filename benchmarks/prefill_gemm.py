@@ -11,11 +11,16 @@ noisy machine slows both alike; the table gives, per row count, the median
 and min of `--rounds` passes, the GFLOPS of the medians, and oneDNN's time
 over native's: of the medians, and the median of the rounds' own ratios.
 
+`--dtype bfloat16` times the bfloat16 panels (kernels/native/gemm_bf16.c:
+k in pairs on AVX512-BF16) against oneDNN's bfloat16 inner product, or,
+on a CPU where oneDNN has none, against the float32-upcast oneDNN path an
+engine would take there (`Linear.prepack_onednn`).
+
 `--engine-prompt-len N` then times the same two paths end to end: two
-engines of the model (float32, `decode_matmul` auto: every projection on
-the native GEMM; off: on oneDNN), a random N-token prompt generating one
-token, alternating engines for `--rounds` rounds (needs a model, not only
-its shapes: 'base' is made on first use).
+engines of the model (`--dtype`, `decode_matmul` native: every projection
+on the native GEMM; off: on oneDNN), a random N-token prompt generating
+one token, alternating engines for `--rounds` rounds (needs a model, not
+only its shapes: 'base' is made on first use).
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=11)
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads, and the native GEMM's (default: torch's)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the weights' and rows' type (bfloat16: gemm_bf16.c's panels)")
     parser.add_argument("--by-shape", action="store_true",
                         help="also a row per projection shape (medians of the same rounds)")
     parser.add_argument("--engine-prompt-len", type=int, default=0,
@@ -43,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "against oneDNN engines (0: skip)")
 
 
-def _engine_prefill(model: str, prompt_len: int, rounds: int) -> None:
+def _engine_prefill(model: str, prompt_len: int, rounds: int, dtype: str) -> None:
     """Median and min ms of generating 1 token from a `prompt_len`-token
     prompt, engines with every projection on the native GEMM and on oneDNN,
     alternating."""
@@ -56,9 +63,9 @@ def _engine_prefill(model: str, prompt_len: int, rounds: int) -> None:
 
     model_dir = ensure_model(model) if model in ("tiny", "base") else model
     engines = {}
-    for name, decode_matmul in (("native", "auto"), ("oneDNN", "off")):
+    for name, decode_matmul in (("native", "native"), ("oneDNN", "off")):
         engines[name] = LLMEngine(EngineConfig(
-            model_dir=model_dir, dtype="float32", device="cpu", num_blocks=prompt_len // 16 + 8,
+            model_dir=model_dir, dtype=dtype, device="cpu", num_blocks=prompt_len // 16 + 8,
             max_num_seqs=1, max_num_batched_tokens=max(2048, prompt_len),
             enable_prefix_caching=False, decode_matmul=decode_matmul))
     assert engines["native"].native_gemm and not engines["oneDNN"].native_gemm
@@ -88,25 +95,34 @@ def main(args: argparse.Namespace) -> int:
     import torch
 
     from benchmarks.decode_gemm import _shapes
+    from engine.layers.linear import upcasts_bfloat16
     from kernels import native
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    if not native.gemm_available():
+    bf16 = args.dtype == "bfloat16"
+    if not (native.gemm_bf16_available() if bf16 else native.gemm_available()):
         print("native GEMM unavailable here (no C compiler, or no AVX2 + FMA)")
         return 1
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    # oneDNN's side as an engine packs it: bfloat16 upcast where oneDNN has no bfloat16 linear
+    onednn_dtype = torch.float32 if bf16 and upcasts_bfloat16() else dtype
+    pack = native.pack_panels_bf16 if bf16 else native.pack_panels
+    gemm = native.gemm_panels_bf16 if bf16 else native.gemm_panels
     shapes = _shapes(args.model)[:-1]  # no lm_head
     g = torch.Generator().manual_seed(0)
     panels, packed = [], []
     for k, n in shapes:
-        weight = torch.randn(n, k, generator=g)
-        panels.append(native.pack_panels(weight))
-        packed.append(torch.ops.mkldnn._reorder_linear_weight(weight, None))
+        weight = torch.randn(n, k, generator=g).to(dtype)
+        panels.append(pack(weight))
+        packed.append(torch.ops.mkldnn._reorder_linear_weight(weight.to(onednn_dtype), None))
     kinds = sorted(set(shapes), key=shapes.index)
     names = ", ".join(f"{k}x{n}" for k, n in kinds)
-    megabytes = sum(p.numel() * 4 for p in panels) / 1e6
+    megabytes = sum(p.numel() * p.element_size() for p in panels) / 1e6
+    pairs = " (k in pairs)" if bf16 and native.gemm_bf16_pairs() else ""
     print(f"model {args.model}: {len(shapes)} projections ({names}), {megabytes:.0f} MB "
-          f"float32, torch threads {torch.get_num_threads()}, {args.rounds} rounds")
+          f"{args.dtype}{pairs}, oneDNN in {str(onednn_dtype).removeprefix('torch.')}, "
+          f"torch threads {torch.get_num_threads()}, {args.rounds} rounds")
     print("| rows | native ms (min) | oneDNN ms (min) | native GFLOPS | oneDNN GFLOPS | "
           "oneDNN / native | median of round ratios |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
@@ -116,9 +132,10 @@ def main(args: argparse.Namespace) -> int:
         for (k, n), p, q in zip(shapes, panels, packed, strict=True):
             start = time.perf_counter()
             if mine:
-                native.gemm_panels(xs[k], p, n)
+                gemm(xs[k], p, n)
             else:
-                torch.ops.mkldnn._linear_pointwise(xs[k], q, None, "none", [], "")
+                x = xs[k].to(onednn_dtype)  # a no-op unless upcast, as in the engine
+                torch.ops.mkldnn._linear_pointwise(x, q, None, "none", [], "")
             took = time.perf_counter() - start
             per_shape.setdefault((k, n), []).append(took)
             total += took
@@ -126,7 +143,7 @@ def main(args: argparse.Namespace) -> int:
 
     with torch.inference_mode():
         for rows in (int(r) for r in args.rows.split(",")):
-            xs = {k: torch.randn(rows, k, generator=g) for k, _ in kinds}
+            xs = {k: torch.randn(rows, k, generator=g).to(dtype) for k, _ in kinds}
             flops = 2 * rows * sum(k * n for k, n in shapes)
             times: dict[bool, list[float]] = {True: [], False: []}
             shape_times: dict[bool, dict] = {True: {}, False: {}}
@@ -149,5 +166,5 @@ def main(args: argparse.Namespace) -> int:
                     print(f"| {rows}, [{k}, {n}] x{shapes.count((k, n))} | {a:.2f} | {b:.2f} | "
                           f"| | {b / a:.2f}x | |")
     if args.engine_prompt_len:
-        _engine_prefill(args.model, args.engine_prompt_len, args.rounds)
+        _engine_prefill(args.model, args.engine_prompt_len, args.rounds, args.dtype)
     return 0

@@ -47,9 +47,10 @@ weights as bfloat16 panels the same way (`kernels.native.gemm_panels_bf16`,
 widened in registers): half the bytes of the float32 copy oneDNN would
 multiply there, and one copy of the weights instead of two. On a CPU with
 AVX512-BF16 (where oneDNN does multiply bfloat16) the panels hold k in
-pairs for `vdpbf16ps`; `auto` leaves bfloat16 to oneDNN there and
-`native` takes them: 1.2-1.3x oneDNN's decode step at batch 4-8, prefill
-4-6 % slower (docs/benchmarks.md, "bfloat16 in pairs").
+pairs for `vdpbf16ps`, and `auto` takes them unless the CPU has AMX: the
+projections of a decode batch in 0.5-0.6x oneDNN's time, a prefill
+chunk's in the same (docs/benchmarks.md, "bfloat16 pairs at prefill
+sizes").
 """
 
 from __future__ import annotations
@@ -128,11 +129,24 @@ def resolve_decode_matmul(value: DecodeMatmul | str, dtype: torch.dtype, device:
         raise ValueError(f"decode matmul 'native' unavailable: {reason}")
     if reason is None and dtype == torch.bfloat16 and not upcasts_bfloat16():
         # oneDNN multiplies bfloat16 natively on this CPU (AVX512-BF16 or
-        # AMX). The panels (in pairs with AVX512-BF16) decode faster but
-        # prefill 4-6 % slower there and served no faster at the peer's
-        # load (docs/benchmarks.md, "bfloat16 in pairs"): `native` only.
-        return value is DecodeMatmul.NATIVE
+        # AMX). With AVX512-BF16 the panels in pairs (`vdpbf16ps`) take a
+        # decode batch's projections in 0.5-0.6x oneDNN's time and a prefill
+        # chunk's in the same (docs/benchmarks.md, "bfloat16 pairs at prefill
+        # sizes"), so `auto` takes them. AMX's tile kernels were never
+        # measured against them, nor oneDNN against the widening path on a
+        # CPU without AVX512-BF16: oneDNN keeps those unless `native`.
+        from kernels import native
+
+        if value is DecodeMatmul.NATIVE:
+            return True
+        return native.gemm_bf16_pairs() and not has_amx()
     return reason is None
+
+
+def has_amx() -> bool:
+    """Whether the CPU has AMX tiles (oneDNN's bfloat16 GEMM then runs on them)."""
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(probe()) if probe is not None else False
 
 
 def onednn_unsupported_reason(dtype: torch.dtype, device: torch.device) -> str | None:

@@ -321,7 +321,9 @@ static void gemm_small(const float *x, long x_stride, long M, const float *panel
     for (long m0 = 0; m0 < M; m0 += MB) {
       const long rows = M - m0 < MB ? M - m0 : MB;
       const float *xb = x + m0 * x_stride;
-#pragma omp for schedule(static)
+      /* Panels 8 at a time as threads come free, no barrier after a block:
+       * 3-6 % faster than fixed halves on two threads (gemm_bf16.c). */
+#pragma omp for schedule(dynamic, 8) nowait
       for (long j = 0; j < num_panels; j++) {
         const float *pj = panels + j * K * PANEL;
         memset(acc, 0, sizeof(float) * PANEL * rows);

@@ -161,15 +161,23 @@ static inline void store_row(const float *acc, const float *bias, long cols, uin
  * over q in order, so a row's result still does not depend on M, its group
  * or the thread count; against the widening path's chain the order within
  * a pair differs (up to summation order, as oneDNN's bfloat16 linear). */
-#define KP 64        /* k pairs of a panel per pass: 4 KB, stays in L1 */
+#define KP 128       /* k pairs of a panel per pass: 8 KB, stays in L1 */
 #define PF_PAIRS 64  /* pairs ahead (4 KB) the first row group prefetches */
 
 typedef int32_t pair_t __attribute__((aligned(2), may_alias));
 
 #define PLOAD(r) __m512 z##r = _mm512_loadu_ps(acc + (r) * PANEL)
 #define PSTORE(r) _mm512_storeu_ps(acc + (r) * PANEL, z##r)
-#define PDOT(r) \
-  z##r = _mm512_dpbf16_ps(z##r, (__m512bh)_mm512_set1_epi32(((const pair_t *)(x + (r) * x_stride))[q]), w)
+/* z_r += the row's pair q, broadcast from memory ({1to16}), dot w. Written
+ * out because GCC does not fold `_mm512_set1_epi32` of a load into
+ * vdpbf16ps: its separate vpbroadcastd per row made a 16-row group 10-13 %
+ * slower at prefill sizes (docs/benchmarks.md, "bfloat16 pairs at prefill
+ * sizes"). The two operands' products are the same whichever holds x, and
+ * the instruction adds them in the same order, so the result is too. */
+#define PDOT(r)                                                         \
+  __asm__("vdpbf16ps %1%{1to16%}, %2, %0"                               \
+          : "+v"(z##r)                                                  \
+          : "m"(((const pair_t *)(x + (r) * x_stride))[q]), "v"(w))
 #define PK_LOOP(BODY)                                                                   \
   _Pragma("GCC unroll 4")                                                               \
   for (long q = 0; q < qc; q++) {                                                       \
@@ -216,18 +224,20 @@ static void gemm_pairs(const uint16_t *x, long x_stride, long M, const uint16_t 
                        long K, long N, const float *bias, uint16_t *out, long out_stride,
                        int num_threads) {
   const long num_panels = (N + PANEL - 1) / PANEL, pairs = K / 2;
-  /* Each thread takes a fixed share of the panels for every block of rows:
-   * no barrier between blocks (a prefill chunk is several), where one cost
-   * a scheduler tick whenever another process held a core (gemm.c). */
+  /* The threads take the panels of each block of rows 8 at a time, as
+   * they come free, and go on to the next block without a barrier (a
+   * prefill chunk is several): a thread that starts late or loses its core
+   * to another process for a while holds up no other. Against a fixed
+   * half each, 8-12 % faster at decode sizes on two threads (both kernels
+   * in one process, alternating). */
 #pragma omp parallel num_threads(num_threads)
   {
     float acc[MB * PANEL] __attribute__((aligned(64)));
-    const long team = omp_get_num_threads(), me = omp_get_thread_num();
-    const long j0 = num_panels * me / team, j1 = num_panels * (me + 1) / team;
     for (long m0 = 0; m0 < M; m0 += MB) {
       const long rows = M - m0 < MB ? M - m0 : MB;
       const uint16_t *xb = x + m0 * x_stride;
-      for (long j = j0; j < j1; j++) {
+#pragma omp for schedule(dynamic, 8) nowait
+      for (long j = 0; j < num_panels; j++) {
         const uint16_t *pj = panels + j * K * PANEL;
         memset(acc, 0, sizeof(float) * PANEL * rows);
         for (long q0 = 0; q0 < pairs; q0 += KP) {

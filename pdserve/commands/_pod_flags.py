@@ -71,12 +71,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, block_size: int,
     g.add_argument("--matmul-backend", choices=("auto", "onednn", "torch"), default="auto",
                    help="Dense projections on CPU: oneDNN prepacked weights (auto) or F.linear.")
     g.add_argument("--decode-matmul", choices=("auto", "native", "off"), default="auto",
-                   help="A float32 (or, where oneDNN upcasts it, bfloat16) model's dense "
-                        "projections on CPU, decode and prefill rows: the native panel GEMM "
-                        "(auto: on AVX2 + FMA, in place of oneDNN's copy of the weights) or "
-                        "the --matmul-backend's (off). native also takes bfloat16 where "
-                        "oneDNN multiplies it (in k pairs on AVX512-BF16: faster decode "
-                        "steps, slower prefill; for decode pods; docs/engine.md).")
+                   help="A float32 or bfloat16 model's dense projections on CPU, decode "
+                        "and prefill rows: the native panel GEMM (auto: on AVX2 + FMA, in "
+                        "place of oneDNN's copy of the weights; bfloat16 in k pairs on "
+                        "AVX512-BF16) or the --matmul-backend's (off). auto leaves bfloat16 "
+                        "to oneDNN on CPUs with AMX, or whose oneDNN multiplies bfloat16 "
+                        "without AVX512-BF16; native takes it there too (docs/engine.md).")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="Plan and launch each engine step while the previous one computes "
                         "(default: on for CUDA, off on CPU, where it measured no gain; "

@@ -91,23 +91,28 @@ def test_decode_gemm_benchmark_prints_a_row_per_batch(capsys, tiny_model_dir):
     assert all(float(r[2].split()[0]) > 0 and r[7].strip().endswith("x") for r in rows)
 
 
-def test_prefill_gemm_benchmark_prints_a_row_per_row_count(capsys, tiny_model_dir):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prefill_gemm_benchmark_prints_a_row_per_row_count(capsys, tiny_model_dir, dtype):
     from benchmarks import prefill_gemm
     from kernels import native
 
-    if not native.gemm_available():
+    if not (native.gemm_available() if dtype == "float32" else native.gemm_bf16_available()):
         pytest.skip("native GEMM unavailable (no compiler, or no AVX2 + FMA)")
     parser = argparse.ArgumentParser()
     prefill_gemm.add_arguments(parser)
     args = parser.parse_args(["--model", str(tiny_model_dir), "--rows", "16,40", "--rounds", "2",
-                              "--threads", "1", "--by-shape", "--engine-prompt-len", "20"])
+                              "--threads", "1", "--by-shape", "--engine-prompt-len", "20",
+                              "--dtype", dtype])
     assert prefill_gemm.main(args) == 0
     out = capsys.readouterr().out
+    assert f"MB {dtype}" in out
     rows = [line.split("|") for line in out.splitlines()
             if line.startswith("| ") and line[2].isdigit() and "[" not in line]
     assert [r[1].strip() for r in rows] == ["16", "40"]
     assert all(float(r[2].split()[0]) > 0 and r[6].strip().endswith("x") for r in rows)
     assert "| 40, [" in out  # the per-shape rows
-    assert "prefill of a 20-token prompt, 1 token generated, 2 rounds (same greedy token: True)" \
+    # float32: the same token (rounding only); bfloat16's two paths round differently
+    same = "True" if dtype == "float32" else ""
+    assert f"prefill of a 20-token prompt, 1 token generated, 2 rounds (same greedy token: {same}" \
         in out
     assert "| native |" in out and "| oneDNN |" in out

@@ -184,18 +184,22 @@ def test_resolve_decode_matmul():
 
 @needs_native_gemm
 def test_resolve_decode_matmul_bfloat16(monkeypatch):
-    """bfloat16 takes the native GEMM under auto only where oneDNN cannot
-    multiply bfloat16 itself (it upcasts); `native` forces it (the pairs
-    kernel where the CPU has AVX512-BF16)."""
+    """bfloat16 takes the native GEMM under auto where oneDNN cannot
+    multiply bfloat16 itself (it upcasts), and where it can but the CPU has
+    the pairs kernel (AVX512-BF16) and no AMX; `native` forces it."""
     import engine.layers.linear as linear
+    from kernels import native
 
     onednn = MatmulBackend.ONEDNN
     monkeypatch.setattr(linear, "upcasts_bfloat16", lambda: True)
     assert resolve_decode_matmul("auto", torch.bfloat16, CPU, onednn) is True
     monkeypatch.setattr(linear, "upcasts_bfloat16", lambda: False)
-    assert resolve_decode_matmul("auto", torch.bfloat16, CPU, onednn) is False
-    assert resolve_decode_matmul("native", torch.bfloat16, CPU, onednn) is True
-    assert resolve_decode_matmul("off", torch.bfloat16, CPU, onednn) is False
+    for pairs, amx, auto in ((True, False, True), (True, True, False), (False, False, False)):
+        monkeypatch.setattr(native, "gemm_bf16_pairs", lambda pairs=pairs: pairs)
+        monkeypatch.setattr(linear, "has_amx", lambda amx=amx: amx)
+        assert resolve_decode_matmul("auto", torch.bfloat16, CPU, onednn) is auto
+        assert resolve_decode_matmul("native", torch.bfloat16, CPU, onednn) is True
+        assert resolve_decode_matmul("off", torch.bfloat16, CPU, onednn) is False
 
 
 @needs_native_gemm
