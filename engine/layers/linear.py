@@ -137,9 +137,7 @@ def resolve_decode_matmul(value: DecodeMatmul | str, dtype: torch.dtype, device:
         # CPU without AVX512-BF16: oneDNN keeps those unless `native`.
         from kernels import native
 
-        if value is DecodeMatmul.NATIVE:
-            return True
-        return native.gemm_bf16_pairs() and not has_amx()
+        return value is DecodeMatmul.NATIVE or (native.gemm_bf16_pairs() and not has_amx())
     return reason is None
 
 

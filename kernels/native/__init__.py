@@ -12,10 +12,10 @@ decode rows, which oneDNN's small-batch kernel leaves at half the read
 bandwidth, and prefill rows on 6-row tiles (`pack_panels`, `gemm_panels`);
 `gemm_bf16.c` the same from bfloat16 panels, widened in registers, for CPUs
 where oneDNN has no bfloat16 linear, or k in pairs with AVX512-BF16
-(`pack_panels_bf16`, `gemm_panels_bf16`). RMSNorm and RoPE are 8-10 small torch ops each, whose
-dispatch costs more than their arithmetic, and the KV inject's skip of
-padding slots is a boolean-mask gather and scatter; `elementwise.c` does
-each in one call. `fused.c` goes further for the decode step: SwiGLU's
+(`pack_panels_bf16`, `gemm_panels_bf16`). RMSNorm and RoPE are 8-10 small
+torch ops each, whose dispatch costs more than their arithmetic, and the
+KV inject's skip of padding slots is a boolean-mask gather and scatter;
+`elementwise.c` does each in one call. `fused.c` goes further for the decode step: SwiGLU's
 split/silu/multiply in one call, and split + RoPE + KV write + decode
 attention from the qkv projection's output in one (`kernels.fused`). Same
 contracts as the `kernels.dispatch` / `kernels.fused` ops, which pick these
