@@ -2,9 +2,12 @@
 real `pdserve router` on loopback, driven by the openai client.
 
 The prefill pod computes 16 tokens per step, so each ~900-token prompt takes
-it many steps and a burst of them (each prompt twice) queues for several
-seconds. The decode
-pod's transfer timeout is 1 s, far shorter than that queue:
+it many steps and a burst of them (each prompt twice) queues for 20 prompts'
+compute. The decode pod's transfer timeout is derived from this machine's
+speed, not fixed: 4x one prompt's measured prefill time. One transfer (its
+prompt's compute, alone or beside one more) so fits well inside it, and the
+burst's queue (20 prompts' compute) outlasts two of it on a fast CPU or a
+slow, busy one:
 
 * with the router's admission queue, the burst waits in the router and no
   decode reservation waits behind the prefill queue: no request is
@@ -28,17 +31,20 @@ import random
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import openai
 import pytest
 
 from router.routing.admission import MIN_SAMPLES
-from tests.integration.pods import start_pods
+from tests.integration.pods import PodProcess, start_pod, start_pods
 from tests.router.router_process import RouterProcess, start_router, wait_ready
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-TRANSFER_TIMEOUT_S = 1.0
+# The decode pod's transfer timeout in units of one prompt's prefill time
+# (see the module docstring): the burst lasts 20 of them, > 2x this.
+TIMEOUT_IN_PROMPTS = 4
 MAX_TOKENS = 4
 NUM_BURST = 10
 RESTART = "moves to a new pod pair after 0 tokens"
@@ -50,35 +56,76 @@ def _prompt(seed: int) -> list[int]:
 
 
 PROMPTS = [_prompt(seed) for seed in range(NUM_BURST)]
-# The burst: each prompt twice (computed twice: no prefix cache). Ten took
-# 1.8-2.0 s on a faster CPU, under the twice-the-timeout the queue tests
-# need; 20 reservations of 8 blocks fit the decode pod's 256.
+# The burst: each prompt twice (computed twice: no prefix cache); 20
+# reservations of 8 blocks fit the decode pod's 256.
 BURST = PROMPTS * 2
+PREFILL_FLAGS = {"block_size": 16, "num_blocks": 1024, "max_num_batched_tokens": 16,
+                 "no_prefix_cache": True}
+
+
+@dataclass(frozen=True)
+class Measured:
+    """The undisturbed (one at a time) texts of PROMPTS and what one prompt's
+    prefill took at the prefill pod, on this machine, now."""
+
+    texts: list[str]
+    prompt_prefill_s: float
 
 
 @pytest.fixture(scope="module")
-def pods(tiny_model_dir) -> Iterator[dict]:
-    started = start_pods({
-        "prefill": ("prefill", {"block_size": 16, "num_blocks": 1024,
-                                "max_num_batched_tokens": 16, "no_prefix_cache": True}),
-        "decode": ("decode", {"block_size": 128, "num_blocks": 256,
-                              "transfer_timeout": TRANSFER_TIMEOUT_S,
-                              "landing_memory": "256MiB"}),
-    }, tiny_model_dir)
-    yield started
-    for pod in started.values():
-        pod.terminate()
+def prefill_pod(tiny_model_dir) -> Iterator[PodProcess]:
+    pod = start_pod("prefill", tiny_model_dir, **PREFILL_FLAGS)
+    yield pod
+    pod.terminate()
 
 
-def _router(tiny_model_dir, pods, **flags) -> RouterProcess:
+@pytest.fixture(scope="module")
+def measured(tiny_model_dir, prefill_pod) -> Measured:
+    """PROMPTS one at a time through a decode pod with a generous timeout; the
+    prefill time is the prefill pod's own mean time to first token (nothing
+    queued: arrival to the prompt computed)."""
+    probe = start_pod("decode", tiny_model_dir, block_size=128, num_blocks=256,
+                      transfer_timeout=120, landing_memory="256MiB")
+    try:
+        router = _router(tiny_model_dir, prefill_pod.address, probe.address)
+        try:
+            client = _client(router)
+            texts = [_complete(client, prompt) for prompt in PROMPTS]
+        finally:
+            router.terminate()
+    finally:
+        probe.terminate()
+    ttft = "pdserve_time_to_first_token_seconds"
+    took = prefill_pod.metric_value(f"{ttft}_sum") / prefill_pod.metric_value(f"{ttft}_count")
+    return Measured(texts, took)
+
+
+@pytest.fixture(scope="module")
+def undisturbed(measured) -> list[str]:
+    return measured.texts
+
+
+@pytest.fixture(scope="module")
+def pods(tiny_model_dir, prefill_pod, measured) -> Iterator[dict]:
+    timeout = TIMEOUT_IN_PROMPTS * measured.prompt_prefill_s
+    decode = start_pod("decode", tiny_model_dir, block_size=128, num_blocks=256,
+                       transfer_timeout=f"{timeout:.3f}", landing_memory="256MiB")
+    yield {"prefill": prefill_pod, "decode": decode, "transfer_timeout": timeout}
+    decode.terminate()
+
+
+def _router(tiny_model_dir, prefill: str, decode: str, **flags) -> RouterProcess:
     """The idle side off: these tests are about the prefill queue, and a
     decode pod taking prompts from it (tests/router/test_admission_local.py,
     test_local_prefill_e2e.py) would leave the burst partly unqueued."""
-    router = start_router(tiny_model_dir, prefill=[pods["prefill"].address],
-                          decode=[pods["decode"].address], local_prefill_max_tokens=0,
-                          **flags)
+    router = start_router(tiny_model_dir, prefill=[prefill], decode=[decode],
+                          local_prefill_max_tokens=0, **flags)
     wait_ready(router)
     return router
+
+
+def _pair(pods: dict) -> tuple[str, str]:
+    return pods["prefill"].address, pods["decode"].address
 
 
 def _client(router: RouterProcess) -> openai.OpenAI:
@@ -115,19 +162,9 @@ def _burst(client: openai.OpenAI, prompts: list[list[int]], *,
     return results
 
 
-@pytest.fixture(scope="module")
-def undisturbed(tiny_model_dir, pods) -> list[str]:
-    router = _router(tiny_model_dir, pods)
-    try:
-        client = _client(router)
-        return [_complete(client, prompt) for prompt in PROMPTS]
-    finally:
-        router.terminate()
-
-
 def test_queued_prefill_longer_than_the_transfer_timeout_is_not_restarted(
         tiny_model_dir, pods, undisturbed):
-    router = _router(tiny_model_dir, pods, prefill_dispatch_tokens=1000)
+    router = _router(tiny_model_dir, *_pair(pods), prefill_dispatch_tokens=1000)
     try:
         peak = _watch_queue(router, pods["prefill"].address)
         started = time.monotonic()
@@ -138,11 +175,11 @@ def test_queued_prefill_longer_than_the_transfer_timeout_is_not_restarted(
         assert results == undisturbed * 2, log[-4000:]
         assert RESTART not in log
         # the burst really queued for longer than the decode pod's transfer timeout
-        assert took > 2 * TRANSFER_TIMEOUT_S
+        assert took > 2 * pods["transfer_timeout"], (took, pods["transfer_timeout"])
         assert peak_queued >= 1
         pod = pods["prefill"].address
         assert router.metric("pdserve_router_queue_wait_seconds_count") == len(BURST)
-        assert router.metric("pdserve_router_queue_wait_seconds_sum") > TRANSFER_TIMEOUT_S
+        assert router.metric("pdserve_router_queue_wait_seconds_sum") > pods["transfer_timeout"]
         assert router.metric("pdserve_router_queue_requests", pod=pod) == 0
         assert router.metric("pdserve_router_queue_dispatched_tokens", pod=pod) == 0
         assert router.metric("pdserve_router_queue_prefill_tokens_per_second", pod=pod) > 0
@@ -156,11 +193,11 @@ def test_queued_at_the_prefill_pod_itself_is_not_restarted_either(
     # No router queue: every request reserves at once and queues at the prefill
     # pod. The decode pod's deadlines are per phase (the transfer timeout counts
     # from the prefill's BEGIN), so waiting there does not expire them.
-    router = _router(tiny_model_dir, pods, prefill_dispatch_tokens=0)
+    router = _router(tiny_model_dir, *_pair(pods), prefill_dispatch_tokens=0)
     try:
         started = time.monotonic()
         results = _burst(_client(router), BURST)
-        assert time.monotonic() - started > 2 * TRANSFER_TIMEOUT_S
+        assert time.monotonic() - started > 2 * pods["transfer_timeout"]
         log = router.log_tail(200_000)
         assert results == undisturbed * 2, log[-4000:]
         assert RESTART not in log
@@ -170,7 +207,8 @@ def test_queued_at_the_prefill_pod_itself_is_not_restarted_either(
 
 def test_beyond_the_wait_limit_requests_get_429_and_the_rest_complete(
         tiny_model_dir, pods, undisturbed):
-    router = _router(tiny_model_dir, pods, prefill_dispatch_tokens=1000, max_queue_wait=0.05)
+    router = _router(tiny_model_dir, *_pair(pods), prefill_dispatch_tokens=1000,
+                     max_queue_wait=0.05)
     try:
         client = _client(router)
         # the first prefills teach the router the pod's throughput
