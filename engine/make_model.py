@@ -29,6 +29,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, proce
 from engine.chat_template import BUILTIN_CHAT_TEMPLATE
 from engine.loader import INDEX_FILE, SINGLE_FILE, expected_tensors
 from engine.model_config import ModelConfig
+from engine.model_source import models_home
 
 # head_dim 64 everywhere (the kernels run 64, 96, 128 and 256): tiny and fast.
 SIZES: dict[str, dict[str, Any]] = {
@@ -321,13 +322,11 @@ def make_model(out_dir: str | Path, *, size: str = "tiny", seed: int = 0,
 
 
 def default_model_dir(size: str = "tiny") -> Path:
-    """Where `ensure_model` keeps built-in models: $PDSERVE_HOME/models/
-    pdserve-<size>, PDSERVE_HOME defaulting to ~/.cache/pdserve. (The one
-    place PDSERVE_HOME is read.)"""
+    """Where `ensure_model` keeps built-in models: pdserve-<size> in the
+    model cache (engine.model_source.models_home)."""
     if size not in SIZES:
         raise ValueError(f"size must be one of {', '.join(SIZES)}, got {size!r}")
-    home = Path(os.environ.get("PDSERVE_HOME", "~/.cache/pdserve")).expanduser()
-    return home / "models" / f"pdserve-{size}"
+    return models_home() / f"pdserve-{size}"
 
 
 def ensure_model(size: str = "tiny") -> Path:

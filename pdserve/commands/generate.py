@@ -16,7 +16,8 @@ HELP = "Generate text locally with the engine (no router, no pods)."
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True,
-                        help="model directory (HF format), or 'tiny' / 'base' for a built-in model")
+                        help="model directory (HF format), a .gguf file, or a model name "
+                             "(smollm2-135m-instruct, tiny, base)")
     parser.add_argument("--prompt", action="append", required=True,
                         help="prompt text; repeat the flag to batch several prompts")
     parser.add_argument("--max-tokens", type=int, default=32)
@@ -36,12 +37,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
-    from engine.make_model import ensure_model
+    from engine.model_source import resolve_model
     from engine.sampling_params import SamplingParams
     from engine.tokenizer import Tokenizer
 
     try:
-        model_dir = str(ensure_model(args.model)) if args.model in ("tiny", "base") else args.model
+        model_dir = str(resolve_model(args.model, say=lambda text: print(text, flush=True)))
         config = EngineConfig(model_dir=model_dir, dtype=args.dtype, device=args.device,
                               block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                               max_model_len=args.max_model_len)

