@@ -57,7 +57,7 @@ CLI_FLAGS: dict[str, frozenset[str]] = {
         "--reservation-timeout", "--redis-url", "--advertise-host", "--grace-period",
         "--kv-max-connections", "--kv-frame-timeout", *POD_SECURITY_FLAGS,
     }),
-    "make-model": frozenset({"--size"}),
+    "make-model": frozenset({"--size", "--from-gguf"}),
 }
 
 

@@ -118,7 +118,7 @@ def test_default_values_satisfy_schema() -> None:
         ({"model": {"dir": "../etc"}}, ["model", "dir"]),
         ({"model": {"source": "pvc"}}, ["model", "pvc", "claimName"]),
         ({"model": {"source": "hostPath"}}, ["model", "hostPath", "path"]),
-        ({"model": {"demo": {"size": "huge"}}}, ["model", "demo", "size"]),
+        ({"model": {"demo": {"model": "huge"}}}, ["model", "demo", "model"]),
         ({"redis": {"externalUrl": "my-redis:6379"}}, ["redis", "externalUrl"]),
         ({"tls": {"pods": {"healthPort": 0}}}, ["tls", "pods", "healthPort"]),
         ({"tls": {"pods": {"serverName": "Not A Name"}}}, ["tls", "pods", "serverName"]),
@@ -215,7 +215,7 @@ def test_flags_are_in_cli_contract(template: str, command: str) -> None:
                     "--grace-period"},
         "decode": {"--model", "--host", "--port", "--kv-port", "--metrics-port",
                    "--advertise-host", "--grace-period"},
-        "make-model": {"--size"},
+        "make-model": {"--from-gguf"},  # the default demo model
     }[command]
     assert required <= flags
 

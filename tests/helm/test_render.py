@@ -70,7 +70,7 @@ def test_default_render_objects() -> None:
 
 def test_static_mode_router_gets_headless_service_addresses() -> None:
     assert _args(render(), "router") == {
-        "--model": "/models/tiny",
+        "--model": "/models/smollm2-135m-instruct",
         "--host": "0.0.0.0",
         "--port": "8000",
         "--grpc-port": "50050",
@@ -112,13 +112,13 @@ POD_TLS_FLAGS = {"--tls-cert-file": f"{POD_TLS_DIR}/tls.crt",
 def test_default_prefill_and_decode_args() -> None:
     docs = render()
     assert _args(docs, "prefill") == {
-        "--model": "/models/tiny", "--host": "0.0.0.0", "--port": "50051",
+        "--model": "/models/smollm2-135m-instruct", "--host": "0.0.0.0", "--port": "50051",
         "--metrics-port": "9101", "--block-size": "16", "--kv-cache-memory": "2GiB",
         "--device": "auto", "--dtype": "auto", "--kv-streams": "4",
         "--advertise-host": "$(POD_IP)", "--grace-period": "30", **POD_TLS_FLAGS,
     }
     assert _args(docs, "decode") == {
-        "--model": "/models/tiny", "--host": "0.0.0.0", "--port": "50061",
+        "--model": "/models/smollm2-135m-instruct", "--host": "0.0.0.0", "--port": "50061",
         "--metrics-port": "9102", "--kv-port": "50062", "--block-size": "128",
         "--kv-transport": "tcp", "--landing-memory": "1GiB", "--transfer-timeout": "30",
         "--reservation-timeout": "600", "--advertise-host": "$(POD_IP)", "--grace-period": "30",
@@ -312,7 +312,8 @@ def test_model_volume_is_read_only(source: str) -> None:
         if source == "demo":
             assert volume == {"name": "models", "emptyDir": {}}
             (init,) = pod["initContainers"]
-            assert init["args"] == ["make-model", "/models/llama", "--size=tiny"]
+            assert init["args"] == ["make-model", "/models/llama",
+                                    "--from-gguf=smollm2-135m-instruct"]
         else:
             assert "initContainers" not in pod
             assert volume == {

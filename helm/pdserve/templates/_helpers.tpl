@@ -133,7 +133,9 @@ prometheus.io/scheme: https
 {{- end }}
 
 {{/*
-Init container writing the built-in demo model into the models emptyDir.
+Init container writing the demo model into the models emptyDir: the real
+SmolLM2-135M-Instruct converted from the GGUF file the image ships, or a
+built-in random-weight checkpoint (tiny, base).
 Only rendered for model.source=demo; the main containers mount it read-only.
 */}}
 {{- define "pdserve.modelInitContainers" -}}
@@ -146,7 +148,11 @@ initContainers:
     args:
       - "make-model"
       - {{ include "pdserve.modelDir" . | quote }}
-      - "--size={{ .Values.model.demo.size }}"
+      {{- if has .Values.model.demo.model (list "tiny" "base") }}
+      - "--size={{ .Values.model.demo.model }}"
+      {{- else }}
+      - "--from-gguf={{ .Values.model.demo.model }}"
+      {{- end }}
     env:
       - name: HOME
         value: /tmp
