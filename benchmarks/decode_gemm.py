@@ -33,10 +33,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _shapes(model: str) -> list[tuple[int, int]]:
     """(in, out) of every dense projection of the model, in forward order."""
-    from engine.make_model import ensure_model
     from engine.model_config import ModelConfig
+    from engine.model_source import resolve_model
 
-    model_dir = ensure_model(model) if model in ("tiny", "base") else model
+    model_dir = resolve_model(model)
     c = ModelConfig.from_pretrained(model_dir)
     q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     layer = [(c.hidden_size, q + 2 * kv), (q, c.hidden_size),

@@ -135,7 +135,7 @@ def topology_args(topology: str, prefill_cpus: tuple[int, ...], decode_cpus: tup
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="base",
-                        help="model directory, or 'tiny' / 'base' (built-in, made on first use)")
+                        help="model dir, .gguf file or name: smollm2-135m-instruct, tiny, base")
     cpus = allowed_cpus()
     parser.add_argument("--prefill-cpus", default=str(cpus[0]), metavar="LIST",
                         help=f"the prefill pod's CPUs (default {cpus[0]})")

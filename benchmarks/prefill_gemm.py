@@ -58,10 +58,10 @@ def _engine_prefill(model: str, prompt_len: int, rounds: int, dtype: str) -> Non
 
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
-    from engine.make_model import ensure_model
+    from engine.model_source import resolve_model
     from engine.sampling_params import SamplingParams
 
-    model_dir = ensure_model(model) if model in ("tiny", "base") else model
+    model_dir = resolve_model(model)
     engines = {}
     for name, decode_matmul in (("native", "native"), ("oneDNN", "off")):
         engines[name] = LLMEngine(EngineConfig(

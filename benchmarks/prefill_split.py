@@ -36,7 +36,7 @@ HELP = ("One prompt split across two pods: the head and the tail on one thread e
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="base",
-                        help="model directory, or 'tiny' / 'base' (built-in, made on first use)")
+                        help="model dir, .gguf file or name: smollm2-135m-instruct, tiny, base")
     parser.add_argument("--prompt-lens", default="512,1024")
     parser.add_argument("--split", type=float, default=0.5,
                         help="the head's share of the prompt (default 0.5)")
@@ -60,13 +60,13 @@ def main(args: argparse.Namespace) -> int:
 
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
-    from engine.make_model import ensure_model
+    from engine.model_source import resolve_model
 
     lens = [int(n) for n in args.prompt_lens.split(",")]
     if not 0 < args.split < 1 or min(lens) < 2 * args.block_size or args.repeats < 1:
         raise SystemExit("--split must be in (0, 1), every prompt length at least two blocks "
                          f"(2 x {args.block_size}), --repeats >= 1")
-    model_dir = str(ensure_model(args.model)) if args.model in ("tiny", "base") else args.model
+    model_dir = str(resolve_model(args.model))
     biggest = max(lens)
     engine = LLMEngine(EngineConfig(
         model_dir=model_dir, block_size=args.block_size,

@@ -67,7 +67,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="base",
-                        help="model directory, or 'tiny' / 'base' (built-in, made on first use)")
+                        help="model dir, .gguf file or name: smollm2-135m-instruct, tiny, base")
     parser.add_argument("--prefill-counts", default="2,4", metavar="N,...",
                         help="prefill pods per stack (default 2,4)")
     parser.add_argument("--decode", type=int, default=1, help="decode pods per stack")

@@ -56,7 +56,7 @@ HELP = "TTFT: disaggregated (prefill pod -> decode pod) vs prefill-only, several
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="base",
-                        help="model directory, or 'tiny' / 'base' (built-in, made on first use)")
+                        help="model dir, .gguf file or name: smollm2-135m-instruct, tiny, base")
     parser.add_argument("--prompt-lens", default="128,512,2048",
                         help="comma-separated prompt lengths")
     parser.add_argument("--repeats", type=int, default=5, help="measurements per length and mode")
@@ -79,11 +79,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _model_dir(name: str) -> str:
-    if name in ("tiny", "base"):
-        from engine.make_model import ensure_model
+    from engine.model_source import resolve_model
 
-        return str(ensure_model(name))
-    return name
+    return str(resolve_model(name))
 
 
 class _Pod:

@@ -343,14 +343,16 @@ def write_ready_file(config: UpConfig, children: list[Child]) -> None:
 
 def print_banner(config: UpConfig, model_name: str) -> None:
     base = f"http://{_client_host(config.host)}:{config.port}"
-    body = json.dumps({"model": model_name, "prompt": "The cache", "max_tokens": 16})
+    question = "What is the capital of France?"
+    body = json.dumps({"model": model_name, "max_tokens": 32,
+                       "messages": [{"role": "user", "content": question}]})
     print(
         f"\npdserve is serving {model_name!r} at {base}/v1  (Ctrl-C stops everything)\n\n"
-        f"  curl {base}/v1/completions -H 'Content-Type: application/json' \\\n"
+        f"  curl {base}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
         f"       -d '{body}'\n\n"
         f"  python -c \"import openai; c = openai.OpenAI(base_url='{base}/v1', api_key='-'); "
-        f"print(c.completions.create(model='{model_name}', prompt='The cache', "
-        f"max_tokens=16).choices[0].text)\"\n",
+        f"print(c.chat.completions.create(model='{model_name}', max_tokens=32, messages="
+        f"[{{'role': 'user', 'content': '{question}'}}]).choices[0].message.content)\"\n",
         flush=True,
     )
 

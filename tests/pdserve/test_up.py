@@ -113,7 +113,7 @@ def test_up_streams_a_completion_and_stops_cleanly(up_home: Path, stop_signal: i
         pod_ports = [int(up.wait_for(rf"\[{i}/3\] \w+ pod ready on 127\.0\.0\.1:(\d+)", 120)[1])
                      for i in (1, 2)]
         up.wait_for(rf"\[3/3\] router ready on http://127\.0\.0\.1:{port}", 60)
-        up.wait_for(r"curl http://127\.0\.0\.1:\d+/v1/completions", 10)
+        up.wait_for(r"curl http://127\.0\.0\.1:\d+/v1/chat/completions", 10)
         child_pids = children_of(up.proc.pid)
         assert len(child_pids) == 3, child_pids
 
