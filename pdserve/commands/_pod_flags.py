@@ -139,13 +139,10 @@ def resolve_dtype(dtype: str, device: str, model_dir: str) -> str:
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    from engine.model_source import resolve_model
-
     device = resolve_device(args.device)
-    model_dir = str(resolve_model(args.model, say=lambda text: print(text, flush=True)))
     return EngineConfig(
-        model_dir=model_dir,
-        dtype=resolve_dtype(args.dtype, device, model_dir),
+        model_dir=args.model,
+        dtype=resolve_dtype(args.dtype, device, args.model),
         device=device,
         block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory,

@@ -52,6 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from decode_service.config import DecodeConfig
     from decode_service.server import run_decode_pod
+    from pdserve.commands._model_arg import resolve_model_arg
     from pdserve.commands._pod_flags import (
         apply_placement,
         engine_config_from_args,
@@ -61,6 +62,7 @@ def main(args: argparse.Namespace) -> int:
 
     setup_logging(args.log_level)
     apply_placement(args)
+    resolve_model_arg(args, "decode")
     config = DecodeConfig(
         engine=engine_config_from_args(args), server=server_config_from_args(args),
         kv_port=args.kv_port, kv_transport=args.kv_transport,

@@ -18,6 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from pdserve.commands._model_arg import resolve_model_arg
     from pdserve.commands._pod_flags import (
         apply_placement,
         engine_config_from_args,
@@ -29,6 +30,7 @@ def main(args: argparse.Namespace) -> int:
 
     setup_logging(args.log_level)
     apply_placement(args)
+    resolve_model_arg(args, "prefill")
     config = PrefillConfig(engine=engine_config_from_args(args),
                            server=server_config_from_args(args), kv_streams=args.kv_streams)
     return asyncio.run(run_prefill_pod(config))

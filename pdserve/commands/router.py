@@ -157,7 +157,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace):
-    from engine.model_source import resolve_model
     from pdserve.commands._security_flags import (
         router_pod_security_from_args,
         router_tls_from_args,
@@ -165,7 +164,7 @@ def config_from_args(args: argparse.Namespace):
     from router.config import RouterConfig
 
     return RouterConfig(
-        model_dir=str(resolve_model(args.model, say=lambda text: print(text, flush=True))),
+        model_dir=args.model,
         served_model_name=args.served_model_name,
         host=args.host,
         port=args.port,
@@ -211,9 +210,11 @@ def config_from_args(args: argparse.Namespace):
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from pdserve.commands._model_arg import resolve_model_arg
     from router.server import RouterServer
 
     pin_process(args.cpus, torch_threads=False)
+    resolve_model_arg(args, "router")
     try:
         config = config_from_args(args)
     except ValueError as exc:

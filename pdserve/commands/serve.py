@@ -19,6 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from decode_service.config import ColocatedConfig
     from decode_service.server import run_colocated_pod
+    from pdserve.commands._model_arg import resolve_model_arg
     from pdserve.commands._pod_flags import (
         apply_placement,
         engine_config_from_args,
@@ -28,6 +29,7 @@ def main(args: argparse.Namespace) -> int:
 
     setup_logging(args.log_level)
     apply_placement(args)
+    resolve_model_arg(args, "serve")
     config = ColocatedConfig(engine=engine_config_from_args(args),
                              server=server_config_from_args(args))
     return asyncio.run(run_colocated_pod(config))

@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
-gguf = __import__("pytest").importorskip("gguf")
+gguf = pytest.importorskip("gguf")
 
 HF_TO_GGUF = {
     "model.embed_tokens.weight": "token_embd.weight",
