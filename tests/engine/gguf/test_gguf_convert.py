@@ -1,6 +1,6 @@
 """GGUF -> Hugging Face directory: weights, config, refusals.
 
-The built-in tiny model (HF layout, random weights) is written as GGUF the
+The built-in tiny model (HF layout, random weights; Llama, Qwen2, Qwen3) is written as GGUF the
 way llama.cpp's converter writes it (tests/engine/gguf/gguf_files.py) and
 converted back: in F32 every tensor must come back bit for bit (names,
 shapes, the q/k row order undone) and the engine's logits equal the
@@ -43,10 +43,23 @@ def _converted(tmp_path: Path, gguf_path: Path) -> tuple[dict, dict[str, np.ndar
             load_file(str(out / "model.safetensors")))
 
 
-def test_f32_round_trip_is_exact_and_the_engine_agrees(tiny, tmp_path):
-    path, config, weights = tiny
+@pytest.fixture(scope="module", params=[("llama", "LlamaForCausalLM"),
+                                        ("qwen2", "Qwen2ForCausalLM"),
+                                        ("qwen3", "Qwen3ForCausalLM")], ids=lambda p: p[0])
+def family(request, tmp_path_factory) -> tuple[str, Path, dict, dict[str, np.ndarray]]:
+    """(GGUF architecture, the HF checkpoint, its config, its weights): Qwen2
+    has q/k/v biases, Qwen3 q/k norms, neither llama.cpp's q/k row order."""
+    arch, hf_architecture = request.param
+    path = make_model(tmp_path_factory.mktemp("hf") / arch, size="tiny", seed=4,
+                      architecture=hf_architecture)
+    config = json.loads((path / "config.json").read_text())
+    return arch, path, config, load_file(str(path / "model.safetensors"))
+
+
+def test_f32_round_trip_is_exact_and_the_engine_agrees(family, tmp_path):
+    arch, path, config, weights = family
     config_out, weights_out = _converted(tmp_path, write_gguf(tmp_path / "t.gguf", config,
-                                                              weights))
+                                                              weights, arch=arch))
     assert sorted(weights_out) == sorted(weights)
     for name, array in weights.items():
         assert np.array_equal(weights_out[name], array), name  # q/k rows back in place
@@ -54,7 +67,7 @@ def test_f32_round_trip_is_exact_and_the_engine_agrees(tiny, tmp_path):
                 "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings",
                 "tie_word_embeddings"):
         assert config_out[key] == config[key], key
-    assert config_out["architectures"] == ["LlamaForCausalLM"]
+    assert config_out["architectures"] == config["architectures"]
     assert config_out["rope_theta"] == pytest.approx(config["rope_theta"])
     prompt = list(range(5, 45))
     ours, _ = load_model(tmp_path / "converted", dtype="float32")
