@@ -62,8 +62,12 @@ def stack(tiny_model_dir) -> Iterator[FaultStack]:
     decode_grpc = FaultProxy(("127.0.0.1", 0), _local(decode.address)).start()
     routers = []
     try:
+        # The idle side off: a decode pod computing a whole prompt itself (when
+        # the prefill path's estimated wait is long, as on a loaded machine)
+        # would send no KV over the faulty link these tests are about.
         common = dict(prefill=[prefill_grpc.address], decode=[decode_grpc.address],
-                      request_timeout=REQUEST_TIMEOUT_S, max_migrations=2)
+                      request_timeout=REQUEST_TIMEOUT_S, max_migrations=2,
+                      local_prefill_max_tokens=0)
         # the whole-prompt path: a lost sender restarts against the same reservation
         router = start_router(tiny_model_dir, split_prefill_min_tokens=0, **common)
         routers.append(router)
