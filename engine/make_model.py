@@ -28,8 +28,8 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, proce
 
 from engine.chat_template import BUILTIN_CHAT_TEMPLATE
 from engine.loader import INDEX_FILE, SINGLE_FILE, expected_tensors
+from engine.model_cache import models_home
 from engine.model_config import ModelConfig
-from engine.model_source import models_home
 
 # head_dim 64 everywhere (the kernels run 64, 96, 128 and 256): tiny and fast.
 SIZES: dict[str, dict[str, Any]] = {
@@ -323,7 +323,7 @@ def make_model(out_dir: str | Path, *, size: str = "tiny", seed: int = 0,
 
 def default_model_dir(size: str = "tiny") -> Path:
     """Where `ensure_model` keeps built-in models: pdserve-<size> in the
-    model cache (engine.model_source.models_home)."""
+    model cache (engine.model_cache.models_home)."""
     if size not in SIZES:
         raise ValueError(f"size must be one of {', '.join(SIZES)}, got {size!r}")
     return models_home() / f"pdserve-{size}"

