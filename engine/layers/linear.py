@@ -50,7 +50,8 @@ AVX512-BF16 (where oneDNN does multiply bfloat16) the panels hold k in
 pairs for `vdpbf16ps`, and `auto` takes them unless the CPU has AMX: the
 projections of a decode batch in 0.5-0.6x oneDNN's time, a prefill
 chunk's in the same (docs/benchmarks.md, "bfloat16 pairs at prefill
-sizes").
+sizes"). On plain AVX-512 oneDNN emulates bfloat16, and `auto` takes the
+widening panels there too, 1.2-3.6x faster (`resolve_decode_matmul`).
 """
 
 from __future__ import annotations
@@ -128,16 +129,15 @@ def resolve_decode_matmul(value: DecodeMatmul | str, dtype: torch.dtype, device:
     if value is DecodeMatmul.NATIVE and reason:
         raise ValueError(f"decode matmul 'native' unavailable: {reason}")
     if reason is None and dtype == torch.bfloat16 and not upcasts_bfloat16():
-        # oneDNN multiplies bfloat16 natively on this CPU (AVX512-BF16 or
-        # AMX). With AVX512-BF16 the panels in pairs (`vdpbf16ps`) take a
-        # decode batch's projections in 0.5-0.6x oneDNN's time and a prefill
-        # chunk's in the same (docs/benchmarks.md, "bfloat16 pairs at prefill
-        # sizes"), so `auto` takes them. AMX's tile kernels were never
-        # measured against them, nor oneDNN against the widening path on a
-        # CPU without AVX512-BF16: oneDNN keeps those unless `native`.
-        from kernels import native
-
-        return value is DecodeMatmul.NATIVE or (native.gemm_bf16_pairs() and not has_amx())
+        # oneDNN multiplies bfloat16 on this CPU: natively with AVX512-BF16
+        # or AMX, emulated on plain AVX-512 (widening in its own kernels).
+        # The panels beat it in both cases measured: in pairs (`vdpbf16ps`,
+        # AVX512-BF16) a decode batch's projections in 0.5-0.6x its time and
+        # a prefill chunk's in the same; widened in registers (AVX-512
+        # without AVX512-BF16) 1.2-3.6x faster at 1-16 rows and 2.3-2.6x at
+        # 64-1,024 (docs/benchmarks.md, "Prefill GEMM"). AMX's tile kernels
+        # were never measured against them: oneDNN keeps those unless `native`.
+        return value is DecodeMatmul.NATIVE or not has_amx()
     return reason is None
 
 

@@ -268,6 +268,52 @@ static void gemm_pairs(const uint16_t *x, long x_stride, long M, const uint16_t 
 int pdserve_gemm_bf16_pairs(void) { return 0; }
 #endif
 
+/* Prefill rows (M >= WIDEN_M) are compute-bound: the panels are widened to
+ * float32 (natural column order), PANELS_WIDE at a time, and gemm.c's
+ * float32 tiles multiply the widened rows by them into a float32 chunk,
+ * rounded once per output as store_row rounds. The same chain per output
+ * as the decode groups' (widening is exact), so a row's result does not
+ * change; the tiles ran a 1,024-row prefill of SmolLM2's projections in
+ * about half the time of the widening groups (docs/benchmarks.md, "Prefill
+ * GEMM"). */
+#define WIDEN_M 24       /* rows from which gemm.c takes its prefill tiles */
+#define PANELS_WIDE 64   /* panels widened per call of the float32 GEMM */
+
+int pdserve_gemm_panels(const float *x, long x_stride, long M, const float *panels, long K,
+                        long N, const float *bias, float *out, long out_stride,
+                        int num_threads);
+
+/* x [M, K] float32 (widened) times the bfloat16 panels, through float32 panels. */
+static int gemm_widened(const float *x, long M, const uint16_t *panels, long K, long N,
+                        const float *bias, uint16_t *out, long out_stride, int num_threads) {
+  const long num_panels = (N + PANEL - 1) / PANEL;
+  const long width = num_panels < PANELS_WIDE ? num_panels : PANELS_WIDE;
+  float *wide = aligned_alloc(64, sizeof(float) * width * K * PANEL);
+  float *res = aligned_alloc(64, sizeof(float) * M * width * PANEL);
+  int code = wide == NULL || res == NULL;
+  for (long j0 = 0; j0 < num_panels && code == 0; j0 += width) {
+    const long count = num_panels - j0 < width ? num_panels - j0 : width;
+    const long cols = (j0 + count) * PANEL <= N ? count * PANEL : N - j0 * PANEL;
+    const __m256i zero = _mm256_setzero_si256();
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (long r = 0; r < count * K; r++) {
+      const __m256i w = _mm256_loadu_si256((const __m256i *)(panels + (j0 * K + r) * PANEL));
+      _mm256_store_ps(wide + r * PANEL, _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, w)));
+      _mm256_store_ps(wide + r * PANEL + 8, _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, w)));
+    }
+    code = pdserve_gemm_panels(x, K, M, wide, K, cols, bias == NULL ? NULL : bias + j0 * PANEL,
+                               res, width * PANEL, num_threads);
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (long m = 0; m < M; m++)
+      for (long c = 0; c < cols; c += PANEL)
+        store_row(res + m * width * PANEL + c, NULL, cols - c < PANEL ? cols - c : PANEL,
+                  out + m * out_stride + j0 * PANEL + c);
+  }
+  free(wide);
+  free(res);
+  return code;
+}
+
 int pdserve_gemm_bf16_available(void) { return 1; }
 
 /* out[m][n] = bfloat16(sum_k x[m][k] * W[n][k] (+ bias[n])) for m < M, n < N;
@@ -291,6 +337,11 @@ int pdserve_gemm_panels_bf16(const uint16_t *x16, long x16_stride, long M,
   float *x = malloc(sizeof(float) * M * K);
   if (x == NULL) return 1;
   for (long m = 0; m < M; m++) widen(x16 + m * x16_stride, x + m * K, K);
+  if (M >= WIDEN_M) {
+    const int code = gemm_widened(x, M, panels, K, N, bias, out, out_stride, num_threads);
+    free(x);
+    return code;
+  }
 #pragma omp parallel num_threads(num_threads)
   {
     float acc[MB * PANEL] __attribute__((aligned(64)));

@@ -185,8 +185,9 @@ def test_resolve_decode_matmul():
 @needs_native_gemm
 def test_resolve_decode_matmul_bfloat16(monkeypatch):
     """bfloat16 takes the native GEMM under auto where oneDNN cannot
-    multiply bfloat16 itself (it upcasts), and where it can but the CPU has
-    the pairs kernel (AVX512-BF16) and no AMX; `native` forces it."""
+    multiply bfloat16 itself (it upcasts), and where it can on a CPU without
+    AMX (the pairs kernel with AVX512-BF16, the widening one without);
+    `native` forces it."""
     import engine.layers.linear as linear
     from kernels import native
 
@@ -194,7 +195,8 @@ def test_resolve_decode_matmul_bfloat16(monkeypatch):
     monkeypatch.setattr(linear, "upcasts_bfloat16", lambda: True)
     assert resolve_decode_matmul("auto", torch.bfloat16, CPU, onednn) is True
     monkeypatch.setattr(linear, "upcasts_bfloat16", lambda: False)
-    for pairs, amx, auto in ((True, False, True), (True, True, False), (False, False, False)):
+    for pairs, amx, auto in ((True, False, True), (True, True, False), (False, False, True),
+                             (False, True, False)):
         monkeypatch.setattr(native, "gemm_bf16_pairs", lambda pairs=pairs: pairs)
         monkeypatch.setattr(linear, "has_amx", lambda amx=amx: amx)
         assert resolve_decode_matmul("auto", torch.bfloat16, CPU, onednn) is auto

@@ -82,6 +82,21 @@ def test_a_row_does_not_depend_on_the_batch_or_the_threads():
                            together[i : i + 1])
 
 
+@pytest.mark.parametrize("rows,threads", [(24, 2), (37, 3), (200, 2), (1030, 2), (1030, 3)])
+def test_prefill_rows_equal_the_same_rows_alone(rows, threads):
+    """Prefill rows (widened panels on gemm.c's tiles) give each row what the
+    decode groups give it alone, bit for bit, with a bias and a ragged last
+    panel, and match the float64 reference."""
+    x, weight, b = _case(5, rows, 300, 1100, True)
+    panels = native.pack_panels_bf16(weight)
+    together = native.gemm_panels_bf16(x, panels, 1100, b, num_threads=threads)
+    for i in (0, rows // 2, rows - 1):
+        assert torch.equal(native.gemm_panels_bf16(x[i : i + 1], panels, 1100, b),
+                           together[i : i + 1])
+    assert torch.equal(native.gemm_panels_bf16(x[:8], panels, 1100, b), together[:8])
+    _assert_rounded_reference(together, x, weight, b)
+
+
 def test_rounding_is_to_nearest_even_and_keeps_nan_and_inf():
     """One k term, weight 1: the output is the bias-free float32 sum x * 1 +
     bias, rounded as torch rounds float32 to bfloat16 (ties to even)."""
