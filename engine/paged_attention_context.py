@@ -183,8 +183,9 @@ class PagedAttentionContext:
         tensors with GQA left to SDPA: that is what selects torch's fused
         (flash) CPU kernel; 3-D or strided inputs fall back to the math
         path, which materialises the scores and was 3.5x slower on a
-        1,024-token prompt (docs/benchmarks.md). A soft-capped layer takes
-        `_capped_attention`.
+        1,024-token prompt (benchmarks/results/history/engine.md, "Engine
+        step: prepacked linears, CPU attention paths"). A soft-capped layer
+        takes `_capped_attention`.
         """
         if (self._native_prefill and spec.softcap is None
                 and native.supports_prefill_attention(q, k, v)):

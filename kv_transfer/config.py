@@ -21,8 +21,8 @@ class SenderConfig:
     max_chunk_bytes: largest DATA payload; layers are sliced row-aligned below it.
     min_chunk_bytes: smallest DATA payload a layer is cut into (unless the layer,
     or max_chunk_bytes, is smaller): below ~2 MiB per-frame work dominates
-    (docs/benchmarks.md), so with many streams a layer takes fewer of them and
-    the next layer the next ones.
+    (benchmarks/results/history/kv_transfer.md), so with many streams a layer
+    takes fewer of them and the next layer the next ones.
     checksum: of DATA payloads, "xxh3" (XXH3-64, default: ~3x cheaper than XXH64,
     which at wire speed on few cores is the difference between ~60% and ~75% of
     the raw-socket ceiling, docs/benchmarks.md) or "xxh64". Both connectors flag

@@ -174,9 +174,10 @@ class LoopHistogram:
 
     Why: prometheus_client's `observe` takes a lock twice (the sum, the
     bucket), 1.2 us here, a tenth of the relay's Python per token
-    (docs/benchmarks.md). The batch goes in through the child's bucket and
-    sum values (`_buckets`, `_sum`: prometheus_client's own fields, in its
-    multiprocess mode too); a child without them is observed one by one.
+    (benchmarks/results/router-http-2026-11-27-relay-python/README.md). The
+    batch goes in through the child's bucket and sum values (`_buckets`,
+    `_sum`: prometheus_client's own fields, in its multiprocess mode too); a
+    child without them is observed one by one.
     """
 
     __slots__ = ("_child", "_bounds", "_buckets", "_sum", "_pending", "_pending_sum",

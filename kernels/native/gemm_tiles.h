@@ -75,7 +75,8 @@ static inline void rows1(const float *x, long x_stride, const float *p, long kc,
  * bench decode-gemm --threads 1`, with the panels on huge pages either
  * way), medians of two runs: 8 rows 23.6-23.8 -> 19.3-19.5 ms, 16 rows
  * 43.3-43.4 -> 35.0-36.7 ms, both ~1.2x faster than the AVX2 groups
- * (docs/benchmarks.md, "Huge pages and AVX-512 decode groups"). */
+ * (benchmarks/results/engine-2026-11-27-hugepages-avx512/README.md, "Huge
+ * pages and AVX-512 decode groups"). */
 #define ZLOAD(r) __m512 z##r = _mm512_loadu_ps(acc + (r) * PANEL)
 #define ZSTORE(r) _mm512_storeu_ps(acc + (r) * PANEL, z##r)
 #define ZFMA(r) z##r = _mm512_fmadd_ps(_mm512_set1_ps(x[(r) * x_stride + k]), b, z##r)

@@ -34,7 +34,8 @@ from kv_transfer.tcp.stream import Stream, WorkItem
 # few hundred cover any pod. An evicted one's late call is refused and its
 # export fails, the end it had anyway. Each kept entry holds its future, and a
 # future keeps its done-callbacks (and what they captured) alive: 4,096 of
-# them cost the prefill pod ~25 MiB of RSS over a soak (docs/benchmarks.md).
+# them cost the prefill pod ~25 MiB of RSS over a soak
+# (benchmarks/results/history/soak.md, "Where the prefill pod's memory went").
 _FINISHED_KEPT = 256
 
 

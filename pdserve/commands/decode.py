@@ -11,9 +11,9 @@ HELP = "Run a decode pod: receives KV from prefill pods, injects it, and decodes
 # itself (the router's idle side) stall its running batch in chunks of this
 # many tokens. On CPU 64, ~0.15 s of one core for the built-in base model:
 # with 128 (~0.3 s) those chunks made the heavy mix's ITL p99 at 0.4 req/s
-# (docs/benchmarks.md, "heavy-0.4 over 96 requests, and smaller chunks on the
-# decode pod"). On CUDA a chunk costs a decode step little, and 128 stays
-# until measured there.
+# (benchmarks/results/disagg-2026-11-27-heavy04-n96/README.md, "heavy-0.4 over
+# 96 requests, and smaller chunks on the decode pod"). On CUDA a chunk costs a
+# decode step little, and 128 stays until measured there.
 DECODE_MIXED_PREFILL_TOKENS = {"cpu": 64, "cuda": 128}
 
 

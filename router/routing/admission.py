@@ -74,7 +74,8 @@ took to prefill themselves over the last 20 s, per second). Under overload
 they compute part of the prompts, so a queue empties faster than P alone
 computes it. Counted at P's rate only, the wait was overestimated, and
 requests were shed that would have waited less than --max-queue-wait
-(docs/benchmarks.md, "Shedding counts the idle side"). The idle side's own
+(benchmarks/results/disagg-2026-11-27-shed-local-rate/README.md, "Shedding
+counts the idle side"). The idle side's own
 gate (`least_ahead`) still reads P's rate alone: its question is how long
 P would take. The throughput is learnt from this
 router's own Prefill calls: tokens computed (the prompt less the pod's
@@ -99,8 +100,9 @@ sees, its first token. Shed at its turn alone, the P/D path held its queue
 at --max-queue-wait and each prompt then took its own compute on the
 prefill pod's core on top: at 1.5x the sustainable rate with
 --max-queue-wait 8 its accepted requests' TTFT sat at 9-12 s and 64-66 of
-96 met a 10 s SLO; counted with the prompt, 71-77 (docs/benchmarks.md,
-"Shedding until the prompt is computed").
+96 met a 10 s SLO; counted with the prompt, 71-77
+(benchmarks/results/disagg-2026-11-27-colocated-shed/README.md, "Shedding
+until the prompt is computed").
 
 Leaving the queue early (client gone, request deadline) removes the waiter;
 a request whose deadline passes while queued gets 504.

@@ -7,7 +7,8 @@ prompts with the running batch, so a router-side queue (as
 limit, sustained overload grew that queue without bound: at 1.5x the
 sustainable rate over 96 requests the colocated pod's TTFT p90 was 26 s
 while the P/D path refused what its queue could not start within
---max-queue-wait (docs/benchmarks.md, "Overload held for 96 requests").
+--max-queue-wait (benchmarks/results/disagg-2026-11-27-overload96/README.md,
+"Overload held for 96 requests").
 
 The gate applies the same limit, with the same estimate:
 
@@ -28,7 +29,8 @@ grows and its prefill rate falls, where a prefill pod's rises with
 company. At 1.5x the sustainable rate (heavy-1.5 over 96 requests,
 --max-queue-wait 8, shedding at the turn) the peak let the accepted
 requests' TTFT p90 reach 17.1 s, the rate as it stands 14.3 s, and 71
-requests met a 10 s TTFT SLO against 68 (docs/benchmarks.md, "Colocated
+requests met a 10 s TTFT SLO against 68
+(benchmarks/results/disagg-2026-11-27-colocated-shed/README.md, "Colocated
 pods shed too"). Neither sees a pod at its --max-num-seqs, which computes
 no prompt until a sequence ends; there the estimate runs low (the same
 section).

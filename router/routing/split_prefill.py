@@ -17,8 +17,9 @@ loop. A request is split when:
    least M tokens. The default, `auto`, is M = 256 onto a decode pod on
    CPU and never onto one on another device (its `LoadReport.device`):
    measured on CPU (heavy-0.4, TTFT 1.2-1.4x colocated's against 2.0x
-   unsplit, docs/benchmarks.md), not yet for speed on a GPU, where a
-   prompt's prefill is a few milliseconds of a step;
+   unsplit, benchmarks/results/disagg-2026-11-27-n40/README.md), not yet
+   for speed on a GPU, where a prompt's prefill is a few milliseconds of a
+   step;
 2. the decode pod has no queue (no waiting sequences in its last load
    report) and runs at most `--split-prefill-max-running` sequences
    (default 3; the larger of its report's and this router's own count).
@@ -27,7 +28,8 @@ loop. A request is split when:
    while the tail waits for the head's layers. A larger one is: there the
    decode pod has no spare core, and the tail only slows its batch
    (measured at 0.8 req/s without the cap: E2E p50 and ITL p50 both
-   about +30%; docs/benchmarks.md, "Split prefill: the running cap");
+   about +30%; benchmarks/results/disagg-2026-11-27-n40/README.md, "Split
+   prefill: the running cap");
 3. the request wants no prompt logprobs (no pod would compute every
    prompt position's logits).
 
@@ -36,10 +38,10 @@ pod (default 0.55: the tail attends over the head, so it costs more per
 token; `pdserve bench prefill-split` measures the balance), and
 `--split-prefill-busy-head-share` on one with running sequences (default
 0.7: there the tail shares the pod's cores with the decode steps, so it
-gets less of them; docs/benchmarks.md, "Split prefill beside a running
-batch"). The decode pod may decline (its cached prefix holds the head
-already): its `Reserved.split_at` says what it took, 0 for an ordinary
-reservation.
+gets less of them; benchmarks/results/disagg-2026-11-27-split-beside/README.md,
+"Split prefill beside a running batch"). The decode pod may decline (its
+cached prefix holds the head already): its `Reserved.split_at` says what it
+took, 0 for an ordinary reservation.
 """
 
 from __future__ import annotations
