@@ -15,14 +15,20 @@ table calls it under its own lock.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Generic, Protocol, TypeVar
 
 from kv_transfer.base import KVLayout
 from kv_transfer.errors import Reason, TransferRefused
 from kv_transfer.row_state import RowState
 
-if TYPE_CHECKING:
-    from kv_transfer.incoming import Incoming
+
+class _Transfer(Protocol):
+    request_id: str
+
+
+# The transfer a claim was granted in (kv_transfer.incoming.Incoming): only its
+# request id is read here; the claim hands it back to the receive table.
+T = TypeVar("T", bound=_Transfer)
 
 # plain int and bytes: the per-frame claim stays free of enum lookups
 _CLAIMED = RowState.CLAIMED.value
@@ -31,7 +37,7 @@ _CLAIMED_ROW = RowState.CLAIMED.fill(1)
 
 
 @dataclass(frozen=True, slots=True)
-class WriteClaim:
+class WriteClaim(Generic[T]):
     """Permission to write `view` (the landing bytes of one DATA frame). The
     transport writes the payload into `view`, then calls `ReceiveTable.commit`."""
 
@@ -39,7 +45,7 @@ class WriteClaim:
     layer: int
     num_rows: int
     view: memoryview
-    transfer: Incoming  # the transfer it was granted in
+    transfer: T  # the transfer it was granted in
     first: int = 0  # first row index (layer * rows_per_layer + row)
     epoch: int = 0  # the attempt it was granted to (Attempts.epoch)
 
@@ -57,8 +63,8 @@ class LandingWrites:
         self.writers = 0  # claims granted and not yet committed
         self.inflight: dict[int, WriteClaim] = {}  # id(claim) -> claim being written
 
-    def claim(self, transfer: Incoming, epoch: int, layer: int, offset: int,
-              length: int) -> WriteClaim | None:  # fmt: skip
+    def claim(self, transfer: T, epoch: int, layer: int, offset: int,
+              length: int) -> WriteClaim[T] | None:  # fmt: skip
         """Claim the rows of DATA (`layer`, `offset`, `length`) for attempt `epoch`.
         None while a dropped attempt's writer is still in them (the caller waits
         for a commit and asks again); raises TransferRefused (bad_frame: does not

@@ -16,10 +16,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # json_call imports this module
-    from router.tools.json_call import CallScanner
+from typing import Protocol
 
 WHITESPACE = " \t\r\n"
 
@@ -48,6 +45,12 @@ class CallArguments:
 
 
 ToolEvent = ContentText | CallStart | CallArguments
+
+
+class CallReader(Protocol):
+    """Reads one call's text as it arrives (`router.tools.json_call.CallScanner`)."""
+
+    def feed(self, text: str) -> list[ToolEvent]: ...
 
 
 class ContentOut:
@@ -95,7 +98,7 @@ class ToolCallParser(abc.ABC):
     def calls_exhausted(self) -> bool:
         return self.max_calls is not None and self.num_calls >= self.max_calls
 
-    def _scan_call(self, scanner: CallScanner, content: ContentOut, text: str,
+    def _scan_call(self, scanner: CallReader, content: ContentOut, text: str,
                    events: list[ToolEvent]) -> None:
         """Feed `text` to the call being read; its events go to `events`."""
         new = scanner.feed(text)
