@@ -50,7 +50,6 @@ MAX_LAYERS = 1024
 MAX_TOKENS = 1 << 22
 MAX_KV_HEADS = 1024
 MAX_HEAD_DIM = 4096
-MAX_REQUEST_ID_BYTES = 64  # fixed-size field in the TCP frame header
 MAX_TICKET_BYTES = 512
 TRANSPORTS = ("tcp", "grpc")
 
@@ -58,17 +57,6 @@ TRANSPORTS = ("tcp", "grpc")
 def _check_int(name: str, value: int, low: int, high: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
         raise ValueError(f"{name} must be an int in [{low}, {high}], got {value!r}")
-
-
-def check_request_id(request_id: str) -> None:
-    """Raise ValueError unless `request_id` is a non-empty string of at most 64 UTF-8 bytes."""
-    if not isinstance(request_id, str) or not request_id:
-        raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
-    if len(request_id.encode()) > MAX_REQUEST_ID_BYTES:
-        raise ValueError(
-            f"request_id is {len(request_id.encode())} bytes UTF-8, the limit is "
-            f"{MAX_REQUEST_ID_BYTES}"
-        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -59,7 +59,6 @@ from kv_transfer.base import (
     KVReceiveListener,
     ReceiverStats,
     TransferTarget,
-    check_request_id,
 )
 from kv_transfer.errors import Reason, TransferRefused, make_reason, reason_code
 from kv_transfer.incoming import Incoming
@@ -68,6 +67,7 @@ from kv_transfer.tickets import TicketAuthority
 from kv_transfer.tombstones import ended_refusal
 from kv_transfer.transfers import Transfers
 from kv_transfer.writes import WriteClaim
+from proto.request_id import check_request_id
 
 _ENDED_KEPT = 4096
 

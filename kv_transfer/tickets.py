@@ -23,8 +23,8 @@ import secrets
 import struct
 import time
 
-from kv_transfer.base import check_request_id
 from kv_transfer.errors import Reason, TransferRefused
+from proto.request_id import check_request_id
 
 TICKET_VERSION = 1
 _HEAD = struct.Struct("<BQdH")  # version, generation, expiry (unix s), request id length

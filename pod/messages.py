@@ -17,8 +17,7 @@ from engine.grammar import GrammarKind, GrammarSpec
 from engine.outputs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from proto import pdserve_pb2
-
-MAX_REQUEST_ID_CHARS = 64  # the KV frame header holds at most 64 bytes of id
+from proto.request_id import check_request_id
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,16 +30,6 @@ class ModelLimits:
     def __post_init__(self) -> None:
         if self.vocab_size < 1 or self.max_model_len < 1:
             raise ValueError(f"vocab_size and max_model_len must be >= 1, got {self}")
-
-
-def check_request_id(request_id: str) -> None:
-    if not request_id:
-        raise ValueError("request_id must be non-empty")
-    if len(request_id.encode()) > MAX_REQUEST_ID_CHARS:
-        raise ValueError(
-            f"request_id is {len(request_id.encode())} bytes UTF-8, the limit is "
-            f"{MAX_REQUEST_ID_CHARS}"
-        )
 
 
 def sampling_from_proto(msg: pdserve_pb2.SamplingParams) -> SamplingParams:

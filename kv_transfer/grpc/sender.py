@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from kv_transfer.base import KVLayout, KVSender, TransferOutcome, TransferTarget, check_request_id
+from kv_transfer.base import KVLayout, KVSender, TransferOutcome, TransferTarget
 from kv_transfer.checksum import FLAG_XXH3, checksum, data_checksum
 from kv_transfer.config import SenderConfig
 from kv_transfer.device import HostCopy, HostStager, byte_view
@@ -37,6 +37,7 @@ from kv_transfer.outgoing import Outgoing, Piece, plan_pieces
 from kv_transfer.sweeper import Sweeper
 from kv_transfer.wire import MAX_DATA_BYTES, VERSION
 from proto import pdserve_pb2
+from proto.request_id import check_request_id
 from proto.tls import pod_channel
 
 _KIND = pdserve_pb2.FrameKind

@@ -43,11 +43,12 @@ import enum
 import struct
 from dataclasses import dataclass
 
-from kv_transfer.base import DTYPE_CODES, MAX_REQUEST_ID_BYTES, MAX_TICKET_BYTES, KVLayout
+from kv_transfer.base import DTYPE_CODES, MAX_TICKET_BYTES, KVLayout
 from kv_transfer.checksum import checksum
 from kv_transfer.errors import Reason, TransferRefused
 from kv_transfer.refusals import PortRefusal
 from kv_transfer.wire import MAX_ATTEMPT_BYTES, MAX_DATA_BYTES, VERSION
+from proto.request_id import MAX_REQUEST_ID_BYTES
 
 MAGIC = b"PDKV"
 HEADER = struct.Struct(f"<4sHBBHHIQQQ{MAX_REQUEST_ID_BYTES}s")

@@ -20,7 +20,7 @@ from concurrent.futures import Future
 
 import torch
 
-from kv_transfer.base import KVLayout, KVSender, TransferOutcome, TransferTarget, check_request_id
+from kv_transfer.base import KVLayout, KVSender, TransferOutcome, TransferTarget
 from kv_transfer.config import SenderConfig
 from kv_transfer.device import HostStager
 from kv_transfer.errors import Reason, make_reason
@@ -28,6 +28,7 @@ from kv_transfer.outgoing import Outgoing, plan_pieces
 from kv_transfer.sweeper import Sweeper
 from kv_transfer.tcp.frames import FrameKind, encode_begin, encode_end
 from kv_transfer.tcp.stream import Stream, WorkItem
+from proto.request_id import check_request_id
 
 # Resolved transfers kept for the engine's late send_layer/end calls: only a
 # transfer that failed while its request was still prefilling sees them, so a

@@ -13,7 +13,6 @@ from pod.messages import (
     ModelLimits,
     check_context,
     check_request,
-    check_request_id,
     sampling_from_proto,
 )
 from proto import pdserve_pb2
@@ -66,14 +65,6 @@ def test_check_context_accepts_exactly_the_limit():
     check_context([1] * 46, [], SamplingParams(max_tokens=4), LIMITS)
 
 
-def test_request_id_limits():
-    check_request_id("r" * 64)
-    with pytest.raises(ValueError, match="request_id is 65 bytes UTF-8, the limit is 64"):
-        check_request_id("r" * 65)
-    with pytest.raises(ValueError, match="request_id must be non-empty"):
-        check_request_id("")
-
-
 def test_check_request_returns_the_checked_fields():
     request = pdserve_pb2.DecodeGenerateRequest(
         request_id="r1", prompt_token_ids=[1, 2], output_token_ids=[3],
@@ -83,7 +74,8 @@ def test_check_request_returns_the_checked_fields():
 
 
 @pytest.mark.parametrize(("request_id", "prompt", "message"), [
-    ("", [1], "request_id must be non-empty"),
+    ("", [1], "request_id must be a non-empty string"),
+    ("r" * 65, [1], "request_id is 65 bytes UTF-8, the limit is 64"),
     ("r1", [], "prompt_token_ids must be non-empty"),
 ])
 def test_check_request_refuses_what_the_checks_refuse(request_id, prompt, message):
