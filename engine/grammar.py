@@ -40,6 +40,8 @@ from pathlib import Path
 
 import llguidance
 
+from proto import pdserve_pb2 as pb
+
 MAX_GRAMMAR_CHARS = 64 * 1024
 CACHE_SIZE = 256
 # llguidance limits (its defaults, max_grammar_size and lexer states lower):
@@ -79,6 +81,14 @@ class GrammarSpec:
         """A schema as canonical JSON text (sorted keys), so equal schemas share a cache entry."""
         return cls(GrammarKind.JSON_SCHEMA, json.dumps(schema, sort_keys=True,
                                                        separators=(",", ":")))
+
+
+def grammar_from_proto(message: pb.SamplingParams) -> GrammarSpec | None:
+    """The request's grammar (`pdserve.v1.Grammar`: the oneof's field name is
+    the kind), or None when unset; ValueError when its text is empty or too
+    long. The one reading of the wire's grammar, for the pods and the router."""
+    kind = message.grammar.WhichOneof("spec") if message.HasField("grammar") else None
+    return None if kind is None else GrammarSpec(GrammarKind(kind), getattr(message.grammar, kind))
 
 
 def llguidance_grammar(spec: GrammarSpec) -> str:

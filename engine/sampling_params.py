@@ -8,22 +8,18 @@ determinism"); without one it draws from the engine's generator.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from engine.grammar import GrammarSpec
-
-MAX_LOGPROBS = 20
-MAX_SEED = 2**64 - 1
-MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI)
-MAX_LOGIT_BIAS = 100.0
-MAX_LOGIT_BIAS_ENTRIES = 300
+from proto.sampling_limits import ENGINE_LIMITS, check_sampling
 
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """Per-request sampling settings; every field is checked in `__post_init__`.
+    """Per-request sampling settings; every field is checked in `__post_init__`
+    against `ENGINE_LIMITS` (proto/sampling_limits.py, the one home of the
+    limits, shared with the router), with a ValueError naming the field.
 
     `logprobs=n` returns, for each output token, its logprob and the top-n
     tokens' logprobs, all under the model's raw distribution
@@ -71,30 +67,10 @@ class SamplingParams:
     prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
-            raise ValueError(f"seed must be in [0, 2**64 - 1], got {self.seed}")
-        if self.max_tokens < 0:
-            raise ValueError(f"max_tokens must be >= 0 (0 = score the prompt only), "
-                             f"got {self.max_tokens}")
-        if any(t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be >= 0, got {self.stop_token_ids}")
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        check_sampling(self, ENGINE_LIMITS, _refuse, may_score_only=True)
         if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
             raise ValueError(f"grammar must be a GrammarSpec or None, got "
                              f"{type(self.grammar).__name__}")
-        self._check_logits_adjustments()
-        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], "
-                             f"got {self.prompt_logprobs}")
         # Lists are accepted for convenience but stored as tuples (hashable, frozen).
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "stop", tuple(self.stop))
@@ -103,27 +79,10 @@ class SamplingParams:
             self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
             or self.logit_bias or self.min_tokens))
 
-    def _check_logits_adjustments(self) -> None:
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and -MAX_PENALTY <= value <= MAX_PENALTY):
-                raise ValueError(f"{name} must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {value}")
-        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
-            raise ValueError(f"repetition_penalty must be a finite number > 0, got "
-                             f"{self.repetition_penalty}")
-        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
-            raise ValueError(f"logit_bias may hold at most {MAX_LOGIT_BIAS_ENTRIES} entries, "
-                             f"got {len(self.logit_bias)}")
-        for token, bias in self.logit_bias.items():
-            if token < 0:
-                raise ValueError(f"logit_bias token ids must be >= 0, got {token}")
-            if not (math.isfinite(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
-                raise ValueError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS}, "
-                                 f"{MAX_LOGIT_BIAS}], got {bias} for token {token}")
-        if not 0 <= self.min_tokens <= self.max_tokens:
-            raise ValueError(f"min_tokens must be in [0, max_tokens = {self.max_tokens}], got "
-                             f"{self.min_tokens}")
-
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _refuse(field_name: str, problem: str) -> ValueError:
+    return ValueError(f"{field_name} {problem}")

@@ -13,11 +13,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.grammar import GrammarKind, GrammarSpec
+from engine.grammar import grammar_from_proto
 from engine.outputs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from proto import pdserve_pb2
 from proto.request_id import check_request_id
+from proto.sampling_limits import check_in_vocabulary
+from proto.sampling_wire import sampling_fields_from_proto
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,33 +35,12 @@ class ModelLimits:
 
 
 def sampling_from_proto(msg: pdserve_pb2.SamplingParams) -> SamplingParams:
-    """proto3 leaves unset fields at zero: top_p 0 means "off" (1.0),
-    logprobs and prompt_logprobs 0 mean none, repetition_penalty 0 means off
-    (1.0); max_tokens 0 scores the prompt only."""
-    return SamplingParams(
-        temperature=msg.temperature,
-        top_p=msg.top_p if msg.top_p != 0 else 1.0,
-        top_k=msg.top_k,
-        seed=msg.seed if msg.HasField("seed") else None,
-        max_tokens=msg.max_tokens,
-        stop_token_ids=tuple(msg.stop_token_ids),
-        stop=tuple(msg.stop),
-        ignore_eos=msg.ignore_eos,
-        logprobs=msg.logprobs if msg.logprobs > 0 else None,
-        grammar=grammar_from_proto(msg),
-        presence_penalty=msg.presence_penalty,
-        frequency_penalty=msg.frequency_penalty,
-        repetition_penalty=msg.repetition_penalty or 1.0,
-        logit_bias=dict(msg.logit_bias),
-        min_tokens=msg.min_tokens,
-        prompt_logprobs=msg.prompt_logprobs if msg.prompt_logprobs > 0 else None,
-    )
-
-
-def grammar_from_proto(msg: pdserve_pb2.SamplingParams) -> GrammarSpec | None:
-    """The request's grammar (the oneof's field name is the GrammarKind), or None."""
-    kind = msg.grammar.WhichOneof("spec") if msg.HasField("grammar") else None
-    return None if kind is None else GrammarSpec(GrammarKind(kind), getattr(msg.grammar, kind))
+    """The engine's SamplingParams (ValueError naming a field out of its
+    limit). The zeros read as proto/sampling_wire.py says; max_tokens 0
+    scores the prompt only."""
+    fields = sampling_fields_from_proto(msg)
+    return SamplingParams(**fields | {"logit_bias": dict(fields["logit_bias"])},
+                          max_tokens=msg.max_tokens, grammar=grammar_from_proto(msg))
 
 
 def check_context(prompt_token_ids: Sequence[int], output_token_ids: Sequence[int],
@@ -74,10 +55,7 @@ def check_context(prompt_token_ids: Sequence[int], output_token_ids: Sequence[in
         if bad is not None:
             raise ValueError(f"{name} contains {bad}, outside the vocabulary [0, "
                              f"{limits.vocab_size})")
-    bad = next((t for t in params.logit_bias if t >= limits.vocab_size), None)
-    if bad is not None:
-        raise ValueError(f"logit_bias token id {bad} is outside the vocabulary [0, "
-                         f"{limits.vocab_size})")
+    check_in_vocabulary("logit_bias", params.logit_bias, limits.vocab_size, _refuse)
     if output_token_ids and len(output_token_ids) >= params.max_tokens:
         raise ValueError(f"output_token_ids already holds {len(output_token_ids)} tokens, "
                          f"max_tokens is {params.max_tokens}")
@@ -111,6 +89,10 @@ def check_request(request: pdserve_pb2.PrefillRequest | pdserve_pb2.DecodeGenera
     prompt, outputs = list(request.prompt_token_ids), list(request.output_token_ids)
     check_context(prompt, outputs, params, limits)
     return CheckedRequest(request.request_id, prompt, outputs, params)
+
+
+def _refuse(field: str, problem: str) -> ValueError:
+    return ValueError(f"{field} {problem}")
 
 
 def logprob_to_proto(lp: TokenLogprobs) -> pdserve_pb2.TokenLogprob:

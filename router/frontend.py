@@ -34,8 +34,7 @@ from router.flow.deps import FlowDeps
 from router.flow.request_flow import RequestFlow
 from router.generation import GenerationRequest, ParsedRequest
 from router.limits import InputLimits
-from router.logits_params import check_vocabulary
-from router.sampling import fit_context
+from router.sampling import SamplingError, check_vocabulary, fit_context
 from router.structured_output import GrammarCheck
 from router.tools.extractor import ToolCallExtractor
 from router.tools.forced import with_call_grammar
@@ -130,8 +129,10 @@ class Frontend:
             token_ids = self.tokenize(parsed)
         else:
             token_ids = await self.run_blocking(self.tokenize, parsed)
-        check_vocabulary(sampling, self.tokenizer.vocab_size,
-                         lambda name, problem: bad_request(f"'{name}' {problem}", name))
+        try:
+            check_vocabulary(sampling, self.tokenizer.vocab_size)
+        except SamplingError as exc:
+            raise exc.to_api_error() from None
         sampling = fit_context(sampling, chat=parsed.kind == "chat",
                                num_prompt_tokens=len(token_ids),
                                max_model_len=self.max_model_len,

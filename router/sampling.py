@@ -7,7 +7,10 @@ the OpenAI body (router.http.requests), the gRPC API from
 `pdserve.v1.SamplingParams` (`sampling_from_proto`) — and
 `SamplingSpec.__post_init__` refuses any value out of its limit with a
 `SamplingError`, so both doors refuse exactly the same values in the same
-words. `fit_context` adds the one limit that needs the tokenized prompt
+words. The limits and their checks are `API_LIMITS` and `check_sampling`
+(proto/sampling_limits.py: the one home of the sampling limits, shared with
+the engine's `SamplingParams`). `check_vocabulary` adds the token-id limit
+of the model, and `fit_context` the one that needs the tokenized prompt
 (prompt + max_tokens within the model's context). The flow sends the result
 to the pods with `sampling_to_proto`.
 
@@ -16,23 +19,15 @@ Everything here is pure and runs on the router's event loop.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from engine.grammar import GrammarKind, GrammarSpec
+from engine.grammar import GrammarSpec, grammar_from_proto
 from proto import pdserve_pb2 as pb
+from proto.sampling_limits import API_LIMITS, check_in_vocabulary, check_sampling, check_stop
+from proto.sampling_wire import sampling_fields_from_proto
 from router.api_error import ApiError, bad_request
-from router.logits_params import (
-    check_logits_fields,
-    logits_fields_from_proto,
-    logits_fields_to_proto,
-)
 
-MAX_LOGPROBS = 20
-MAX_STOP_STRINGS = 16
-MAX_SEED = 2**64 - 1
-MAX_TOP_K = 2**31 - 1
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 
 
@@ -59,11 +54,8 @@ class SamplingError(ValueError):
 
 
 def check_stop_strings(stop: Sequence[str]) -> None:
-    """Raise SamplingError unless `stop` holds 0..MAX_STOP_STRINGS non-empty strings."""
-    if len(stop) > MAX_STOP_STRINGS:
-        raise SamplingError("stop", f"may hold at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
-    if any(not s for s in stop):
-        raise SamplingError("stop", "strings must not be empty")
+    """Raise SamplingError unless `stop` holds the API's number of non-empty strings."""
+    check_stop(stop, API_LIMITS, SamplingError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,9 +73,9 @@ class SamplingSpec:
     logprobs) comes before the output. `max_tokens` 0 only scores the
     prompt, so it needs `echo` or `prompt_logprobs` (docs/router.md, Echo).
     `grammar` (structured outputs, router.structured_output): None =
-    unconstrained. The logits adjustments (penalties, `logit_bias` as sorted
-    (token id, bias) pairs, `min_tokens`, `stop_token_ids`) are checked by
-    router.logits_params."""
+    unconstrained. The logits adjustments: penalties, `logit_bias` as sorted
+    (token id, bias) pairs, `min_tokens`, `stop_token_ids`. Every field's
+    limit is `API_LIMITS`' (proto/sampling_limits.py)."""
 
     max_tokens: int | None = None
     temperature: float = 1.0
@@ -104,33 +96,23 @@ class SamplingSpec:
     echo: bool = False
 
     def __post_init__(self) -> None:
-        if self.max_tokens is not None and self.max_tokens < 1 and not (
-                self.max_tokens == 0 and self.scores_prompt):
-            hint = (" (0 only scores the prompt: with 'echo': true or 'prompt_logprobs')"
-                    if self.max_tokens == 0 else "")
-            raise SamplingError("max_tokens", f"must be at least 1, got {self.max_tokens}{hint}")
-        if not (math.isfinite(self.temperature) and 0.0 <= self.temperature <= 2.0):
-            raise SamplingError("temperature", f"must be in [0, 2], got {self.temperature}")
-        if not (math.isfinite(self.top_p) and 0.0 < self.top_p <= 1.0):
-            raise SamplingError("top_p", f"must be in (0, 1], got {self.top_p}")
-        if not -1 <= self.top_k <= MAX_TOP_K:
-            raise SamplingError("top_k", f"must be in [-1, {MAX_TOP_K}], got {self.top_k}")
+        check_sampling(self, API_LIMITS, SamplingError, may_score_only=self.scores_prompt)
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)  # frozen: the one normalisation
-        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
-            raise SamplingError("seed", f"must be in [0, {MAX_SEED}], got {self.seed}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise SamplingError("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
-        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
-            raise SamplingError("prompt_logprobs", f"must be in [0, {MAX_LOGPROBS}], got "
-                                f"{self.prompt_logprobs}")
-        check_stop_strings(self.stop)
-        check_logits_fields(self, SamplingError)
 
     @property
     def scores_prompt(self) -> bool:
         """The client wants the prompt back (echo) or scored (prompt logprobs)."""
         return self.echo or self.prompt_logprobs is not None
+
+
+def check_vocabulary(spec: SamplingSpec, vocab_size: int) -> None:
+    """SamplingError for a token id the model cannot produce in `logit_bias`
+    or `stop_token_ids` (needs the tokenizer: the front door calls it with
+    the prompt)."""
+    check_in_vocabulary("logit_bias", (t for t, _ in spec.logit_bias), vocab_size,
+                        SamplingError)
+    check_in_vocabulary("stop_token_ids", spec.stop_token_ids, vocab_size, SamplingError)
 
 
 def fit_context(
@@ -190,30 +172,14 @@ def fit_context(
 
 def sampling_from_proto(message: pb.SamplingParams) -> SamplingSpec:
     """A gRPC client's SamplingParams as a checked SamplingSpec (SamplingError
-    when a value is out of its limit). Proto zeros mean "unset", except
-    temperature, where 0 is greedy, and repetition_penalty, where 0 is unset (1)."""
-    return SamplingSpec(
-        max_tokens=message.max_tokens or None,
-        temperature=message.temperature,
-        top_p=message.top_p or 1.0,
-        top_k=message.top_k,
-        seed=message.seed if message.HasField("seed") else None,
-        stop=tuple(message.stop),
-        ignore_eos=message.ignore_eos,
-        logprobs=message.logprobs or None,
-        grammar=_grammar_from_proto(message),
-        **logits_fields_from_proto(message),
-    )
-
-
-def _grammar_from_proto(message: pb.SamplingParams) -> GrammarSpec | None:
-    kind = message.grammar.WhichOneof("spec") if message.HasField("grammar") else None
-    if kind is None:
-        return None
+    when a value is out of its limit). The zeros read as proto/sampling_wire.py
+    says, except max_tokens: 0 is "not given", which `fit_context` sets."""
     try:
-        return GrammarSpec(GrammarKind(kind), getattr(message.grammar, kind))
+        grammar = grammar_from_proto(message)
     except ValueError as exc:
         raise SamplingError("grammar", str(exc)) from None
+    return SamplingSpec(max_tokens=message.max_tokens or None, grammar=grammar,
+                        **sampling_fields_from_proto(message))
 
 
 def sampling_to_proto(spec: SamplingSpec) -> pb.SamplingParams:
@@ -231,10 +197,15 @@ def sampling_to_proto(spec: SamplingSpec) -> pb.SamplingParams:
         logprobs=0 if spec.logprobs is None else max(1, spec.logprobs),
         stop=list(spec.stop),
         prompt_logprobs=0 if spec.prompt_logprobs is None else max(1, spec.prompt_logprobs),
+        presence_penalty=spec.presence_penalty,
+        frequency_penalty=spec.frequency_penalty,
+        repetition_penalty=spec.repetition_penalty,
+        min_tokens=spec.min_tokens,
+        stop_token_ids=list(spec.stop_token_ids),
+        logit_bias=dict(spec.logit_bias),
     )
     if spec.seed is not None:
         message.seed = spec.seed
     if spec.grammar is not None:  # the oneof's field name is the kind
         message.grammar.MergeFrom(pb.Grammar(**{spec.grammar.kind.value: spec.grammar.text}))
-    logits_fields_to_proto(spec, message)
     return message

@@ -23,7 +23,7 @@ tests/integration/test_sampling_params.py checks against real pods.
 
 The fields that adjust logits (penalties, `logit_bias`, `min_tokens`,
 `stop_token_ids`) and `n`/`best_of` are read here too; their limits are
-router.logits_params' (SamplingSpec's) and `MAX_N`.
+SamplingSpec's (proto/sampling_limits.py's `API_LIMITS`) and `MAX_N`.
 """
 
 from __future__ import annotations

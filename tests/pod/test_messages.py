@@ -97,5 +97,12 @@ def test_logits_adjustments_cross_the_wire():
     assert params.needs_logits_processing
     assert not sampling_from_proto(pdserve_pb2.SamplingParams(max_tokens=8)).needs_logits_processing
     msg.logit_bias[100] = 1.0
-    with pytest.raises(ValueError, match="logit_bias token id 100 is outside the vocabulary"):
+    with pytest.raises(ValueError,
+                       match=r"logit_bias holds token id 100, outside the vocabulary \[0, 100\)"):
         check_context([1, 2], [], sampling_from_proto(msg), LIMITS)
+
+
+def test_a_negative_count_is_refused_not_read_as_none():
+    """proto/sampling_wire.py: only 0 means none; -1 is out of range."""
+    with pytest.raises(ValueError, match=r"logprobs must be in \[0, 20\], got -1"):
+        sampling_from_proto(pdserve_pb2.SamplingParams(max_tokens=3, logprobs=-1))

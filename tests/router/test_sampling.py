@@ -10,6 +10,7 @@ from router.api_error import ApiError
 from router.sampling import (
     SamplingError,
     SamplingSpec,
+    check_vocabulary,
     fit_context,
     sampling_from_proto,
     sampling_to_proto,
@@ -120,3 +121,14 @@ def test_logits_fields_limits_and_wire_form():
         with pytest.raises(SamplingError) as info:
             SamplingSpec(**fields)
         assert info.value.field == name
+
+
+def test_check_vocabulary_names_the_field_and_the_vocabulary():
+    check_vocabulary(SamplingSpec(logit_bias=((99, 1.0),), stop_token_ids=(99,)), 100)
+    with pytest.raises(SamplingError) as info:
+        check_vocabulary(SamplingSpec(logit_bias=((3, 1.0), (100, 1.0))), 100)
+    assert (info.value.field, str(info.value)) == (
+        "logit_bias", "'logit_bias' holds token id 100, outside the vocabulary [0, 100)")
+    with pytest.raises(SamplingError) as info:
+        check_vocabulary(SamplingSpec(stop_token_ids=(100,)), 100)
+    assert info.value.field == "stop_token_ids"

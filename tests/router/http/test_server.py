@@ -62,6 +62,10 @@ BAD_REQUESTS = [
     ({"model": "gpt-4", "prompt": "x"}, 404, "model", "The model 'gpt-4' does not exist"),
     ({"model": "tiny", "prompt": [5000]}, 400, "prompt",
      "'prompt' token id 5000 is outside the vocabulary (size 1100)"),
+    ({"model": "tiny", "prompt": "x", "logit_bias": {"1100": 1}}, 400, "logit_bias",
+     "'logit_bias' holds token id 1100, outside the vocabulary [0, 1100)"),
+    ({"model": "tiny", "prompt": "x", "stop_token_ids": [5, 1100]}, 400, "stop_token_ids",
+     "'stop_token_ids' holds token id 1100, outside the vocabulary [0, 1100)"),
 ]
 
 
