@@ -266,10 +266,11 @@ class KVImport:
     def _queue_tail(self, split_at: int, gate: LayerGate,
                     event_loop: asyncio.AbstractEventLoop) -> None:
         """Injector thread, once the head's layer 0 is in: the engine computes
-        R's tail from its next step on, each layer behind the injector."""
-        rid = self.request_id
-        self._committed = self._loop.submit(
-            lambda engine: engine.start_tail(rid, split_at, gate), event_loop)
+        R's tail from its next step on, each layer behind the injector; the
+        tail worker wakes the loop when it is done."""
+        rid, loop = self.request_id, self._loop
+        self._committed = loop.submit(
+            lambda engine: engine.start_tail(rid, split_at, gate, on_done=loop.wake), event_loop)
 
     async def commit(self) -> RequestStream:
         """R's KV is in the cache and its commit queued (see `_queue_commit`,

@@ -12,15 +12,19 @@ Threads and who calls what:
   blocks a step in flight writes out of the pool), and on CPU the forward
   itself (and the layer hook) runs on the engine's forward worker thread.
 * the **asyncio loop** of the gRPC server calls the `async` methods below
-  (`add_request`, `abort`, `reserve_remote`, `run`). Each
+  (`add_request`, `abort`, `reserve_remote`, `call`). Each
   queues a command and awaits its result, so a servicer never blocks the
   event loop on the engine. A caller of `add_request` / `reserve_remote`
   cancelled before its answer leaves nothing held (`_admit`).
 * any other thread may queue a command with `submit` (the decode pod's
   injector commits a request whose KV is in straight from its own thread,
-  so the commit joins the next step without a hop through the event loop).
-* on a decode pod, the loop may hold a step's start for a transfer about
-  to complete (`join_transfers`): see "Joining a running batch" below.
+  so the commit joins the next step without a hop through the event loop),
+  and call `wake` (a split prefill's tail, done on the engine's tail
+  worker, has its request join a step: an idle loop checks at once).
+* a `StepHook` given to the constructor runs on the loop thread around
+  each step: before it (it may hold the start, running commands
+  meanwhile) and after it (its wall time). The decode pod's is its join
+  hold (engine/join_hold.py).
 * any thread may read `stats` (an immutable snapshot replaced after every
   step) and call `kv_caches()` (the cache tensors never move after start).
 * a worker thread (`asyncio.to_thread`) compiles a request's grammar into
@@ -36,21 +40,9 @@ stream ends with the request's finished output, with `RequestAborted` when
 it is aborted, or with `EngineDead` if `step()` raised (the pod then reports
 NOT_SERVING; there is no recovering a half-stepped engine).
 
-Commands (`_Command`, one `fn(engine)` call each) wait in a FIFO
-`_CommandQueue`; the loop thread runs everything queued before each step.
-
-Joining a running batch: a transferred request's second token needs its
-first as input, so it joins the first step that starts after its commit.
-When the commit lands while a step runs, the request waits for the rest of
-that step and then one more: 1.5 steps on average where the gap between
-its other tokens is one. With `join_transfers(next_ready, fraction)` the
-loop, before starting a step, asks when the next transfer is expected to
-complete (the injector extrapolates its layers' cadence); if that is
-within `fraction` of a step (the steps' moving average), it holds the
-start until the commit arrives or that much time passed, once per
-request. A held request's gap is then about one step, and the running
-batch pays at most `fraction` of a step once per joining request (metrics
-`pdserve_join_holds_total`, `pdserve_join_hold_seconds_total`).
+Commands (`engine.loop_commands.Command`, one `fn(engine)` call each) wait
+in a FIFO `CommandQueue`; the loop thread runs everything queued before each
+step.
 """
 
 from __future__ import annotations
@@ -59,16 +51,15 @@ import asyncio
 import contextlib
 import enum
 import logging
-import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
+from engine.loop_commands import Command, CommandQueue, Wake
 from engine.metrics import PodMetrics
 from engine.outputs import EngineStats, RemoteReservation
-from engine.request_stream import EngineDead, RequestAborted, RequestStream, StreamTable, post
+from engine.request_stream import EngineDead, RequestAborted, RequestStream, StreamTable
 
 if TYPE_CHECKING:  # the loop only calls the engine; importing it would load the model code
     from engine.llm_engine import LLMEngine
@@ -76,12 +67,6 @@ if TYPE_CHECKING:  # the loop only calls the engine; importing it would load the
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-# How long the idle loop sleeps on the command queue before re-checking the
-# stop flag; commands wake it at once, so this only bounds shutdown latency.
-_IDLE_POLL_S = 0.5
-# Weight of the latest step in the steps' moving average (join holds).
-_STEP_EMA_ALPHA = 0.25
 
 
 class LoopState(enum.Enum):
@@ -101,15 +86,31 @@ _TRANSITIONS: dict[LoopState, frozenset[LoopState]] = {
 }
 
 
+class StepHook(Protocol):
+    """What the loop thread calls around each step (`EngineLoop(step_hook=)`;
+    the decode pod's `engine.join_hold.JoinHold`). Loop thread only."""
+
+    def before_step(self, wait: Callable[[float], bool]) -> None:
+        """Before a step the loop is about to start. May hold the start by
+        calling `wait(seconds)`, which runs the commands queued within that
+        time (returning once the queue is empty after the first one, or the
+        time is up) and returns False once the loop is stopping."""
+
+    def after_step(self, seconds: float) -> None:
+        """After each step: its wall time."""
+
+
 class EngineLoop:
     """Owns `engine` (an `engine.llm_engine.LLMEngine`) on one thread; see the
     module docstring for the threading contract. `metrics` gauges are updated
-    after every step."""
+    after every step; `step_hook` (optional) runs around each step."""
 
-    def __init__(self, engine: LLMEngine, metrics: PodMetrics) -> None:
+    def __init__(self, engine: LLMEngine, metrics: PodMetrics, *,
+                 step_hook: StepHook | None = None) -> None:
         self._engine = engine
         self._metrics = metrics
-        self._commands = _CommandQueue()
+        self._step_hook = step_hook
+        self._commands = CommandQueue()
         self._streams = StreamTable()  # touched by the loop thread only
         self._state = LoopState.NEW
         self._state_lock = threading.Lock()
@@ -121,13 +122,6 @@ class EngineLoop:
         self.block_size: int = int(engine.config.block_size)
         self.max_model_len: int = int(engine.max_model_len)
         self.device_type: str = engine.device.type  # "cpu" | "cuda"
-        # join holds (join_transfers); loop thread only after start
-        self._next_ready: Callable[[], tuple[str, float] | None] | None = None
-        self._join_fraction = 0.0
-        self._step_s = 0.0  # moving average of step() wall time
-        self._held_for: str | None = None
-        # a split prefill's tail done on its own thread: step again at once
-        engine.tails.wake = lambda: self._commands.put(_Wake())
 
     # ------------------------------------------------------------ lifecycle
 
@@ -142,19 +136,6 @@ class EngineLoop:
             self._state = new
             return True
 
-    def join_transfers(self, next_ready: Callable[[], tuple[str, float] | None],
-                       fraction: float) -> None:
-        """Before `start`: let a step's start wait up to `fraction` (0-1) of a
-        step for the request `next_ready()` expects to complete first
-        (`(request id, time.monotonic() when)`, or None); see the module
-        docstring, "Joining a running batch". 0 turns it off."""
-        if not 0.0 <= fraction <= 1.0:
-            raise ValueError(f"join fraction must be in [0, 1] of a step, got {fraction}")
-        if self._state is not LoopState.NEW:
-            raise RuntimeError("join_transfers() must come before start()")
-        self._next_ready = next_ready if fraction > 0 else None
-        self._join_fraction = fraction
-
     def start(self) -> None:
         """Start the loop thread (called once by the pod's main)."""
         if not self._transition(LoopState.RUNNING):
@@ -167,18 +148,23 @@ class EngineLoop:
         Called by the pod's main after the gRPC server stopped."""
         if not self._transition(LoopState.STOPPED):
             return
-        self._commands.put(_Wake())  # wake an idle loop
+        self.wake()
         if self._thread.is_alive():
             self._thread.join(timeout)
 
+    def wake(self) -> None:
+        """Any thread: an idle loop checks the engine for work (and its own
+        state) at once, instead of at its next poll."""
+        self._commands.put(Wake())
+
     # ------------------------------------------------------------ commands (asyncio side)
 
-    async def run(self, fn: Callable[[Any], T]) -> T:
+    async def call(self, fn: Callable[[Any], T]) -> T:
         """Run `fn(engine)` on the loop thread and return its result (or
         raise its exception) on the caller's event loop. Raises EngineDead
         when the loop is not running (also for a command still queued when
         the loop stops)."""
-        command = _Command.new(fn)
+        command = Command.new(fn)
         with self._state_lock:  # see _fail_all: nothing is queued after the drain
             if self._state is not LoopState.RUNNING:
                 raise EngineDead(f"engine loop is {self._state.value}")
@@ -187,10 +173,10 @@ class EngineLoop:
 
     def submit(self, fn: Callable[[Any], T], loop: asyncio.AbstractEventLoop
                ) -> asyncio.Future[T]:
-        """`run` for any thread: queue `fn(engine)` now and return the future
+        """`call` for any thread: queue `fn(engine)` now and return the future
         (on `loop`) its result or exception will settle. Raises EngineDead at
         once when the loop is not running. An idle loop wakes at once."""
-        command = _Command(fn, loop, loop.create_future())
+        command = Command(fn, loop, loop.create_future())
         with self._state_lock:
             if self._state is not LoopState.RUNNING:
                 raise EngineDead(f"engine loop is {self._state.value}")
@@ -293,7 +279,7 @@ class EngineLoop:
                 self._metrics.abort("client")
 
         try:
-            return await self.run(guarded)
+            return await self.call(guarded)
         except asyncio.CancelledError:
             cancelled.set()
             with contextlib.suppress(EngineDead):  # a stopped loop holds nothing any more
@@ -313,7 +299,7 @@ class EngineLoop:
                 stream.abort(RequestAborted(request_id, reason))
             return stream is not None
 
-        found = await self.run(abort)
+        found = await self.call(abort)
         if found:
             self._metrics.abort(reason)
         return found
@@ -333,16 +319,16 @@ class EngineLoop:
                     self._execute(command)
                 if self._state is not LoopState.RUNNING:
                     break
-                if self._next_ready is not None and self._engine.has_unfinished_requests():
-                    self._hold_for_join()
+                hook = self._step_hook
+                if hook is not None and self._engine.has_unfinished_requests():
+                    hook.before_step(self._run_commands_for)
                     if self._state is not LoopState.RUNNING:
                         break
                 if self._engine.has_unfinished_requests():
                     started = time.monotonic()
                     outputs = self._engine.step()
-                    elapsed = time.monotonic() - started
-                    self._step_s += (_STEP_EMA_ALPHA if self._step_s else 1.0) * (
-                        elapsed - self._step_s)
+                    if hook is not None:
+                        hook.after_step(time.monotonic() - started)
                     # Stats first: a caller woken by its last output must see
                     # the blocks that output's request released.
                     self._publish_stats()
@@ -354,32 +340,14 @@ class EngineLoop:
             return
         self._fail_all(EngineDead("engine loop stopped"))
 
-    def _hold_for_join(self) -> None:
-        """Wait (running commands) for the commit of the transfer expected
-        next, if it is due within the join fraction of a step; once per request."""
-        assert self._next_ready is not None
-        expected = self._next_ready()
-        if expected is None or expected[0] == self._held_for:
-            return
-        request_id, ready_at = expected
-        started = time.monotonic()
-        budget = self._join_fraction * self._step_s
-        if budget <= 0 or ready_at - started > budget:
-            return
-        self._held_for = request_id
-        deadline = started + budget
-        while (left := deadline - time.monotonic()) > 0:
-            for command in self._commands.drain(block=True, timeout=left):
-                self._execute(command)
-            if self._state is not LoopState.RUNNING:
-                break
-            expected = self._next_ready()
-            if expected is None or expected[0] != request_id:
-                break  # its commit is queued (and ran), or it failed
-        self._metrics.join_holds.inc()
-        self._metrics.join_hold_seconds.inc(time.monotonic() - started)
+    def _run_commands_for(self, seconds: float) -> bool:
+        """A step hook's `wait`: run the commands queued within `seconds`;
+        False once the loop is stopping."""
+        for command in self._commands.drain(block=True, timeout=seconds):
+            self._execute(command)
+        return self._state is LoopState.RUNNING
 
-    def _execute(self, command: _Command) -> None:
+    def _execute(self, command: Command) -> None:
         try:
             result = command.fn(self._engine)
         except BaseException as exc:  # noqa: BLE001 - handed to the awaiting caller
@@ -391,7 +359,7 @@ class EngineLoop:
     def _fail_all(self, exc: BaseException) -> None:
         self._streams.end_all(exc)
         # Commands queued before the state changed still owe their callers
-        # an answer; `run` queues nothing once the state is not RUNNING.
+        # an answer; `call` queues nothing once the state is not RUNNING.
         for command in self._commands.drain(block=False):
             command.reject(EngineDead(f"engine loop is {self._state.value}"))
 
@@ -410,67 +378,3 @@ class EngineLoop:
         m.prefix_cache_hits.inc(max(0, stats.prefix_cache_hits - self._counted_hits))
         self._counted_queries = stats.prefix_cache_queries
         self._counted_hits = stats.prefix_cache_hits
-
-
-@dataclass(frozen=True, slots=True)
-class _Command:
-    """One queued `fn(engine)` call and the caller's future (on its event
-    loop); only the command settles its future, from the loop thread."""
-
-    fn: Callable[[Any], Any]
-    loop: asyncio.AbstractEventLoop
-    future: asyncio.Future[Any] = field(compare=False)
-
-    @classmethod
-    def new(cls, fn: Callable[[Any], Any]) -> _Command:
-        """On the caller's event loop."""
-        loop = asyncio.get_running_loop()
-        return cls(fn, loop, loop.create_future())
-
-    def resolve(self, value: Any) -> None:
-        post(self.loop, _set_result, self.future, value)
-
-    def reject(self, exc: BaseException) -> None:
-        post(self.loop, _set_exception, self.future, exc)
-
-
-@dataclass(frozen=True, slots=True)
-class _Wake:
-    """Queued by `stop` so an idle loop sees the new state at once."""
-
-
-class _CommandQueue:
-    """Commands for the loop thread, run in the order they were queued.
-    Any thread puts; only the loop thread drains."""
-
-    def __init__(self) -> None:
-        self._items: queue.SimpleQueue[_Command | _Wake] = queue.SimpleQueue()
-
-    def put(self, item: _Command | _Wake) -> None:
-        self._items.put(item)
-
-    def drain(self, block: bool, timeout: float = _IDLE_POLL_S) -> Iterator[_Command]:
-        """Yield commands until the queue is empty; one queued while an earlier
-        one runs is yielded in the same drain. `block`: wait up to `timeout`
-        for the first item."""
-        try:
-            item = self._items.get(timeout=timeout) if block else self._items.get_nowait()
-        except queue.Empty:
-            return
-        while True:
-            if isinstance(item, _Command):
-                yield item
-            try:
-                item = self._items.get_nowait()
-            except queue.Empty:
-                return
-
-
-def _set_result(future: asyncio.Future[Any], value: Any) -> None:
-    if not future.cancelled():
-        future.set_result(value)
-
-
-def _set_exception(future: asyncio.Future[Any], exc: BaseException) -> None:
-    if not future.cancelled():
-        future.set_exception(exc)

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
 
@@ -279,7 +279,8 @@ class LLMEngine:
             self._finish(request, status)
             self._pending.append(_output(request, (), ()))
 
-    def start_tail(self, request_id: str, num_head_tokens: int, gate: LayerGate) -> None:
+    def start_tail(self, request_id: str, num_head_tokens: int, gate: LayerGate, *,
+                   on_done: Callable[[], object] | None = None) -> None:
         """Decode pod, split prefill (docs/architecture.md, "One prompt
         on both pods"): a reservation whose context tokens [0, num_head_tokens)
         come from a prefill pod layer by layer while this engine computes the
@@ -288,7 +289,8 @@ class LLMEngine:
         steps (engine.tail_worker; a tail of one token waits there for the
         whole head); then the request joins the next step, which computes
         the last token and samples token 0. A failed gate ends the request
-        aborted."""
+        aborted. `on_done()` is called on the tail worker's thread when the
+        tail is done (the engine loop's `wake`: an idle loop steps again)."""
         request = self._requests.get(request_id)
         if request is None or request.status is not RequestStatus.WAITING_FOR_REMOTE_KV:
             state = "unknown" if request is None else request.status.name
@@ -305,7 +307,7 @@ class LLMEngine:
         last = request.num_context_tokens - 1
         inputs = (self.runner.tail_inputs(request, num_head_tokens, last, gate)
                   if num_head_tokens < last else None)
-        self.tails.start(TailJob(request_id, gate, inputs))
+        self.tails.start(TailJob(request_id, gate, inputs, on_done))
 
     def _settle_tails(self) -> None:
         """Tails the worker finished: the request joins the steps with its

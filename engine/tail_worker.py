@@ -15,8 +15,9 @@ last chunk would. A tail of that one token alone has no forward here: the
 job waits for the whole head, so the step finds every layer in.
 
 Threads: `start` and `finished` from the engine thread; the worker thread
-runs one forward at a time, in the order started, and calls `wake` after
-each, so an idle engine loop steps again. The forward writes only the
+runs one forward at a time, in the order started, and calls the job's
+`on_done` after each (the engine loop's `wake`), so an idle engine loop
+steps again. The forward writes only the
 request's own slots, which nothing else touches until `finished` has
 reported it: an abort meanwhile waits for that (LLMEngine.abort_request).
 """
@@ -40,11 +41,13 @@ log = logging.getLogger(__name__)
 @dataclass(slots=True)
 class TailJob:
     """One tail: the forward's inputs (input ids, positions, context; None
-    for a tail of one token) and what became of it."""
+    for a tail of one token), who to tell when it is done (called on the
+    worker thread), and what became of it."""
 
     request_id: str
     gate: LayerGate
     inputs: tuple[torch.Tensor, torch.Tensor, PagedAttentionContext] | None
+    on_done: Callable[[], object] | None = None
     # set by the engine thread: the request was aborted while its tail ran
     aborted: bool = False
     # set by the worker: the forward ran every layer over a whole head
@@ -61,8 +64,6 @@ class TailWorker:
         self._done: queue.SimpleQueue[TailJob] = queue.SimpleQueue()
         self._running: dict[str, TailJob] = {}  # engine thread only
         self._thread: threading.Thread | None = None
-        # Called by the worker thread after each job (the engine loop's wake-up).
-        self.wake: Callable[[], None] | None = None
 
     def start(self, job: TailJob) -> None:
         self._running[job.request_id] = job
@@ -110,5 +111,5 @@ class TailWorker:
                 log.exception("split prefill tail of %s failed", job.request_id)
                 job.ok = False
             self._done.put(job)
-            if self.wake is not None:
-                self.wake()
+            if job.on_done is not None:
+                job.on_done()

@@ -23,7 +23,7 @@ consumer bookkeeping; a Redis stream would replay history nobody needs.
 Threads: `stored` / `evicted` run on the engine loop thread and only record
 under a lock; the first change after a flush wakes the pod's event loop
 (`call_soon_threadsafe`), which takes everything pending as one batch. A
-subscriber registers on the engine loop thread (`EngineLoop.run`), so its
+subscriber registers on the engine loop thread (`EngineLoop.call`), so its
 snapshot and the changes after it are never interleaved.
 
 A subscriber that falls `MAX_QUEUED_BATCHES` behind is dropped (its stream
@@ -91,7 +91,7 @@ class CacheEventHub:
     async def attach(self, engine_loop: EngineLoop) -> None:
         """Become the engine's prefix-cache listener (on its loop thread)."""
         self._loop = asyncio.get_running_loop()
-        await engine_loop.run(
+        await engine_loop.call(
             lambda engine: engine.block_manager.prefix_cache.set_listener(self))
 
     def start(self, address: str) -> None:
@@ -171,7 +171,7 @@ class CacheEventHub:
         """The snapshot, then every batch, until the pod closes the hub (or the
         caller stops iterating)."""
         subscriber = _Subscriber()
-        await engine_loop.run(lambda engine: self._register(engine, subscriber))
+        await engine_loop.call(lambda engine: self._register(engine, subscriber))
         try:
             assert subscriber.snapshot is not None
             yield subscriber.snapshot

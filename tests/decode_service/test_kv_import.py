@@ -205,7 +205,7 @@ def test_a_commit_the_engine_refuses_fails_the_commit_and_free_still_frees(tiny_
         with pytest.raises(ValueError, match="outside the vocabulary"):
             await kv.commit()
         await kv.free("transfer")
-        await loop.run(lambda engine: None)
+        await loop.call(lambda engine: None)
         return loop.stats
 
     stats = _run(tiny_model_dir, scenario)
@@ -223,7 +223,7 @@ def test_a_failed_transfer_is_freed_in_the_safe_order(tiny_model_dir):
         assert kv.state is ImportState.OPEN
         await kv.free("transfer")
         await kv.free("transfer")  # a second free is a no-op
-        await loop.run(lambda engine: None)  # stats published after the abort
+        await loop.call(lambda engine: None)  # stats published after the abort
         return err.value.reason, kv.state, loop.stats
 
     log: list[str] = []
@@ -293,7 +293,7 @@ def test_a_full_landing_pool_leaves_the_blocks_to_free(tiny_model_dir):
             kv.open()
         assert kv.state is ImportState.RESERVED and kv.holds_resources
         await kv.free("client")
-        await loop.run(lambda engine: None)
+        await loop.call(lambda engine: None)
         return loop.stats
 
     log: list[str] = []

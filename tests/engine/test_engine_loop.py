@@ -81,11 +81,11 @@ def test_abort_ends_the_stream_and_frees_blocks(engine_config):
         # Async scheduling: the blocks come back once the step in flight
         # completes, which the loop runs right after the command.
         for _ in range(200):
-            stats = await loop.run(lambda engine: engine.stats())
+            stats = await loop.call(lambda engine: engine.stats())
             if stats.num_free_blocks == stats.num_total_blocks:
                 break
             await asyncio.sleep(0.01)
-        await loop.run(lambda engine: None)  # one more pass: stats published
+        await loop.call(lambda engine: None)  # one more pass: stats published
         return seen, loop.stats
 
     seen, stats = _run(engine_config, scenario)
@@ -162,7 +162,7 @@ async def _settled(loop: EngineLoop):
     """The engine's stats once nothing is left to step (with async scheduling an
     aborted request's blocks return when the step in flight completes)."""
     for _ in range(500):
-        busy, stats = await loop.run(lambda e: (e.has_unfinished_requests(), e.stats()))
+        busy, stats = await loop.call(lambda e: (e.has_unfinished_requests(), e.stats()))
         if not busy:
             return stats
         await asyncio.sleep(0.01)
@@ -178,7 +178,7 @@ async def _hold_the_loop(loop: EngineLoop) -> tuple[asyncio.Future, threading.Ev
         entered.set()
         release.wait(30)
 
-    held = asyncio.ensure_future(loop.run(hold))
+    held = asyncio.ensure_future(loop.call(hold))
     assert await asyncio.to_thread(entered.wait, 30)
     return held, release
 
@@ -192,7 +192,7 @@ def test_an_admission_cancelled_while_queued_holds_nothing(engine_config, admiss
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
 
     async def scenario(loop: EngineLoop):
-        baseline = await loop.run(lambda engine: engine.stats())
+        baseline = await loop.call(lambda engine: engine.stats())
         held, release = await _hold_the_loop(loop)
         callers = [asyncio.ensure_future(getattr(loop, admission)(f"r{i}", [5] * 30, params))
                    for i in range(8)]
@@ -202,7 +202,7 @@ def test_an_admission_cancelled_while_queued_holds_nothing(engine_config, admiss
         await asyncio.wait(callers)  # each saw its cancel before its command runs
         release.set()
         await held
-        now = await loop.run(lambda engine: engine.stats())  # nothing was admitted
+        now = await loop.call(lambda engine: engine.stats())  # nothing was admitted
         after = await _settled(loop)
         stream = await loop.add_request("r0", [5] * 30, params)  # the id is free again
         tokens, _ = await _collect(stream)
@@ -223,12 +223,12 @@ def test_an_admission_cancelled_after_it_ran_is_undone(engine_config):
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
 
     async def scenario(loop: EngineLoop):
-        baseline = await loop.run(lambda engine: engine.stats())
+        baseline = await loop.call(lambda engine: engine.stats())
         held, release = await _hold_the_loop(loop)
         caller = asyncio.ensure_future(loop.reserve_remote("r", [5] * 30, params))
         await asyncio.sleep(0)  # queued behind `hold`
         entered, release_second = threading.Event(), threading.Event()
-        second = asyncio.ensure_future(loop.run(
+        second = asyncio.ensure_future(loop.call(
             lambda engine: (entered.set(), release_second.wait(30))))
         await asyncio.sleep(0)
         release.set()

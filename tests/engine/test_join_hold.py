@@ -1,6 +1,7 @@
-"""`EngineLoop.join_transfers`: a step's start held for a transfer about to
-complete, over a real `LLMEngine` on the tiny model whose steps are slowed
-to a known length (so "a fraction of a step" is measurable)."""
+"""`JoinHold`, the engine loop's step hook on a decode pod: a step's start
+held for a transfer about to complete, over a real `LLMEngine` on the tiny
+model whose steps are slowed to a known length (so "a fraction of a step"
+is measurable)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.engine_loop import EngineLoop
+from engine.join_hold import JoinHold
 from engine.llm_engine import LLMEngine
 from engine.metrics import PodMetrics
 from engine.sampling_params import SamplingParams
@@ -48,14 +50,13 @@ def _slow_engine(config: EngineConfig) -> tuple[LLMEngine, list[float]]:
 
 
 def _serve(engine_config, next_ready, fraction, on_loop=None):
-    """Run PROMPT through a loop with `join_transfers(next_ready, fraction)`;
+    """Run PROMPT through a loop with `JoinHold(next_ready, fraction)`;
     returns its tokens and the pod's metrics."""
     metrics = PodMetrics.create("decode")
     engine, _starts = _slow_engine(engine_config)
 
     async def main():
-        loop = EngineLoop(engine, metrics)
-        loop.join_transfers(next_ready, fraction)
+        loop = EngineLoop(engine, metrics, step_hook=JoinHold(next_ready, fraction, metrics))
         if on_loop is not None:
             on_loop(loop, asyncio.get_running_loop())
         loop.start()
@@ -124,13 +125,6 @@ def test_the_hold_ends_when_the_expected_commit_arrives(engine_config):
     assert 0.02 <= seconds < 0.6 * STEP_S  # ended by the commit, not by the step-long budget
 
 
-def test_the_fraction_is_checked_and_set_before_start(engine_config):
-    loop = EngineLoop(LLMEngine(engine_config), PodMetrics.create("decode"))
+def test_the_fraction_is_checked():
     with pytest.raises(ValueError, match=r"join fraction must be in \[0, 1\] of a step, got 1.5"):
-        loop.join_transfers(lambda: None, 1.5)
-    loop.start()
-    try:
-        with pytest.raises(RuntimeError, match="before start"):
-            loop.join_transfers(lambda: None, 0.5)
-    finally:
-        loop.stop()
+        JoinHold(lambda: None, 1.5, PodMetrics.create("decode"))
