@@ -36,6 +36,12 @@ Life of one request R (per-request state, checked transitions):
                                      receiver the landing buffer.
 
 Only the engine writes R's slots after commit; only the injector before.
+
+Beside the writes, the injector thread reports each request's layers and
+END, with the times it read, to the pod's `TransferETA`
+(decode_service/transfer_eta.py: when transfers are expected to end, for
+the engine loop's join hold), and keeps a split prefill's head gate
+(`SplitHead`, decode_service/split_head.py).
 """
 
 from __future__ import annotations
@@ -52,20 +58,14 @@ from dataclasses import dataclass, field
 import torch
 
 import kernels
-from engine.layer_gate import LayerGate
+from decode_service.split_head import SplitHead
+from decode_service.transfer_eta import TransferETA
 from engine.metrics import PodMetrics
 from kernels.dispatch import Backend
 from kv_transfer.base import KVReceiveListener
-from proto.reasons import SPLIT_HEAD_LOST
 
 log = logging.getLogger(__name__)
 _RESTART_WAIT_S = 30.0
-# END's lag behind the last layer, in layers' cadences (the last layer's MLP,
-# the final norm and sampling, the wire): where the learnt average starts,
-# and the weight of each request in it (`KVInjector.next_ready`)
-_END_LAG_START = 1.0
-_END_LAG_ALPHA = 0.2
-_END_LAG_MAX = 2.0  # one stalled END does not push every later expectation out
 
 
 class TransferFailed(Exception):
@@ -102,17 +102,10 @@ class _Pending:
     future: asyncio.Future[int]
     loop: asyncio.AbstractEventLoop
     on_ready: Callable[[int], object] | None
-    # a split prefill's head (engine.layer_gate): marked as layers land;
-    # `on_first_layer` starts the engine's tail once layer 0 is in
-    gate: LayerGate | None = None
-    on_first_layer: Callable[[], object] | None = None
+    split: SplitHead | None = None  # a split prefill's head
     state: InjectState = InjectState.WAITING
     layers_done: int = 0
-    first_layer_at: float | None = None
-    # when END is expected (monotonic), from the layers' cadence; None before
-    # two layers are in and once the commit is queued (`KVInjector.next_ready`)
-    expected_at: float | None = None
-    last_layer_at: float = 0.0
+    first_layer_at: float | None = None  # for kv_injection_seconds
     reason: str = field(default="")
 
     def to(self, new: InjectState) -> None:
@@ -128,11 +121,10 @@ class _Pending:
     def fail(self, exc: TransferFailed) -> None:
         """Injector thread: -> FAILED, the future raises `exc` (and a split's
         gate opens: the engine voids the tail)."""
-        if self.gate is not None:
-            self.gate.fail()
+        if self.split is not None:
+            self.split.lost()
         self.to(InjectState.FAILED)
         self.reason = exc.reason
-        self.expected_at = None
         self.loop.call_soon_threadsafe(_reject, self.future, exc)
 
     @property
@@ -187,10 +179,12 @@ class KVInjector(KVReceiveListener):
 
     def __init__(self, kv_caches: list[torch.Tensor], metrics: PodMetrics, *,
                  kernel_backend: Backend | str = Backend.AUTO,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 eta: TransferETA | None = None) -> None:
         """`kernel_backend`: the engine's (`EngineConfig.kernel_backend`), for the
         scatter. `clock`: read on the injector thread once per layer and once
-        per END (tests pass their own)."""
+        per END (tests pass their own). `eta`: told of every request's layers
+        and END, with those times (None: nobody asks when transfers end)."""
         self._caches = kv_caches
         self._kernel_backend = Backend.parse(kernel_backend)
         self._metrics = metrics
@@ -199,7 +193,7 @@ class KVInjector(KVReceiveListener):
         self._items: queue.SimpleQueue[_Item] = queue.SimpleQueue()
         self._pending: dict[str, _Pending] = {}  # injector thread only (after expect)
         self._lock = threading.Lock()  # guards _pending between expect and the thread
-        self._end_lag = _END_LAG_START  # injector thread only
+        self._eta = eta
         self._clock = clock
         self._thread = threading.Thread(target=self._run, name="kv-injector", daemon=True)
         self._thread.start()
@@ -208,9 +202,7 @@ class KVInjector(KVReceiveListener):
 
     def expect(self, request_id: str, slot_mapping: torch.Tensor, num_layers: int,
                num_bytes: int, on_ready: Callable[[int], object] | None = None, *,
-               gate: LayerGate | None = None,
-               on_first_layer: Callable[[], object] | None = None
-               ) -> asyncio.Future[int]:
+               split: SplitHead | None = None) -> asyncio.Future[int]:
         """Register R before its receiver ticket exists, so no layer can
         arrive unannounced. The future resolves with the first token id once
         every layer is in the cache, or raises TransferFailed.
@@ -221,18 +213,18 @@ class KVInjector(KVReceiveListener):
         reason. After it the injector never touches R again (no `forget`
         needed).
 
-        A split prefill's head (`gate`): after each layer is in (on CUDA,
-        its copy done) the gate is marked, and after layer 0
-        `on_first_layer()` starts the engine's tail. A restart fails R (the
-        tail may have read the layers it would overwrite), and so does
-        `forget` before R settled: the gate opens either way."""
+        A split prefill's head (`split`): its gate is marked after each
+        layer is in (on CUDA, its copy done), and the tail starts after
+        layer 0. A restart fails R (the tail may have read the layers it
+        would overwrite), and so does `forget` before R settled: the gate
+        opens either way (decode_service/split_head.py)."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[int] = loop.create_future()
         with self._lock:
             if request_id in self._pending:
                 raise ValueError(f"request {request_id!r} is already waiting for KV")
             self._pending[request_id] = _Pending(slot_mapping, num_layers, num_bytes, future, loop,
-                                                 on_ready, gate, on_first_layer)
+                                                 on_ready, split)
         return future
 
     async def forget(self, request_id: str) -> None:
@@ -244,24 +236,6 @@ class KVInjector(KVReceiveListener):
     def close(self) -> None:
         self._items.put(_Stop())
         self._thread.join(timeout=5)
-
-    # ---------------------------------------------------------------- engine loop thread
-
-    def next_ready(self) -> tuple[str, float] | None:
-        """The pending request expected to complete first and when
-        (`time.monotonic()`), or None. The expectation extrapolates the
-        cadence of its injected layers to the rest, plus END's lag behind
-        the last layer (the prefill pod's last MLP, its sampling of the first
-        token, the wire; learnt from earlier requests in cadences), so it
-        exists once two layers are in. The engine loop may hold a step's
-        start for it (`EngineLoop.join_transfers`)."""
-        best: tuple[str, float] | None = None
-        with self._lock:
-            for request_id, p in self._pending.items():
-                at = p.expected_at
-                if at is not None and (best is None or at < best[1]):
-                    best = (request_id, at)
-        return best
 
     # ---------------------------------------------------------------- receiver threads
 
@@ -305,15 +279,20 @@ class KVInjector(KVReceiveListener):
                 if p is None or p.settled:
                     continue
                 if isinstance(item, _LayerReady):
-                    self._inject(p, item.layer, item.kv_view)
+                    self._inject(item.request_id, p, item.layer, item.kv_view)
                 elif isinstance(item, _Complete):
                     self._complete(item.request_id, p, item.first_token_id)
                 else:
-                    p.fail(TransferFailed(item.request_id, item.reason))
+                    self._fail(item.request_id, p, item.reason)
             except Exception as exc:  # noqa: BLE001 - one bad request must not stop injection
                 log.exception("KV injection of %s failed", item.request_id)
                 if p is not None and not p.settled:
-                    p.fail(TransferFailed(item.request_id, f"injection: {exc}"))
+                    self._fail(item.request_id, p, f"injection: {exc}")
+
+    def _fail(self, request_id: str, p: _Pending, reason: str) -> None:
+        if self._eta is not None:
+            self._eta.forget(request_id)
+        p.fail(TransferFailed(request_id, reason))
 
     def _forget(self, item: _Forget) -> None:
         if self._stream is not None:
@@ -321,11 +300,13 @@ class KVInjector(KVReceiveListener):
             self._stream.synchronize()
         with self._lock:
             p = self._pending.pop(item.request_id, None)
-        if p is not None and p.gate is not None and not p.settled:
-            p.gate.fail()  # a tail still waiting for layers that will not come
+        if self._eta is not None:
+            self._eta.forget(item.request_id)
+        if p is not None and p.split is not None and not p.settled:
+            p.split.lost()  # a tail still waiting for layers that will not come
         item.done.get_loop().call_soon_threadsafe(_resolve, item.done, None)
 
-    def _inject(self, p: _Pending, layer: int, view: torch.Tensor) -> None:
+    def _inject(self, request_id: str, p: _Pending, layer: int, view: torch.Tensor) -> None:
         if layer != p.layers_done:
             raise RuntimeError(f"layer {layer} arrived, expected layer {p.layers_done}")
         now = self._clock()
@@ -343,17 +324,13 @@ class KVInjector(KVReceiveListener):
                 kernels.inject_kv(self._caches[layer], src, p.slot_mapping,
                                   backend=self._kernel_backend)
         p.layers_done += 1
-        p.last_layer_at = now
-        if p.layers_done >= 2:
-            per_layer = _cadence(p)
-            p.expected_at = now + per_layer * (p.num_layers - p.layers_done + self._end_lag)
+        if self._eta is not None:
+            self._eta.layer_in(request_id, p.layers_done, p.num_layers, now)
         p.to(InjectState.INJECTING)
-        if p.gate is not None:
+        if p.split is not None:
             if self._stream is not None:
                 self._stream.synchronize()  # the engine's stream reads it next
-            p.gate.mark(p.layers_done)
-            if p.layers_done == 1 and p.on_first_layer is not None:
-                p.on_first_layer()
+            p.split.layer_in(p.layers_done)
 
     def _restart(self, request_id: str, reason: str, done: threading.Event) -> None:
         try:
@@ -361,16 +338,17 @@ class KVInjector(KVReceiveListener):
                 self._stream.synchronize()  # queued H2D copies may read the old views
             with self._lock:
                 p = self._pending.get(request_id)
-            if p is not None and p.gate is not None and not p.settled:
+            if p is not None and p.split is not None and not p.settled:
                 # a split's tail may have read the layers a restart overwrites
-                p.fail(TransferFailed(request_id, f"{SPLIT_HEAD_LOST} ({reason})"))
+                self._fail(request_id, p, SplitHead.restart_reason(reason))
             elif p is not None and p.state in (InjectState.WAITING, InjectState.INJECTING):
                 log.info("KV of %s restarts from layer 0 (%s)", request_id, reason)
                 if p.state is InjectState.INJECTING:
                     p.to(InjectState.WAITING)
                 p.layers_done = 0
                 p.first_layer_at = None
-                p.expected_at = None
+                if self._eta is not None:
+                    self._eta.forget(request_id)
         finally:
             done.set()
 
@@ -382,10 +360,8 @@ class KVInjector(KVReceiveListener):
             # scatter finished; wait here, on the injector thread.
             self._stream.synchronize()
         now = self._clock()
-        if p.layers_done >= 2 and (per_layer := _cadence(p)) > 0:
-            lag = (now - p.last_layer_at) / per_layer
-            self._end_lag += _END_LAG_ALPHA * (min(lag, _END_LAG_MAX) - self._end_lag)
-        p.expected_at = None  # its commit is about to be queued: nothing to wait for
+        if self._eta is not None:
+            self._eta.ended(request_id, now)  # its commit is about to be queued
         if p.on_ready is not None:
             p.on_ready(first_token_id)  # before anything else: the engine's next step
         with self._lock:
@@ -394,12 +370,6 @@ class KVInjector(KVReceiveListener):
             self._metrics.kv_injection_seconds.observe(now - p.first_layer_at)
         self._metrics.kv_transfer_bytes.inc(p.num_bytes)
         p.ready(first_token_id)
-
-
-def _cadence(p: _Pending) -> float:
-    """Seconds between R's injected layers so far (two or more in)."""
-    assert p.first_layer_at is not None
-    return (p.last_layer_at - p.first_layer_at) / (p.layers_done - 1)
 
 
 def _resolve(future: asyncio.Future, value: object) -> None:

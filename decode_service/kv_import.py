@@ -77,6 +77,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from decode_service.injector import KVInjector, TransferFailed
+from decode_service.split_head import SplitHead
 from engine.engine_loop import EngineLoop
 from engine.layer_gate import LayerGate
 from engine.outputs import RemoteReservation
@@ -211,10 +212,10 @@ class KVImport:
         event_loop = asyncio.get_running_loop()
         if split_at:
             gate = LayerGate(layout.num_layers)
+            split = SplitHead(gate, lambda: self._queue_tail(split_at, gate, event_loop))
             self._ready = remote.injector.expect(
                 self.request_id, reservation.slot_mapping[:head], layout.num_layers,
-                layout.total_bytes, gate=gate,
-                on_first_layer=lambda: self._queue_tail(split_at, gate, event_loop))
+                layout.total_bytes, split=split)
         else:
             self._ready = remote.injector.expect(
                 self.request_id, reservation.slot_mapping, layout.num_layers,

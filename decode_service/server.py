@@ -18,6 +18,7 @@ from decode_service.injector import KVInjector
 from decode_service.kv_import import RemoteKV
 from decode_service.receiver_metrics import ReceiverCollector
 from decode_service.servicer import DecodeServicer
+from decode_service.transfer_eta import TransferETA
 from engine.config import EngineConfig
 from engine.engine_loop import EngineLoop, LoopState
 from engine.join_hold import JoinHold
@@ -65,20 +66,17 @@ async def _serve(role: PodRole, engine_config: EngineConfig, server_config: Serv
                  stop: asyncio.Event | None, decode: DecodeConfig | None) -> int:
     metrics = PodMetrics.create(role)
     engine = LLMEngine(engine_config)
-    injector = step_hook = None
-    if decode is not None:
-        # the engine's cache tensors never move: the injector writes them from its thread
-        injector = KVInjector(list(engine.kv_caches), metrics,
-                              kernel_backend=engine_config.kernel_backend)
-        step_hook = JoinHold(injector.next_ready, decode.join_wait, metrics)
-    loop = EngineLoop(engine, metrics, step_hook=step_hook)
+    eta = TransferETA()  # when a decode pod's transfers end: its join hold asks
+    join_hold = None if decode is None else JoinHold(eta.next_ready, decode.join_wait, metrics)
+    loop = EngineLoop(engine, metrics, step_hook=join_hold)
     model_config = ModelConfig.from_pretrained(engine_config.model_dir)
     model_name = Path(engine_config.model_dir).name
     on_stopped = [loop.stop]
     extra_ports: dict[str, int] = {}
     remote = None
     if decode is not None:
-        assert injector is not None
+        injector = KVInjector(loop.kv_caches(), metrics,
+                              kernel_backend=engine_config.kernel_backend, eta=eta)
         receiver = make_receiver(decode, injector)
         receiver.start()
         extra_ports["kv"] = split_host_port(receiver.endpoints[0], "KV endpoint")[1]

@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from decode_service.injector import KVInjector, TransferFailed
+from decode_service.split_head import SplitHead
+from decode_service.transfer_eta import TransferETA
 from engine.layer_gate import LayerGate
 from engine.metrics import PodMetrics
 
@@ -193,14 +195,17 @@ def test_on_ready_runs_on_the_injector_thread_before_the_future_and_r_is_let_go(
     assert reason == "injection: engine loop is stopped"
 
 
-def test_next_ready_extrapolates_the_layers_cadence_and_learns_ends_lag():
+def test_the_injector_tells_the_eta_each_layer_and_end_with_the_times_it_read():
+    """The injector feeds its `TransferETA`: the ETA extrapolates the layers'
+    cadence and learns END's lag (decode_service/transfer_eta.py)."""
     # the injector thread reads the clock once per layer and once per END, in queue order
     ticks = iter([10.0, 10.1, 10.2, 10.3, 10.32,  # r: four layers 0.1 s apart, END 0.02 s after
                   20.0, 20.1,  # s: two layers 0.1 s apart
                   20.2, 20.22])  # t: two layers 0.02 s apart
     layers = 4
     caches = [torch.zeros(2, BLOCKS, BLOCK, HEADS, DIM) for _ in range(layers)]
-    injector = KVInjector(caches, PodMetrics.create("decode"), clock=lambda: next(ticks))
+    eta = TransferETA()
+    injector = KVInjector(caches, PodMetrics.create("decode"), clock=lambda: next(ticks), eta=eta)
     kv = torch.ones(2, 5, HEADS, DIM)
 
     async def layers_in(request_id: str, *numbers: int) -> None:
@@ -210,32 +215,32 @@ def test_next_ready_extrapolates_the_layers_cadence_and_learns_ends_lag():
 
     async def scenario():
         r = injector.expect("r", _slots([0], 5), layers, num_bytes=1)
-        assert injector.next_ready() is None
+        assert eta.next_ready() is None
         await layers_in("r", 0)
-        assert injector.next_ready() is None  # one layer: no cadence yet
+        assert eta.next_ready() is None  # one layer: no cadence yet
         await layers_in("r", 1)
         # two layers to go plus END's lag, one cadence until a request taught otherwise
-        assert injector.next_ready() == ("r", pytest.approx(10.1 + 0.1 * (2 + 1.0)))
+        assert eta.next_ready() == ("r", pytest.approx(10.1 + 0.1 * (2 + 1.0)))
         await layers_in("r", 2, 3)
-        assert injector.next_ready() == ("r", pytest.approx(10.3 + 0.1 * 1.0))
+        assert eta.next_ready() == ("r", pytest.approx(10.3 + 0.1 * 1.0))
         injector.on_complete("r", 7)
         assert await asyncio.wait_for(r, 10) == 7
-        assert injector.next_ready() is None
+        assert eta.next_ready() is None
 
         # END came 0.2 cadences after r's last layer: the lag moves 1.0 -> 0.84
         injector.expect("s", _slots([1], 5), layers, num_bytes=1)
         await layers_in("s", 0, 1)
-        assert injector.next_ready() == ("s", pytest.approx(20.1 + 0.1 * (2 + 0.84)))
+        assert eta.next_ready() == ("s", pytest.approx(20.1 + 0.1 * (2 + 0.84)))
         t = injector.expect("t", _slots([2], 5), layers, num_bytes=1)
         await layers_in("t", 0, 1)
         # t started later but runs faster: it is expected first
-        assert injector.next_ready() == ("t", pytest.approx(20.22 + 0.02 * (2 + 0.84)))
+        assert eta.next_ready() == ("t", pytest.approx(20.22 + 0.02 * (2 + 0.84)))
         injector.on_failed("t", "sender_lost: connection_lost")
         with pytest.raises(TransferFailed):
             await asyncio.wait_for(t, 10)
-        assert injector.next_ready()[0] == "s"  # a failed transfer is not waited for
+        assert eta.next_ready()[0] == "s"  # a failed transfer is not waited for
         await asyncio.to_thread(injector.on_restart, "s", "sender_lost: connection_lost")
-        assert injector.next_ready() is None  # its layers come again from 0
+        assert eta.next_ready() is None  # its layers come again from 0
         await injector.forget("s")
         await injector.forget("t")
 
@@ -261,8 +266,8 @@ def test_a_split_head_marks_its_gate_per_layer_and_starts_the_tail_after_layer_0
             assert torch.equal(flat[:, 16:28], sent[0])  # layer 0 is in already
             seen.append(("tail", gate._layers_in))
 
-        ready = injector.expect("r", slots, NUM_LAYERS, num_bytes=1, gate=gate,
-                                on_first_layer=started)
+        ready = injector.expect("r", slots, NUM_LAYERS, num_bytes=1,
+                                split=SplitHead(gate, started))
         for layer, kv in enumerate(sent):
             injector.on_layer_ready("r", layer, kv)
         injector.on_complete("r", 9)
@@ -284,7 +289,8 @@ def test_a_split_head_that_cannot_finish_opens_its_gate(how):
     gate = LayerGate(NUM_LAYERS)
 
     async def scenario():
-        ready = injector.expect("r", _slots([0], 8), NUM_LAYERS, num_bytes=1, gate=gate)
+        ready = injector.expect("r", _slots([0], 8), NUM_LAYERS, num_bytes=1,
+                                split=SplitHead(gate, lambda: None))
         injector.on_layer_ready("r", 0, torch.randn(2, 8, HEADS, DIM))
         if how == "failed":
             injector.on_failed("r", "sender_aborted: prefill pod stopped")
