@@ -2,8 +2,8 @@
 
 `Session` carries many requests over one stream (one per router process):
 each `generate` command runs the same per-request generator as `Generate`
-(pod/session.py), its `cancel` command is a Generate stream's cancel, and
-the pod answers with one `SessionBatch` per engine step.
+(pod/decode_stream.py), its `cancel` command is a Generate stream's cancel,
+and the pod answers with one `SessionBatch` per engine step.
 
 Life cycle of one `Generate` stream (request R) with `remote_prefill=true`
 (decode pod), on the pod's event loop; the import itself (engine loop,
@@ -62,11 +62,11 @@ from engine.metrics import PodMetrics
 from engine.request_stream import EngineDead, RequestAborted, RequestStream
 from engine.sampling_params import SamplingParams
 from kv_transfer.errors import BufferPoolExhausted, reason_code
+from pod.decode_stream import DecodeStreamMux
 from pod.drain import DrainGate
 from pod.errors import pod_errors
 from pod.load import load_report
 from pod.messages import ModelLimits, check_request
-from pod.session import SessionMux
 from proto import pdserve_pb2, pdserve_pb2_grpc
 from proto.status import ServiceError
 
@@ -106,9 +106,10 @@ class DecodeServicer(pdserve_pb2_grpc.DecodeServicer):
     async def Session(self, request_iterator: AsyncIterator[pdserve_pb2.SessionCommand],
                       context: grpc.aio.ServicerContext
                       ) -> AsyncIterator[pdserve_pb2.SessionBatch]:
-        """Many requests over one stream, one batch per engine step (pod/session.py);
-        each request lives exactly as a `Generate` stream would."""
-        async for batch in SessionMux(self._generate, decode_errors).run(request_iterator):
+        """Many requests over one stream, one batch per engine step
+        (pod/decode_stream.py); each request lives exactly as a `Generate`
+        stream would."""
+        async for batch in DecodeStreamMux(self._generate, decode_errors).run(request_iterator):
             yield batch
 
     async def _generate(self, request: pdserve_pb2.DecodeGenerateRequest

@@ -38,7 +38,7 @@ from router.http.client_limits import ClientConcurrency
 from router.http.connection import HttpTimeouts, TimedAppRunner
 from router.http.server import build_app
 from router.metrics import RouterMetrics
-from router.pod_clients import PodChannels
+from router.pod_channels import PodChannels
 from router.registry.base import PodEntry, PodSource
 from router.registry.poller import PolledPodPool
 from router.registry.static import StaticPodSource
@@ -86,7 +86,7 @@ class RouterServer:
         self.pool: PolledPodPool | None = None
         self._sessions: SessionStore | None = None
         self._feed: CacheEventFeed | None = None
-        self._channels = PodChannels(sessions=config.relay == "session",
+        self._channels = PodChannels(decode_streams=config.relay == "session",
                                      security=config.pod_security,
                                      on_relayed=self.metrics.direct_relayed.inc)
 

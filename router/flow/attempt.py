@@ -38,7 +38,7 @@ import grpc
 from proto import pdserve_pb2 as pb
 from proto.reasons import SPLIT_HEAD_LOST
 from router.api_error import ApiError
-from router.decode_session import SessionCall
+from router.decode_stream import StreamCall
 from router.flow.deps import FlowDeps
 from router.flow.direct_relay import DeltaSink
 from router.flow.output import OutputAssembler, OutputGap, fold_final, logprobs_from_proto
@@ -442,9 +442,9 @@ class Attempt:
                 f"{decode_address}", addresses=frozenset({address}), migrate=True)
 
     async def _read_tokens(self, address: str, call, first) -> AsyncIterator[Delta]:
-        """Stream DecodeTokens from `call` (a SessionCall, or a Decode.Generate
+        """Stream DecodeTokens from `call` (a StreamCall, or a Decode.Generate
         call: both give messages whose `kind` is "tokens") into the assembler
-        until a finish. After the first delta, a SessionCall's plain tokens
+        until a finish. After the first delta, a StreamCall's plain tokens
         may go to the client by the direct relay instead (`_relay_direct`)."""
         message = first
         relaying = False
@@ -505,11 +505,11 @@ class Attempt:
 
     def _start_direct_relay(self, call) -> bool:
         """Give `call` the relay callback (router.flow.direct_relay): only a
-        SessionCall, only with a client sink, and only for plain text: not
+        StreamCall, only with a client sink, and only for plain text: not
         with stop strings (the task ends the request on a match), logprobs
         or prompt logprobs (their deltas carry more than text)."""
         sampling = self._request.sampling
-        if (self._sink is None or not isinstance(call, SessionCall) or not self._out.plain
+        if (self._sink is None or not isinstance(call, StreamCall) or not self._out.plain
                 or sampling.logprobs is not None or sampling.prompt_logprobs is not None):
             return False
         call.relay = self._relay_direct

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from router.metrics import RouterMetrics
-from router.pod_clients import PodChannels
+from router.pod_channels import PodChannels
 from router.routing.admission import PrefillAdmission
 from router.routing.base import PodPool
 from router.routing.colocated_gate import ColocatedGate

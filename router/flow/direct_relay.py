@@ -5,7 +5,7 @@ session's reader queues an event, wakes the task, and the delta climbs the
 flow's generators (attempt, verdict, flow) to the handler that writes it.
 That costs a future, a task switch and a generator resume per level, per
 token. Once a request is decoding steadily, `Attempt` instead gives its
-`SessionCall` a relay callback: an event that arrives while the task sits
+`StreamCall` a relay callback: an event that arrives while the task sits
 idle in `read()` (so everything before it is written already) is put
 through the assembler and written to the client by the session's reader
 itself, in the same loop iteration (docs/router.md, "Relay"). A plain

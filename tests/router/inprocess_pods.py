@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from pod.session import SessionMux
+from pod.decode_stream import DecodeStreamMux
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc
 from proto.status import ServiceError, grpc_errors
@@ -176,13 +176,14 @@ class FakePod(pdserve_pb2_grpc.DecodeServicer, pdserve_pb2_grpc.PrefillServicer)
             raise
 
     async def Session(self, request_iterator, context):
-        """The real pods' multiplexing (pod/session.py) over this fake's Generate."""
+        """The real pods' multiplexing (pod/decode_stream.py) over this fake's Generate."""
         if self.behaviour.no_session:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
         if self.behaviour.session_internal:
             await context.abort(grpc.StatusCode.INTERNAL, "Failed \"execute_batch\"")
         self.sessions += 1
-        async for batch in SessionMux(self._session_generate, grpc_errors).run(request_iterator):
+        mux = DecodeStreamMux(self._session_generate, grpc_errors)
+        async for batch in mux.run(request_iterator):
             yield batch
 
     async def _session_generate(self, request):

@@ -1,4 +1,4 @@
-"""The router's per-step relay (Decode.Session, router/decode_session.py)
+"""The router's per-step relay (Decode.Session, router/decode_stream.py)
 with real pod processes, real routers and the official `openai` client.
 
 Cluster (module scope): two colocated pods, one prefill and one decode pod;

@@ -15,7 +15,7 @@ from router.flow.request_flow import RequestFlow
 from router.flow.state import FlowState
 from router.generation import GenerationRequest
 from router.metrics import RouterMetrics
-from router.pod_clients import PodChannels
+from router.pod_channels import PodChannels
 from router.registry.poller import PolledPodPool
 from router.registry.static import StaticPodSource
 from router.routing.admission import MIN_SAMPLES, AdmissionSettings, PrefillAdmission

@@ -1,5 +1,5 @@
-"""`SessionMux`: many requests over one `Decode.Session` stream, on the pod's
-event loop.
+"""`DecodeStreamMux`: many requests over one `Decode.Session` stream, on the
+pod's event loop (the router's end is router/decode_stream.py).
 
 A router process keeps one Session per pod and sends `SessionCommand`s on
 it; the pod answers with `SessionBatch`es. Each `generate` command runs the
@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 Generate = Callable[[pb.DecodeGenerateRequest], AsyncIterator[pb.DecodeGenerateResponse]]
 
 
-class SessionMux:
+class DecodeStreamMux:
     """One Session stream's requests; see the module docstring. Event loop only."""
 
     def __init__(self, generate: Generate, errors: StatusMap) -> None:

@@ -1,5 +1,5 @@
-"""`PodChannels.open_generate` over `DecodeSession` against in-process fake pods
-(the real pods' SessionMux over a deterministic Generate): sharing, cancel,
+"""`PodChannels.open_generate` over `DecodeStream` against in-process fake pods
+(the real pods' DecodeStreamMux over a deterministic Generate): sharing, cancel,
 deadline, a broken session, and pods without Session."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from proto import pdserve_pb2 as pb
-from router.pod_clients import PodChannels
+from router.pod_channels import PodChannels
 from tests.router.inprocess_pods import Behaviour, FakePod, Wire, expected_token
 
 pytestmark = pytest.mark.timeout(60)
@@ -134,7 +134,7 @@ def test_a_pod_without_session_gets_generate():
 
 
 def test_the_relay_takes_plain_events_while_the_reader_waits_and_a_failing_one_is_dropped():
-    """SessionCall.relay: tokens events that arrive while the task waits in
+    """StreamCall.relay: tokens events that arrive while the task waits in
     read() go to the callback; the finish goes to read(); a callback that
     raises is logged and dropped (the session's other requests go on), and
     read() gets every later event."""

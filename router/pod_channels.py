@@ -1,5 +1,6 @@
 """`PodChannels`: one reused gRPC channel (and stubs) per pod address, and
-this router process's one Decode.Session per decode/colocated pod.
+this router process's one Decode.Session stream per decode/colocated pod
+(`DecodeStream`, router/decode_stream.py).
 
 Owned by the router server, used by every request's flow on the router's
 event loop. Channels are opened lazily on first use and live until
@@ -19,7 +20,7 @@ from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc
 from proto.limits import GRPC_MESSAGE_OPTIONS, GRPC_RECONNECT_OPTIONS
 from proto.tls import PodSecurity, pod_channel
-from router.decode_session import DecodeSession
+from router.decode_stream import DecodeStream
 
 log = logging.getLogger(__name__)
 
@@ -42,16 +43,16 @@ _OPTIONS = [
 class PodChannels:
     """Lazily opened channels and stubs keyed by address."""
 
-    def __init__(self, *, sessions: bool = True, security: PodSecurity | None = None,
+    def __init__(self, *, decode_streams: bool = True, security: PodSecurity | None = None,
                  on_relayed: Callable[[int], None] | None = None) -> None:
-        """`on_relayed`: given to each DecodeSession (tokens the direct relay wrote)."""
+        """`on_relayed`: given to each DecodeStream (tokens the direct relay wrote)."""
         # False: every request gets its own Decode.Generate (RouterConfig.relay "stream")
-        self._use_sessions = sessions
+        self._use_streams = decode_streams
         self._security = security or PodSecurity()  # TLS + token (proto/tls.py)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._prefill: dict[str, pdserve_pb2_grpc.PrefillStub] = {}
         self._decode: dict[str, pdserve_pb2_grpc.DecodeStub] = {}
-        self._sessions: dict[str, DecodeSession] = {}
+        self._streams: dict[str, DecodeStream] = {}
         self._no_session: set[str] = set()  # pods that answered Session UNIMPLEMENTED
         self._on_relayed = on_relayed
 
@@ -80,18 +81,19 @@ class PodChannels:
         """Start `request` on the decode/colocated pod at `address` and read its
         first message. Returns (call, first): `call` has `read()` and
         `cancel()` like a Decode.Generate call. Raises grpc.aio.AioRpcError as
-        that call would. The request rides this router's Session to the pod
-        (router/decode_session.py); a pod without Session gets Decode.Generate."""
-        if self._use_sessions and address not in self._no_session:
-            session = self._session(address)
-            call = session.open(request, timeout)
+        that call would. The request rides this router's Session stream to
+        the pod (router/decode_stream.py); a pod without Session gets
+        Decode.Generate."""
+        if self._use_streams and address not in self._no_session:
+            stream = self._stream(address)
+            call = stream.open(request, timeout)
             try:
                 return call, await call.read()
             except grpc.aio.AioRpcError as error:
                 if error.code() == grpc.StatusCode.UNIMPLEMENTED:
                     log.info("decode pod %s has no Session; using Decode.Generate", address)
                     self._no_session.add(address)
-                elif error.code() == grpc.StatusCode.INTERNAL and not session.heard_from_pod:
+                elif error.code() == grpc.StatusCode.INTERNAL and not stream.heard_from_pod:
                     # A stream the pod closes at once can surface on the client
                     # as gRPC core's own INTERNAL ("Failed execute_batch")
                     # instead of the pod's status (e.g. UNIMPLEMENTED): with
@@ -111,17 +113,17 @@ class PodChannels:
             call.cancel()
             raise
 
-    def _session(self, address: str) -> DecodeSession:
-        session = self._sessions.get(address)
-        if session is None or session.closed:
-            session = self._sessions[address] = DecodeSession(
+    def _stream(self, address: str) -> DecodeStream:
+        stream = self._streams.get(address)
+        if stream is None or stream.closed:
+            stream = self._streams[address] = DecodeStream(
                 address, self.decode(address), on_relayed=self._on_relayed)
-        return session
+        return stream
 
     async def close(self) -> None:
-        sessions, self._sessions = list(self._sessions.values()), {}
-        for session in sessions:
-            await session.close()
+        streams, self._streams = list(self._streams.values()), {}
+        for stream in streams:
+            await stream.close()
         channels, self._channels = list(self._channels.values()), {}
         self._prefill.clear()
         self._decode.clear()

@@ -1,33 +1,36 @@
-"""`DecodeSession`: this router process's one `Decode.Session` stream to one
-decode or colocated pod, and `SessionCall`, one request on it.
+"""`DecodeStream`: this router process's one `Decode.Session` stream to one
+decode or colocated pod, and `StreamCall`, one request on it (the pod's end
+is pod/decode_stream.py; router/sessions.py is session affinity, another
+thing).
 
-Why: a stream per request costs the router one gRPC message (and poller
-wake-ups) per token; a session carries every request's tokens of an engine
-step in one `SessionBatch` (docs/router.md, "Relay").
+Why: a Decode.Generate stream per request costs the router one gRPC
+message (and poller wake-ups) per token; one stream for all of a pod's
+requests carries every request's tokens of an engine step in one
+`SessionBatch` (docs/router.md, "Relay").
 
 On the router's event loop:
 
-    open(request)      -> SessionCall registered, `generate` command queued
+    open(request)      -> StreamCall registered, `generate` command queued
     reader task        -> per batch, each event to its request's call
                           (tokens with a finish_reason or an error end it)
-    SessionCall.read() -> the next event (`kind` reserved / tokens), or raises
+    StreamCall.read()  -> the next event (`kind` reserved / tokens), or raises
                           the request's error as a `grpc.aio.AioRpcError`
                           with the pod's status code, so a caller handles it
                           exactly like a failed Decode.Generate stream
-    SessionCall.cancel -> `cancel` command (the pod frees the request)
-    SessionCall.relay  -> optional: a plain tokens event (no finish) that
+    StreamCall.cancel  -> `cancel` command (the pod frees the request)
+    StreamCall.relay   -> optional: a plain tokens event (no finish) that
                           arrives while the request's task waits in read()
                           with nothing queued goes to this callback instead,
                           which writes it to the client at once (the direct
                           relay, docs/router.md "Relay"); it answers the
                           tokens it wrote, or None to leave the event to read()
     deadline passes    -> the call fails DEADLINE_EXCEEDED and is cancelled
-    session breaks     -> every open call fails with the session's error
+    stream breaks      -> every open call fails with the stream's error
                           (the flow migrates each request); the next open()
-                          starts a new session
-    idle IDLE_CLOSE_S  -> the session is closed: an idle stream would draw
+                          starts a new stream
+    idle IDLE_CLOSE_S  -> the stream is closed: an idle stream would draw
                           keepalive pings the pod's server answers with
-                          GOAWAY "too many pings" (router/pod_clients.py)
+                          GOAWAY "too many pings" (router/pod_channels.py)
 
 A pod without `Session` (UNIMPLEMENTED: an older pod during an upgrade)
 fails the first call with that code; `PodChannels.open_generate` remembers
@@ -56,19 +59,19 @@ def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
 
 
-class SessionCall:
-    """One request on a `DecodeSession`, read like a Decode.Generate call:
+class StreamCall:
+    """One request on a `DecodeStream`, read like a Decode.Generate call:
     `await read()` and `cancel()`. Event loop only."""
 
-    __slots__ = ("request_id", "relay", "_session", "_events", "_waiter", "_error", "_open",
+    __slots__ = ("request_id", "relay", "_stream", "_events", "_waiter", "_error", "_open",
                  "_timer")
 
-    def __init__(self, session: DecodeSession, request_id: str) -> None:
+    def __init__(self, stream: DecodeStream, request_id: str) -> None:
         self.request_id = request_id
         # DecodeTokens -> the number of tokens it wrote to the client, or None
         # to leave them to read() (router.flow.attempt sets it)
         self.relay: Callable[[pb.DecodeTokens], int | None] | None = None
-        self._session = session
+        self._stream = stream
         self._events: collections.deque[pb.SessionEvent] = collections.deque()
         self._waiter: asyncio.Future[None] | None = None
         self._error: grpc.aio.AioRpcError | None = None
@@ -96,10 +99,10 @@ class SessionCall:
             return False
         self._events.clear()
         self._end()
-        self._session.send_cancel(self.request_id)
+        self._stream.send_cancel(self.request_id)
         return True
 
-    # -- the session's side
+    # -- the stream's side
 
     def put(self, event: pb.SessionEvent) -> int:
         """Take one event from the pod; the number of tokens the direct relay
@@ -114,7 +117,7 @@ class SessionCall:
             if not tokens.finish_reason:
                 try:
                     written = relay(tokens)
-                except Exception:  # a bug here must not break the session's other requests
+                except Exception:  # a bug here must not break the stream's other requests
                     log.exception("direct relay of %s failed; its task reads from now on",
                                   self.request_id)
                     self.relay = None
@@ -146,21 +149,21 @@ class SessionCall:
         self._timer = None
         if self._open:
             self.fail(rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
-            self._session.send_cancel(self.request_id)
+            self._stream.send_cancel(self.request_id)
 
     def _end(self) -> None:
         self._open = False
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        self._session.forget(self.request_id)
+        self._stream.forget(self.request_id)
 
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
 
-class DecodeSession:
+class DecodeStream:
     """One Session stream to `address`; see the module docstring."""
 
     def __init__(self, address: str, stub: pdserve_pb2_grpc.DecodeStub, *,
@@ -170,7 +173,7 @@ class DecodeSession:
         self.address = address
         self._on_relayed = on_relayed
         self._commands: asyncio.Queue[pb.SessionCommand | None] = asyncio.Queue()
-        self._calls: dict[str, SessionCall] = {}
+        self._calls: dict[str, StreamCall] = {}
         self._call = stub.Session(self._command_stream())
         self._reader = asyncio.create_task(self._read())
         self._idle_timer: asyncio.TimerHandle | None = None
@@ -181,7 +184,7 @@ class DecodeSession:
     def num_open(self) -> int:
         return len(self._calls)
 
-    def open(self, request: pb.DecodeGenerateRequest, timeout: float) -> SessionCall:
+    def open(self, request: pb.DecodeGenerateRequest, timeout: float) -> StreamCall:
         """Start `request` on the pod; ValueError if its id is open here already."""
         if self.closed:
             raise RuntimeError(f"session to {self.address} is closed")
@@ -189,7 +192,7 @@ class DecodeSession:
         if rid in self._calls:
             raise ValueError(f"request_id {rid!r} is already open on the session to "
                              f"{self.address}")
-        call = SessionCall(self, rid)
+        call = StreamCall(self, rid)
         call.set_deadline(timeout)
         self._calls[rid] = call
         if self._idle_timer is not None:
