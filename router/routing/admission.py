@@ -27,82 +27,50 @@ Life of one attempt's admission (all on the router's event loop):
         v
     (the next waiter at P is dispatched)
 
-Tokens here are tokens to compute: the prompt less the prefix the router
-expects P to hold in its prefix cache (router/cache_index, as far as the
-pods' cache events tell; the whole prompt where the router follows no
-events). A conversation's next turn whose history P holds is a few tokens of
-work, not its whole context: it neither fills P's dispatch budget nor counts
-as a long wait.
+The rules, and why (the measurements behind them:
+benchmarks/results/history/routing.md, "The router's queue and shedding"):
 
-Order: each waiter's key is its expected finish were it served alone, its
-arrival time + its tokens / P's throughput (FIFO while the throughput is
-unknown). A short request overtakes a longer one that arrived earlier only
-when it would be done first anyway, so a long one is overtaken only by
-requests that arrive within its own service time: it cannot starve.
-Without this, a turn whose history P holds (seconds of work saved) waited
-behind every long uncached prompt queued before it at P: on the trace such
-turns were 2-3 of cache-aware routing's 10 slowest first tokens in 100
-(docs/benchmarks.md, "bench routing").
-
-Dispatch budget: --prefill-dispatch-tokens, and behind the oldest
-dispatched prompt (the one P computes) one prompt of any size, or more
-within --prefill-dispatch-seconds of work at P's throughput, or within
-`SHORT_BATCH_TOKENS` whatever the throughput (only that while it is
-unknown: otherwise a burst of long prompts at start-up goes out whole, and
-closed-loop clients keep that convoy). A pod runs what
-it was sent in as few steps as its step budget allows, and every prompt in
-a step gets its first token at the step's end: sent eight 256-token
-prompts at once, a 1-core CPU prefill pod answered all eight after ~5 s,
-where one at a time the first is out after 0.6 s and the decode pod starts
-on it. Work held here instead is ordered by expected finish, while the
-next prompt already waits at P when the current one ends (P does not idle
-for the decode reservation and the Prefill call of the next). On a GPU,
-whose rate makes one second thousands of tokens, the token budget binds.
-Short prompts are the exception: a step's fixed cost (every weight read
-once, whatever its rows) dominates them, so the rate learnt from short
-prompts sent one at a time is a fraction of what P does with them in one
-step. Held to the seconds at that rate, a burst of 200 32-token prompts
-went to P a few at a time and was shed as a 30 s wait
-(`SHORT_BATCH_TOKENS`).
-
-Estimated wait at P = (tokens queued here for P ahead of the request +
-max(tokens dispatched to P by this router, P's reported queued tokens)) /
-(P's best recent prefill throughput + the decode pods' local prefill rate
-/ the number of prefill pods). The second term is the idle side's share
-(router/routing/local_prefill.py, `LocalRate`: prompt tokens decode pods
-took to prefill themselves over the last 20 s, per second). Under overload
-they compute part of the prompts, so a queue empties faster than P alone
-computes it. Counted at P's rate only, the wait was overestimated, and
-requests were shed that would have waited less than --max-queue-wait
-(benchmarks/results/disagg-2026-11-27-shed-local-rate/README.md, "Shedding
-counts the idle side"). The idle side's own
-gate (`least_ahead`) still reads P's rate alone: its question is how long
-P would take. The throughput is learnt from this
-router's own Prefill calls: tokens computed (the prompt less the pod's
-reported cache hit) per second of time P had work dispatched (an
-exponentially weighted ratio, so it follows load changes within a few
-requests). Order and the dispatch budget use it as it stands; the wait,
-which decides shedding, uses its peak, decaying by half every
-`PEAK_HALF_LIFE_S`: a queue deep enough to shed for is served in full
-steps, at the rate P showed when it had company, not at the rate of the
-sparse single prompts that may have taught it last. Until
-`MIN_SAMPLES` prefills finished at P its wait is unknown and nothing is
-shed there: a pod's first prefills pay for its warm-up (kernel
-compilation, allocator growth), which once taught the router a rate 20x
-too low and shed requests from an idle pod. Only a request that would
-queue is shed: one that P has room for now is dispatched at once, whatever
-the estimate.
-
-What is shed by: the estimated wait until the request's own prompt is
-computed, its tokens to compute added to those ahead (at the same rate),
-not the wait for its turn alone, so the limit bounds about what the client
-sees, its first token. Shed at its turn alone, the P/D path held its queue
-at --max-queue-wait and each prompt then took its own compute on the
-prefill pod's core on top: at 1.5x the sustainable rate with
---max-queue-wait 8 its accepted requests' TTFT sat at 9-12 s and 64-66 of
-96 met a 10 s SLO; counted with the prompt, 71-77
-(benchmarks/results/disagg-2026-11-27-colocated-shed/README.md, "Shedding
-until the prompt is computed").
+- Tokens are tokens to compute: the prompt less the prefix the router
+  expects P to hold (router/cache_index; the whole prompt without cache
+  events). A turn whose history P holds is a few tokens of work: it
+  neither fills P's dispatch budget nor counts as a long wait.
+- Order: by expected finish were the waiter served alone, its arrival +
+  its tokens / P's throughput (FIFO while the throughput is unknown). A
+  short request overtakes a longer one only when it would be done first
+  anyway, so a long one is overtaken only by requests that arrive within
+  its own service time: it cannot starve, and a cached turn does not wait
+  behind every long uncached prompt.
+- Dispatch budget: --prefill-dispatch-tokens, and behind the oldest
+  dispatched prompt (the one P computes) one prompt of any size, or more
+  within --prefill-dispatch-seconds of work at P's throughput, or within
+  `SHORT_BATCH_TOKENS` whatever the throughput (only that while it is
+  unknown, so a burst at start-up does not go out whole). Why: a pod runs
+  what it was sent in as few steps as it can, and every prompt of a step
+  gets its first token at the step's end; held here, work is ordered by
+  expected finish while the next prompt already waits at P. On a GPU the
+  token budget binds. `SHORT_BATCH_TOKENS` because a step's fixed cost
+  dominates short prompts: the rate learnt from short prompts sent one at
+  a time is a fraction of what P does with them in one step.
+- Estimated wait at P = (tokens queued here for P ahead of the request +
+  max(tokens dispatched to P by this router, P's reported queued tokens)
+  + the request's own tokens) / (P's peak prefill throughput + the decode
+  pods' local prefill rate / the number of prefill pods). The second term
+  is the idle side's share (router/routing/local_prefill.py, `LocalRate`):
+  under overload decode pods compute part of the prompts, so a queue
+  empties faster than P alone computes it. The idle side's own gate
+  (`least_ahead`) reads P's rate alone: its question is how long P would
+  take. The request's own tokens are counted so that the limit bounds
+  about what the client sees, its first token, not only its turn.
+- Throughput: tokens computed (the prompt less P's reported cache hit) per
+  second of time P had work dispatched, exponentially weighted, so it
+  follows load within a few requests. Order and budget use it as it
+  stands; the wait uses its peak, halving every `PEAK_HALF_LIFE_S`, since
+  a queue deep enough to shed for is served in full steps, at the rate P
+  shows with company, not that of sparse single prompts.
+- Shedding: none at P until `MIN_SAMPLES` of its prefills finished (its
+  first ones pay its warm-up: kernel compilation, allocator growth), and
+  only a request that would queue: one P has room for now is dispatched
+  at once, whatever the estimate.
 
 Leaving the queue early (client gone, request deadline) removes the waiter;
 a request whose deadline passes while queued gets 504.

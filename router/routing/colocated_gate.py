@@ -4,13 +4,8 @@ A colocated pod queues what it cannot run in its own scheduler, and the
 router sends it each request at once: its chunked prefill interleaves
 prompts with the running batch, so a router-side queue (as
 `PrefillAdmission` keeps for prefill pods) would only add a hop. Without a
-limit, sustained overload grew that queue without bound: at 1.5x the
-sustainable rate over 96 requests the colocated pod's TTFT p90 was 26 s
-while the P/D path refused what its queue could not start within
---max-queue-wait (benchmarks/results/disagg-2026-11-27-overload96/README.md,
-"Overload held for 96 requests").
-
-The gate applies the same limit, with the same estimate:
+limit, sustained overload grows that queue without bound; the gate applies
+the P/D path's limit, with the same estimate:
 
     estimated wait at colocated pod C
         = max(prompt tokens this router sent C with no first token back yet,
@@ -22,18 +17,13 @@ first token, so a prompt C holds a prefix of counts in full until then).
 
 The rate is `router.routing.admission.Throughput`: tokens computed (the
 prompt less the pod's reported cache hit) per second of time C had prompts
-outstanding, so it is the rate C prefills at beside its running batch, as
-it stands (not its peak, which the P/D path uses): a colocated pod's
-prompts share every step with its decodes, and under overload its batch
-grows and its prefill rate falls, where a prefill pod's rises with
-company. At 1.5x the sustainable rate (heavy-1.5 over 96 requests,
---max-queue-wait 8, shedding at the turn) the peak let the accepted
-requests' TTFT p90 reach 17.1 s, the rate as it stands 14.3 s, and 71
-requests met a 10 s TTFT SLO against 68
-(benchmarks/results/disagg-2026-11-27-colocated-shed/README.md, "Colocated
-pods shed too"). Neither sees a pod at its --max-num-seqs, which computes
-no prompt until a sequence ends; there the estimate runs low (the same
-section).
+outstanding, as it stands, not its peak (which the P/D path uses): a
+colocated pod's prompts share every step with its decodes, so under
+overload its batch grows and its prefill rate falls, where a prefill pod's
+rises with company. Neither sees a pod at its --max-num-seqs, which
+computes no prompt until a sequence ends; there the estimate runs low.
+(The measurements: benchmarks/results/history/routing.md, "The router's
+queue and shedding".)
 
 An attempt with no output yet whose chosen pod's wait until its prompt is
 computed (those ahead and its own tokens, as on the P/D path) is above the

@@ -3,10 +3,9 @@ prefill, docs/architecture.md "One prompt on both pods").
 
 Why: with equal hardware, the colocated baseline computes a prompt on all
 of its cores, a prefill pod on its share, so at low load disaggregated TTFT
-is about the ratio of the two (~2x on the 2-core benchmark machine). Split
-at s, the prefill pod computes the head [0, s) and streams each layer's KV
-as always; the decode pod computes the tail [s, n) layer by layer behind
-it and samples token 0 itself.
+is about the ratio of the two. Split at s, the prefill pod computes the
+head [0, s) and streams each layer's KV as always; the decode pod computes
+the tail [s, n) layer by layer behind it and samples token 0 itself.
 
 Consulted by `router.flow.attempt.Attempt` when it builds the decode pod's
 reservation (`DecodeGenerateRequest.split_at`), on the router's event
@@ -15,21 +14,16 @@ loop. A request is split when:
 1. the rule is on: `--split-prefill-min-tokens` M > 0, and its context
    (prompt, and no output yet: a migrated request is not split) has at
    least M tokens. The default, `auto`, is M = 256 onto a decode pod on
-   CPU and never onto one on another device (its `LoadReport.device`):
-   measured on CPU (heavy-0.4, TTFT 1.2-1.4x colocated's against 2.0x
-   unsplit, benchmarks/results/disagg-2026-11-27-n40/README.md), not yet
-   for speed on a GPU, where a prompt's prefill is a few milliseconds of a
-   step;
+   CPU, where it was measured to pay, and never onto one on another device
+   (its `LoadReport.device`), where a prompt's prefill is a few
+   milliseconds of a step and the split's speed is unmeasured;
 2. the decode pod has no queue (no waiting sequences in its last load
    report) and runs at most `--split-prefill-max-running` sequences
    (default 3; the larger of its report's and this router's own count).
    A small running batch is no bar: the pod computes the tail on its tail
    worker (engine/tail_worker.py), beside the decode steps, which go on
    while the tail waits for the head's layers. A larger one is: there the
-   decode pod has no spare core, and the tail only slows its batch
-   (measured at 0.8 req/s without the cap: E2E p50 and ITL p50 both
-   about +30%; benchmarks/results/disagg-2026-11-27-n40/README.md, "Split
-   prefill: the running cap");
+   decode pod has no spare core, and the tail only slows its batch;
 3. the request wants no prompt logprobs (no pod would compute every
    prompt position's logits).
 
@@ -38,10 +32,10 @@ pod (default 0.55: the tail attends over the head, so it costs more per
 token; `pdserve bench prefill-split` measures the balance), and
 `--split-prefill-busy-head-share` on one with running sequences (default
 0.7: there the tail shares the pod's cores with the decode steps, so it
-gets less of them; benchmarks/results/disagg-2026-11-27-split-beside/README.md,
-"Split prefill beside a running batch"). The decode pod may decline (its
-cached prefix holds the head already): its `Reserved.split_at` says what it
-took, 0 for an ordinary reservation.
+gets less of them). The decode pod may decline (its cached prefix holds the
+head already): its `Reserved.split_at` says what it took, 0 for an
+ordinary reservation. The measurements behind the defaults:
+benchmarks/results/history/routing.md, "Split prefill".
 """
 
 from __future__ import annotations
