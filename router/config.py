@@ -16,6 +16,14 @@ from proto.address import MAX_PORT, split_host_port
 from proto.roles import PodRole
 from proto.tls import PodSecurity, TlsFiles
 from router.routing.split_prefill import SplitSettings
+from router.settings import (
+    ROUTER_ADMISSION,
+    ROUTER_FLOW,
+    ROUTER_LOCAL_PREFILL,
+    AdmissionSettings,
+    FlowSettings,
+    LocalPrefillSettings,
+)
 
 RELAYS = ("session", "stream")
 # router/routing/cache_aware.py's modes (repeated here: the config imports no routing code)
@@ -62,23 +70,14 @@ class RouterConfig:
     # A pod missing from the Redis registry but still answering its polls stays
     # routable this long (router/registry/poller.py; a registry restored empty).
     registry_absent_grace: float = 10.0
-    max_prefill_retries: int = 2
-    # How many times one request may move to a new pod pair after its decode
-    # pod failed; each move re-prefills prompt + output so far.
-    max_migrations: int = 3
-    request_timeout: float = 600.0
+    # Prefill retries, migrations and the request timeout (router/flow/).
+    flow: FlowSettings = ROUTER_FLOW
     max_model_len: int | None = None
     # Seconds SIGTERM waits for in-flight requests before closing anyway.
     shutdown_grace: float = 30.0
-    # The admission queue in front of the prefill pods (router/routing/admission.py):
-    # prompt tokens outstanding at one prefill pod before requests queue here
-    # (0 = no queue), seconds of work (at the pod's learnt rate) that may wait
-    # there behind the prompt it computes, beyond one prompt (0 = tokens only),
-    # and the estimated wait until a new request's prompt is computed beyond
-    # which it gets 429 (at colocated pods too: router/routing/colocated_gate.py).
-    prefill_dispatch_tokens: int = 4096
-    prefill_dispatch_seconds: float = 1.0
-    max_queue_wait: float = 30.0
+    # The admission queue in front of the prefill pods and the shedding limit
+    # (router/routing/admission.py; the limit at colocated pods too).
+    admission: AdmissionSettings = ROUTER_ADMISSION
     # How tokens come back from decode/colocated pods: "session" (one
     # Decode.Session per pod, one message per engine step) or "stream" (one
     # Decode.Generate stream per request, one message per token; the A/B
@@ -89,31 +88,16 @@ class RouterConfig:
     # prometheus_client multiprocess directory (set by the CLI when workers > 1):
     # /metrics of any worker sums every worker's samples.
     metrics_dir: str | None = None
-    # A decode pod prefills a prompt itself (router/routing/local_prefill.py)
-    # when its new tokens are at most this (0 = never) and the prefill path has
-    # at least queue_ratio x as many tokens queued ahead of it, and those
-    # tokens are at least min_wait seconds at the prefill pod's learnt peak
-    # rate (0 = the tokens alone decide).
-    local_prefill_max_tokens: int = 2048
-    local_prefill_queue_ratio: float = 1.0
-    local_prefill_min_wait: float = 2.0
-    # One prompt on both pods (router/routing/split_prefill.py): contexts of
-    # at least this many tokens (0 = never; None = auto: 256 onto a decode pod
-    # on CPU, never onto one on another device) are split when the decode pod has
-    # no queue and runs at most `split_prefill_max_running` sequences, the head
-    # (this share of the context; the busy share beside a running batch) on
-    # the prefill pod.
-    split_prefill_min_tokens: int | None = None
-    split_prefill_head_share: float = 0.55
-    split_prefill_busy_head_share: float = 0.7
-    split_prefill_max_running: int = 3
+    # When a decode pod prefills a prompt itself (router/routing/local_prefill.py:
+    # the idle side, and conditional disaggregation below `below`); its
+    # report_age is set by the router server from load_poll_interval.
+    local_prefill: LocalPrefillSettings = ROUTER_LOCAL_PREFILL
+    # One prompt on both pods (router/routing/split_prefill.py).
+    split_prefill: SplitSettings = SplitSettings()
     # TLS of the public HTTP and gRPC listeners (with a CA: client certificates
     # required), and how the router reaches its pods (docs/deploy.md, Security).
     tls: TlsFiles | None = None
     pod_security: PodSecurity = field(default_factory=PodSecurity)
-    # Conditional disaggregation: fewer new tokens than this (after the decode
-    # pod's cached prefix) are prefilled on the decode pod, whatever the queue.
-    local_prefill_below: int = 0
     # Where a request no session mapping decides goes (router/routing/cache_aware.py):
     # first-tokens | session-sticky | cache-aware | round-robin; and the prefix
     # index's bound, in block hashes per pod (router/cache_index/index.py).
@@ -157,49 +141,14 @@ class RouterConfig:
         if not 0.0 <= self.registry_absent_grace <= 3600.0:
             raise ValueError(f"registry_absent_grace must be in [0, 3600] seconds, "
                              f"got {self.registry_absent_grace}")
-        if not 0 <= self.max_prefill_retries <= 16:
-            raise ValueError(
-                f"max_prefill_retries must be in [0, 16], got {self.max_prefill_retries}"
-            )
-        if not 0 <= self.max_migrations <= 16:
-            raise ValueError(f"max_migrations must be in [0, 16], got {self.max_migrations}")
-        if not 0.0 < self.request_timeout <= 86400.0:
-            raise ValueError(
-                f"request_timeout must be in (0, 86400] seconds, got {self.request_timeout}"
-            )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        if not 0 <= self.prefill_dispatch_tokens <= 1 << 24:
-            raise ValueError(f"prefill_dispatch_tokens must be in [0, {1 << 24}], "
-                             f"got {self.prefill_dispatch_tokens}")
-        if not 0.0 <= self.prefill_dispatch_seconds <= 3600.0:
-            raise ValueError(f"prefill_dispatch_seconds must be in [0, 3600], "
-                             f"got {self.prefill_dispatch_seconds}")
-        if not 0.0 < self.max_queue_wait <= 86400.0:
-            raise ValueError(
-                f"max_queue_wait must be in (0, 86400] seconds, got {self.max_queue_wait}"
-            )
         if not 1 <= self.workers <= 256:
             raise ValueError(f"workers must be in [1, 256], got {self.workers}")
         if self.relay not in RELAYS:
             raise ValueError(f"relay must be one of {', '.join(RELAYS)}, got {self.relay!r}")
-        if not 0 <= self.local_prefill_max_tokens <= 1 << 20:
-            raise ValueError(f"local_prefill_max_tokens must be in [0, {1 << 20}], "
-                             f"got {self.local_prefill_max_tokens}")
-        if not 0.0 <= self.local_prefill_queue_ratio <= 1000.0:
-            raise ValueError(f"local_prefill_queue_ratio must be in [0, 1000], "
-                             f"got {self.local_prefill_queue_ratio}")
         if self.tls is not None and self.tls.cert_file is None:
             raise ValueError("tls needs a certificate and key file for the router's listeners")
-        if not 0.0 <= self.local_prefill_min_wait <= 3600.0:
-            raise ValueError(f"local_prefill_min_wait must be in [0, 3600] seconds, "
-                             f"got {self.local_prefill_min_wait}")
-        SplitSettings(self.split_prefill_min_tokens, self.split_prefill_head_share,
-                      self.split_prefill_busy_head_share,
-                      self.split_prefill_max_running)  # checks
-        if not 0 <= self.local_prefill_below <= 1 << 20:
-            raise ValueError(f"local_prefill_below must be in [0, {1 << 20}], "
-                             f"got {self.local_prefill_below}")
         if not 0.0 <= self.cache_aware_load_weight <= 100.0:
             raise ValueError(f"cache_aware_load_weight must be in [0, 100], "
                              f"got {self.cache_aware_load_weight}")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import signal
 from collections.abc import Callable
@@ -31,7 +32,7 @@ from router.auth import ApiKeyCheck
 from router.cache_index.feed import CacheEventFeed
 from router.cache_index.index import PrefixIndex
 from router.config import RouterConfig
-from router.flow.deps import FlowDeps, FlowSettings
+from router.flow.deps import FlowDeps
 from router.frontend import Frontend
 from router.grpc_server import NOT_SERVING, SERVING, build_grpc_server
 from router.http.client_limits import ClientConcurrency
@@ -42,11 +43,11 @@ from router.pod_channels import PodChannels
 from router.registry.base import PodEntry, PodSource
 from router.registry.poller import PolledPodPool
 from router.registry.static import StaticPodSource
-from router.routing.admission import AdmissionSettings, PrefillAdmission
+from router.routing.admission import PrefillAdmission
 from router.routing.colocated_gate import ColocatedGate
-from router.routing.local_prefill import LocalPrefill, LocalPrefillSettings, LocalRate
+from router.routing.local_prefill import LocalPrefill, LocalRate
 from router.routing.policy import RoutingPolicy
-from router.routing.split_prefill import SplitPrefill, SplitSettings
+from router.routing.split_prefill import SplitPrefill
 from router.sessions import InMemorySessionStore, RedisSessionStore, SessionStore
 
 log = logging.getLogger(__name__)
@@ -115,7 +116,7 @@ class RouterServer:
         await self.pool.start()
         self._sessions = RedisSessionStore(c.redis_url) if c.redis_url else InMemorySessionStore()
         index = PrefixIndex(c.cache_index_blocks)
-        if c.routing_policy == "cache-aware" or c.local_prefill_below > 0:
+        if c.routing_policy == "cache-aware" or c.local_prefill.below > 0:
             # the pods' cache events, for the policy and LocalPrefill's cached
             # prefix (not for the idle side alone, on by default: decode pods
             # keep no prefix cache by default, so there is nothing to follow)
@@ -130,29 +131,17 @@ class RouterServer:
         local_rate = LocalRate()  # the local prefills' rate, which shedding counts
         admission = PrefillAdmission(
             self.pool, policy, self.metrics,
-            AdmissionSettings(dispatch_tokens=c.prefill_dispatch_tokens,
-                              dispatch_seconds=c.prefill_dispatch_seconds,
-                              max_queue_wait=c.max_queue_wait),
-            local=local_rate)
+            c.admission, local=local_rate)
         deps = FlowDeps(
             pool=self.pool, policy=policy, channels=self._channels, metrics=self.metrics,
-            settings=FlowSettings(max_prefill_retries=c.max_prefill_retries,
-                                  max_migrations=c.max_migrations,
-                                  request_timeout=c.request_timeout),
+            settings=c.flow,
             admission=admission,
-            colocated_gate=ColocatedGate(self.pool, self.metrics, c.max_queue_wait),
+            colocated_gate=ColocatedGate(self.pool, self.metrics, c.admission),
             local_prefill=LocalPrefill(
                 self.pool, admission.least_ahead,
-                LocalPrefillSettings(max_tokens=c.local_prefill_max_tokens,
-                                     queue_ratio=c.local_prefill_queue_ratio,
-                                     below=c.local_prefill_below,
-                                     min_wait=c.local_prefill_min_wait,
-                                     report_age=2 * c.load_poll_interval),
+                dataclasses.replace(c.local_prefill, report_age=2 * c.load_poll_interval),
                 cached_prefix=index.cached_prefix, rate=local_rate),
-            split=SplitPrefill(self.pool, SplitSettings(
-                min_tokens=c.split_prefill_min_tokens, head_share=c.split_prefill_head_share,
-                busy_head_share=c.split_prefill_busy_head_share,
-                max_running=c.split_prefill_max_running)),
+            split=SplitPrefill(self.pool, c.split_prefill),
         )
         frontend = self._frontend = Frontend(model_name=c.model_name,
                                              max_model_len=max_model_len,

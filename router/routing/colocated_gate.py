@@ -49,6 +49,7 @@ from router.api_error import ApiError
 from router.metrics import RouterMetrics
 from router.routing.admission import Throughput, shed
 from router.routing.base import PodPool
+from router.settings import AdmissionSettings
 
 
 @dataclass(slots=True)
@@ -86,14 +87,16 @@ class ColocatedSlot:
 class ColocatedGate:
     """The colocated pods' wait estimates and the limit; one per router."""
 
-    def __init__(self, pool: PodPool, metrics: RouterMetrics, max_queue_wait: float,
+    def __init__(self, pool: PodPool, metrics: RouterMetrics,
+                 limit: AdmissionSettings | float,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        if not 0.0 < max_queue_wait <= 86400.0:
-            raise ValueError(f"max queue wait must be in (0, 86400] seconds, "
-                             f"got {max_queue_wait}")
+        """`limit`: the router's admission settings (their `max_queue_wait`),
+        or the limit alone, checked by `AdmissionSettings` as --max-queue-wait is."""
+        if not isinstance(limit, AdmissionSettings):
+            limit = AdmissionSettings(max_queue_wait=limit)
         self._pool = pool
         self._metrics = metrics
-        self.max_queue_wait = max_queue_wait
+        self.max_queue_wait = limit.max_queue_wait
         self._clock = clock
         self._pods: dict[str, _Pod] = {}
 

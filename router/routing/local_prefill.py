@@ -64,6 +64,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from router.routing.base import PodLoad, PodPool
+from router.settings import LocalPrefillSettings
 
 # Local prefills count toward the decode pods' prefill rate for this long.
 LOCAL_RATE_WINDOW_S = 20.0
@@ -112,44 +113,6 @@ class LocalRate:
         while self._taken and self._taken[0][0] <= horizon:
             self._tokens -= self._taken.popleft()[1]
         return self._tokens / LOCAL_RATE_WINDOW_S
-
-
-@dataclass(frozen=True, slots=True)
-class LocalPrefillSettings:
-    """`max_tokens`: N above (0 = off). `queue_ratio`: R above. `below`: T
-    above (0 = off). `min_wait`: W above (0 = off). `report_age`: how old a
-    pod's load report can be (twice the router's load poll interval)."""
-
-    max_tokens: int = 0
-    queue_ratio: float = 1.0
-    below: int = 0
-    min_wait: float = 0.0
-    report_age: float = 1.0
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.max_tokens <= 1 << 20:
-            raise ValueError(f"local prefill max tokens must be in [0, {1 << 20}], "
-                             f"got {self.max_tokens}")
-        if not 0.0 <= self.queue_ratio <= 1000.0:
-            raise ValueError(f"local prefill queue ratio must be in [0, 1000], "
-                             f"got {self.queue_ratio}")
-        if not 0 <= self.below <= 1 << 20:
-            raise ValueError(f"local prefill below must be in [0, {1 << 20}], got {self.below}")
-        if not 0.0 <= self.min_wait <= 3600.0:
-            raise ValueError(f"local prefill min wait must be in [0, 3600] seconds, "
-                             f"got {self.min_wait}")
-        if not 0.0 <= self.report_age <= 3600.0:
-            raise ValueError(f"local prefill report age must be in [0, 3600] seconds, "
-                             f"got {self.report_age}")
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self.max_tokens or self.below)
-
-    @property
-    def budget(self) -> int:
-        """Tokens of local prefills at most computing on one decode pod at a time."""
-        return max(self.max_tokens, self.below)
 
 
 @dataclass(frozen=True, slots=True)

@@ -270,14 +270,25 @@ def test_bad_settings_say_what_and_the_limit(field, value, message):
 
 
 def test_router_config_checks_the_flags(tmp_path):
-    with pytest.raises(ValueError, match="local_prefill_max_tokens must be in"):
-        RouterConfig(model_dir=str(tmp_path), local_prefill_max_tokens=-1)
-    with pytest.raises(ValueError, match="local_prefill_queue_ratio must be in"):
-        RouterConfig(model_dir=str(tmp_path), local_prefill_queue_ratio=1001.0)
-    with pytest.raises(ValueError, match="local_prefill_below must be in"):
-        RouterConfig(model_dir=str(tmp_path), local_prefill_below=-5)
-    with pytest.raises(ValueError, match="local_prefill_min_wait must be in"):
-        RouterConfig(model_dir=str(tmp_path), local_prefill_min_wait=-0.5)
+    import argparse
+
+    from pdserve.commands.router import add_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+
+    def config(*flags: str) -> RouterConfig:
+        return config_from_args(parser.parse_args(["--model", str(tmp_path), *flags]))
+
+    with pytest.raises(ValueError, match="local prefill max tokens must be in"):
+        config("--local-prefill-max-tokens", "-1")
+    with pytest.raises(ValueError, match="local prefill queue ratio must be in"):
+        config("--local-prefill-queue-ratio", "1001")
+    with pytest.raises(ValueError, match="local prefill below must be in"):
+        config("--local-prefill-below", "-5")
+    with pytest.raises(ValueError, match="local prefill min wait must be in"):
+        config("--local-prefill-min-wait", "-0.5")
     # the defaults: the idle side on, behind a 2 s wait
-    config = RouterConfig(model_dir=str(tmp_path))
-    assert (config.local_prefill_max_tokens, config.local_prefill_min_wait) == (2048, 2.0)
+    defaults = RouterConfig(model_dir=str(tmp_path)).local_prefill
+    assert (defaults.max_tokens, defaults.min_wait) == (2048, 2.0)
+    assert config().local_prefill == defaults

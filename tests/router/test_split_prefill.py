@@ -60,7 +60,7 @@ def test_auto_splits_onto_a_cpu_decode_pod_only(device):
     assert _rule(128, device=device).split_at(DECODE_A, 200) == 110
     assert SplitSettings().min_tokens is None  # auto is the default
     assert RouterConfig(model_dir="m", prefill=["127.0.0.1:1"],
-                        decode=["127.0.0.1:2"]).split_prefill_min_tokens is None
+                        decode=["127.0.0.1:2"]).split_prefill.min_tokens is None
 
 
 def test_off_short_or_unknown_is_not_split():
@@ -79,5 +79,16 @@ def test_bad_settings_say_their_limits():
     with pytest.raises(ValueError, match=r"max running must be in \[0, 65536\], got -1"):
         SplitSettings(min_tokens=1, max_running=-1)
     with pytest.raises(ValueError, match="head share"):
-        RouterConfig(model_dir="m", prefill=["127.0.0.1:1"], decode=["127.0.0.1:2"],
-                     split_prefill_min_tokens=256, split_prefill_head_share=0.0)
+        _config_from_flags("--split-prefill-min-tokens", "256",
+                           "--split-prefill-head-share", "0.0")
+
+
+def _config_from_flags(*flags: str) -> RouterConfig:
+    import argparse
+
+    from pdserve.commands.router import add_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return config_from_args(parser.parse_args(
+        ["--model", "m", "--prefill", "127.0.0.1:1", "--decode", "127.0.0.1:2", *flags]))
