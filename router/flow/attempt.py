@@ -42,7 +42,7 @@ from router.decode_stream import StreamCall
 from router.flow.deps import FlowDeps
 from router.flow.direct_relay import DeltaSink
 from router.flow.output import OutputAssembler, OutputGap, fold_final, logprobs_from_proto
-from router.flow.pod_calls import AttemptFailed, client_error, describe
+from router.flow.pod_calls import AttemptFailed, PodFault, client_error, describe, pod_fault
 from router.flow.state import FlowState
 from router.flow.verdict import PrefillEnding, unless_verdict_fails
 from router.generation import Delta, GenerationRequest
@@ -50,12 +50,6 @@ from router.routing.admission import AdmissionSlot
 from router.routing.base import NoPodAvailable
 from router.routing.local_prefill import LocalChoice, QueuedOffer
 from router.sampling import sampling_to_proto
-
-# Prefill errors that say the pod itself is gone or broken (as opposed to
-# the KV transfer or the reservation having failed).
-_BROKEN_POD = frozenset({
-    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
-})
 
 
 class Attempt:
@@ -398,9 +392,10 @@ class Attempt:
                 slot.release()
                 failures.append(f"{address} {describe(message)}")
                 tried.add(address)
-                if message.code() in _BROKEN_POD:
+                fault = pod_fault(message)  # a full pod is skipped, not left out
+                if fault is PodFault.BROKEN:
                     broken.add(address)
-                elif message.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                elif fault is not PodFault.FULL:
                     break
                 continue
             if message is grpc.aio.EOF or message.WhichOneof("kind") != "first_token":
@@ -431,7 +426,8 @@ class Attempt:
             message = await call.read()
         except grpc.aio.AioRpcError as error:
             self._pod_failed(error, address)
-            broken = frozenset({address}) if error.code() in _BROKEN_POD else frozenset()
+            broken = (frozenset({address}) if pod_fault(error) is PodFault.BROKEN
+                      else frozenset())
             raise AttemptFailed(
                 f"KV transfer from prefill pod {address} to decode pod {decode_address} failed "
                 f"after the first token: {describe(error)}",

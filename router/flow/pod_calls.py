@@ -1,11 +1,14 @@
 """The small pieces of a flow's pod calls, on the router's event loop.
 
-`AttemptFailed` ends one try on one pod pair; `client_error` and `describe`
-turn pod errors into the flow's decisions (retry elsewhere, tell the
-client); `choose_path` picks colocated or P/D for the next attempt.
+`AttemptFailed` ends one try on one pod pair; `pod_fault`, `client_error`
+and `describe` turn pod errors into the flow's decisions (retry elsewhere,
+leave the pod out, tell the client); `choose_path` picks colocated or P/D
+for the next attempt.
 """
 
 from __future__ import annotations
+
+import enum
 
 import grpc
 
@@ -27,6 +30,43 @@ class AttemptFailed(Exception):
         self.reason = reason
         self.addresses = addresses
         self.migrate = migrate
+
+
+class PodFault(enum.Enum):
+    """What a pod's failed call says about the pod itself (`POD_FAULTS`)."""
+
+    BROKEN = "broken"  # gone or failing
+    FULL = "full"  # up, with no room now
+
+
+_C = grpc.StatusCode
+# The one table of what a status code says about the pod that answered it,
+# read wherever a failed call moves on to another pod (the prefill retries
+# and the transfer verdict in attempt.py, scoring in score_attempt.py):
+#
+# BROKEN: unreachable, a crashed handler, an error the pod did not map.
+#   Another pod may succeed and this one would fail again: it is left out
+#   for the rest of the request wherever it failed.
+# FULL: RESOURCE_EXHAUSTED, up but no room now. Another pod may have room,
+#   and this one may again soon: within one attempt's prefill retries (one
+#   decode reservation) it is only skipped, and a later attempt may choose
+#   it; where a failure ends the attempt at once (a scored prompt) it is
+#   left out as a broken pod is, or the next attempt's admission would
+#   choose the same full pod again.
+# Any other code (INVALID_ARGUMENT, DEADLINE_EXCEEDED, a refused transfer:
+#   ABORTED, ...) is the request's or the transfer's fault, not the pod's:
+#   nobody is left out for it (client_error turns the client's into its error).
+POD_FAULTS: dict[grpc.StatusCode, PodFault] = {
+    _C.UNAVAILABLE: PodFault.BROKEN,
+    _C.INTERNAL: PodFault.BROKEN,
+    _C.UNKNOWN: PodFault.BROKEN,
+    _C.RESOURCE_EXHAUSTED: PodFault.FULL,
+}
+
+
+def pod_fault(error: grpc.aio.AioRpcError) -> PodFault | None:
+    """What `error` says about the pod that answered it; None: not the pod's fault."""
+    return POD_FAULTS.get(error.code())
 
 
 def describe(error: grpc.aio.AioRpcError) -> str:

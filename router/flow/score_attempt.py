@@ -26,12 +26,8 @@ import grpc
 from proto import pdserve_pb2 as pb
 from router.flow.local_attempt import LocalAttempt
 from router.flow.output import logprobs_from_proto
-from router.flow.pod_calls import AttemptFailed, describe
+from router.flow.pod_calls import AttemptFailed, describe, pod_fault
 from router.generation import Delta
-
-# A pod that answers these is left out of the retry (it is gone, broken or full).
-_LEAVE_OUT = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL,
-                        grpc.StatusCode.UNKNOWN, grpc.StatusCode.RESOURCE_EXHAUSTED})
 
 
 class ScoreAttempt(LocalAttempt):
@@ -59,7 +55,8 @@ class ScoreAttempt(LocalAttempt):
                     done = await call.read() if first is not grpc.aio.EOF else first
                 except grpc.aio.AioRpcError as error:
                     self._pod_failed(error, address)  # raises the client's own errors
-                    left_out = frozenset({address}) if error.code() in _LEAVE_OUT else frozenset()
+                    # broken or full: the attempt ends here (pod_calls.POD_FAULTS)
+                    left_out = frozenset({address}) if pod_fault(error) else frozenset()
                     raise AttemptFailed(f"scoring on prefill pod {address} failed: "
                                         f"{describe(error)}", addresses=left_out,
                                         migrate=False) from None

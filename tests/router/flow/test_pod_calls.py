@@ -75,3 +75,21 @@ def test_nothing_to_route_to():
         "no pod can serve the request: no healthy decode pod and no healthy colocated pod "
         "(1/1 prefill healthy, 1/1 decode healthy, 0/0 colocated healthy, "
         "1 failed this request)")
+
+
+def test_one_table_says_which_pod_errors_are_the_pods():
+    import grpc
+
+    from router.flow.pod_calls import PodFault, pod_fault
+
+    class _Error:  # the one method pod_fault reads of a grpc.aio.AioRpcError
+        def __init__(self, code: grpc.StatusCode) -> None:
+            self._code = code
+
+        def code(self) -> grpc.StatusCode:
+            return self._code
+
+    codes = grpc.StatusCode
+    assert {c: pod_fault(_Error(c)) for c in codes if pod_fault(_Error(c))} == {
+        codes.UNAVAILABLE: PodFault.BROKEN, codes.INTERNAL: PodFault.BROKEN,
+        codes.UNKNOWN: PodFault.BROKEN, codes.RESOURCE_EXHAUSTED: PodFault.FULL}
