@@ -37,43 +37,36 @@ when that step completes.
 from __future__ import annotations
 
 import itertools
-import json
 from collections.abc import Callable, Sequence
 from functools import partial
-from pathlib import Path
 
 import torch
 
 from engine.block_manager import BlockManager, cdiv
 from engine.config import EngineConfig
-from engine.errors import CapacityError, UnsupportedModelError
+from engine.engine_setup import allocate_engine_kv, load_engine_model
+from engine.errors import CapacityError
 from engine.grammar import GrammarCompiler, model_tokenizer
 from engine.grammar_batch import GrammarBatch
-from engine.kv_cache import allocate_kv_caches, kv_bytes_per_block, num_blocks_for_budget
 from engine.kv_hook import LayerKVHook
 from engine.layer_gate import LayerGate
-from engine.layers.linear import prepack, resolve_backend, resolve_decode_matmul
-from engine.loader import load_model
 from engine.model_runner import ModelRunner, slots_for
+from engine.offline import generate_batch, model_dir_tokenizer
 from engine.outputs import (
     EngineStats,
     GenerationResult,
     RemoteReservation,
     RequestOutput,
-    TokenLogprobs,
 )
 from engine.prompt_logprobs import deliver as deliver_prompt_logprobs
 from engine.prompt_logprobs import take_prompt_logprobs
 from engine.request import Request, RequestStatus
+from engine.request_checks import RequestLimits, check_new_request
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.step_pipeline import CompletedStep, StepPipeline
 from engine.tail_worker import TailJob, TailWorker
-from engine.text_stream import TextStream
-from kernels import native
-from kernels.checks import HEAD_DIMS
-from kernels.dispatch import Backend
 
 
 class LLMEngine:
@@ -85,37 +78,12 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, *, layer_kv_hook: LayerKVHook | None = None) -> None:
         self.config = config
-        self.model, self.model_config = load_model(config.model_dir, dtype=config.dtype,
-                                                   device=config.device,
-                                                   kernel_backend=config.kernel_backend)
-        self.matmul_backend = resolve_backend(config.matmul_backend, self.model.dtype,
-                                              self.model.device)
-        # Every projection on the native panel GEMM (float32 CPU), or oneDNN's.
-        self.native_gemm = resolve_decode_matmul(config.decode_matmul, self.model.dtype,
-                                                 self.model.device, self.matmul_backend)
-        prepack(self.model, self.matmul_backend, self.native_gemm)
-        if self.model.device.type == "cpu" and Backend.parse(config.kernel_backend) is Backend.AUTO:
-            native.library()  # build or load the CPU attention now, not in the first step
+        loaded = load_engine_model(config)  # refuses what cannot run, before any step
+        self.model, self.model_config = loaded.model, loaded.model_config
+        self.matmul_backend, self.native_gemm = loaded.matmul_backend, loaded.native_gemm
+        self.max_model_len = loaded.max_model_len
         mc = self.model_config
-        if mc.head_dim not in HEAD_DIMS:  # refused now, not at the first step
-            raise UnsupportedModelError(
-                f"{config.model_dir}: head_dim={mc.head_dim} is not supported by the paged "
-                f"attention kernels (supported: {', '.join(map(str, HEAD_DIMS))})")
-        limit, limit_source = mc.context_limit()
-        if config.max_model_len is not None and config.max_model_len > limit:
-            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
-                             f"{limit_source} {limit}")
-        self.max_model_len = config.max_model_len or limit
-        dtype = self.model.dtype
-        per_block = kv_bytes_per_block(num_layers=mc.num_hidden_layers,
-                                       block_size=config.block_size,
-                                       num_kv_heads=mc.num_key_value_heads,
-                                       head_dim=mc.head_dim, dtype=dtype)
-        num_blocks = num_blocks_for_budget(config, per_block)
-        self.kv_caches = allocate_kv_caches(
-            num_layers=mc.num_hidden_layers, num_blocks=num_blocks,
-            block_size=config.block_size, num_kv_heads=mc.num_key_value_heads,
-            head_dim=mc.head_dim, dtype=dtype, device=config.device)
+        self.kv_caches, num_blocks = allocate_engine_kv(config, mc, self.model.dtype)
         self.block_manager = BlockManager(num_blocks, config.block_size,
                                           enable_prefix_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
@@ -131,7 +99,7 @@ class LLMEngine:
                                   async_scheduling=config.use_async_scheduling)
         self.sampler = Sampler(config.seed)
         self.async_scheduling = config.use_async_scheduling
-        self.eos_token_ids = frozenset(mc.eos_token_ids) | _generation_eos_ids(config.model_dir)
+        self.eos_token_ids = loaded.eos_token_ids
         # Structured outputs: matchers of the requests with a grammar; the
         # compiler is thread-safe (the pods compile off the engine thread).
         self.grammars = GrammarBatch(GrammarCompiler(partial(
@@ -142,10 +110,12 @@ class LLMEngine:
                                       use_worker=self.async_scheduling and config.device == "cpu",
                                       grammars=self.grammars, eos_token_ids=self.eos_token_ids)
         self._tokenizer = None  # loaded by the first generate() that needs text
-        self._generate_ids = itertools.count()
+        self._generate_ids = (f"generate-{i}" for i in itertools.count())
         self._requests: dict[str, Request] = {}
         # Finished between steps (abort, commit ending a request): reported next step.
         self._pending: list[RequestOutput] = []
+        self._limits = RequestLimits(mc.vocab_size, self.max_model_len, config.block_size,
+                                     self.block_manager.num_total_blocks)
         # split prefills' tails, computed beside the steps (start_tail)
         self.tails = TailWorker(self.model)
 
@@ -155,36 +125,8 @@ class LLMEngine:
                      sampling_params: SamplingParams, output_token_ids: Sequence[int],
                      **kwargs) -> Request:
         """Validate everything a caller can get wrong; raises ValueError naming it."""
-        if not isinstance(sampling_params, SamplingParams):
-            raise ValueError(f"sampling_params must be SamplingParams, got "
-                             f"{type(sampling_params).__name__}")
-        if request_id in self._requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        if not prompt_token_ids:
-            raise ValueError("prompt_token_ids must not be empty")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in (*prompt_token_ids, *output_token_ids) if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        bad = [t for t in sampling_params.logit_bias if t >= vocab]
-        if bad:
-            raise ValueError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        if output_token_ids and len(output_token_ids) >= sampling_params.max_tokens:
-            raise ValueError(f"output_token_ids has {len(output_token_ids)} tokens, nothing "
-                             f"left to generate under max_tokens {sampling_params.max_tokens}")
-        total = len(prompt_token_ids) + sampling_params.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens "
-                f"({sampling_params.max_tokens}) = {total} exceeds max_model_len "
-                f"{self.max_model_len}"
-            )
-        if cdiv(total, self.config.block_size) > self.block_manager.num_total_blocks:
-            raise ValueError(
-                f"prompt + max_tokens = {total} tokens needs more than the "
-                f"{self.block_manager.num_total_blocks} KV blocks of {self.config.block_size} "
-                f"this engine has"
-            )
+        check_new_request(request_id, prompt_token_ids, sampling_params, output_token_ids,
+                          ids_in_use=self._requests, limits=self._limits)
         return Request(request_id, prompt_token_ids, sampling_params,
                        output_token_ids=output_token_ids, **kwargs)
 
@@ -277,7 +219,7 @@ class LLMEngine:
             self.scheduler.commit_reserved(request)
         else:
             self._finish(request, status)
-            self._pending.append(_output(request, (), ()))
+            self._pending.append(RequestOutput.of(request, (), ()))
 
     def start_tail(self, request_id: str, num_head_tokens: int, gate: LayerGate, *,
                    on_done: Callable[[], object] | None = None) -> None:
@@ -317,7 +259,7 @@ class LLMEngine:
             request = self._requests[job.request_id]
             if job.aborted or not job.ok:
                 self._finish(request, RequestStatus.FINISHED_ABORTED)
-                self._pending.append(_output(request, (), ()))
+                self._pending.append(RequestOutput.of(request, (), ()))
                 continue
             request.num_computed_tokens = request.num_context_tokens - 1
             self.block_manager.cache_computed_blocks(request)
@@ -338,7 +280,7 @@ class LLMEngine:
             tail.gate.fail()
             return True
         self._finish(request, RequestStatus.FINISHED_ABORTED)
-        self._pending.append(_output(request, (), ()))
+        self._pending.append(RequestOutput.of(request, (), ()))
         return True
 
     # ------------------------------------------------------------ stepping
@@ -381,7 +323,7 @@ class LLMEngine:
             if request.sampling_params.max_tokens == 0:
                 # scoring only: the prompt is computed, the row's token is dropped
                 self._finish(request, RequestStatus.FINISHED_LENGTH)
-                outputs.append(_output(request, (), (), take_prompt_logprobs(request)))
+                outputs.append(RequestOutput.of(request, (), (), take_prompt_logprobs(request)))
                 continue
             request.append_output_token(token)
             if grammars is not None:
@@ -389,8 +331,9 @@ class LLMEngine:
             status = self._stop_status(request, token, prefill_only=request.prefill_only)
             if status is not None:
                 self._finish(request, status)
-            outputs.append(_output(request, (token,), () if logprob is None else (logprob,),
-                                   take_prompt_logprobs(request)))
+            logprobs = () if logprob is None else (logprob,)
+            outputs.append(RequestOutput.of(request, (token,), logprobs,
+                                            take_prompt_logprobs(request)))
         return outputs
 
     def _stop_status(self, request: Request, token: int, *,
@@ -445,49 +388,7 @@ class LLMEngine:
         directory's tokenizer when it has one: a request whose text contains
         a stop string ends there (text cut before it, finish_reason "stop").
         Must not be mixed with requests that other code steps concurrently."""
-        params = ([sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams)
-                  else list(sampling_params))
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-        tokenizer = self._load_tokenizer()
-        streams: dict[str, TextStream] = {}
-        for prompt, p in zip(prompts, params, strict=True):
-            request_id = f"generate-{next(self._generate_ids)}"
-            self.add_request(request_id, prompt, p)
-            streams[request_id] = TextStream(request_id, tuple(prompt), p, tokenizer)
-        while self.has_unfinished_requests():  # also drains a step still in flight
-            for output in self.step():
-                stream = streams.get(output.request_id)
-                if stream is None or stream.finish_reason is not None:
-                    continue
-                if stream.add(output):  # a stop string matched: the text is final
-                    self.abort_request(output.request_id)
-        return [s.result() for s in streams.values()]
-
-    def _load_tokenizer(self):
-        if self._tokenizer is None and (Path(self.config.model_dir) / "tokenizer.json").is_file():
-            from engine.tokenizer import Tokenizer
-
-            self._tokenizer = Tokenizer.from_pretrained(self.config.model_dir)
-        return self._tokenizer
-
-
-def _output(request: Request, new_token_ids: tuple[int, ...],
-            new_logprobs: tuple[TokenLogprobs, ...],
-            prompt_logprobs: tuple[TokenLogprobs, ...] | None = None) -> RequestOutput:
-    return RequestOutput(
-        request_id=request.request_id, new_token_ids=new_token_ids,
-        new_logprobs=new_logprobs, finish_reason=request.status.finish_reason,
-        num_prompt_tokens=request.num_prompt_tokens,
-        num_cached_tokens=request.num_cached_tokens,
-        num_output_tokens=request.num_output_tokens,
-        prompt_logprobs=prompt_logprobs)
-
-
-def _generation_eos_ids(model_dir: str) -> frozenset[int]:
-    """eos ids of generation_config.json, which HF generation also stops on."""
-    path = Path(model_dir) / "generation_config.json"
-    if not path.is_file():
-        return frozenset()
-    eos = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
-    return frozenset() if eos is None else frozenset([eos] if isinstance(eos, int) else eos)
+        if self._tokenizer is None:  # loaded by the first call that finds one
+            self._tokenizer = model_dir_tokenizer(self.config.model_dir)
+        return generate_batch(self, prompts, sampling_params, tokenizer=self._tokenizer,
+                              request_ids=self._generate_ids)

@@ -8,8 +8,12 @@ the stats reader) only read them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from engine.request import Request
 
 FINISH_REASONS = ("stop", "length", "abort", "prefill_done")
 
@@ -58,6 +62,18 @@ class RequestOutput:
             raise ValueError(
                 f"finish_reason must be None or one of {FINISH_REASONS}, got {self.finish_reason!r}"
             )
+
+    @classmethod
+    def of(cls, request: Request, new_token_ids: tuple[int, ...],
+           new_logprobs: tuple[TokenLogprobs, ...],
+           prompt_logprobs: tuple[TokenLogprobs, ...] | None = None) -> RequestOutput:
+        """`request`'s output now (its counts and finish reason as they stand)."""
+        return cls(request_id=request.request_id, new_token_ids=new_token_ids,
+                   new_logprobs=new_logprobs, finish_reason=request.status.finish_reason,
+                   num_prompt_tokens=request.num_prompt_tokens,
+                   num_cached_tokens=request.num_cached_tokens,
+                   num_output_tokens=request.num_output_tokens,
+                   prompt_logprobs=prompt_logprobs)
 
     @property
     def finished(self) -> bool:
