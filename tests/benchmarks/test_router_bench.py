@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import router_open_loop, sse_floor
+from benchmarks import open_loop_clients, router_open_loop, sse_floor
 from benchmarks.router_stack import start_stack, stop_stack
 
 pytestmark = pytest.mark.timeout(240)
@@ -53,7 +53,7 @@ def test_http_client_reports_each_request_s_whole_output(tiny_model_dir: Path) -
         async with aiohttp.ClientSession() as http:
             async with http.get(f"{router_http}/v1/models") as response:
                 model = (await response.json())["data"][0]["id"]
-            stream = router_open_loop.router_http_client(http, router_http, model)
+            stream = open_loop_clients.router_http_client(http, router_http, model)
             totals = []
             for n, max_tokens in enumerate((2, 9, 17)):
                 totals.append(sum([c async for c in stream(f"r{n}", [5, 6, 7, 8 + n],
