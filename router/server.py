@@ -45,7 +45,8 @@ from router.registry.poller import PolledPodPool
 from router.registry.static import StaticPodSource
 from router.routing.admission import PrefillAdmission
 from router.routing.colocated_gate import ColocatedGate
-from router.routing.local_prefill import LocalPrefill, LocalRate
+from router.routing.ledger import LocalRate
+from router.routing.local_prefill import LocalPrefill
 from router.routing.policy import RoutingPolicy
 from router.routing.split_prefill import SplitPrefill
 from router.sessions import InMemorySessionStore, RedisSessionStore, SessionStore

@@ -80,7 +80,6 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -90,115 +89,54 @@ from router.cache_index.index import PromptBlocks
 from router.generation import GenerationRequest
 from router.metrics import RouterMetrics
 from router.routing.base import NoPodAvailable, PodPool
+from router.routing.ledger import (
+    MIN_SAMPLES,
+    PEAK_HALF_LIFE_S,
+    PodLedger,
+    PodWork,
+    ShedLimit,
+    Throughput,
+    WorkSlot,
+)
 from router.routing.local_prefill import Ahead, LocalChoice, LocalRate, QueuedOffer
 from router.routing.policy import RoutingPolicy
 from router.settings import AdmissionSettings
 
-# Weight of the history in the throughput estimate at each finished prefill.
-_DECAY = 0.8
-# Finished prefills before a pod's throughput is trusted (its warm-up is in the first ones).
-MIN_SAMPLES = 3
+__all__ = ["MIN_SAMPLES", "PEAK_HALF_LIFE_S", "SHORT_BATCH_TOKENS", "AdmissionSettings",
+           "AdmissionSlot", "PrefillAdmission", "Throughput"]
+
 # Tokens that may wait at a pod behind the prompt it computes whatever its
 # learnt rate (the module docstring, Dispatch budget).
 SHORT_BATCH_TOKENS = 256
-# The throughput's peak, which estimates waits, halves over this many seconds.
-PEAK_HALF_LIFE_S = 300.0
 
-
-class Throughput:
-    """Prompt tokens per second of busy time (time with work dispatched)."""
-
-    def __init__(self) -> None:
-        self._tokens = 0.0
-        self._busy_s = 0.0
-        self._pending_busy_s = 0.0  # busy time since the last finished prefill
-        self._busy_since: float | None = None
-        self.samples = 0  # finished prefills seen
-        self._peak = 0.0  # tokens_per_s's peak, as of _peak_at
-        self._peak_at = 0.0
-
-    def set_busy(self, busy: bool, now: float) -> None:
-        if busy and self._busy_since is None:
-            self._busy_since = now
-        elif not busy and self._busy_since is not None:
-            self._pending_busy_s += now - self._busy_since
-            self._busy_since = None
-
-    def finished(self, num_tokens: int, now: float) -> None:
-        if self._busy_since is not None:
-            self._pending_busy_s += now - self._busy_since
-            self._busy_since = now
-        self._tokens = self._tokens * _DECAY + num_tokens
-        self._busy_s = self._busy_s * _DECAY + self._pending_busy_s
-        self._pending_busy_s = 0.0
-        self.samples += 1
-        peak = self.peak_tokens_per_s(now)  # never below the rate as it stands
-        if peak is not None:
-            self._peak, self._peak_at = peak, now
-
-    @property
-    def tokens_per_s(self) -> float | None:
-        """None until `MIN_SAMPLES` prefills finished (or without busy time)."""
-        if self.samples < MIN_SAMPLES or self._tokens <= 0 or self._busy_s <= 0:
-            return None
-        return self._tokens / self._busy_s
-
-    def peak_tokens_per_s(self, now: float) -> float | None:
-        """The highest `tokens_per_s` so far, halved every `PEAK_HALF_LIFE_S`
-        since it was seen, and never below the rate as it stands; None while
-        that is unknown."""
-        rate = self.tokens_per_s
-        if rate is None:
-            return None
-        decayed = self._peak * 0.5 ** (max(0.0, now - self._peak_at) / PEAK_HALF_LIFE_S)
-        return max(rate, decayed)
+# A dispatched attempt's place at its prefill pod: the ledger's one slot type
+# (router/routing/ledger.py); `release(finished_tokens)` at the first token,
+# `release()` when the attempt failed or was left, once.
+AdmissionSlot = WorkSlot
 
 
 @dataclass(slots=True)
 class _Waiter:
     num_tokens: int
-    turn: asyncio.Future[int]  # its dispatch number, once dispatched
+    turn: asyncio.Future[WorkSlot]  # its slot, once dispatched
     key: float  # expected finish if served alone (the module docstring, Order)
 
 
 @dataclass(slots=True)
 class _PodQueue:
-    """One prefill pod's queue and dispatched work, as this router sees it."""
+    """One prefill pod's queue, and its dispatched work (`work`, in the ledger)."""
 
+    work: PodWork
     waiters: list[_Waiter] = field(default_factory=list)  # by key
     queued_tokens: int = 0
-    dispatched_tokens: int = 0  # the sum of `outstanding`
-    # dispatch number -> tokens to compute, oldest first (the one P computes)
-    outstanding: dict[int, int] = field(default_factory=dict)
-    next_number: int = 0
-    throughput: Throughput = field(default_factory=Throughput)
 
-    def tokens_ahead(self, reported_waiting_tokens: int) -> int:
-        return self.queued_tokens + max(self.dispatched_tokens, reported_waiting_tokens)
+    @property
+    def throughput(self) -> Throughput:
+        return self.work.throughput
 
     def key(self, num_tokens: int, now: float) -> float:
-        rate = self.throughput.tokens_per_s
+        rate = self.work.throughput.tokens_per_s
         return now if rate is None else now + num_tokens / rate
-
-
-class AdmissionSlot:
-    """A dispatched attempt's place at its prefill pod; `release` exactly once
-    counts (later calls are no-ops), so it may also sit on an exit stack."""
-
-    def __init__(self, admission: PrefillAdmission, address: str, num_tokens: int,
-                 number: int) -> None:
-        self.address = address
-        self.num_tokens = num_tokens
-        self.number = number  # its place in the pod's dispatch order
-        self._admission = admission
-        self._released = False
-
-    def release(self, finished_tokens: int | None = None) -> None:
-        """The prefill is over; `finished_tokens` when it succeeded (P's
-        throughput learns from it), None when it failed or was left."""
-        if not self._released:
-            self._released = True
-            self._admission._release(self, finished_tokens)
 
 
 class PrefillAdmission:
@@ -211,7 +149,9 @@ class PrefillAdmission:
         self._policy = policy
         self._metrics = metrics
         self.settings = settings
+        self._limit = ShedLimit(settings.max_queue_wait, metrics)
         self._queues: dict[str, _PodQueue] = {}
+        self._ledger = PodLedger(on_release=lambda work: self._pump(self._queues[work.address]))
 
     def estimated_wait(self, address: str, num_tokens: int | None = None, *,
                        computed: bool = False) -> float | None:
@@ -226,7 +166,7 @@ class PrefillAdmission:
         queue = self._queues.get(address)
         if queue is None:
             return 0.0
-        dispatched = max(queue.dispatched_tokens, self._reported_waiting(address))
+        dispatched = max(queue.work.tokens, self._reported_waiting(address))
         if num_tokens is None:
             ahead = queue.queued_tokens + dispatched
         else:
@@ -238,12 +178,9 @@ class PrefillAdmission:
                 ahead += num_tokens
         if ahead == 0:
             return 0.0
-        now = time.monotonic()
-        rate = queue.throughput.peak_tokens_per_s(now)
-        if rate is None:
-            return None
-        local = self._local.tokens_per_s(now) / max(1, len(self._pool.pods("prefill")))
-        return ahead / (rate + local)
+        local = (self._local.tokens_per_s(time.monotonic())
+                 / max(1, len(self._pool.pods("prefill"))))
+        return queue.work.wait(ahead, peak=True, extra_rate=local)
 
     def least_ahead(self, exclude: frozenset[str]) -> Ahead:
         """What waits on the healthy prefill pod (not in `exclude`) with the
@@ -257,7 +194,7 @@ class PrefillAdmission:
         for pod in self._pool.pods("prefill"):
             if pod.address not in exclude:
                 queue = self._queues.get(pod.address)
-                tokens = 0 if queue is None else queue.tokens_ahead(0)
+                tokens = 0 if queue is None else queue.queued_tokens + queue.work.tokens
                 if least is None or tokens < least[0]:
                     least = (tokens, pod.address)
         if least is None:
@@ -269,8 +206,7 @@ class PrefillAdmission:
         (what the idle side's gate asks; `estimated_wait` adds the decode
         pods' share)."""
         queue = self._queues.get(address)
-        rate = None if queue is None else queue.throughput.peak_tokens_per_s(time.monotonic())
-        return Ahead(tokens, None if rate is None else tokens / rate)
+        return Ahead(tokens, None if queue is None else queue.work.wait(tokens, peak=True))
 
     async def admit(self, request: GenerationRequest, *, exclude: frozenset[str],
                     timeout: float, local: QueuedOffer | None = None
@@ -287,9 +223,8 @@ class PrefillAdmission:
         queue = self._queue(address)
         key = queue.key(num_tokens, time.monotonic())
         if self._goes_now(queue, key, num_tokens):
-            number = self._dispatch(address, queue, num_tokens)
             self._metrics.queue_wait.observe(0.0)
-            return AdmissionSlot(self, address, num_tokens, number)
+            return queue.work.send(num_tokens)
         waiter = _Waiter(num_tokens, asyncio.get_running_loop().create_future(), key)
         bisect.insort(queue.waiters, waiter, key=_waiter_key)
         queue.queued_tokens += num_tokens
@@ -301,9 +236,9 @@ class PrefillAdmission:
                 taken = await self._wait_turn(address, queue, waiter, timeout, local)
         except BaseException as exc:  # timeout, or the client left (cancelled)
             if waiter.turn.done():  # dispatched just as it left: give the turn back
-                AdmissionSlot(self, address, num_tokens, waiter.turn.result()).release()
+                waiter.turn.result().release()
             else:
-                self._leave(address, queue, waiter)
+                self._leave(queue, waiter)
             if isinstance(exc, TimeoutError):
                 raise ApiError(504, f"the request waited {time.monotonic() - queued_at:.1f}s "
                                     f"in the router's queue for prefill pod {address} and did "
@@ -311,9 +246,9 @@ class PrefillAdmission:
             raise
         self._metrics.queue_wait.observe(time.monotonic() - queued_at)
         if taken is not None:
-            self._leave(address, queue, waiter)
+            self._leave(queue, waiter)
             return taken
-        return AdmissionSlot(self, address, num_tokens, waiter.turn.result())
+        return waiter.turn.result()
 
     async def _wait_turn(self, address: str, queue: _PodQueue, waiter: _Waiter, timeout: float,
                          local: QueuedOffer | None) -> LocalChoice | None:
@@ -334,17 +269,17 @@ class PrefillAdmission:
                 return None
             index = queue.waiters.index(waiter)
             ahead = (sum(w.num_tokens for w in queue.waiters[:index])
-                     + max(queue.dispatched_tokens, self._reported_waiting(address)))
+                     + max(queue.work.tokens, self._reported_waiting(address)))
             choice = local.offer(self._ahead(address, ahead))
             if choice is not None:
                 return choice
 
-    def _leave(self, address: str, queue: _PodQueue, waiter: _Waiter) -> None:
+    def _leave(self, queue: _PodQueue, waiter: _Waiter) -> None:
         """A waiter leaves the queue undispatched; one it held back may go now."""
         waiter.turn.cancel()
         queue.waiters.remove(waiter)
         queue.queued_tokens -= waiter.num_tokens
-        self._pump(address, queue)
+        self._pump(queue)
 
     # ------------------------------------------------------------ internals
 
@@ -369,14 +304,13 @@ class PrefillAdmission:
                 exclude=exclude)
         except NoPodAvailable as exc:
             raise ApiError(503, exc.reason, code="no_pod_available") from None
-        limit = self.settings.max_queue_wait
 
         def until_computed(pod: str) -> float | None:
             return self.estimated_wait(pod, _to_compute(request, hits.get(pod, 0)),
                                        computed=True)
 
         wait = until_computed(address)
-        if wait is None or wait <= limit:
+        if not self._limit.exceeded(wait):
             return address
         # the chosen pod is too far behind: the least-waiting other pod, if any has room
         waits = {p.address: until_computed(p.address)
@@ -384,14 +318,14 @@ class PrefillAdmission:
         waits[address] = wait
         best = min(waits, key=lambda a: waits[a] if waits[a] is not None else 0.0)
         best_wait = waits[best]
-        if best_wait is None or best_wait <= limit:
+        if not self._limit.exceeded(best_wait):
             return best
-        queue = self._queues[best]
-        raise shed(self._metrics, best_wait, limit,
-                   f"the prefill queue's estimated wait is {best_wait:.1f}s until this prompt is "
-                   f"computed ({len(queue.waiters)} requests, {queue.queued_tokens} tokens to "
-                   f"compute queued in the router for prefill pod {best}, and its own "
-                   f"{_to_compute(request, hits.get(best, 0))})")
+        queue, own = self._queues[best], _to_compute(request, hits.get(best, 0))
+        raise self._limit.refuse(
+            best_wait, f"the prefill queue's estimated wait is {best_wait:.1f}s until this "
+                       f"prompt is computed ({len(queue.waiters)} requests, "
+                       f"{queue.queued_tokens} tokens to compute queued in the router for "
+                       f"prefill pod {best}, and its own {own})")
 
     def _reported_waiting(self, address: str) -> int:
         pod = self._pool.pod("prefill", address)
@@ -401,76 +335,44 @@ class PrefillAdmission:
         """A request with `key` would be dispatched at once: ahead of every
         waiter, and the pod has room."""
         return ((not queue.waiters or key < queue.waiters[0].key)
-                and self._has_room(queue, num_tokens))
+                and self._has_room(queue.work, num_tokens))
 
-    def _has_room(self, queue: _PodQueue, num_tokens: int) -> bool:
+    def _has_room(self, work: PodWork, num_tokens: int) -> bool:
         """Within the token budget and, behind the oldest dispatched prompt
         (the one P computes), one prompt of any size (the next, waiting there
         when the current one ends), or more within the seconds budget of work
         at P's rate (once known) or within `SHORT_BATCH_TOKENS`."""
         tokens, seconds = self.settings.dispatch_tokens, self.settings.dispatch_seconds
-        if tokens == 0 or not queue.outstanding:
+        if tokens == 0 or not work.outstanding:
             return True
-        if queue.dispatched_tokens + num_tokens > tokens:
+        if work.tokens + num_tokens > tokens:
             return False
-        if seconds == 0 or len(queue.outstanding) < 2:
+        if seconds == 0 or len(work.outstanding) < 2:
             return True
-        rate = queue.throughput.tokens_per_s
+        rate = work.throughput.tokens_per_s
         allowed = SHORT_BATCH_TOKENS if rate is None else max(SHORT_BATCH_TOKENS, rate * seconds)
-        behind = queue.dispatched_tokens - next(iter(queue.outstanding.values()))
-        return behind + num_tokens <= allowed
+        return work.tokens - work.oldest_tokens + num_tokens <= allowed
 
-    def _dispatch(self, address: str, queue: _PodQueue, num_tokens: int) -> int:
-        """Count a dispatch; returns its number (for its slot)."""
-        number = queue.next_number
-        queue.next_number += 1
-        queue.outstanding[number] = num_tokens
-        queue.dispatched_tokens += num_tokens
-        queue.throughput.set_busy(True, time.monotonic())
-        return number
-
-    def _release(self, slot: AdmissionSlot, finished_tokens: int | None) -> None:
-        queue = self._queues[slot.address]
-        now = time.monotonic()
-        queue.dispatched_tokens -= slot.num_tokens
-        del queue.outstanding[slot.number]
-        if finished_tokens is not None:
-            queue.throughput.finished(finished_tokens, now)
-        queue.throughput.set_busy(bool(queue.outstanding), now)
-        self._pump(slot.address, queue)
-
-    def _pump(self, address: str, queue: _PodQueue) -> None:
+    def _pump(self, queue: _PodQueue) -> None:
         """Dispatch waiters in key order while the pod has room."""
-        while queue.waiters and self._has_room(queue, queue.waiters[0].num_tokens):
+        while queue.waiters and self._has_room(queue.work, queue.waiters[0].num_tokens):
             waiter = queue.waiters.pop(0)
             queue.queued_tokens -= waiter.num_tokens
-            waiter.turn.set_result(self._dispatch(address, queue, waiter.num_tokens))
+            waiter.turn.set_result(queue.work.send(waiter.num_tokens))
 
     def _queue(self, address: str) -> _PodQueue:
         """`address`'s queue; the first time, its gauges are bound to it (read
         when /metrics is rendered, on this event loop; NaN while unknown)."""
         queue = self._queues.get(address)
         if queue is None:
-            queue = self._queues[address] = _PodQueue()
+            queue = self._queues[address] = _PodQueue(self._ledger.pod(address))
             m = self._metrics
             m.queue_requests.labels(pod=address).set_function(lambda: len(queue.waiters))
             m.queue_tokens.labels(pod=address).set_function(lambda: queue.queued_tokens)
-            m.bind_pod_queue(address, dispatched=lambda: queue.dispatched_tokens,
+            m.bind_pod_queue(address, dispatched=lambda: queue.work.tokens,
                              wait=lambda: self.estimated_wait(address),
                              rate=lambda: queue.throughput.tokens_per_s)
         return queue
-
-
-def shed(metrics: RouterMetrics, wait: float, limit: float, what: str) -> ApiError:
-    """The 429 for a request refused because `what` (its estimated wait,
-    `wait` seconds, and what makes it up) is above --max-queue-wait `limit`;
-    counted. Shared with router/routing/colocated_gate.py."""
-    metrics.queue_rejected.inc()
-    return ApiError(
-        429, f"server overloaded: {what}, above the limit --max-queue-wait {limit:g}s; retry later",
-        code="queue_full", error_type="overloaded_error",
-        retry_after=max(1, math.ceil(wait - limit)),
-    )
 
 
 def _to_compute(request: GenerationRequest, cached_tokens: int) -> int:

@@ -43,45 +43,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from router.api_error import ApiError
 from router.metrics import RouterMetrics
-from router.routing.admission import Throughput, shed
 from router.routing.base import PodPool
+from router.routing.ledger import PodLedger, PodWork, ShedLimit, WorkSlot
 from router.settings import AdmissionSettings
 
-
-@dataclass(slots=True)
-class _Pod:
-    """One colocated pod's prompts in flight, as this router sees them."""
-
-    outstanding: dict[int, int] = field(default_factory=dict)  # ticket -> prompt tokens
-    outstanding_tokens: int = 0
-    next_ticket: int = 0
-    throughput: Throughput = field(default_factory=Throughput)
-
-
-class ColocatedSlot:
-    """One attempt's prompt at a colocated pod until its first token;
-    `release` counts once (later calls are no-ops), so it may also sit on an
-    exit stack for the failure path."""
-
-    __slots__ = ("address", "num_tokens", "_gate", "_ticket", "_released")
-
-    def __init__(self, gate: ColocatedGate, address: str, num_tokens: int, ticket: int) -> None:
-        self.address = address
-        self.num_tokens = num_tokens
-        self._gate = gate
-        self._ticket = ticket
-        self._released = False
-
-    def release(self, computed_tokens: int | None = None) -> None:
-        """The first token is in (`computed_tokens`: what the pod computed for
-        it, which its rate learns from), or the attempt ended before (None)."""
-        if not self._released:
-            self._released = True
-            self._gate._release(self, computed_tokens)
+# One attempt's prompt at a colocated pod until its first token: the
+# ledger's one slot type (router/routing/ledger.py); `release(computed_tokens)`
+# when the first token is in, `release()` when the attempt ended before, once.
+ColocatedSlot = WorkSlot
 
 
 class ColocatedGate:
@@ -95,24 +67,22 @@ class ColocatedGate:
         if not isinstance(limit, AdmissionSettings):
             limit = AdmissionSettings(max_queue_wait=limit)
         self._pool = pool
-        self._metrics = metrics
+        self._limit = ShedLimit(limit.max_queue_wait, metrics)
         self.max_queue_wait = limit.max_queue_wait
-        self._clock = clock
-        self._pods: dict[str, _Pod] = {}
+        self._ledger = PodLedger(clock, on_new=self._bind_gauges)
 
     def estimated_wait(self, address: str) -> float | None:
         """Seconds a prompt sent to `address` now waits before the pod
         computes it (the module docstring); 0 while this router has nothing
         outstanding there, None while the pod's rate is unknown."""
-        pod = self._pods.get(address)
-        if pod is None or not pod.outstanding:
+        work = self._ledger.get(address)
+        if work is None or not work.outstanding:
             # idle as far as this router knows: the pod's own report may still
             # show a queue it has since computed (reports lag by a poll)
             return 0.0
         load = self._pool.pod("colocated", address)
-        ahead = max(pod.outstanding_tokens, 0 if load is None else load.num_waiting_tokens)
-        rate = pod.throughput.tokens_per_s
-        return None if rate is None else ahead / rate
+        ahead = max(work.tokens, 0 if load is None else load.num_waiting_tokens)
+        return work.wait(ahead, peak=False)
 
     def over_limit(self, address: str, num_tokens: int) -> float | None:
         """The estimated wait at `address` until a prompt of `num_tokens` is
@@ -123,44 +93,27 @@ class ColocatedGate:
         wait = self.estimated_wait(address)
         if not wait:  # nothing ahead, or the rate unknown
             return None
-        wait += num_tokens / self._pods[address].throughput.tokens_per_s
-        return wait if wait > self.max_queue_wait else None
+        wait += self._ledger.pod(address).wait(num_tokens, peak=False)
+        return wait if self._limit.exceeded(wait) else None
 
     def overloaded(self, waits: dict[str, float], num_tokens: int) -> ApiError:
         """The 429 for a request of `num_tokens` every candidate pod refused
         (`waits`: from `over_limit`, each above the limit); counted as shed."""
         address = min(waits, key=waits.__getitem__)
         wait = waits[address]
-        return shed(self._metrics, wait, self.max_queue_wait,
-                    f"the estimated wait at colocated pod {address} is {wait:.1f}s until this "
-                    f"prompt is computed ({self._pods[address].outstanding_tokens} prompt tokens "
-                    f"sent there and not yet computed, and its own {num_tokens})")
+        return self._limit.refuse(
+            wait, f"the estimated wait at colocated pod {address} is {wait:.1f}s until this "
+                  f"prompt is computed ({self._ledger.pod(address).tokens} prompt tokens "
+                  f"sent there and not yet computed, and its own {num_tokens})")
 
     def sent(self, address: str, num_tokens: int) -> ColocatedSlot:
         """Count a prompt of `num_tokens` sent to `address` until its slot is released."""
-        pod = self._pod(address)
-        ticket = pod.next_ticket
-        pod.next_ticket += 1
-        pod.outstanding[ticket] = num_tokens
-        pod.outstanding_tokens += num_tokens
-        pod.throughput.set_busy(True, self._clock())
-        return ColocatedSlot(self, address, num_tokens, ticket)
+        return self._ledger.send(address, num_tokens)
 
-    def _release(self, slot: ColocatedSlot, computed_tokens: int | None) -> None:
-        pod = self._pods[slot.address]
-        now = self._clock()
-        pod.outstanding_tokens -= pod.outstanding.pop(slot._ticket)
-        if computed_tokens is not None:
-            pod.throughput.finished(computed_tokens, now)
-        pod.throughput.set_busy(bool(pod.outstanding), now)
-
-    def _pod(self, address: str) -> _Pod:
-        """`address`'s state; the first time, its gauges are bound to it (the
-        queue gauges the prefill pods have, under the colocated pod's label)."""
-        pod = self._pods.get(address)
-        if pod is None:
-            pod = self._pods[address] = _Pod()
-            self._metrics.bind_pod_queue(address, dispatched=lambda: pod.outstanding_tokens,
-                                         wait=lambda: self.estimated_wait(address),
-                                         rate=lambda: pod.throughput.tokens_per_s)
-        return pod
+    def _bind_gauges(self, work: PodWork) -> None:
+        """A pod's account opened: the queue gauges the prefill pods have,
+        under the colocated pod's label."""
+        self._limit.metrics.bind_pod_queue(
+            work.address, dispatched=lambda: work.tokens,
+            wait=lambda: self.estimated_wait(work.address),
+            rate=lambda: work.throughput.tokens_per_s)

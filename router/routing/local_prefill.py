@@ -64,10 +64,9 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from router.routing.base import PodLoad, PodPool
+from router.routing.ledger import LOCAL_RATE_WINDOW_S as LOCAL_RATE_WINDOW_S  # re-exported
+from router.routing.ledger import LocalRate, PodLedger, PodWork
 from router.settings import LocalPrefillSettings
-
-# Local prefills count toward the decode pods' prefill rate for this long.
-LOCAL_RATE_WINDOW_S = 20.0
 
 # Tokens of `token_ids` decode pod `address` already caches (a prefix).
 CachedPrefix = Callable[[str, Sequence[int]], int]
@@ -92,29 +91,6 @@ def no_cached_prefix(address: str, token_ids: Sequence[int]) -> int:
     return 0
 
 
-class LocalRate:
-    """Prompt tokens that decode pods took to prefill themselves, at arrival
-    or from the prefill queue, as a rate over the last `LOCAL_RATE_WINDOW_S`
-    seconds: the idle side's share of the prefill work, which the shedding
-    estimate adds to the prefill pods' rate (router/routing/admission.py).
-    A window that started less than that ago reads low, so the estimate
-    then errs toward the prefill pods' rate alone."""
-
-    def __init__(self) -> None:
-        self._taken: collections.deque[tuple[float, int]] = collections.deque()
-        self._tokens = 0
-
-    def took(self, num_tokens: int, now: float) -> None:
-        self._taken.append((now, num_tokens))
-        self._tokens += num_tokens
-
-    def tokens_per_s(self, now: float) -> float:
-        horizon = now - LOCAL_RATE_WINDOW_S
-        while self._taken and self._taken[0][0] <= horizon:
-            self._tokens -= self._taken.popleft()[1]
-        return self._tokens / LOCAL_RATE_WINDOW_S
-
-
 @dataclass(frozen=True, slots=True)
 class LocalChoice:
     """A decode pod that prefills the request itself, and why."""
@@ -136,9 +112,10 @@ class LocalPrefill:
         self._least_ahead = least_ahead
         self._cached_prefix = cached_prefix
         self.settings = settings
-        self._computing: dict[str, int] = {}  # address -> prompt tokens sent, no first token
-        # address -> (local prefills computing there, first-token times of recent others)
-        self._mine: dict[str, tuple[int, collections.deque[float]]] = {}
+        # per decode pod: this router's local prefills sent, first token not back
+        self._computing = PodLedger(on_release=self._released)
+        # address -> first-token times of this router's recent local prefills there
+        self._released_at: dict[str, collections.deque[float]] = {}
         # resolved when a local prefill's first token frees its pod's budget
         self._room_freed: asyncio.Future[None] | None = None
 
@@ -174,7 +151,7 @@ class LocalPrefill:
                 continue
             cached = min(len(token_ids), self._cached_prefix(pod.address, token_ids))
             new = len(token_ids) - cached
-            if self._computing.get(pod.address, 0) + new > settings.budget:
+            if self._tokens_computing(pod.address) + new > settings.budget:
                 continue
             if new >= settings.below:  # not below the crossover: only when P is the bottleneck
                 if new > settings.max_tokens:
@@ -212,39 +189,29 @@ class LocalPrefill:
         pod = self._pool.pod("decode", address)
         if pod is None or not self._has_room(pod, max_context):
             return 0
-        left = self.settings.budget - self._computing.get(address, 0)
+        left = self.settings.budget - self._tokens_computing(address)
         return max(0, min(below, left + 1))  # new < result  <=>  new <= left
 
     @contextlib.contextmanager
     def computing(self, choice: LocalChoice) -> Iterator[Callable[[], None]]:
         """Count `choice`'s prompt as computing on its pod until the returned
         release is called (at the first token) or the block ends."""
-        address = choice.address
         self.rate.took(choice.new_tokens, time.monotonic())
-        self._computing[address] = self._computing.get(address, 0) + choice.new_tokens
-        count, released_at = self._mine.get(address, (0, collections.deque()))
-        self._mine[address] = (count + 1, released_at)
-        released = False
-
-        def release() -> None:
-            nonlocal released
-            if not released:
-                released = True
-                left = self._computing[address] - choice.new_tokens
-                if left:
-                    self._computing[address] = left
-                else:
-                    del self._computing[address]
-                count, released_at = self._mine[address]
-                released_at.append(time.monotonic())
-                self._mine[address] = (count - 1, released_at)
-                if self._room_freed is not None and not self._room_freed.done():
-                    self._room_freed.set_result(None)
-
+        slot = self._computing.send(choice.address, choice.new_tokens)
         try:
-            yield release
+            yield slot.release
         finally:
-            release()
+            slot.release()
+
+    def _released(self, work: PodWork) -> None:
+        """A local prefill's first token is in (or it ended): its pod's budget frees."""
+        self._released_at.setdefault(work.address, collections.deque()).append(time.monotonic())
+        if self._room_freed is not None and not self._room_freed.done():
+            self._room_freed.set_result(None)
+
+    def _tokens_computing(self, address: str) -> int:
+        work = self._computing.get(address)
+        return 0 if work is None else work.tokens
 
     def _has_room(self, pod: PodLoad, max_context: int) -> bool:
         blocks = math.ceil(max_context / pod.block_size) if pod.block_size else math.inf
@@ -255,16 +222,16 @@ class LocalPrefill:
         """Requests in `address`'s last report that may be this router's own
         local prefills: those computing, and those finished within the
         report's age (the pod queues a new request until its next step)."""
-        mine = self._mine.get(address)
-        if mine is None:
-            return 0
-        count, released_at = mine
+        work = self._computing.get(address)
+        count = 0 if work is None else len(work.outstanding)
+        released_at = self._released_at.get(address)
+        if released_at is None:
+            return count
         horizon = time.monotonic() - self.settings.report_age
         while released_at and released_at[0] < horizon:
             released_at.popleft()
-        if not count and not released_at:
-            del self._mine[address]
-            return 0
+        if not released_at:
+            del self._released_at[address]
         return count + len(released_at)
 
 
