@@ -25,6 +25,12 @@ from router.registry.poller import PodState, PolledPodPool
 from router.registry.redis_registry import RedisPodSource
 from router.registry.static import StaticPodSource, parse_addresses
 
+# A poll of a live pod on loopback must not time out in these tests, however
+# loaded the machine: under one busy core and other test processes a first poll
+# took over the default 0.5 s. A dead pod's poll fails at once (connection
+# refused), so a generous timeout does not slow any leaving this file checks.
+POLL_TIMEOUT_S = 10.0
+
 
 async def eventually(predicate, timeout: float = 10.0, interval: float = 0.02) -> None:
     """Wait until `predicate()` holds; fail with its last value after `timeout` seconds.
@@ -94,7 +100,7 @@ def test_poller_reports_loads_and_drops_dead_pods_within_an_interval(run_async) 
         d1 = await LoadServer("decode", num_running=3).start()
         pool = PolledPodPool(
             StaticPodSource(prefill=[p1.address, p2.address], decode=[d1.address]),
-            poll_interval=0.1,
+            poll_interval=0.1, poll_timeout=POLL_TIMEOUT_S,
         )
         await pool.start()
         try:
@@ -145,7 +151,8 @@ def test_poller_refuses_a_pod_reporting_another_role(run_async) -> None:
         server = await LoadServer("decode").start()
         # a colocated pod address given as --decode: the report says "decode" for a
         # pod registered as colocated -> not used
-        pool = PolledPodPool(StaticPodSource(colocated=[server.address]), poll_interval=0.1)
+        pool = PolledPodPool(StaticPodSource(colocated=[server.address]), poll_interval=0.1,
+                             poll_timeout=POLL_TIMEOUT_S)
         await pool.start()
         try:
             assert pool.pods("colocated") == []
@@ -167,7 +174,8 @@ def test_redis_registry_adds_new_pods_and_drops_expired_ones(redis_url: str, run
         client = redis.Redis.from_url(redis_url, decode_responses=True)
         client.set("pdserve:pods:decode:junk", "not json")  # skipped with a warning
         # a pod gone from Redis that still answers its polls is kept for absent_grace
-        pool = PolledPodPool(RedisPodSource(redis_url), poll_interval=0.1, absent_grace=0.3)
+        pool = PolledPodPool(RedisPodSource(redis_url), poll_interval=0.1, absent_grace=0.3,
+                             poll_timeout=POLL_TIMEOUT_S)
         await pool.start()
         beats = []
         try:
@@ -212,7 +220,8 @@ def test_redis_outage_keeps_the_known_pods(tmp_path, run_async) -> None:
         client.set(pod_key("prefill", p1.address),
                    json.dumps({"address": p1.address, "role": "prefill", "model": "m"}))
         client.close()
-        pool = PolledPodPool(RedisPodSource(server.url), poll_interval=0.1)
+        pool = PolledPodPool(RedisPodSource(server.url), poll_interval=0.1,
+                             poll_timeout=POLL_TIMEOUT_S)
         await pool.start()
         try:
             assert [p.address for p in pool.pods("prefill")] == [p1.address]
@@ -240,7 +249,8 @@ def test_a_pod_missing_from_redis_stays_while_it_answers_until_the_grace_passes(
         for server, role in ((p1, "prefill"), (d1, "decode")):
             client.set(pod_key(role, server.address),
                        json.dumps({"address": server.address, "role": role, "model": "m"}))
-        pool = PolledPodPool(RedisPodSource(redis_url), poll_interval=0.05, absent_grace=1.0)
+        pool = PolledPodPool(RedisPodSource(redis_url), poll_interval=0.05, absent_grace=1.0,
+                             poll_timeout=POLL_TIMEOUT_S)
         await pool.start()
         try:
             assert [p.address for p in pool.pods("prefill")] == [p1.address]
