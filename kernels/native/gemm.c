@@ -14,7 +14,7 @@
  *
  * Prefill rows (M >= LARGE_M) are compute-bound: register tiles over rows
  * of x first packed k-interleaved (gemm_large): 6 rows x 16 columns in ymm
- * registers, or with AVX-512 12 (or 6) rows x two panels in zmm registers
+ * registers, or with AVX-512 12 rows x two panels in zmm registers
  * (gemm_tiles.h).
  *
  * Layout: `panels` [ceil(N / 16)][K][16] float32: panel j holds output
@@ -136,12 +136,13 @@ static void pair_large(const float *x, long x_stride, long rows, const float *ap
       const long count = prefetch_share(t / 2, units, &from);
       const float *a = ap + t * MR * K + MR * k0;
       float *c0 = acc0 + t * MR * PANEL, *c1 = acc1 + t * MR * PANEL;
-      if (t + 1 < tiles)
+      if (t + 1 < tiles) {
         pair_rows12(a, a + MR * K, p0, p1, kc, c0, c1, k0 == 0, p0 + (kc + from) * PANEL,
                     p1 + (kc + from) * PANEL, count);
-      else
-        pair_rows6(a, p0, p1, kc, c0, c1, k0 == 0, p0 + (kc + from) * PANEL,
-                   p1 + (kc + from) * PANEL, count);
+      } else { /* a last odd tile: the ymm tile, panel by panel */
+        rows6(a, p0, kc, c0, k0 == 0, p0 + (kc + from) * PANEL, count);
+        rows6(a, p1, kc, c1, k0 == 0, p1 + (kc + from) * PANEL, count);
+      }
     }
     const long m = tiles * MR;
     for (int half = 0; half < 2 && m < rows; half++) {

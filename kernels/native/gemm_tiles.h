@@ -141,11 +141,12 @@ static void pack_rows6(const float *x, long x_stride, long K, float *ap) {
 }
 
 #if defined(__AVX512F__)
-/* With AVX-512 a tile is 6 rows x two panels (32 columns): 12 zmm
- * accumulators, per k two panel loads and six broadcasts for 12
- * multiply-adds of 16 lanes, twice the work per instruction of rows6's ymm
- * tile. Each output is the same chain over k in order from 0 as on every
- * other path, so a row's result does not change (bit for bit). */
+/* With AVX-512 a tile is two packed 6-row tiles x two panels (12 rows x 32
+ * columns): 24 zmm accumulators, per k two panel loads and twelve
+ * broadcasts for 24 multiply-adds of 16 lanes, four times the work per
+ * panel load of rows6's ymm tile. Each output is the same chain over k in
+ * order from 0 as on every other path, so a row's result does not change
+ * (bit for bit). PAIR_* are the first 6 rows (ap), PAIR_*_B the next (bp). */
 #define PAIR_LOAD(r)                                                                        \
   __m512 u##r = first ? _mm512_setzero_ps() : _mm512_load_ps(acc0 + (r) * PANEL),           \
          v##r = first ? _mm512_setzero_ps() : _mm512_load_ps(acc1 + (r) * PANEL)
@@ -156,24 +157,6 @@ static void pack_rows6(const float *x, long x_stride, long K, float *ap) {
     v##r = _mm512_fmadd_ps(a, b1, v##r);                                                    \
   } while (0)
 #define PAIR_STORE(r) (_mm512_store_ps(acc0 + (r) * PANEL, u##r), _mm512_store_ps(acc1 + (r) * PANEL, v##r))
-
-/* acc0/acc1[r][0..15] = (first ? 0 : acc) + ap[0..kc)[r] . p0/p1[0..kc)[0..15], r < 6;
- * meanwhile rows pf0/pf1[0 .. pf_rows) into L2, one each a k. */
-static inline void pair_rows6(const float *ap, const float *p0, const float *p1, long kc,
-                              float *acc0, float *acc1, int first, const float *pf0,
-                              const float *pf1, long pf_rows) {
-  PAIR_LOAD(0); PAIR_LOAD(1); PAIR_LOAD(2); PAIR_LOAD(3); PAIR_LOAD(4); PAIR_LOAD(5);
-  _Pragma("GCC unroll 2")
-  for (long k = 0; k < kc; k++) {
-    if (k < pf_rows) {
-      _mm_prefetch((const char *)(pf0 + k * PANEL), _MM_HINT_T1);
-      _mm_prefetch((const char *)(pf1 + k * PANEL), _MM_HINT_T1);
-    }
-    const __m512 b0 = _mm512_load_ps(p0 + k * PANEL), b1 = _mm512_load_ps(p1 + k * PANEL);
-    PAIR_FMA(0); PAIR_FMA(1); PAIR_FMA(2); PAIR_FMA(3); PAIR_FMA(4); PAIR_FMA(5);
-  }
-  PAIR_STORE(0); PAIR_STORE(1); PAIR_STORE(2); PAIR_STORE(3); PAIR_STORE(4); PAIR_STORE(5);
-}
 
 #define PAIR_LOAD_B(r)                                                                      \
   __m512 s##r = first ? _mm512_setzero_ps() : _mm512_load_ps(acc0 + (r + 6) * PANEL),       \
@@ -186,8 +169,9 @@ static inline void pair_rows6(const float *ap, const float *p0, const float *p1,
   } while (0)
 #define PAIR_STORE_B(r) (_mm512_store_ps(acc0 + (r + 6) * PANEL, s##r), _mm512_store_ps(acc1 + (r + 6) * PANEL, w##r))
 
-/* pair_rows6 for two packed tiles at once (ap: rows 0-5, bp: rows 6-11):
- * 24 accumulators, each panel load serving 12 rows. */
+/* acc0/acc1[r][0..15] = (first ? 0 : acc) + (r < 6 ? ap : bp)[0..kc)[r % 6] .
+ * p0/p1[0..kc)[0..15], r < 12; meanwhile rows pf0/pf1[0 .. pf_rows) into L2,
+ * one each a k. */
 static inline void pair_rows12(const float *ap, const float *bp, const float *p0,
                                const float *p1, long kc, float *acc0, float *acc1, int first,
                                const float *pf0, const float *pf1, long pf_rows) {
