@@ -1,6 +1,6 @@
 """`OutputAssembler`: one request's output as the client sees it.
 
-`router.flow.attempt.Attempt` feeds it every batch of tokens a pod reports, tagged with the
+`router.flow.pod_caller.PodCaller` feeds it every batch of tokens a pod reports, tagged with the
 output index of its first token (`first_index`). The assembler keeps the
 client stream exact across retries and migrations:
 

@@ -42,7 +42,7 @@ class PodFault(enum.Enum):
 _C = grpc.StatusCode
 # The one table of what a status code says about the pod that answered it,
 # read wherever a failed call moves on to another pod (the prefill retries
-# and the transfer verdict in attempt.py, scoring in score_attempt.py):
+# and the transfer verdict in pd_path.py, scoring in score_path.py):
 #
 # BROKEN: unreachable, a crashed handler, an error the pod did not map.
 #   Another pod may succeed and this one would fail again: it is left out

@@ -19,16 +19,19 @@ Life cycle (`FlowState`, transitions checked):
            the prompt is short, or it is below --local-prefill-below:
            router.routing.local_prefill) ─► FINISHED; the pod refused ─► RESERVING
     ROUTING ─► SCORING: max_tokens 0 on the P/D path — a prefill pod scores the
-           prompt alone, no decode pod (router.flow.score_attempt) ─► FINISHED
+           prompt alone, no decode pod (router.flow.score_path) ─► FINISHED
     RESERVING ─► LOCAL_PREFILL: the decode pod's cached prefix left fewer new
            tokens than --local-prefill-below, so it computed the prompt itself
            and answered tokens instead of Reserved ─► FINISHED
     any state ─► FAILED (an ApiError for the client, or the client left)
 
-Each try on a pod pair (or a colocated pod, or a decode pod that prefills
-the prompt itself) is one `Attempt` (router.flow.attempt; its subclass
-`LocalAttempt`, router.flow.local_attempt, adds the last); this module
-decides what happens after one fails.
+Each try chooses its path once (`_path`) and runs it over one `PodCaller`
+(router.flow.pod_caller: what every path's pod calls share): the P/D pair
+(router.flow.pd_path, offered to the idle side while it waits:
+router.flow.local_path.pd_with_idle_side), a colocated pod
+(router.flow.colocated_path), a decode pod that prefills the prompt itself
+(router.flow.local_path) or a prefill pod that scores it
+(router.flow.score_path); this module decides what happens after one fails.
 
 Failure handling:
 
@@ -68,11 +71,12 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 
 from router.api_error import ApiError
+from router.flow import colocated_path, local_path, score_path
 from router.flow.deps import FlowDeps
 from router.flow.direct_relay import DeltaSink
 from router.flow.output import Detokenizer, OutputAssembler
+from router.flow.pod_caller import PodCaller
 from router.flow.pod_calls import AttemptFailed, choose_path
-from router.flow.score_attempt import ScoreAttempt
 from router.flow.state import FlowState, check_transition
 from router.generation import Delta, GenerationRequest
 from router.routing.local_prefill import LocalChoice
@@ -201,36 +205,37 @@ class RequestFlow:
         return f"{self.request.request_id}-{self._attempt}"
 
     async def _one_attempt(self) -> AsyncIterator[Delta]:
-        path = choose_path(self._deps.pool, self._left_out, self._deps.colocated_gate,
-                           len(self.request.prompt_token_ids))
-        scoring = path == "disaggregated" and self.request.sampling.max_tokens == 0
-        local = self._choose_local() if path == "disaggregated" and not scoring else None
-        attempt = self._new_attempt()
+        caller = PodCaller(self.request, self._next_request_id(), deps=self._deps,
+                           out=self._out, left_out=frozenset(self._left_out),
+                           deadline=self._deadline, to_state=self._to, sink=self._sink)
         with contextlib.ExitStack() as stack:
-            if local is not None:
-                self._to(FlowState.LOCAL_PREFILL)
-                log.debug("request %s: decode pod %s prefills its %d new tokens itself "
-                          "(%d tokens ahead on the prefill path)", self.request.request_id,
-                          local.address, local.new_tokens, local.tokens_ahead)
-                first_token = stack.enter_context(self._deps.local_prefill.computing(local))
-                stream = attempt.local_prefill(local.address, first_token)
-            elif scoring:
-                self._to(FlowState.SCORING)
-                stream = attempt.scored()
-            elif path == "colocated":
-                self._to(FlowState.COLOCATED)
-                stream = attempt.colocated()
-            else:
-                self._to(FlowState.RESERVING)
-                stream = attempt.disaggregated()
-            async with contextlib.aclosing(stream) as deltas:
+            async with contextlib.aclosing(self._path(caller, stack)) as deltas:
                 async for delta in deltas:
                     yield delta
 
-    def _new_attempt(self) -> ScoreAttempt:
-        return ScoreAttempt(self.request, self._next_request_id(), deps=self._deps,
-                            out=self._out, left_out=frozenset(self._left_out),
-                            deadline=self._deadline, to_state=self._to, sink=self._sink)
+    def _path(self, caller: PodCaller, stack: contextlib.ExitStack) -> AsyncIterator[Delta]:
+        """This attempt's path, chosen once (its first state entered): a
+        colocated pod, a prefill pod that scores the prompt (max_tokens 0),
+        a decode pod that prefills it itself (counted as computing there
+        until `stack` closes), or the P/D pair."""
+        path = choose_path(self._deps.pool, self._left_out, self._deps.colocated_gate,
+                           len(self.request.prompt_token_ids))
+        if path == "colocated":
+            self._to(FlowState.COLOCATED)
+            return colocated_path.colocated(caller)
+        if self.request.sampling.max_tokens == 0:
+            self._to(FlowState.SCORING)
+            return score_path.scored(caller)
+        local = self._choose_local()
+        if local is not None:
+            self._to(FlowState.LOCAL_PREFILL)
+            log.debug("request %s: decode pod %s prefills its %d new tokens itself "
+                      "(%d tokens ahead on the prefill path)", self.request.request_id,
+                      local.address, local.new_tokens, local.tokens_ahead)
+            first_token = stack.enter_context(self._deps.local_prefill.computing(local))
+            return local_path.local_prefill(caller, local.address, first_token)
+        self._to(FlowState.RESERVING)
+        return local_path.pd_with_idle_side(caller)
 
     def _choose_local(self) -> LocalChoice | None:
         """The decode pod that prefills this attempt itself, or None (the P/D path)."""

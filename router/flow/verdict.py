@@ -1,6 +1,6 @@
 """The prefill pod's verdict on a KV transfer, after the first token.
 
-`router.flow.attempt.Attempt.disaggregated` sends the first token to the
+`router.flow.pd_path.disaggregated` sends the first token to the
 client as soon as the prefill pod streams it, before the decode pod has told
 the prefill pod whether the transfer landed. These pieces, on the router's
 event loop, decide what the verdict still means: `unless_verdict_fails`
