@@ -10,5 +10,5 @@ from __future__ import annotations
 # overwrite). Starts with kv_transfer's `Reason.SENDER_LOST`, so the pod's
 # transfer-failure metric counts it under that code. The router keeps such a
 # decode pod a candidate for the request's next attempt: the head failed,
-# not the pod (router/flow/attempt.py).
+# not the pod (router/flow/pd_path.py).
 SPLIT_HEAD_LOST = "sender_lost: mid-split"

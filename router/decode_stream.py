@@ -69,7 +69,7 @@ class StreamCall:
     def __init__(self, stream: DecodeStream, request_id: str) -> None:
         self.request_id = request_id
         # DecodeTokens -> the number of tokens it wrote to the client, or None
-        # to leave them to read() (router.flow.attempt sets it)
+        # to leave them to read() (router.flow.pod_caller sets it)
         self.relay: Callable[[pb.DecodeTokens], int | None] | None = None
         self._stream = stream
         self._events: collections.deque[pb.SessionEvent] = collections.deque()

@@ -55,7 +55,7 @@ benchmarks/results/history/routing.md, "The router's queue and shedding"):
   max(tokens dispatched to P by this router, P's reported queued tokens)
   + the request's own tokens) / (P's peak prefill throughput + the decode
   pods' local prefill rate / the number of prefill pods). The second term
-  is the idle side's share (router/routing/local_prefill.py, `LocalRate`):
+  is the idle side's share (router/routing/ledger.py, `LocalRate`):
   under overload decode pods compute part of the prompts, so a queue
   empties faster than P alone computes it. The idle side's own gate
   (`least_ahead`) reads P's rate alone: its question is how long P would

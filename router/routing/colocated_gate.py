@@ -15,7 +15,7 @@ the P/D path's limit, with the same estimate:
 (whole prompts: the router learns a colocated pod's cache hit only from its
 first token, so a prompt C holds a prefix of counts in full until then).
 
-The rate is `router.routing.admission.Throughput`: tokens computed (the
+The rate is `router.routing.ledger.Throughput`: tokens computed (the
 prompt less the pod's reported cache hit) per second of time C had prompts
 outstanding, as it stands, not its peak (which the P/D path uses): a
 colocated pod's prompts share every step with its decodes, so under
@@ -28,7 +28,7 @@ queue and shedding".)
 An attempt with no output yet whose chosen pod's wait until its prompt is
 computed (those ahead and its own tokens, as on the P/D path) is above the
 limit goes to the least-waiting other colocated pod within it; where none is
-(`Attempt._open_stream`), the request gets 429 naming the wait, the pod and
+(`PodCaller.open_stream`), the request gets 429 naming the wait, the pod and
 the limit, with Retry-After. As on the P/D path, a pod sheds only once its
 rate is known (`MIN_SAMPLES` first tokens: its warm-up is in the first ones)
 and only while this router has prompts outstanding there: an idle pod takes

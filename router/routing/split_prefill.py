@@ -7,9 +7,9 @@ is about the ratio of the two. Split at s, the prefill pod computes the
 head [0, s) and streams each layer's KV as always; the decode pod computes
 the tail [s, n) layer by layer behind it and samples token 0 itself.
 
-Consulted by `router.flow.attempt.Attempt` when it builds the decode pod's
-reservation (`DecodeGenerateRequest.split_at`), on the router's event
-loop. A request is split when:
+Consulted by `router.flow.pod_caller.PodCaller` (for `pd_path`) when it
+builds the decode pod's reservation (`DecodeGenerateRequest.split_at`), on
+the router's event loop. A request is split when:
 
 1. the rule is on: `--split-prefill-min-tokens` M > 0, and its context
    (prompt, and no output yet: a migrated request is not split) has at

@@ -1,4 +1,4 @@
-"""A request whose prompt a decode pod prefills itself (`LocalAttempt`),
+"""A request whose prompt a decode pod prefills itself (`router/flow/local_path.py`),
 against in-process fake pods: the path, the fallback to P/D when the pod
 refuses, and a broken local stream moving the request like any other."""
 

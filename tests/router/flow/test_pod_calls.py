@@ -63,7 +63,7 @@ def test_colocated_pods_beyond_the_wait_limit_leave_the_request_to_pd():
     pool = FixedPool(prefill={P: 0}, decode={D: 5}, colocated={C: 0})
     assert choose_path(pool, set(), _Gate()) == "colocated"
     assert choose_path(pool, set(), _Gate(C)) == "disaggregated"
-    # without a P/D path the colocated attempt itself sheds (Attempt._open_stream)
+    # without a P/D path the colocated attempt itself sheds (PodCaller.open_stream)
     assert choose_path(FixedPool(colocated={C: 0}), set(), _Gate(C)) == "colocated"
 
 
