@@ -93,19 +93,27 @@ def test_a_link_that_always_drops_fails_with_a_clear_error(faults):
 
 
 @pytest.mark.parametrize("path", ["whole", "split"])
-def test_corrupted_kv_is_refused_and_the_request_fails_clearly(faults, path):
+def test_corrupted_kv_is_refused_and_never_used(faults, reference, path):
+    expected = reference(PROMPT, MAX_TOKENS)
     refused = _failures(faults.decode, "bad_checksum")
     triggered, splits = faults.kv.triggered, _splits(faults)
     got = _run_with_kv_fault(faults, Fault(corrupt_at_byte=30_000), connections=STREAMS,
                              path=path)
     assert faults.kv.triggered > triggered  # this request's KV was corrupted
     assert (_splits(faults) > splits) == (path == "split")
-    # the decode pod that refused the KV is not tried again, and it is the only one
-    assert got.error is not None, got.describe()
-    assert got.error.code().name == "UNAVAILABLE"
-    assert "no healthy decode pod" in got.error.details()
-    assert got.seconds < REQUEST_TIMEOUT_S
     assert _failures(faults.decode, "bad_checksum") == refused + 1
+    assert got.seconds < REQUEST_TIMEOUT_S
+    # Which side reports the refusal first decides what the router does: the
+    # decode stream (the decode pod is left out; it is the only one, so the
+    # request fails clearly) or the prefill pod's verdict after the first
+    # token (the request moves, the decode pod still a candidate, and the
+    # retry's clean transfer serves it; seen with a split under a busy core).
+    # Either can win; both share that the corrupted KV is never used.
+    if got.error is not None:
+        assert got.error.code().name == "UNAVAILABLE"
+        assert "no healthy decode pod" in got.error.details()
+    else:
+        assert got.tokens == expected
 
 
 def test_a_black_holed_kv_link_fails_at_the_reservation_deadline(faults):
