@@ -94,6 +94,19 @@ static inline long prefetch_share(long unit, long units, long *from) {
   return KC_L - *from < share ? KC_L - *from : share;
 }
 
+/* Rows x[m .. rows) (past the last whole tile) times one k-block p (k rows
+ * k0 .. k0 + kc) into acc, straight from x in decode groups; the block at
+ * k0 = 0 starts their sums at 0. */
+static void rest_rows(const float *x, long x_stride, long m, long rows, const float *p,
+                      long k0, long kc, float *acc) {
+  if (k0 == 0) memset(acc + m * PANEL, 0, sizeof(float) * PANEL * (rows - m));
+  for (; m + 4 <= rows; m += 4)
+    rows4(x + m * x_stride + k0, x_stride, p, kc, acc + m * PANEL, NONE);
+  for (; m + 2 <= rows; m += 2)
+    rows2(x + m * x_stride + k0, x_stride, p, kc, acc + m * PANEL, NONE);
+  if (m < rows) rows1(x + m * x_stride + k0, x_stride, p, kc, acc + m * PANEL, NONE);
+}
+
 /* Rows ap's tiles and x[tiles * 6 .. rows) times one panel's k-blocks into
  * acc; the tiles share out the prefetch of the stream's next block: this
  * panel's next KC_L rows, or the next panel's first. One tile prefetching
@@ -111,13 +124,7 @@ static void panel_large(const float *x, long x_stride, long rows, const float *a
       rows6(ap + t * MR * K + MR * k0, p, kc, acc + t * MR * PANEL, k0 == 0,
             p + (kc + from) * PANEL, count);
     }
-    long m = tiles * MR;
-    if (k0 == 0) memset(acc + m * PANEL, 0, sizeof(float) * PANEL * (rows - m));
-    for (; m + 4 <= rows; m += 4)
-      rows4(x + m * x_stride + k0, x_stride, p, kc, acc + m * PANEL, NONE);
-    for (; m + 2 <= rows; m += 2)
-      rows2(x + m * x_stride + k0, x_stride, p, kc, acc + m * PANEL, NONE);
-    if (m < rows) rows1(x + m * x_stride + k0, x_stride, p, kc, acc + m * PANEL, NONE);
+    rest_rows(x, x_stride, tiles * MR, rows, p, k0, kc, acc);
   }
 }
 
@@ -144,18 +151,8 @@ static void pair_large(const float *x, long x_stride, long rows, const float *ap
         rows6(a, p1, kc, c1, k0 == 0, p1 + (kc + from) * PANEL, count);
       }
     }
-    const long m = tiles * MR;
-    for (int half = 0; half < 2 && m < rows; half++) {
-      const float *p = half ? p1 : p0;
-      float *acc = half ? acc1 : acc0;
-      long r = m;
-      if (k0 == 0) memset(acc + r * PANEL, 0, sizeof(float) * PANEL * (rows - r));
-      for (; r + 4 <= rows; r += 4)
-        rows4(x + r * x_stride + k0, x_stride, p, kc, acc + r * PANEL, NONE);
-      for (; r + 2 <= rows; r += 2)
-        rows2(x + r * x_stride + k0, x_stride, p, kc, acc + r * PANEL, NONE);
-      if (r < rows) rows1(x + r * x_stride + k0, x_stride, p, kc, acc + r * PANEL, NONE);
-    }
+    rest_rows(x, x_stride, tiles * MR, rows, p0, k0, kc, acc0);
+    rest_rows(x, x_stride, tiles * MR, rows, p1, k0, kc, acc1);
   }
 }
 #endif
