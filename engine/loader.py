@@ -9,6 +9,11 @@ names the shard of each tensor.
 Every tensor the architecture needs must be present with exactly the
 expected shape, and nothing unexpected may be present (besides known
 harmless extras): a checkpoint that loads is a checkpoint that matches.
+
+Under tensor parallelism (`tp`) each rank builds only its shard of the
+model and reads only its slice of each tensor (`ShardLayout.selection`,
+through safetensors' lazy slices): a model too large for one device never
+has to fit on one. The checks above still compare the full shapes.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from engine.layers.rotary import partial_rotary_order
 from engine.model import LlamaForCausalLM
 from engine.model_config import ModelConfig
 from engine.models.classes import model_class
+from engine.parallel.group import TPGroup
+from engine.parallel.shard import Selection, ShardLayout, Split
 from kernels.dispatch import Backend
 
 SINGLE_FILE = "model.safetensors"
@@ -40,13 +47,15 @@ DTYPES: dict[str, torch.dtype] = {
 class TensorTarget:
     """Where checkpoint tensor `hf_name` goes: rows [row_start, row_start +
     shape[0]) of model parameter `param_name` (merged projections), its rows
-    taken in `row_order` when given (partial rotary's q/k head dims)."""
+    taken in `row_order` when given (partial rotary's q/k head dims); under
+    tensor parallelism a rank reads the part `split` gives it."""
 
     hf_name: str
     shape: tuple[int, ...]
     param_name: str
     row_start: int = 0
     row_order: tuple[int, ...] | None = None
+    split: Split = Split.REPLICATED
 
 
 def expected_tensors(config: ModelConfig) -> dict[str, TensorTarget]:
@@ -54,12 +63,12 @@ def expected_tensors(config: ModelConfig) -> dict[str, TensorTarget]:
     hidden = config.hidden_size
     targets = [
         TensorTarget("model.embed_tokens.weight", (config.vocab_size, hidden),
-                     "model.embed_tokens.weight"),
+                     "model.embed_tokens.weight", split=Split.VOCAB),
         TensorTarget("model.norm.weight", (hidden,), "model.norm.weight"),
     ]
     if not config.tie_word_embeddings:
         targets.append(TensorTarget("lm_head.weight", (config.vocab_size, hidden),
-                                    "lm_head.weight"))
+                                    "lm_head.weight", split=Split.VOCAB))
     for i in range(config.num_hidden_layers):
         hf = f"model.layers.{i}"
         targets += _attention_tensors(config, f"{hf}.self_attn")
@@ -90,19 +99,22 @@ def _attention_tensors(config: ModelConfig, attn: str) -> list[TensorTarget]:
             heads = config.num_attention_heads + config.num_key_value_heads
             order = tuple(h * config.head_dim + d for h in range(heads) for d in dims)
             order += tuple(range(q + kv, q + 2 * kv))  # v as it is
-        targets = [TensorTarget(qkv, (q + 2 * kv, hidden), qkv, 0, order)]
+        targets = [TensorTarget(qkv, (q + 2 * kv, hidden), qkv, 0, order, Split.QKV_HEADS)]
     else:
         targets = [
-            TensorTarget(f"{attn}.q_proj.weight", (q, hidden), qkv, 0),
-            TensorTarget(f"{attn}.k_proj.weight", (kv, hidden), qkv, q),
-            TensorTarget(f"{attn}.v_proj.weight", (kv, hidden), qkv, q + kv),
+            TensorTarget(f"{attn}.q_proj.weight", (q, hidden), qkv, 0, split=Split.Q_HEADS),
+            TensorTarget(f"{attn}.k_proj.weight", (kv, hidden), qkv, q, split=Split.KV_HEADS),
+            TensorTarget(f"{attn}.v_proj.weight", (kv, hidden), qkv, q + kv,
+                         split=Split.KV_HEADS),
         ]
-    targets.append(TensorTarget(f"{attn}.o_proj.weight", (hidden, q), f"{attn}.o_proj.weight"))
+    targets.append(TensorTarget(f"{attn}.o_proj.weight", (hidden, q), f"{attn}.o_proj.weight",
+                                split=Split.Q_COLUMNS))
     if config.attention_bias:
+        bias = f"{attn}.qkv_proj.bias"
         targets += [
-            TensorTarget(f"{attn}.q_proj.bias", (q,), f"{attn}.qkv_proj.bias", 0),
-            TensorTarget(f"{attn}.k_proj.bias", (kv,), f"{attn}.qkv_proj.bias", q),
-            TensorTarget(f"{attn}.v_proj.bias", (kv,), f"{attn}.qkv_proj.bias", q + kv),
+            TensorTarget(f"{attn}.q_proj.bias", (q,), bias, 0, split=Split.Q_HEADS),
+            TensorTarget(f"{attn}.k_proj.bias", (kv,), bias, q, split=Split.KV_HEADS),
+            TensorTarget(f"{attn}.v_proj.bias", (kv,), bias, q + kv, split=Split.KV_HEADS),
         ]
     if config.qk_norm:
         targets += [TensorTarget(f"{attn}.{n}.weight", (config.head_dim,), f"{attn}.{n}.weight")
@@ -118,13 +130,17 @@ def _mlp_tensors(config: ModelConfig, hf: str, param: str,
     hidden, inter = config.hidden_size, config.intermediate_size
     gate_up, down = f"{param}.gate_up_proj.weight", f"{param}.down_proj.weight"
     if config.architecture == "Phi3ForCausalLM":
-        targets = [TensorTarget(f"{hf}.gate_up_proj.weight", (2 * inter, hidden), gate_up)]
+        targets = [TensorTarget(f"{hf}.gate_up_proj.weight", (2 * inter, hidden), gate_up,
+                                split=Split.GATE_UP)]
     else:
         targets = [
-            TensorTarget(f"{hf}.{names[0]}.weight", (inter, hidden), gate_up, 0),
-            TensorTarget(f"{hf}.{names[1]}.weight", (inter, hidden), gate_up, inter),
+            TensorTarget(f"{hf}.{names[0]}.weight", (inter, hidden), gate_up, 0,
+                         split=Split.INTERMEDIATE),
+            TensorTarget(f"{hf}.{names[1]}.weight", (inter, hidden), gate_up, inter,
+                         split=Split.INTERMEDIATE),
         ]
-    return targets + [TensorTarget(f"{hf}.{names[2]}.weight", (hidden, inter), down)]
+    return targets + [TensorTarget(f"{hf}.{names[2]}.weight", (hidden, inter), down,
+                                   split=Split.INTERMEDIATE_COLUMNS)]
 
 
 def _moe_tensors(config: ModelConfig, layer: str) -> list[TensorTarget]:
@@ -190,11 +206,14 @@ def load_model(
     dtype: str | torch.dtype = "auto",
     device: str | torch.device = "cpu",
     kernel_backend: Backend | str = Backend.AUTO,
+    tp: TPGroup | None = None,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Build the model described by `model_dir/config.json` and fill every
     parameter from the checkpoint. Raises CheckpointError (naming file,
     tensor and shapes) for any mismatch, UnsupportedModelError for an
-    architecture or feature the engine cannot run."""
+    architecture or feature the engine cannot run (or, under `tp`, cannot
+    split across its ranks). Returns the model (under `tp` this rank's
+    shard, `model.shard`) and the full model's config."""
     model_dir = Path(model_dir)
     config = ModelConfig.from_pretrained(model_dir)
     torch_dtype = resolve_dtype(dtype, config)
@@ -209,7 +228,10 @@ def load_model(
             raise CheckpointError(f"{where}: missing tensor {name!r}")
 
     model = model_class(config)(config, dtype=torch_dtype, device=device,
-                                kernel_backend=kernel_backend)
+                                kernel_backend=kernel_backend, tp=tp)
+    layout: ShardLayout = model.shard
+    # Where each tensor lands in this rank's parameters (the same names).
+    local = expected if tp is None else expected_tensors(layout.local_config(config))
     params = dict(model.named_parameters(remove_duplicate=False))
     by_file: dict[Path, list[TensorTarget]] = {}
     for name, target in expected.items():
@@ -217,22 +239,45 @@ def load_model(
     for path, targets in by_file.items():
         with safe_open(path, framework="pt") as f:
             for target in targets:
-                _copy_tensor(f, path, target, params[target.param_name])
+                tensor = _read_tensor(f, path, target, layout.selection(target.split, config))
+                _copy_tensor(tensor, local[target.hf_name], params[target.param_name])
     return model.train(False), config  # inference mode for every submodule
 
 
-def _copy_tensor(handle, path: Path, target: TensorTarget, param: torch.Tensor) -> None:
+def _read_tensor(handle, path: Path, target: TensorTarget,
+                 selection: Selection | None) -> torch.Tensor:
+    """The tensor (its `selection` only, when given) after checking its full shape."""
     try:
-        tensor = handle.get_tensor(target.hf_name)
+        if selection is None:
+            tensor = handle.get_tensor(target.hf_name)
+            shape = tuple(tensor.shape)
+        else:
+            lazy = handle.get_slice(target.hf_name)
+            shape = tuple(lazy.get_shape())
     except Exception as exc:  # safetensors raises its own error type for a missing name
         raise CheckpointError(f"{path}: missing tensor {target.hf_name!r} ({exc})") from None
-    if tuple(tensor.shape) != target.shape:
+    if shape != target.shape:
         raise CheckpointError(
-            f"{path}: tensor {target.hf_name!r} has shape {tuple(tensor.shape)}, "
-            f"expected {target.shape}"
+            f"{path}: tensor {target.hf_name!r} has shape {shape}, expected {target.shape}"
         )
+    if selection is None:
+        return tensor
+    rows = selection.rows or ((0, shape[0]),)
+    parts = [lazy[start:end] if selection.cols is None
+             else lazy[start:end, selection.cols[0]:selection.cols[1]]
+             for start, end in rows]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _copy_tensor(tensor: torch.Tensor, target: TensorTarget, param: torch.Tensor) -> None:
+    """`tensor` (all of it, or this rank's slice) into its rows of `param`;
+    `target` is the tensor's place in this rank's model. A vocabulary
+    shard's rows past the vocabulary are zeroed (they pad every rank's
+    shard to one width)."""
     if target.row_order is not None:
         tensor = tensor[list(target.row_order)]
-    rows = slice(target.row_start, target.row_start + target.shape[0])
+    rows = slice(target.row_start, target.row_start + tensor.shape[0])
     with torch.no_grad():
         param[rows].copy_(tensor.to(param.dtype))
+        if target.split is Split.VOCAB:
+            param[rows.stop:].zero_()

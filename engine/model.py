@@ -13,6 +13,11 @@ Layout decisions (for speed, made at load time):
 - gate/up are one matmul: `gate_up_proj.weight` = [gate_proj; up_proj].
 - With tied embeddings `lm_head.weight` *is* `embed_tokens.weight` (until the
   engine prepacks the linears: engine/layers/linear.py).
+Under tensor parallelism (`tp`, a `TPGroup`) the module holds one rank's
+shard (`shard`, engine/parallel/shard.py): layers built from the rank's
+view of the config, `o_proj` and `down_proj` all-reduced
+(engine/layers/parallel.py), the embedding and lm_head over its vocabulary
+range. Without a group the forward is the single-device one, op for op.
 RoPE, RMSNorm and SwiGLU's activation go through `kernels` with the model's
 `kernel_backend` (by default Triton on CUDA, the native C kernels on CPU).
 
@@ -31,13 +36,15 @@ call).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.attention_context import AttentionContext
 from engine.layers.linear import Linear
+from engine.layers.parallel import embed_tokens, row_linear
 from engine.layers.rotary import cos_sin_cache_for
 from engine.model_config import ModelConfig
+from engine.parallel.group import TPGroup
+from engine.parallel.shard import ShardLayout
 
 # Through kernels.dispatch, not the `kernels` package attribute: importing the
 # submodule kernels/rms_norm.py (the Triton launcher) rebinds `kernels.rms_norm`
@@ -84,8 +91,12 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
+    """`config` is this rank's view (`ShardLayout.local_config`): its heads
+    only; `o_proj` is row-parallel under `tp`."""
+
     def __init__(self, config: ModelConfig, layer_idx: int, *, dtype: torch.dtype,
-                 device: torch.device | str, kernel_backend: Backend) -> None:
+                 device: torch.device | str, kernel_backend: Backend,
+                 tp: TPGroup | None = None) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.kernel_backend = kernel_backend
@@ -96,8 +107,8 @@ class LlamaAttention(nn.Module):
         self.kv_size = config.kv_size
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
                                bias=config.attention_bias, dtype=dtype, device=device)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False,
-                             dtype=dtype, device=device)
+        self.o_proj = row_linear(self.q_size, config.hidden_size, tp=tp, dtype=dtype,
+                                 device=device)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 cos_sin_cache: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
@@ -129,16 +140,18 @@ def attend_projected(attn: nn.Module, qkv: torch.Tensor, positions: torch.Tensor
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up in one matmul."""
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up in one matmul; of
+    this rank's intermediate slice, `down_proj` row-parallel under `tp`."""
 
     def __init__(self, config: ModelConfig, *, dtype: torch.dtype,
-                 device: torch.device | str, kernel_backend: Backend) -> None:
+                 device: torch.device | str, kernel_backend: Backend,
+                 tp: TPGroup | None = None) -> None:
         super().__init__()
         self.kernel_backend = kernel_backend
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size,
                                    bias=False, dtype=dtype, device=device)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False,
-                                dtype=dtype, device=device)
+        self.down_proj = row_linear(config.intermediate_size, config.hidden_size, tp=tp,
+                                    dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(fused_ops.silu_and_mul(self.gate_up_proj(x),
@@ -151,13 +164,14 @@ class LlamaDecoderLayer(nn.Module):
     mlp_cls: type[nn.Module] = LlamaMLP
 
     def __init__(self, config: ModelConfig, layer_idx: int, *, dtype: torch.dtype,
-                 device: torch.device | str, kernel_backend: Backend) -> None:
+                 device: torch.device | str, kernel_backend: Backend,
+                 tp: TPGroup | None = None) -> None:
         super().__init__()
         kw = dict(dtype=dtype, device=device, kernel_backend=kernel_backend)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
-        self.self_attn = self.attention_cls(config, layer_idx, **kw)
+        self.self_attn = self.attention_cls(config, layer_idx, **kw, tp=tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
-        self.mlp = self.mlp_cls(config, **kw)
+        self.mlp = self.mlp_cls(config, **kw, tp=tp)
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
@@ -176,15 +190,20 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    """Embeddings (`vocab_rows` of them: this rank's padded vocabulary
+    shard), the layers of this rank's `config` view, the final norm."""
+
     def __init__(self, config: ModelConfig, *, dtype: torch.dtype,
                  device: torch.device | str, kernel_backend: Backend,
-                 layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer) -> None:
+                 layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer,
+                 vocab_rows: int | None = None, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.embed_tokens = nn.Module()
-        self.embed_tokens.weight = _empty(config.vocab_size, config.hidden_size,
+        self.embed_tokens.weight = _empty(vocab_rows or config.vocab_size, config.hidden_size,
                                           dtype=dtype, device=device)
         self.layers = nn.ModuleList(
-            layer_cls(config, i, dtype=dtype, device=device, kernel_backend=kernel_backend)
+            layer_cls(config, i, dtype=dtype, device=device, kernel_backend=kernel_backend,
+                      tp=tp)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device,
@@ -192,8 +211,10 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """The whole model; parameter names follow HF's except the merged
-    `qkv_proj` / `gate_up_proj` (see module docstring)."""
+    """The whole model, or under `tp` this rank's shard of it (`shard`,
+    engine/parallel/shard.py); parameter names follow HF's except the merged
+    `qkv_proj` / `gate_up_proj` (see module docstring). `config` is the full
+    model's either way."""
 
     decoder_layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
     # Why decode steps of this model cannot be captured in a CUDA graph
@@ -202,16 +223,21 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, config: ModelConfig, *, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu",
-                 kernel_backend: Backend | str = Backend.AUTO) -> None:
+                 kernel_backend: Backend | str = Backend.AUTO,
+                 tp: TPGroup | None = None) -> None:
         super().__init__()
         self.config = config
+        self.tp = tp
+        self.shard = (ShardLayout.single(config) if tp is None
+                      else ShardLayout.for_rank(config, tp.rank, tp.size))
         self.kernel_backend = Backend.parse(kernel_backend)
-        self.model = LlamaModel(config, dtype=dtype, device=device,
+        self.model = LlamaModel(self.shard.local_config(config), dtype=dtype, device=device,
                                 kernel_backend=self.kernel_backend,
-                                layer_cls=self.decoder_layer_cls)
+                                layer_cls=self.decoder_layer_cls,
+                                vocab_rows=self.shard.vocab_shard, tp=tp)
         # Tied: shared until prepacking gives lm_head its own blocked copy.
         self.lm_head = Linear(
-            config.hidden_size, config.vocab_size, bias=False, dtype=dtype, device=device,
+            config.hidden_size, self.shard.vocab_shard, bias=False, dtype=dtype, device=device,
             shared_weight=self.model.embed_tokens.weight if config.tie_word_embeddings else None)
         # float32 regardless of model dtype: the angles of large positions
         # need the mantissa; not a parameter, never saved or loaded.
@@ -238,7 +264,7 @@ class LlamaForCausalLM(nn.Module):
                 f"input_ids and positions must both be 1-D of equal length, got "
                 f"{tuple(input_ids.shape)} and {tuple(positions.shape)}"
             )
-        hidden = F.embedding(input_ids, self.model.embed_tokens.weight)
+        hidden = embed_tokens(input_ids, self.model.embed_tokens.weight, self.shard, self.tp)
         residual: torch.Tensor | None = None
         for layer in self.model.layers:
             hidden, residual = layer(positions, hidden, residual, self.cos_sin_cache, ctx)
@@ -246,8 +272,12 @@ class LlamaForCausalLM(nn.Module):
         return hidden
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits [n, vocab] in float32 for hidden states [n, hidden]. The
         matmul runs in the model dtype (a float32 copy of lm_head would double
-        its memory); the result is upcast for sampling."""
-        return self.lm_head(hidden).float()
+        its memory); the result is upcast for sampling. Under `tp` every rank
+        must call it (each computes its vocabulary shard); rank 0 gets the
+        gathered logits, the others None."""
+        logits = self.lm_head(hidden).float()
+        return logits if self.tp is None else self.tp.gather_logits(logits,
+                                                                    self.config.vocab_size)

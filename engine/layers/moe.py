@@ -10,6 +10,11 @@ each expert with rows runs its two matmuls on them and adds its weighted
 output back with `index_add_`, experts in increasing order (transformers'
 order too, so each token's sum is added in the same order).
 
+Under tensor parallelism every expert holds this rank's slice of its
+intermediate dim (the router is replicated, so every rank routes alike),
+each expert's down projection stays partial, and the block all-reduces its
+summed output once.
+
 The host read of the counts makes a step's shapes data-dependent, so a
 model with this block never captures CUDA graphs (`cuda_graph_blocker`).
 """
@@ -22,6 +27,7 @@ from torch import nn
 from engine.layers.linear import Linear
 from engine.model import LlamaMLP
 from engine.model_config import ModelConfig
+from engine.parallel.group import TPGroup
 from kernels.dispatch import Backend
 
 
@@ -31,13 +37,16 @@ class SparseMoE(nn.Module):
     `experts.{e}.down_proj.weight` [hidden, I] = w2."""
 
     def __init__(self, config: ModelConfig, *, dtype: torch.dtype,
-                 device: torch.device | str, kernel_backend: Backend) -> None:
+                 device: torch.device | str, kernel_backend: Backend,
+                 tp: TPGroup | None = None) -> None:
         super().__init__()
+        self.tp = tp
         self.num_experts = config.num_local_experts
         self.top_k = config.num_experts_per_tok
         self.router = Linear(config.hidden_size, self.num_experts, bias=False, dtype=dtype,
                              device=device)
         self.experts = nn.ModuleList(
+            # partial sums (no all-reduce of their own): the block reduces once
             LlamaMLP(config, dtype=dtype, device=device, kernel_backend=kernel_backend)
             for _ in range(self.num_experts))
 
@@ -61,4 +70,4 @@ class SparseMoE(nn.Module):
             # The product in float32, added in x's dtype (transformers' rounding).
             out.index_add_(0, rows, (y * weights_in_order[start:start + count, None]).to(x.dtype))
             start += count
-        return out
+        return out if self.tp is None else self.tp.all_reduce(out)

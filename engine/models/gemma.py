@@ -23,6 +23,12 @@ What differs from Llama, each as Hugging Face's Gemma computes it:
   The norms are applied to the qkv projection's output in place, so a
   pure-decode step still takes the context's fused `attend_qkv`.
 - Final logits are soft-capped (final_logit_softcapping) in float32.
+
+Under tensor parallelism it shards as `engine.model` does (heads, the MLP's
+intermediate dim, the vocabulary; engine/parallel/shard.py): the scale
+multiplies the summed embedding, each rank soft-caps its own logits
+(elementwise, so before or after the gather is the same), the q/k norms
+and the four layer norms are replicated.
 """
 
 from __future__ import annotations
@@ -33,10 +39,13 @@ from torch import nn
 
 from engine.attention_context import AttentionContext
 from engine.layers.linear import Linear
+from engine.layers.parallel import embed_tokens, row_linear
 from engine.layers.rotary import build_cos_sin_cache
 from engine.model import attend_projected
 from engine.model_config import ModelConfig
 from engine.models.gemma_config import GemmaConfig
+from engine.parallel.group import TPGroup
+from engine.parallel.shard import ShardLayout
 from kernels import dispatch as kernel_ops
 from kernels import fused as fused_ops
 from kernels.dispatch import Backend
@@ -82,7 +91,8 @@ class GemmaRMSNorm(nn.Module):
 
 class GemmaAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int, *, dtype: torch.dtype,
-                 device: torch.device | str, kernel_backend: Backend) -> None:
+                 device: torch.device | str, kernel_backend: Backend,
+                 tp: TPGroup | None = None) -> None:
         super().__init__()
         gemma = config.gemma
         self.layer_idx = layer_idx
@@ -94,8 +104,8 @@ class GemmaAttention(nn.Module):
         self.kv_size = config.kv_size
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=False,
                                dtype=dtype, device=device)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False, dtype=dtype,
-                             device=device)
+        self.o_proj = row_linear(self.q_size, config.hidden_size, tp=tp, dtype=dtype,
+                                 device=device)
         self.q_norm: GemmaRMSNorm | None = None
         self.k_norm: GemmaRMSNorm | None = None
         if gemma.qk_norm:
@@ -123,12 +133,12 @@ class GemmaMLP(nn.Module):
     """GeGLU: down(gelu_tanh(gate(x)) * up(x)), gate and up in one matmul."""
 
     def __init__(self, config: ModelConfig, *, dtype: torch.dtype,
-                 device: torch.device | str) -> None:
+                 device: torch.device | str, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size,
                                    bias=False, dtype=dtype, device=device)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False,
-                                dtype=dtype, device=device)
+        self.down_proj = row_linear(config.intermediate_size, config.hidden_size, tp=tp,
+                                    dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -137,16 +147,17 @@ class GemmaMLP(nn.Module):
 
 class GemmaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int, *, dtype: torch.dtype,
-                 device: torch.device | str, kernel_backend: Backend) -> None:
+                 device: torch.device | str, kernel_backend: Backend,
+                 tp: TPGroup | None = None) -> None:
         super().__init__()
         kw = dict(dtype=dtype, device=device, kernel_backend=kernel_backend)
         eps, hidden = config.rms_norm_eps, config.hidden_size
         self.is_sliding = config.gemma.is_sliding(layer_idx)
         self.input_layernorm = GemmaRMSNorm(hidden, eps, **kw)
-        self.self_attn = GemmaAttention(config, layer_idx, **kw)
+        self.self_attn = GemmaAttention(config, layer_idx, **kw, tp=tp)
         self.post_attention_layernorm = GemmaRMSNorm(hidden, eps, **kw)
         self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps, **kw)
-        self.mlp = GemmaMLP(config, dtype=dtype, device=device)
+        self.mlp = GemmaMLP(config, dtype=dtype, device=device, tp=tp)
         self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps, **kw)
 
     def forward(
@@ -169,14 +180,15 @@ class GemmaDecoderLayer(nn.Module):
 
 class GemmaModel(nn.Module):
     def __init__(self, config: ModelConfig, *, dtype: torch.dtype,
-                 device: torch.device | str, kernel_backend: Backend) -> None:
+                 device: torch.device | str, kernel_backend: Backend,
+                 vocab_rows: int | None = None, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.embed_tokens = nn.Module()
-        self.embed_tokens.weight = _empty(config.vocab_size, config.hidden_size,
+        self.embed_tokens.weight = _empty(vocab_rows or config.vocab_size, config.hidden_size,
                                           dtype=dtype, device=device)
         self.layers = nn.ModuleList(
             GemmaDecoderLayer(config, i, dtype=dtype, device=device,
-                              kernel_backend=kernel_backend)
+                              kernel_backend=kernel_backend, tp=tp)
             for i in range(config.num_hidden_layers))
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype,
                                  device=device, kernel_backend=kernel_backend)
@@ -191,17 +203,22 @@ class GemmaForCausalLM(nn.Module):
 
     def __init__(self, config: ModelConfig, *, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu",
-                 kernel_backend: Backend | str = Backend.AUTO) -> None:
+                 kernel_backend: Backend | str = Backend.AUTO,
+                 tp: TPGroup | None = None) -> None:
         super().__init__()
         if config.gemma is None:
             raise ValueError(f"{config.architecture} is not a Gemma config (config.gemma is None)")
         gemma: GemmaConfig = config.gemma
         self.config = config
+        self.tp = tp
+        self.shard = (ShardLayout.single(config) if tp is None
+                      else ShardLayout.for_rank(config, tp.rank, tp.size))
         self.kernel_backend = Backend.parse(kernel_backend)
-        self.model = GemmaModel(config, dtype=dtype, device=device,
-                                kernel_backend=self.kernel_backend)
+        self.model = GemmaModel(self.shard.local_config(config), dtype=dtype, device=device,
+                                kernel_backend=self.kernel_backend,
+                                vocab_rows=self.shard.vocab_shard, tp=tp)
         self.lm_head = Linear(
-            config.hidden_size, config.vocab_size, bias=False, dtype=dtype, device=device,
+            config.hidden_size, self.shard.vocab_shard, bias=False, dtype=dtype, device=device,
             shared_weight=self.model.embed_tokens.weight if config.tie_word_embeddings else None)
         # HF multiplies by sqrt(hidden) rounded to the model dtype.
         self.register_buffer("embed_scale", torch.tensor(config.hidden_size ** 0.5).to(
@@ -229,7 +246,8 @@ class GemmaForCausalLM(nn.Module):
             raise ValueError(
                 f"input_ids and positions must both be 1-D of equal length, got "
                 f"{tuple(input_ids.shape)} and {tuple(positions.shape)}")
-        hidden = F.embedding(input_ids, self.model.embed_tokens.weight) * self.embed_scale
+        hidden = embed_tokens(input_ids, self.model.embed_tokens.weight, self.shard,
+                              self.tp) * self.embed_scale
         residual: torch.Tensor | None = None
         for layer in self.model.layers:
             cache = self.local_cos_sin_cache if layer.is_sliding else self.cos_sin_cache
@@ -238,6 +256,10 @@ class GemmaForCausalLM(nn.Module):
         return hidden
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits [n, vocab] in float32, soft-capped when the config says so."""
-        return soft_cap(self.lm_head(hidden).float(), self.config.gemma.final_logit_softcapping)
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Logits [n, vocab] in float32, soft-capped when the config says so;
+        under `tp` rank 0's gathered logits, None on the others (as
+        `LlamaForCausalLM.compute_logits`)."""
+        logits = soft_cap(self.lm_head(hidden).float(), self.config.gemma.final_logit_softcapping)
+        return logits if self.tp is None else self.tp.gather_logits(logits,
+                                                                    self.config.vocab_size)

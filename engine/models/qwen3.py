@@ -4,7 +4,9 @@
 The norms run on the qkv projection's output before it goes on, so both
 attention paths take them: the split path (prefill) and the fused decode
 call (`AttentionContext.attend_qkv`: RoPE, K/V write and attention) see
-already normalised q and k, and no kernel needs to know about them.
+already normalised q and k, and no kernel needs to know about them. Under
+tensor parallelism each rank normalises its own heads with the same
+(replicated) norm weights.
 """
 
 from __future__ import annotations
@@ -13,14 +15,16 @@ import torch
 
 from engine.model import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, RMSNorm
 from engine.model_config import ModelConfig
+from engine.parallel.group import TPGroup
 from kernels.dispatch import Backend
 
 
 class Qwen3Attention(LlamaAttention):
     def __init__(self, config: ModelConfig, layer_idx: int, *, dtype: torch.dtype,
-                 device: torch.device | str, kernel_backend: Backend) -> None:
+                 device: torch.device | str, kernel_backend: Backend,
+                 tp: TPGroup | None = None) -> None:
         super().__init__(config, layer_idx, dtype=dtype, device=device,
-                         kernel_backend=kernel_backend)
+                         kernel_backend=kernel_backend, tp=tp)
         kw = dict(dtype=dtype, device=device, kernel_backend=kernel_backend)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, **kw)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, **kw)
