@@ -19,6 +19,7 @@ from engine.layers.linear import MatmulBackend, prepack, resolve_backend, resolv
 from engine.loader import load_model
 from engine.model import LlamaForCausalLM
 from engine.model_config import ModelConfig
+from engine.parallel.group import TPGroup
 from kernels import native
 from kernels.checks import HEAD_DIMS
 from kernels.dispatch import Backend
@@ -38,12 +39,13 @@ class EngineModel:
     eos_token_ids: frozenset[int]
 
 
-def load_engine_model(config: EngineConfig) -> EngineModel:
-    """Load and prepack the model; UnsupportedModelError for a head size the
-    paged attention kernels do not take, ValueError for a max_model_len
-    above the model's limit."""
+def load_engine_model(config: EngineConfig, tp: TPGroup | None = None) -> EngineModel:
+    """Load (under `tp` this rank's shard: `model.shard`; `model_config`
+    stays the full model's) and prepack the model; UnsupportedModelError for
+    a head size the paged attention kernels do not take or a model `tp`
+    cannot split, ValueError for a max_model_len above the model's limit."""
     model, mc = load_model(config.model_dir, dtype=config.dtype, device=config.device,
-                           kernel_backend=config.kernel_backend)
+                           kernel_backend=config.kernel_backend, tp=tp)
     matmul_backend = resolve_backend(config.matmul_backend, model.dtype, model.device)
     native_gemm = resolve_decode_matmul(config.decode_matmul, model.dtype, model.device,
                                         matmul_backend)
@@ -62,18 +64,20 @@ def load_engine_model(config: EngineConfig) -> EngineModel:
                        frozenset(mc.eos_token_ids) | _generation_eos_ids(config.model_dir))
 
 
-def allocate_engine_kv(config: EngineConfig, mc: ModelConfig,
-                       dtype: torch.dtype) -> tuple[list[torch.Tensor], int]:
+def allocate_engine_kv(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype,
+                       num_kv_heads: int) -> tuple[list[torch.Tensor], int]:
     """The per-layer paged KV caches for the config's memory budget, and
-    their number of blocks."""
+    their number of blocks. `num_kv_heads` is the KV heads this process
+    holds (`model.shard.num_kv_heads`: all of them without tensor
+    parallelism)."""
     per_block = kv_bytes_per_block(num_layers=mc.num_hidden_layers,
                                    block_size=config.block_size,
-                                   num_kv_heads=mc.num_key_value_heads,
+                                   num_kv_heads=num_kv_heads,
                                    head_dim=mc.head_dim, dtype=dtype)
     num_blocks = num_blocks_for_budget(config, per_block)
     caches = allocate_kv_caches(
         num_layers=mc.num_hidden_layers, num_blocks=num_blocks,
-        block_size=config.block_size, num_kv_heads=mc.num_key_value_heads,
+        block_size=config.block_size, num_kv_heads=num_kv_heads,
         head_dim=mc.head_dim, dtype=dtype, device=config.device)
     return caches, num_blocks
 
