@@ -6,6 +6,15 @@ into it on first schedule, registers blocks in the prefix cache once their
 KV is computed, and gives everything back when the request finishes, is
 aborted or is preempted.
 
+Contract on `request.block_ids` (tensor-parallel step descriptions rely on
+it, engine/parallel/step_wire.py): a table is append-only while the same
+list object is installed: blocks are only ever added at its end
+(`allocate`, `allocate_slots`). It is replaced, never edited in place, by
+installing a new list object: `detach` (finish, abort, preemption) leaves a
+new empty list, `match_prefix` installs the list of the matched prefix.
+So "same object, longer" means "these ids were appended", and a different
+object means "start over from this table".
+
 Only the engine loop thread calls this (scheduler and `LLMEngine`).
 """
 

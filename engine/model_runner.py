@@ -1,15 +1,22 @@
 """`ModelRunner`: one forward pass of the model over a scheduled step.
 
-`prepare` runs on the engine loop thread (it reads the requests): it
-flattens the scheduled requests into one batch (decode rows first, then
-prefill chunks; see `engine.paged_attention_context`), writes the step's
-inputs (token ids, positions, slot mapping, decode block tables and context
-lengths, sampled rows) into the persistent `StepInputs` tensors, and builds
-the attention context over views of them (plus, only when a chunk needs it,
-the gathered prefill context's slots, and the LayerKVHook spans). `forward`
-runs the model on those inputs and returns the float32 logits of the rows
-that sample (a request's last scheduled row when the step samples for it:
-it finished its prompt or is decoding). `execute` is both, in order.
+`prepare` runs on the engine loop thread (it reads the requests): it turns
+each scheduled request into a `StepRow` and hands them to `build`, which
+flattens them into one batch (decode rows first, then prefill chunks; see
+`engine.paged_attention_context`), writes the step's inputs (token ids,
+positions, slot mapping, decode block tables and context lengths, sampled
+rows) into the persistent `StepInputs` tensors, and builds the attention
+context over views of them (plus, only when a chunk needs it, the gathered
+prefill context's slots, and the LayerKVHook spans). `forward` runs the
+model on those inputs and returns the float32 logits of the rows that
+sample (a request's last scheduled row when the step samples for it: it
+finished its prompt or is decoding). `execute` is both, in order.
+
+Tensor parallelism (docs/tensor_parallel.md, Workers in lockstep): every
+rank has a runner over its shard. Rank 0 prepares from requests; the other
+ranks `build` from the rows of the step description rank 0 sends them
+(`engine.parallel.step_wire`), so every rank writes the same inputs and
+runs the same forward and lm_head gathers; only rank 0 gets logits.
 
 A pure-decode step replays the CUDA graph of its batch-size bucket when the
 runner captured them (`engine.cuda_graphs`: CUDA, Triton kernels, no
@@ -43,6 +50,7 @@ from engine.layer_gate import LayerGate
 from engine.model import LlamaForCausalLM
 from engine.paged_attention_context import PagedAttentionContext, PrefillChunk
 from engine.prompt_logprobs import (
+    ROWS_PER_SLICE,
     PromptLogprobsPlan,
     PromptLogprobsTensors,
     compute_prompt_logprobs,
@@ -57,20 +65,44 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class ModelRunnerOutput:
-    """`logits[i]` is the next-token distribution of `sampling_requests[i]`."""
+    """`logits[i]` is the next-token distribution of `sampling_requests[i]`;
+    None on a tensor-parallel rank other than 0 (it takes part in the
+    gather, rank 0 gets the logits)."""
 
     sampling_requests: tuple[Request, ...]
-    logits: torch.Tensor
+    logits: torch.Tensor | None
     prompt_logprobs: PromptLogprobsTensors | None = None  # of PreparedStep.prompt_logprobs
 
 
 @dataclass(frozen=True, slots=True)
+class StepRow:
+    """One scheduled request's part of a step, all `ModelRunner.build` reads:
+    tokens `[start, end)` with input ids `token_ids`, KV slots from
+    `block_ids`. A decode row whose token the previous step samples (async
+    scheduling) has no `token_ids` but row `placeholder_source` of that
+    step's sampled tokens. Made from a `Request` on rank 0 (`step_row`),
+    from the step description on the other ranks (`engine.parallel`)."""
+
+    start: int
+    num_new_tokens: int
+    samples: bool
+    block_ids: Sequence[int]
+    token_ids: Sequence[int]
+    placeholder_source: int = -1
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_new_tokens
+
+
+@dataclass(frozen=True, slots=True)
 class PreparedStep:
-    """One step's model inputs, built by `ModelRunner.prepare` (views of a
+    """One step's model inputs, built by `ModelRunner.build` (views of a
     `StepInputs` set). `graph_bucket` is the CUDA graph that runs the step,
     or None to run `context` eagerly. Rows `placeholder_rows` of `input_ids`
     take the previous step's sampled tokens at `placeholder_sources` when the
-    forward starts."""
+    forward starts. `rows` in batch order, and on rank 0 their `request_ids`:
+    what a tensor-parallel step description is encoded from."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -81,6 +113,21 @@ class PreparedStep:
     placeholder_rows: torch.Tensor
     placeholder_sources: torch.Tensor
     prompt_logprobs: PromptLogprobsPlan | None = None  # rows scoring prompt tokens
+    rows: tuple[StepRow, ...] = ()
+    request_ids: tuple[str, ...] = ()
+
+
+def step_row(s: ScheduledRequest, placeholder_sources: Mapping[str, int] | None) -> StepRow:
+    """Rank 0: the `StepRow` of a scheduled request. `placeholder_sources`
+    maps a request id to its row in the previous step's sampled tokens."""
+    r = s.request
+    if s.start < r.num_tokens:
+        assert s.end <= r.num_tokens, "only a lone decode row may be a placeholder"
+        return StepRow(s.start, s.num_new_tokens, s.samples, r.block_ids,
+                       r.all_token_ids[s.start : s.end])
+    # a decode row whose token the previous step samples
+    return StepRow(s.start, 1, s.samples, r.block_ids, (),
+                   placeholder_sources[r.request_id])
 
 
 def slots_for(block_ids: Sequence[int], block_size: int, start: int, end: int,
@@ -97,14 +144,17 @@ class ModelRunner:
 
     `max_num_seqs`, `max_num_batched_tokens` and `max_model_len` size the
     buffers (a step never holds more); `enforce_eager` turns CUDA graphs off;
-    `async_scheduling` says a step may be prepared while another is in flight.
+    `async_scheduling` says a step may be prepared while another is in flight;
+    `rank` is the model's tensor-parallel rank (0 without parallelism).
     """
 
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[torch.Tensor], block_size: int,
                  *, layer_kv_hook: LayerKVHook | None = None, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
-                 enforce_eager: bool = False, async_scheduling: bool = False) -> None:
+                 enforce_eager: bool = False, async_scheduling: bool = False,
+                 rank: int = 0) -> None:
         self.model = model
+        self.rank = rank
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.layer_kv_hook = layer_kv_hook
@@ -145,33 +195,50 @@ class ModelRunner:
 
     def prepare(self, scheduled: Sequence[ScheduledRequest],
                 placeholder_sources: Mapping[str, int] | None = None) -> PreparedStep:
-        """Engine loop thread. `placeholder_sources[request_id]`: the row of a
-        request in the previous step's sampled tokens, for each request whose
-        input token that step samples."""
-        self._num_prepared += 1
-        inputs = self.inputs
-        decode = [s for s in scheduled if s.num_new_tokens == 1]
-        prefill = [s for s in scheduled if s.num_new_tokens > 1]
-        ordered = decode + prefill
+        """Rank 0, engine loop thread: the step of `scheduled`.
+        `placeholder_sources[request_id]`: the row of a request in the
+        previous step's sampled tokens, for each request whose input token
+        that step samples."""
+        ordered = ([s for s in scheduled if s.num_new_tokens == 1]
+                   + [s for s in scheduled if s.num_new_tokens > 1])
         streamed = self._spans(ordered)
         # The forward hands every layer these spans; a later step (or a
         # preemption, which recomputes) must not stream them again.
         for request, span in streamed:
             request.num_kv_streamed = span.end
-        input_ids, placeholders = self._write_input_ids(inputs, ordered, placeholder_sources)
-        positions, sample_rows, sampling = self._write_rows(inputs, ordered)
-        tables = inputs.block_tables.write_table([s.request.block_ids for s in decode])
-        context_lens = inputs.context_lens.write_rows([s.end for s in decode])
-        bucket = self._graph_bucket(decode, prefill, streamed)
+        return self.build(
+            [step_row(s, placeholder_sources) for s in ordered],
+            spans=tuple(span for _, span in streamed),
+            prompt_logprobs=plan_prompt_logprobs(ordered, self.device),
+            sampling_requests=tuple(s.request for s in ordered if s.samples),
+            request_ids=tuple(s.request.request_id for s in ordered))
+
+    def build(self, rows: Sequence[StepRow], *, spans: tuple[LayerKVSpan, ...] = (),
+              prompt_logprobs: PromptLogprobsPlan | None = None,
+              sampling_requests: tuple[Request, ...] = (),
+              request_ids: tuple[str, ...] = ()) -> PreparedStep:
+        """The step's tensors, in the next `StepInputs` set: made here only,
+        on rank 0 and on every tensor-parallel worker alike. Decode rows
+        first, then prefill chunks, each in `rows`' order (the order
+        `prompt_logprobs` indexes)."""
+        self._num_prepared += 1
+        inputs = self.inputs
+        decode = [r for r in rows if r.num_new_tokens == 1]
+        prefill = [r for r in rows if r.num_new_tokens > 1]
+        ordered = decode + prefill
+        input_ids, positions, sample_rows, placeholders = self._write_rows(inputs, ordered)
+        tables = inputs.block_tables.write_table([r.block_ids for r in decode])
+        context_lens = inputs.context_lens.write_rows([r.end for r in decode])
+        bucket = self.graph_bucket(len(decode), has_prefill=bool(prefill), has_spans=bool(spans))
         ctx = None if bucket is not None else self._eager_context(
-            inputs, decode, prefill, tables, context_lens, tuple(span for _, span in streamed))
-        rows, sources = (self._index_tensors(*zip(*placeholders, strict=True)) if placeholders
-                         else (self._no_rows, self._no_rows))
+            inputs, decode, prefill, tables, context_lens, spans)
+        placeholder_rows, sources = (self._index_tensors(*zip(*placeholders, strict=True))
+                                     if placeholders else (self._no_rows, self._no_rows))
         return PreparedStep(
             input_ids=input_ids, positions=positions, context=ctx, graph_bucket=bucket,
-            sample_rows=sample_rows, sampling_requests=tuple(sampling),
-            placeholder_rows=rows, placeholder_sources=sources,
-            prompt_logprobs=plan_prompt_logprobs(ordered, self.device))
+            sample_rows=sample_rows, sampling_requests=sampling_requests,
+            placeholder_rows=placeholder_rows, placeholder_sources=sources,
+            prompt_logprobs=prompt_logprobs, rows=tuple(ordered), request_ids=request_ids)
 
     def _index_tensors(self, *index_lists: Sequence[int]) -> tuple[torch.Tensor, ...]:
         return tuple(to_device(torch.tensor(values, dtype=torch.long), self.device)
@@ -181,89 +248,82 @@ class ModelRunner:
     def forward(self, step: PreparedStep,
                 previous_tokens: torch.Tensor | None = None) -> ModelRunnerOutput:
         """Run the model; `previous_tokens` (the previous step's sampled token
-        ids, on the device) fills the placeholder rows. Reads no request."""
+        ids, on the device) fills the placeholder rows. Reads no request.
+        With tensor parallelism every rank calls it for every step, in the
+        same order: the forward and the logits are collectives."""
         if step.placeholder_rows.numel():
             step.input_ids[step.placeholder_rows] = previous_tokens[step.placeholder_sources]
         if step.graph_bucket is not None:
             hidden = self.graphs.run(step.graph_bucket)
         else:
             hidden = self.model(step.input_ids, step.positions, step.context)
-        if step.sampling_requests:
+        if step.sample_rows.numel():
             logits = self.model.compute_logits(hidden[step.sample_rows])
         else:
             logits = hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
         prompt_logprobs = None
         if step.prompt_logprobs is not None:  # only steps of requests that asked
-            prompt_logprobs = compute_prompt_logprobs(hidden, step.prompt_logprobs,
-                                                      self.model.compute_logits)
+            if self.rank == 0:
+                prompt_logprobs = compute_prompt_logprobs(hidden, step.prompt_logprobs,
+                                                          self.model.compute_logits)
+            else:  # the same lm_head gathers, slice by slice; rank 0 scores them
+                rows = step.prompt_logprobs.rows
+                for i in range(0, rows.numel(), ROWS_PER_SLICE):
+                    self.model.compute_logits(hidden[rows[i : i + ROWS_PER_SLICE]])
         return ModelRunnerOutput(step.sampling_requests, logits, prompt_logprobs)
 
-    @staticmethod
-    def _write_input_ids(inputs: StepInputs, ordered: list[ScheduledRequest],
-                         placeholder_sources: Mapping[str, int] | None
-                         ) -> tuple[torch.Tensor, list[tuple[int, int]]]:
-        """The step's token ids in batch order, written to `inputs.input_ids`,
-        and the placeholder rows: (row, row in the previous step's tokens)."""
-        ids: list[int] = []
-        placeholders: list[tuple[int, int]] = []
-        for s in ordered:
-            r = s.request
-            if s.start < r.num_tokens:
-                assert s.end <= r.num_tokens, "only a lone decode row may be a placeholder"
-                ids.extend(r.all_token_ids[s.start : s.end])
-            else:  # a decode row whose token the previous step samples
-                placeholders.append((len(ids), placeholder_sources[r.request_id]))
-                ids.append(0)
-        return inputs.input_ids.write_rows(ids), placeholders
-
-    def _write_rows(self, inputs: StepInputs, ordered: list[ScheduledRequest]
-                    ) -> tuple[torch.Tensor, torch.Tensor, list[Request]]:
-        """Positions and cache slots of every row, and the rows that sample."""
+    def _write_rows(self, inputs: StepInputs, ordered: list[StepRow]
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[tuple[int, int]]]:
+        """Input ids, positions and cache slots of every row in batch order,
+        the rows that sample, and the placeholder rows: (row, row in the
+        previous step's sampled tokens); a placeholder's id is written 0."""
         bs = self.block_size
+        ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         sample_rows: list[int] = []
-        sampling: list[Request] = []
-        for s in ordered:
-            r, table, start = s.request, s.request.block_ids, s.start
-            end = start + s.num_new_tokens
+        placeholders: list[tuple[int, int]] = []
+        for r in ordered:
+            table, start, end = r.block_ids, r.start, r.end
+            if r.placeholder_source >= 0:
+                placeholders.append((len(ids), r.placeholder_source))
+                ids.append(0)
+            else:
+                ids.extend(r.token_ids)
             if end - start == 1:  # the common row: decoding
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
             else:
                 positions.extend(range(start, end))
                 slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            if s.samples:
+            if r.samples:
                 sample_rows.append(len(positions) - 1)
-                sampling.append(r)
         inputs.slot_mapping.write_rows(slots)
-        return (inputs.positions.write_rows(positions),
-                inputs.sample_rows.write_rows(sample_rows), sampling)
+        return (inputs.input_ids.write_rows(ids), inputs.positions.write_rows(positions),
+                inputs.sample_rows.write_rows(sample_rows), placeholders)
 
-    def _graph_bucket(self, decode: list[ScheduledRequest], prefill: list[ScheduledRequest],
-                      streamed: list[tuple[Request, LayerKVSpan]]) -> int | None:
-        """The bucket whose graph runs this step, or None to run it eagerly:
+    def graph_bucket(self, num_decode: int, *, has_prefill: bool, has_spans: bool) -> int | None:
+        """The bucket whose graph runs a step, or None to run it eagerly:
         only pure-decode steps that stream no KV and fit a bucket replay."""
-        if self.graphs is None or prefill or streamed:
+        if self.graphs is None or has_prefill or has_spans:
             return None
-        return self.graphs.bucket_for(len(decode))
+        return self.graphs.bucket_for(num_decode)
 
-    def _eager_context(self, inputs: StepInputs, decode: list[ScheduledRequest],
-                       prefill: list[ScheduledRequest], tables: torch.Tensor,
-                       context_lens: torch.Tensor,
+    def _eager_context(self, inputs: StepInputs, decode: list[StepRow], prefill: list[StepRow],
+                       tables: torch.Tensor, context_lens: torch.Tensor,
                        spans: tuple[LayerKVSpan, ...]) -> PagedAttentionContext:
         bs = self.block_size
         chunks: list[PrefillChunk] = []
         context_slots: list[torch.Tensor] = []
         row, context_start = len(decode), 0
-        for s in prefill:
-            if s.end > s.num_new_tokens:  # earlier context: gathered from the cache
-                chunks.append(PrefillChunk(row, s.num_new_tokens, context_start, s.end))
-                context_slots.append(slots_for(s.request.block_ids, bs, 0, s.end))
-                context_start += s.end
+        for r in prefill:
+            if r.end > r.num_new_tokens:  # earlier context: gathered from the cache
+                chunks.append(PrefillChunk(row, r.num_new_tokens, context_start, r.end))
+                context_slots.append(slots_for(r.block_ids, bs, 0, r.end))
+                context_start += r.end
             else:
-                chunks.append(PrefillChunk(row, s.num_new_tokens, -1, s.end))
-            row += s.num_new_tokens
+                chunks.append(PrefillChunk(row, r.num_new_tokens, -1, r.end))
+            row += r.num_new_tokens
         return PagedAttentionContext(
             kv_caches=self.kv_caches,
             slot_mapping=inputs.slot_mapping.buffer[:row],
