@@ -27,6 +27,13 @@ MAX_BLOCK_SIZE = 256
 DEFAULT_CPU_KV_CACHE_MEMORY = 512 * 1024 * 1024
 # Async scheduling's default on CPU, from the measurement in docs/engine.md.
 ASYNC_SCHEDULING_ON_CPU = False
+# Ranks of one tensor-parallel pod (one process and device each): the most
+# GPUs a node holds, a few times over; KV head replication caps it in practice.
+MAX_TENSOR_PARALLEL_SIZE = 64
+# Seconds a collective (or joining the group at start) may take before it
+# fails and takes the pod down (docs/tensor_parallel.md, Workers in lockstep).
+DEFAULT_TP_TIMEOUT_S = 60.0
+MAX_TP_TIMEOUT_S = 3600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +91,12 @@ class EngineConfig:
     # True: never capture CUDA graphs, run every step eagerly. Graphs are
     # only ever captured on CUDA (engine/cuda_graphs.py).
     enforce_eager: bool = False
+    # Processes (one device each) that run the model's shards; rank 0 is the
+    # engine, the others follow its steps (docs/tensor_parallel.md).
+    tensor_parallel_size: int = 1
+    # A collective not done within this many seconds raises: a dead or
+    # stalled rank takes the pod down in bounded time.
+    tp_timeout_s: float = DEFAULT_TP_TIMEOUT_S
 
     @property
     def use_async_scheduling(self) -> bool:
@@ -137,3 +150,10 @@ class EngineConfig:
         DecodeMatmul.parse(self.decode_matmul)
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
+        tp = self.tensor_parallel_size
+        if type(tp) is not int or not 1 <= tp <= MAX_TENSOR_PARALLEL_SIZE:
+            raise ValueError(f"tensor_parallel_size must be an integer in [1, "
+                             f"{MAX_TENSOR_PARALLEL_SIZE}], got {tp!r}")
+        if not 0 < self.tp_timeout_s <= MAX_TP_TIMEOUT_S:
+            raise ValueError(f"tp_timeout_s must be in (0, {MAX_TP_TIMEOUT_S:g}] seconds, "
+                             f"got {self.tp_timeout_s}")
