@@ -38,7 +38,10 @@ the request, so no output can be lost; after each step the loop thread
 pushes each request's outputs with one `call_soon_threadsafe` per step. A
 stream ends with the request's finished output, with `RequestAborted` when
 it is aborted, or with `EngineDead` if `step()` raised (the pod then reports
-NOT_SERVING; there is no recovering a half-stepped engine).
+NOT_SERVING and exits 1; there is no recovering a half-stepped engine). A
+tensor-parallel rank that exits while the loop is idle takes the same path:
+the engine's watchdog wakes the loop (`LLMEngine.on_fatal`), and the next
+`step()` raises `TensorParallelError` naming the rank.
 
 Commands (`engine.loop_commands.Command`, one `fn(engine)` call each) wait
 in a FIFO `CommandQueue`; the loop thread runs everything queued before each
@@ -122,6 +125,7 @@ class EngineLoop:
         self.block_size: int = int(engine.config.block_size)
         self.max_model_len: int = int(engine.max_model_len)
         self.device_type: str = engine.device.type  # "cpu" | "cuda"
+        engine.on_fatal(self.wake)  # a dead tensor-parallel rank: step() raises why
 
     # ------------------------------------------------------------ lifecycle
 

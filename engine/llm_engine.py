@@ -32,6 +32,10 @@ true while a step is in flight. A request that stopped at N but was already
 in N+1 has its N+1 token discarded; blocks of a request finished, aborted
 or preempted while a step that includes it is in flight return to the pool
 when that step completes.
+
+Tensor parallelism (docs/tensor_parallel.md): at `tensor_parallel_size` N > 1
+this engine is rank 0 and drives the other N - 1 (`engine.parallel`); a
+rank that dies makes `step()` raise `TensorParallelError`.
 """
 
 from __future__ import annotations
@@ -40,24 +44,17 @@ import itertools
 from collections.abc import Callable, Sequence
 from functools import partial
 
-import torch
-
 from engine.block_manager import BlockManager, cdiv
 from engine.config import EngineConfig
-from engine.engine_setup import allocate_engine_kv, load_engine_model
 from engine.errors import CapacityError
 from engine.grammar import GrammarCompiler, model_tokenizer
 from engine.grammar_batch import GrammarBatch
 from engine.kv_hook import LayerKVHook
 from engine.layer_gate import LayerGate
-from engine.model_runner import ModelRunner, slots_for
+from engine.model_runner import slots_for
 from engine.offline import generate_batch, model_dir_tokenizer
-from engine.outputs import (
-    EngineStats,
-    GenerationResult,
-    RemoteReservation,
-    RequestOutput,
-)
+from engine.outputs import EngineStats, GenerationResult, RemoteReservation, RequestOutput
+from engine.parallel.launch import build_first_rank
 from engine.prompt_logprobs import deliver as deliver_prompt_logprobs
 from engine.prompt_logprobs import take_prompt_logprobs
 from engine.request import Request, RequestStatus
@@ -78,25 +75,21 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, *, layer_kv_hook: LayerKVHook | None = None) -> None:
         self.config = config
-        loaded = load_engine_model(config)  # refuses what cannot run, before any step
+        # Refuses what cannot run, before any step. TP > 1: the other ranks
+        # start first and load their shards beside ours.
+        self.tp, rank = build_first_rank(config, layer_kv_hook)
+        loaded, self.runner, self.kv_caches = rank.loaded, rank.runner, rank.kv_caches
         self.model, self.model_config = loaded.model, loaded.model_config
         self.matmul_backend, self.native_gemm = loaded.matmul_backend, loaded.native_gemm
-        self.max_model_len = loaded.max_model_len
+        self.max_model_len, self.device = loaded.max_model_len, self.model.device
         mc = self.model_config
-        self.kv_caches, num_blocks = allocate_engine_kv(config, mc, self.model.dtype)
-        self.block_manager = BlockManager(num_blocks, config.block_size,
+        self.block_manager = BlockManager(rank.num_blocks, config.block_size,
                                           enable_prefix_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    decode_first=config.scheduling_policy == "decode-first",
                                    short_prefill_tokens=config.short_prefill_tokens,
                                    mixed_prefill_tokens=config.mixed_prefill_tokens)
-        self.runner = ModelRunner(self.model, self.kv_caches, config.block_size,
-                                  layer_kv_hook=layer_kv_hook, max_num_seqs=config.max_num_seqs,
-                                  max_num_batched_tokens=config.max_num_batched_tokens,
-                                  max_model_len=self.max_model_len,
-                                  enforce_eager=config.enforce_eager,
-                                  async_scheduling=config.use_async_scheduling)
         self.sampler = Sampler(config.seed)
         self.async_scheduling = config.use_async_scheduling
         self.eos_token_ids = loaded.eos_token_ids
@@ -108,7 +101,9 @@ class LLMEngine:
         # Python work overlaps them (torch ops release the GIL).
         self._pipeline = StepPipeline(self.runner, self.sampler,
                                       use_worker=self.async_scheduling and config.device == "cpu",
-                                      grammars=self.grammars, eos_token_ids=self.eos_token_ids)
+                                      grammars=self.grammars, eos_token_ids=self.eos_token_ids,
+                                      tp=self.tp if self.tp.size > 1 else None,
+                                      async_scheduling=self.async_scheduling)
         self._tokenizer = None  # loaded by the first generate() that needs text
         self._generate_ids = (f"generate-{i}" for i in itertools.count())
         self._requests: dict[str, Request] = {}
@@ -133,10 +128,9 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
                     sampling_params: SamplingParams, *, output_token_ids: Sequence[int] = (),
                     prefill_only: bool = False) -> None:
-        """Queue a request. `output_token_ids` (a migration) are context and
-        count toward max_tokens. `prefill_only` (prefill pods): finish with
-        "prefill_done" after the first sampled token; its blocks return to
-        the pool but stay in the prefix cache."""
+        """Queue a request. `output_token_ids` (a migration) are context and count toward
+        max_tokens. `prefill_only` (prefill pods): finish with "prefill_done" after the first
+        sampled token; its blocks return to the pool but stay in the prefix cache."""
         request = self._new_request(request_id, prompt_token_ids, sampling_params,
                                     output_token_ids, prefill_only=prefill_only)
         if sampling_params.grammar is not None:
@@ -148,20 +142,18 @@ class LLMEngine:
                        sampling_params: SamplingParams, *,
                        output_token_ids: Sequence[int] = (),
                        local_prefill_below: int = 0) -> RemoteReservation | None:
-        """Decode pod: hold blocks for all context tokens plus the remaining
-        max_tokens, so the request never needs more. Raises CapacityError
-        when the blocks or a batch slot are not free now.
+        """Decode pod: hold blocks for all context tokens plus the remaining max_tokens, so the
+        request never needs more. Raises CapacityError when the blocks or a batch slot are
+        not free now.
 
-        With the prefix cache on, the longest cached prefix of whole blocks
-        (leaving at least one context token) is mapped in first and pinned
-        until the request ends: the reservation's `num_held_tokens`, which
-        the prefill pod does not send (cache-miss-only transfer). A cached
-        prefix that ends inside a block shares only the blocks before it.
+        With the prefix cache on, the longest cached prefix of whole blocks (leaving at least
+        one context token) is mapped in first and pinned until the request ends: the
+        reservation's `num_held_tokens`, which the prefill pod does not send (cache-miss-only
+        transfer). A cached prefix that ends inside a block shares only the blocks before it.
 
-        `local_prefill_below` > 0 (conditional disaggregation): when fewer
-        context tokens than that are left after the cached prefix, the
-        request is queued to be computed here instead, as `add_request`
-        would, and None is returned."""
+        `local_prefill_below` > 0 (conditional disaggregation): when fewer context tokens than
+        that are left after the cached prefix, the request is queued to be computed here
+        instead, as `add_request` would, and None is returned."""
         request = self._new_request(request_id, prompt_token_ids, sampling_params,
                                     output_token_ids,
                                     status=RequestStatus.WAITING_FOR_REMOTE_KV)
@@ -199,13 +191,10 @@ class LLMEngine:
                                  request.num_context_tokens, slots, num_held_tokens=held)
 
     def commit_remote(self, request_id: str, first_token_id: int) -> None:
-        """Decode pod: all layers of the reservation's KV are injected and the
-        prefill pod sampled `first_token_id`; the request decodes from the
-        next step on (or finishes there if that token already ends it)."""
-        request = self._requests.get(request_id)
-        if request is None or request.status is not RequestStatus.WAITING_FOR_REMOTE_KV:
-            state = "unknown" if request is None else request.status.name
-            raise ValueError(f"request {request_id!r} is not awaiting remote KV ({state})")
+        """Decode pod: all layers of the reservation's KV are injected and the prefill pod
+        sampled `first_token_id`; the request decodes from the next step on (or finishes
+        there if that token already ends it)."""
+        request = self._reserved(request_id)
         if not 0 <= first_token_id < self.model_config.vocab_size:
             raise ValueError(f"first_token_id {first_token_id} is outside the vocabulary "
                              f"[0, {self.model_config.vocab_size})")
@@ -221,22 +210,27 @@ class LLMEngine:
             self._finish(request, status)
             self._pending.append(RequestOutput.of(request, (), ()))
 
-    def start_tail(self, request_id: str, num_head_tokens: int, gate: LayerGate, *,
-                   on_done: Callable[[], object] | None = None) -> None:
-        """Decode pod, split prefill (docs/architecture.md, "One prompt
-        on both pods"): a reservation whose context tokens [0, num_head_tokens)
-        come from a prefill pod layer by layer while this engine computes the
-        rest, each layer of it waiting on `gate` for that layer of the head.
-        The tail but its last token computes on the tail worker, beside the
-        steps (engine.tail_worker; a tail of one token waits there for the
-        whole head); then the request joins the next step, which computes
-        the last token and samples token 0. A failed gate ends the request
-        aborted. `on_done()` is called on the tail worker's thread when the
-        tail is done (the engine loop's `wake`: an idle loop steps again)."""
+    def _reserved(self, request_id: str) -> Request:
         request = self._requests.get(request_id)
         if request is None or request.status is not RequestStatus.WAITING_FOR_REMOTE_KV:
             state = "unknown" if request is None else request.status.name
             raise ValueError(f"request {request_id!r} is not awaiting remote KV ({state})")
+        return request
+
+    def start_tail(self, request_id: str, num_head_tokens: int, gate: LayerGate, *,
+                   on_done: Callable[[], object] | None = None) -> None:
+        """Decode pod, split prefill (docs/architecture.md, "One prompt on both pods"): a
+        reservation whose context tokens [0, num_head_tokens) come from a prefill pod layer
+        by layer while this engine computes the rest, each layer of it waiting on `gate` for
+        that layer of the head. The tail but its last token computes on the tail worker,
+        beside the steps (engine.tail_worker; a tail of one token waits there for the whole
+        head); then the request joins the next step, which computes the last token and
+        samples token 0. A failed gate ends the request aborted. `on_done()` is called on the
+        tail worker's thread when the tail is done (the engine loop's `wake`: an idle loop
+        steps again). Not at TP > 1 (its collectives would run beside the steps')."""
+        if self.tp.size > 1:
+            raise ValueError("a split prefill's tail is not computed at tensor_parallel_size > 1")
+        request = self._reserved(request_id)
         if not request.num_computed_tokens <= num_head_tokens < request.num_context_tokens:
             raise ValueError(
                 f"num_head_tokens {num_head_tokens} must be in [{request.num_computed_tokens}, "
@@ -252,9 +246,9 @@ class LLMEngine:
         self.tails.start(TailJob(request_id, gate, inputs, on_done))
 
     def _settle_tails(self) -> None:
-        """Tails the worker finished: the request joins the steps with its
-        last context token to compute, or (its head lost, or aborted while
-        the tail ran) ends aborted, now that nothing writes its blocks."""
+        """Tails the worker finished: the request joins the steps with its last context token to
+        compute, or (its head lost, or aborted while the tail ran) ends aborted, now that
+        nothing writes its blocks."""
         for job in self.tails.finished():
             request = self._requests[job.request_id]
             if job.aborted or not job.ok:
@@ -266,9 +260,9 @@ class LLMEngine:
             self.scheduler.commit_reserved(request)
 
     def abort_request(self, request_id: str) -> bool:
-        """Abort in any state and free its blocks (once the step in flight that
-        includes it completes, with async scheduling); False if unknown or
-        already finished. The next `step()` reports it with "abort"."""
+        """Abort in any state and free its blocks (once the step in flight that includes it
+        completes, with async scheduling); False if unknown or already finished. The next
+        `step()` reports it with "abort"."""
         request = self._requests.get(request_id)
         if request is None or request.is_finished:
             return False
@@ -288,11 +282,15 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         """Whether `step()` has work: waiting or running requests, pending
         finish reports, or a step in flight. Reserved requests need no step
-        until committed."""
+        until committed. True once a tensor-parallel rank died (step() raises)."""
         return bool(self.scheduler.waiting or self.scheduler.running or self._pending
-                    or self._pipeline or self.tails.has_finished())
+                    or self._pipeline or self.tails.has_finished()
+                    or self.tp.failure is not None)
 
     def step(self) -> list[RequestOutput]:
+        """One step (see the module docstring). TensorParallelError once a
+        tensor-parallel rank died or a collective failed (close the engine)."""
+        self.tp.check()
         self._settle_tails()
         outputs, self._pending = self._pending, []
         if self.grammars and self._pipeline and self.grammars.tokens_in_flight():
@@ -357,6 +355,15 @@ class LLMEngine:
         self.scheduler.finish(request, status)
         del self._requests[request.request_id]
         self.grammars.drop(request.request_id)
+        self.tp.forget(request.request_id)
+
+    def on_fatal(self, callback: Callable[[], object]) -> None:
+        """`callback()` runs on another thread when a tensor-parallel rank exits."""
+        self.tp.on_failure(callback)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers and leave the group (idempotent)."""
+        self.tp.close()
 
     def stats(self) -> EngineStats:
         """Counts for GetLoad and the gauges (engine loop thread)."""
@@ -374,20 +381,16 @@ class LLMEngine:
             prefix_cache_hits=cache.num_hits,
             num_preemptions=self.scheduler.num_preemptions)
 
-    @property
-    def device(self) -> torch.device:
-        return self.model.device
-
     # ------------------------------------------------------------ offline use
 
     def generate(self, prompts: list[list[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams]
                  ) -> list[GenerationResult]:
-        """Run `prompts` to completion (all batched together) and return one
-        result per prompt, in order. Text and stop strings use the model
-        directory's tokenizer when it has one: a request whose text contains
-        a stop string ends there (text cut before it, finish_reason "stop").
-        Must not be mixed with requests that other code steps concurrently."""
+        """Run `prompts` to completion (all batched together) and return one result per prompt,
+        in order. Text and stop strings use the model directory's tokenizer when it has one:
+        a request whose text contains a stop string ends there (text cut before it,
+        finish_reason "stop"). Must not be mixed with requests that other code steps
+        concurrently."""
         if self._tokenizer is None:  # loaded by the first call that finds one
             self._tokenizer = model_dir_tokenizer(self.config.model_dir)
         return generate_batch(self, prompts, sampling_params, tokenizer=self._tokenizer,

@@ -31,6 +31,12 @@ so step N+1 reads step N's tokens after they exist) while the engine thread
 does its Python work. The worker touches only the prepared tensors, the
 model, the KV cache and the LayerKVHook (which therefore runs on the worker
 thread); never a `Request`.
+
+Tensor parallelism (`tp`, rank 0's `TPLeader`): launch sends the step's
+description to the other ranks after preparing it and before starting the
+forward, so every rank runs the same collectives in launch order; with
+async scheduling, the forward thread broadcasts each step's sampled token
+ids after sampling (the other ranks fill their placeholder rows from them).
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ import torch
 from engine.grammar_batch import GrammarBatch, TokenMask
 from engine.logits_processors import LogitsAdjustments, build_adjustments
 from engine.model_runner import ModelRunner, PreparedStep
+from engine.parallel.launch import TPLeader
 from engine.prompt_logprobs import PromptLogprobsPlan, PromptLogprobsTensors
 from engine.request import Request
 from engine.sampler import SampledTensors, Sampler, SamplerOutput
@@ -89,11 +96,17 @@ class CompletedStep:
 
 class StepPipeline:
     """Steps launched and not yet completed, oldest first. `use_worker`: run
-    forwards on a worker thread (CPU async scheduling)."""
+    forwards on a worker thread (CPU async scheduling). `tp`: the other
+    ranks of a tensor-parallel pod; `async_scheduling`: a step may be
+    launched before the previous one completed (its placeholder rows then
+    need that step's sampled tokens on every rank)."""
 
     def __init__(self, runner: ModelRunner, sampler: Sampler, *, use_worker: bool,
-                 grammars: GrammarBatch, eos_token_ids: frozenset[int] = frozenset()) -> None:
+                 grammars: GrammarBatch, eos_token_ids: frozenset[int] = frozenset(),
+                 tp: TPLeader | None = None, async_scheduling: bool = False) -> None:
         self._runner = runner
+        self._tp = tp
+        self._async = async_scheduling
         self._sampler = sampler
         self._grammars = grammars
         self._eos_token_ids = eos_token_ids  # min_tokens masks these
@@ -112,6 +125,9 @@ class StepPipeline:
                    {r.request_id: row for row, r in enumerate(previous.sampling_requests)})
         inputs = self._runner.prepare(plan.scheduled, sources)
         requests = inputs.sampling_requests
+        broadcast = self._tp is not None and self._async and bool(requests)
+        if self._tp is not None:
+            self._tp.send_step(inputs, broadcast_sampled=broadcast)
         params = tuple(r.sampling_params for r in requests)
         # The scheduler counted this step's token as a placeholder already.
         indices = tuple(r.num_output_tokens + r.num_output_placeholders - 1 for r in requests)
@@ -122,16 +138,28 @@ class StepPipeline:
         adjustments = build_adjustments(requests, indices, pending, self._eos_token_ids,
                                         self._runner.model.config.vocab_size,
                                         self._runner.device)
-        result = self._submit(self._run, inputs, None if previous is None else previous.result,
-                              params, indices, mask, adjustments)
+        try:
+            result = self._submit(self._run, inputs,
+                                  None if previous is None else previous.result,
+                                  params, indices, mask, adjustments, broadcast)
+        except Exception as exc:
+            if self._tp is None:
+                raise
+            # the ranks are out of step for good: say why (TensorParallelError)
+            raise self._tp.explain(exc) from exc
         self._in_flight.append(_Launched(plan, requests, params, result, inputs.prompt_logprobs))
 
     def complete(self) -> CompletedStep:
         """Wait for the oldest step in flight and read its tokens on the host."""
         step = self._in_flight.popleft()
-        result = step.result.result()  # re-raises what the forward raised
-        if result.done is not None:
-            result.done.synchronize()
+        try:
+            result = step.result.result()  # re-raises what the forward raised
+            if result.done is not None:
+                result.done.synchronize()
+        except Exception as exc:
+            if self._tp is None:
+                raise
+            raise self._tp.explain(exc) from exc
         sampled = _NO_SAMPLES if result.host is None else result.host.output(step.params)
         prompt = None
         if step.prompt_logprobs is not None:
@@ -147,9 +175,11 @@ class StepPipeline:
 
     def _run(self, inputs: PreparedStep, previous: Future[_Result] | None,
              params: tuple[SamplingParams, ...], indices: tuple[int, ...],
-             mask: TokenMask | None, adjustments: LogitsAdjustments | None) -> _Result:
-        """Forward + sampling (worker thread on CPU). `previous` is done: the
-        worker runs steps in order, and on CUDA its tensors are stream-ordered."""
+             mask: TokenMask | None, adjustments: LogitsAdjustments | None,
+             broadcast: bool) -> _Result:
+        """Forward + sampling (worker thread on CPU), then the sampled tokens
+        to the other ranks when `broadcast`. `previous` is done: the worker
+        runs steps in order, and on CUDA its tensors are stream-ordered."""
         previous_tokens = None
         if inputs.placeholder_rows.numel() or (
                 adjustments is not None and adjustments.pending_rows.numel()):
@@ -162,6 +192,8 @@ class StepPipeline:
                                            adjustments=adjustments,
                                            previous_tokens=previous_tokens)
             token_ids = sampled.token_ids
+            if broadcast:
+                self._tp.broadcast_sampled(token_ids)
             host = sampled.to("cpu", non_blocking=True) if self._cuda else sampled
         prompt = output.prompt_logprobs
         if prompt is not None and self._cuda:

@@ -1,0 +1,122 @@
+"""A tensor-parallel worker: rank r > 0 of a pod, started by rank 0's
+`TPLeader.start` as
+
+    python -m engine.parallel.worker '<WorkerSpec as JSON>'
+
+Life of a worker:
+
+    start    PR_SET_PDEATHSIG (killed when the thread of rank 0 that started
+             it exits), join the group, build its rank (shard, KV cache with
+             the pod's block count, runner and CUDA graphs: the same order
+             as rank 0, `engine.parallel.rank`).
+    idle     blocked reading its socket: no collective is pending, so no
+             timeout runs while the pod has nothing to do.
+    step     a STEP message: `StepMirror` updates the block tables and gives
+             the rows, `ModelRunner.build` the very tensors rank 0 built,
+             `forward` runs the shard (its all-reduces) and takes part in
+             the lm_head gathers; then, when the header says so, the
+             broadcast of the step's sampled tokens, kept for the next
+             step's placeholder rows.
+    end      a STOP message or the end of the stream (rank 0 is gone): exit
+             0. Any error (a collective that timed out, a malformed message):
+             logged, exit 1, which rank 0's watchdog turns into the pod going
+             down.
+
+Everything runs on the main thread; nothing is ever pickled.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import socket
+import sys
+
+import torch
+
+from engine.host_copy import to_device
+from engine.model_runner import ModelRunner
+from engine.parallel.group import TPGroup
+from engine.parallel.launch import WorkerSpec
+from engine.parallel.rank import build_rank
+from engine.parallel.step_wire import Kind, StepMessage, StepMirror, WireError, receive
+from engine.prompt_logprobs import PromptLogprobsPlan
+
+log = logging.getLogger("engine.parallel.worker")
+
+_PR_SET_PDEATHSIG = 1
+
+
+def serve(runner: ModelRunner, group: TPGroup, sock: socket.socket) -> int:
+    """Run steps until STOP or end of stream; returns the steps run."""
+    mirror = StepMirror()
+    previous_tokens: torch.Tensor | None = None
+    with torch.inference_mode():
+        while (message := receive(sock)) is not None and message.kind is Kind.STEP:
+            step = runner.build(mirror.apply(message),
+                                prompt_logprobs=_prompt_plan(message, runner.device))
+            if step.graph_bucket != message.graph_bucket:
+                raise WireError(f"step {message.step}: rank 0 runs graph bucket "
+                                f"{message.graph_bucket}, this rank chose {step.graph_bucket}")
+            runner.forward(step, previous_tokens)
+            previous_tokens = None
+            if message.broadcast_sampled:
+                previous_tokens = group.broadcast_from_first(torch.empty(
+                    message.num_sampled, dtype=torch.long, device=runner.device))
+    return mirror.next_step
+
+
+def _prompt_plan(message: StepMessage, device: torch.device) -> PromptLogprobsPlan | None:
+    """The rows a step scores for prompt logprobs: this rank only takes part
+    in their lm_head gathers, so rows are all it needs of rank 0's plan."""
+    if not message.prompt_rows:
+        return None
+    return PromptLogprobsPlan(
+        rows=to_device(torch.tensor(message.prompt_rows, dtype=torch.long), device),
+        targets=torch.empty(0, dtype=torch.long, device=device), spans=(), num_top=0)
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """SIGKILL this process when rank 0's starting thread exits (Linux)."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            log.warning("prctl(PR_SET_PDEATHSIG) failed (errno %d); relying on the socket's "
+                        "end of stream", ctypes.get_errno())
+    if os.getppid() != parent_pid:  # rank 0 died before the prctl took effect
+        os._exit(1)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print("usage: python -m engine.parallel.worker '<WorkerSpec JSON>'", file=sys.stderr)
+        return 2
+    spec = WorkerSpec.from_json(argv[0])
+    _die_with_parent(spec.parent_pid)
+    logging.basicConfig(level=spec.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(spec.num_threads)
+    sock = socket.socket(fileno=spec.socket_fd)
+    try:
+        group = TPGroup.initialize(rank=spec.rank, size=spec.size,
+                                   init_method=spec.init_method, device=spec.config.device,
+                                   timeout_s=spec.config.tp_timeout_s)
+        rank = build_rank(spec.config, group)
+        log.info("rank %d of %d ready on %s: %d KV blocks", spec.rank, spec.size,
+                 spec.config.device, rank.num_blocks)
+        steps = serve(rank.runner, group, sock)
+    except Exception:
+        log.exception("tensor-parallel rank %d failed", spec.rank)
+        return 1
+    log.info("rank %d stopping after %d steps", spec.rank, steps)
+    return 0
+
+
+if __name__ == "__main__":
+    code = main(sys.argv[1:])
+    sys.stderr.flush()
+    # Not sys.exit: a process group's threads must not hold up the exit of a
+    # rank whose peers are gone.
+    os._exit(code)
