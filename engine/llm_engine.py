@@ -75,8 +75,8 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, *, layer_kv_hook: LayerKVHook | None = None) -> None:
         self.config = config
-        # Refuses what cannot run, before any step. TP > 1: the other ranks
-        # start first and load their shards beside ours.
+        # Refuses what cannot run, before any step. `tp`: the pod's other
+        # ranks (TP > 1: started first, loading their shards beside ours).
         self.tp, rank = build_first_rank(config, layer_kv_hook)
         loaded, self.runner, self.kv_caches = rank.loaded, rank.runner, rank.kv_caches
         self.model, self.model_config = loaded.model, loaded.model_config

@@ -52,7 +52,7 @@ from engine.kv_hook import LayerKVHook
 from engine.model_runner import PreparedStep
 from engine.parallel.group import TPGroup
 from engine.parallel.rank import RankModel, build_rank
-from engine.parallel.step_wire import StepEncoder, stop_message
+from engine.parallel.step_wire import StepEncoder, send, stop_message
 
 log = logging.getLogger(__name__)
 
@@ -184,7 +184,7 @@ class TPLeader:
         self.check()
         try:
             for sock in self._sockets:
-                sock.sendall(message)
+                send(sock, message)
         except OSError as exc:
             raise self.explain(exc) from exc
 
@@ -273,7 +273,7 @@ class TPLeader:
             stop = stop_message(self.encoder.num_steps)
             for sock in self._sockets:
                 try:
-                    sock.sendall(stop)
+                    send(sock, stop)
                 except OSError:
                     pass  # gone already: waited for below
         deadline = time.monotonic() + timeout

@@ -56,7 +56,7 @@ def serve(runner: ModelRunner, group: TPGroup, sock: socket.socket) -> int:
     with torch.inference_mode():
         while (message := receive(sock)) is not None and message.kind is Kind.STEP:
             step = runner.build(mirror.apply(message),
-                                prompt_logprobs=_prompt_plan(message, runner.device))
+                                prompt_logprobs=prompt_plan(message, runner.device))
             if step.graph_bucket != message.graph_bucket:
                 raise WireError(f"step {message.step}: rank 0 runs graph bucket "
                                 f"{message.graph_bucket}, this rank chose {step.graph_bucket}")
@@ -68,9 +68,9 @@ def serve(runner: ModelRunner, group: TPGroup, sock: socket.socket) -> int:
     return mirror.next_step
 
 
-def _prompt_plan(message: StepMessage, device: torch.device) -> PromptLogprobsPlan | None:
-    """The rows a step scores for prompt logprobs: this rank only takes part
-    in their lm_head gathers, so rows are all it needs of rank 0's plan."""
+def prompt_plan(message: StepMessage, device: torch.device) -> PromptLogprobsPlan | None:
+    """A worker's prompt-logprobs plan of a step: only the rows (this rank
+    takes part in their lm_head gathers; rank 0 scores them)."""
     if not message.prompt_rows:
         return None
     return PromptLogprobsPlan(

@@ -29,6 +29,7 @@ from engine.parallel.step_wire import (
     send,
     stop_message,
 )
+from engine.parallel.worker import prompt_plan
 from engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.timeout(180)
@@ -181,12 +182,7 @@ class _Mirrored:
         step = self._prepare(scheduled, placeholder_sources)
         message = decode(self.encoder.encode(step, broadcast_sampled=True))
         rows = self.mirror.apply(message)
-        plan = None
-        if message.prompt_rows:
-            from engine.parallel.worker import _prompt_plan
-
-            plan = _prompt_plan(message, self.worker.device)
-        rebuilt = self.worker.build(rows, prompt_logprobs=plan)
+        rebuilt = self.worker.build(rows, prompt_logprobs=prompt_plan(message, self.worker.device))
         self._compare(step, rebuilt, message)
         return step
 
