@@ -51,6 +51,7 @@ from engine.config import EngineConfig
 from engine.kv_hook import LayerKVHook
 from engine.model_runner import PreparedStep
 from engine.parallel.group import TPGroup
+from engine.parallel.placement import Placement, cpu_shares, place, restore
 from engine.parallel.rank import RankModel, build_rank
 from engine.parallel.step_wire import StepEncoder, send, stop_message
 
@@ -77,7 +78,7 @@ class WorkerSpec:
     init_method: str
     socket_fd: int
     parent_pid: int
-    num_threads: int
+    cpus: tuple[int, ...]  # its share of the pod's CPUs (engine/parallel/placement.py)
     log_level: int
     config: EngineConfig  # this rank's: its device
 
@@ -87,7 +88,8 @@ class WorkerSpec:
     @classmethod
     def from_json(cls, text: str) -> WorkerSpec:
         fields = json.loads(text)
-        return cls(**{**fields, "config": EngineConfig(**fields["config"])})
+        return cls(**{**fields, "cpus": tuple(fields["cpus"]),
+                      "config": EngineConfig(**fields["config"])})
 
 
 def rank_device(device: str, rank: int) -> str:
@@ -126,6 +128,7 @@ class TPLeader:
         self._readers = list(readers)
         self.size = len(self._processes) + 1
         self.group: TPGroup | None = None
+        self._placement: Placement | None = None  # rank 0's, undone by close()
         self.encoder = StepEncoder()
         self._lock = threading.Lock()
         self._failure: str | None = None
@@ -143,17 +146,21 @@ class TPLeader:
         worker_config = replace(config, enforce_eager=config.enforce_eager or eager)
         processes, sockets, readers = [], [], []
         leader = None
+        on_cpu = not config.device.startswith("cuda")
+        shares = (cpu_shares(size) if on_cpu else None) or [()] * size
         try:
             for rank in range(1, size):
                 ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
                 sockets.append(ours)
                 spec = WorkerSpec(rank, size, init_method, theirs.fileno(), os.getpid(),
-                                  torch.get_num_threads(), logging.getLogger().getEffectiveLevel(),
+                                  shares[rank], logging.getLogger().getEffectiveLevel(),
                                   replace(worker_config, device=rank_device(config.device, rank)))
                 with theirs:
                     processes.append(_spawn(spec))
                 readers.append(_forward_output(processes[-1], rank))
             leader = cls(processes, sockets, readers)
+            if on_cpu:
+                leader._placement = place(shares[0])
             leader.group = TPGroup.initialize(rank=0, size=size, init_method=init_method,
                                               device=config.device, timeout_s=config.tp_timeout_s)
         except BaseException as exc:
@@ -290,6 +297,9 @@ class TPLeader:
         if self.group is not None:
             self.group.destroy()
             self.group = None
+        if self._placement is not None:
+            restore(self._placement)
+            self._placement = None
 
     def _kill(self) -> None:
         for process in self._processes:

@@ -40,6 +40,7 @@ from engine.host_copy import to_device
 from engine.model_runner import ModelRunner
 from engine.parallel.group import TPGroup
 from engine.parallel.launch import WorkerSpec
+from engine.parallel.placement import place
 from engine.parallel.rank import build_rank
 from engine.parallel.step_wire import Kind, StepMessage, StepMirror, WireError, receive
 from engine.prompt_logprobs import PromptLogprobsPlan
@@ -97,7 +98,7 @@ def main(argv: list[str]) -> int:
     _die_with_parent(spec.parent_pid)
     logging.basicConfig(level=spec.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    torch.set_num_threads(spec.num_threads)
+    place(spec.cpus)
     sock = socket.socket(fileno=spec.socket_fd)
     try:
         group = TPGroup.initialize(rank=spec.rank, size=spec.size,
