@@ -125,6 +125,7 @@ class EngineLoop:
         self.block_size: int = int(engine.config.block_size)
         self.max_model_len: int = int(engine.max_model_len)
         self.device_type: str = engine.device.type  # "cpu" | "cuda"
+        self.tensor_parallel_size: int = engine.config.tensor_parallel_size
         engine.on_fatal(self.wake)  # a dead tensor-parallel rank: step() raises why
 
     # ------------------------------------------------------------ lifecycle
@@ -155,6 +156,8 @@ class EngineLoop:
         self.wake()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        if not self._thread.is_alive():  # the workers outlast no step of rank 0's
+            self._engine.close()  # a TP pod's workers: STOP, then joined
 
     def wake(self) -> None:
         """Any thread: an idle loop checks the engine for work (and its own

@@ -30,4 +30,5 @@ def load_report(role: str, model: str, generation: int, loop: EngineLoop,
         draining=gate.draining,
         cache_events_channel=cache_events_channel,
         device=loop.device_type,
+        tensor_parallel_size=loop.tensor_parallel_size,
     )

@@ -90,7 +90,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("role", "generation", "num_waiting", "num_waiting_tokens", "num_running", "num_free_blocks", "num_total_blocks", "block_size", "prefix_hit_rate", "model", "max_model_len", "draining", "cache_events_channel", "device")
+    __slots__ = ("role", "generation", "num_waiting", "num_waiting_tokens", "num_running", "num_free_blocks", "num_total_blocks", "block_size", "prefix_hit_rate", "model", "max_model_len", "draining", "cache_events_channel", "device", "tensor_parallel_size")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +105,7 @@ class LoadReport(_message.Message):
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     CACHE_EVENTS_CHANNEL_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     role: str
     generation: int
     num_waiting: int
@@ -119,7 +120,8 @@ class LoadReport(_message.Message):
     draining: bool
     cache_events_channel: str
     device: str
-    def __init__(self, role: _Optional[str] = ..., generation: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_waiting_tokens: _Optional[int] = ..., num_running: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., draining: _Optional[bool] = ..., cache_events_channel: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+    tensor_parallel_size: int
+    def __init__(self, role: _Optional[str] = ..., generation: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_waiting_tokens: _Optional[int] = ..., num_running: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., draining: _Optional[bool] = ..., cache_events_channel: _Optional[str] = ..., device: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id", "reason")

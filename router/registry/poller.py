@@ -279,4 +279,5 @@ class PolledPodPool(PodPool):
             in_flight_tokens=tokens,
             cache_events_channel=report.cache_events_channel,
             device=report.device,
+            tensor_parallel_size=max(1, report.tensor_parallel_size),  # 0: an older pod
         )

@@ -79,6 +79,8 @@ class PodLoad:
     # where the pod publishes its prefix-cache events ("" = CacheEvents.Subscribe only)
     cache_events_channel: str = ""
     device: str = ""  # the pod's torch device type: "cpu", "cuda" ("" = not reported)
+    # processes the pod's engine spans; its block counts are already the whole pod's
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         check_address(self.address)
@@ -96,6 +98,9 @@ class PodLoad:
             value = getattr(self, name)
             if value < 0:
                 raise ValueError(f"PodLoad.{name} must be >= 0; got {value} for {self.address}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"PodLoad.tensor_parallel_size must be >= 1; got "
+                             f"{self.tensor_parallel_size} for {self.address}")
         if not 0.0 <= self.prefix_hit_rate <= 1.0:
             raise ValueError(
                 f"PodLoad.prefix_hit_rate must be in [0, 1]; got {self.prefix_hit_rate}"

@@ -95,7 +95,8 @@ def test_parse_addresses_and_static_source_validation() -> None:
 @pytest.mark.timeout(30)
 def test_poller_reports_loads_and_drops_dead_pods_within_an_interval(run_async) -> None:
     async def run() -> None:
-        p1 = await LoadServer("prefill", num_waiting=2, num_waiting_tokens=300).start()
+        p1 = await LoadServer("prefill", num_waiting=2, num_waiting_tokens=300,
+                              tensor_parallel_size=4).start()
         p2 = await LoadServer("prefill").start()
         d1 = await LoadServer("decode", num_running=3).start()
         pool = PolledPodPool(
@@ -111,6 +112,9 @@ def test_poller_reports_loads_and_drops_dead_pods_within_an_interval(run_async) 
             assert by_address[p1.address].num_waiting_tokens == 300
             assert by_address[p1.address].num_waiting == 2
             assert by_address[p1.address].generation == 7
+            # a TP pod's size; a pod that predates the field (0) is one process
+            assert by_address[p1.address].tensor_parallel_size == 4
+            assert by_address[p2.address].tensor_parallel_size == 1
             assert pool.pods("decode")[0].num_running == 3
             with pool.track(p2.address, num_tokens=40):
                 assert {p.address: p.in_flight_tokens for p in pool.pods("prefill")} == {
