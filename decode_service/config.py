@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
-from pod.config import ServerConfig
+from pod.config import ServerConfig, check_transfer_tensor_parallel
 
 KV_TRANSPORTS = ("tcp", "grpc")
 MAX_TRANSFER_TIMEOUT_S = 3600.0
@@ -42,6 +42,7 @@ class DecodeConfig:
     join_wait: float = 0.5
 
     def __post_init__(self) -> None:
+        check_transfer_tensor_parallel(self.engine.tensor_parallel_size, "decode")
         if not 0 <= self.kv_port <= 65535:
             raise ValueError(f"kv_port must be in [0, 65535] (0 = any free port), "
                              f"got {self.kv_port}")

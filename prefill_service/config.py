@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
-from pod.config import ServerConfig
+from pod.config import ServerConfig, check_transfer_tensor_parallel
 
 MAX_KV_STREAMS = 64
 @dataclass(frozen=True, slots=True)
@@ -22,5 +22,6 @@ class PrefillConfig:
     kv_streams: int = 4
 
     def __post_init__(self) -> None:
+        check_transfer_tensor_parallel(self.engine.tensor_parallel_size, "prefill")
         if not 1 <= self.kv_streams <= MAX_KV_STREAMS:
             raise ValueError(f"kv_streams must be in [1, {MAX_KV_STREAMS}], got {self.kv_streams}")

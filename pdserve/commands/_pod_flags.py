@@ -86,6 +86,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, block_size: int,
     g.add_argument("--enforce-eager", action="store_true",
                    help="Never capture CUDA graphs; run every step eagerly (graphs are "
                         "only used on CUDA; docs/engine.md, CUDA graphs).")
+    g.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, metavar="N",
+                   help="Processes (one device each: cuda:0..N-1, or a share of --cpus) "
+                        "the model is split across, rank 0 serving (default 1; "
+                        "docs/tensor_parallel.md).")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="Context limit (default: the model's max_position_embeddings).")
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
@@ -161,6 +165,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         decode_matmul=args.decode_matmul,
         async_scheduling=args.async_scheduling,
         enforce_eager=args.enforce_eager,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 

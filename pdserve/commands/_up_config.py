@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from engine.model_source import DEFAULT_MODEL
 from pdserve.commands._cpus import format_cpu_list, parse_cpu_list
 from pdserve.commands._supervisor import RestartPolicy
+from pod.config import check_transfer_tensor_parallel
 from proto.roles import PodRole
 
 # The pdserve subcommand that runs each pod role.
@@ -46,6 +47,8 @@ class UpConfig:
     # restarts of one child allowed within restart_window_s (0: an exit stops everything)
     max_restarts: int = 5
     restart_window_s: float = 60.0
+    # tensor-parallel size per pod role (--{role}-tp); a role not listed runs at 1
+    tensor_parallel: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("port", "grpc_port"):
@@ -74,7 +77,19 @@ class UpConfig:
                     parse_cpu_list(part)
             except ValueError as exc:
                 raise ValueError(f"--{role}-cpus: {exc}") from None
+        for role, size in self.tensor_parallel:
+            if role not in POD_COMMANDS:
+                raise ValueError(f"no tensor-parallel size for role {role!r}; roles: "
+                                 f"{', '.join(POD_COMMANDS)}")
+            if not 1 <= size <= 64:
+                raise ValueError(f"--{role}-tp must be between 1 and 64; got {size}")
+            if role != PodRole.COLOCATED:
+                check_transfer_tensor_parallel(size, role)
         self.restart_policy()  # validates the restart flags
+
+    def tensor_parallel_of(self, role: str) -> int:
+        """The tensor-parallel size of `role`'s pods (1 unless --{role}-tp)."""
+        return dict(self.tensor_parallel).get(role, 1)
 
     def restart_policy(self) -> RestartPolicy:
         return RestartPolicy(max_restarts=self.max_restarts, window_s=self.restart_window_s,

@@ -9,13 +9,14 @@ from __future__ import annotations
 import argparse
 import importlib
 
-HELP = ("Benchmarks: engine, decode-gemm, prefill-gemm, prefill-split, kernels, transfer, "
+HELP = ("Benchmarks: engine, tp, decode-gemm, prefill-gemm, prefill-split, kernels, transfer, "
         "transfer-split, ttft, router, sse-floor, peer, disagg, first-gap, routing "
         "(each against its baseline); serve (a load generator) and serve-plot; soak "
         "(mixed load, cancellations and a pod restart).")
 
 BENCHMARKS: dict[str, str] = {
     "engine": "benchmarks.engine",
+    "tp": "benchmarks.tensor_parallel",
     "decode-gemm": "benchmarks.decode_gemm",
     "prefill-gemm": "benchmarks.prefill_gemm",
     "prefill-split": "benchmarks.prefill_split",

@@ -93,6 +93,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                  "(their --cpus; torch threads follow the count)"
                                  + ("" if role == "router" else
                                     f"; 0/1: {role} pod i gets the i-th list, cyclically"))
+    for role in POD_COMMANDS:
+        parser.add_argument(f"--{role}-tp", type=int, default=1, metavar="N",
+                            help=f"tensor-parallel size of each {role} pod (its "
+                                 "--tensor-parallel-size; default 1)")
     parser.add_argument("--max-restarts", type=int, default=d.max_restarts, metavar="N",
                         help="a child that exits is restarted (same ports, backoff 0.5 s "
                              "doubling to 10 s); one exiting more than N times within "
@@ -120,6 +124,8 @@ def config_from_args(args: argparse.Namespace) -> UpConfig:
                    if (text := getattr(args, f"{role}_cpus")) is not None),
         ready_file=args.ready_file, max_restarts=args.max_restarts,
         restart_window_s=args.restart_window,
+        tensor_parallel=tuple((role, size) for role in POD_COMMANDS
+                              if (size := getattr(args, f"{role}_tp")) != 1),
     )
 
 
@@ -153,6 +159,8 @@ def pod_argv(role: str, model: Path, config: UpConfig, ready_file: Path,
     cpus = config.cpus_of(role, index)
     if cpus is not None:
         argv += ["--cpus", cpus]
+    if (tp := config.tensor_parallel_of(role)) != 1:
+        argv += ["--tensor-parallel-size", str(tp)]
     return argv + list(config.pod_args) + list(dict(config.role_args).get(role, ()))
 
 

@@ -171,3 +171,18 @@ def test_up_flag_validation(tmp_path: Path) -> None:
     )
     assert result.returncode == 2
     assert "need at least one prefill and one decode pod, or --colocated >= 1" in result.stdout
+
+
+def test_up_tensor_parallel_flags() -> None:
+    from pdserve.commands._up_config import UpConfig
+    from pdserve.commands.up import pod_argv
+
+    config = UpConfig(num_prefill=0, num_decode=0, num_colocated=1,
+                      tensor_parallel=(("colocated", 2),))
+    argv = pod_argv("colocated", Path("/m"), config, Path("/r"))
+    assert argv[argv.index("--tensor-parallel-size") + 1] == "2"
+    assert "--tensor-parallel-size" not in pod_argv("prefill", Path("/m"), config, Path("/r"))
+    with pytest.raises(ValueError, match="--colocated-tp must be between 1 and 64; got 0"):
+        UpConfig(num_colocated=1, tensor_parallel=(("colocated", 0),))
+    with pytest.raises(ValueError, match="tensor_parallel_size 2 on a decode pod"):
+        UpConfig(tensor_parallel=(("decode", 2),))
