@@ -24,7 +24,9 @@ Every `poll_interval` seconds, on the router's event loop, the pool asks its
 standard gRPC health check (service "") and GetLoad, each bounded by
 `poll_timeout`. Only HEALTHY pods are returned by `pods()`, so a pod that dies
 stops getting traffic within one interval, and a new one gets traffic after its
-first successful poll. A pod whose LoadReport says `draining` or names another
+first successful poll. A pod that answers too slowly stays routable through
+`SLOW_POLLS_TOLERATED` slow polls in a row (alive but starved for a moment),
+then is UNHEALTHY too. A pod whose LoadReport says `draining` or names another
 role is UNHEALTHY: it takes no new work.
 
 The pool owns one gRPC channel per pod for polling (the server keeps its own
@@ -51,6 +53,13 @@ from router.routing.base import PodLoad, PodPool, check_role
 log = logging.getLogger(__name__)
 
 _CLOSE_TIMEOUT_S = 5.0
+# Slow answers (the poll's deadline passed) a HEALTHY pod is allowed in a row
+# before it stops getting traffic. A pod whose event loop is starved for a
+# moment (a CPU-saturated node, a long GC) is alive, and taking it out turns
+# every request that would have queued there into a 503; a dead pod refuses
+# the connection (UNAVAILABLE) and leaves at its first failed poll, and a
+# request sent to a pod that then dies is retried or moved by the request path.
+SLOW_POLLS_TOLERATED = 2
 
 
 class PodState(enum.Enum):
@@ -184,8 +193,7 @@ class PolledPodPool(PodPool):
         try:
             await asyncio.wait_for(self._poll(pod), 2 * self.poll_timeout + 1.0)
         except TimeoutError:
-            pod.failures += 1
-            pod.move(PodState.UNHEALTHY, "poll did not finish in time")
+            self._poll_failed(pod, "poll did not finish in time", slow=True)
 
     def _sync(self, entries: list[PodEntry]) -> None:
         wanted = {e.address: e for e in entries}
@@ -233,9 +241,8 @@ class PolledPodPool(PodPool):
                 pdserve_pb2.LoadRequest(), timeout=self.poll_timeout
             )
         except grpc.aio.AioRpcError as exc:
-            pod.failures += 1
-            pod.move(PodState.UNHEALTHY, f"poll failed ({pod.failures} in a row): "
-                                         f"{exc.code().name} {exc.details()}")
+            self._poll_failed(pod, f"{exc.code().name} {exc.details()}",
+                              slow=exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED)
             return
         if self._pods.get(pod.entry.address) is not pod:
             return  # removed from the registry while we were polling
@@ -250,6 +257,19 @@ class PolledPodPool(PodPool):
             pod.report = report
             pod.failures = 0
             pod.move(PodState.HEALTHY, "poll ok")
+
+    @staticmethod
+    def _poll_failed(pod: _Pod, reason: str, *, slow: bool) -> None:
+        """A failed poll: UNHEALTHY at once, unless it was only slow and the
+        pod is HEALTHY with fewer than SLOW_POLLS_TOLERATED slow polls before
+        it (its last report stays in use meanwhile)."""
+        pod.failures += 1
+        if slow and pod.state is PodState.HEALTHY and pod.failures <= SLOW_POLLS_TOLERATED:
+            log.warning("%s pod %s answered no poll in time (%d in a row); still routed "
+                        "until %d: %s", pod.entry.role, pod.entry.address, pod.failures,
+                        SLOW_POLLS_TOLERATED + 1, reason)
+            return
+        pod.move(PodState.UNHEALTHY, f"poll failed ({pod.failures} in a row): {reason}")
 
     async def _run(self) -> None:
         while True:

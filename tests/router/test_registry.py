@@ -21,7 +21,7 @@ from pod.heartbeat import PodHeartbeat
 from proto import pdserve_pb2, pdserve_pb2_grpc
 from proto.registry import pod_key
 from router.registry.base import PodEntry
-from router.registry.poller import PodState, PolledPodPool
+from router.registry.poller import SLOW_POLLS_TOLERATED, PodState, PolledPodPool
 from router.registry.redis_registry import RedisPodSource
 from router.registry.static import StaticPodSource, parse_addresses
 
@@ -48,8 +48,11 @@ async def eventually(predicate, timeout: float = 10.0, interval: float = 0.02) -
 class LoadServicer(pdserve_pb2_grpc.PrefillServicer, pdserve_pb2_grpc.DecodeServicer):
     def __init__(self, report: pdserve_pb2.LoadReport) -> None:
         self.report = report
+        self.delay = 0.0  # seconds GetLoad takes: a pod alive but too slow to answer
 
     async def GetLoad(self, request, context):  # noqa: N802 (gRPC method name)
+        if self.delay:
+            await asyncio.sleep(self.delay)
         return self.report
 
 
@@ -285,3 +288,37 @@ def test_a_pod_missing_from_redis_stays_while_it_answers_until_the_grace_passes(
 def test_absent_grace_is_validated() -> None:
     with pytest.raises(ValueError, match=r"registry absent grace must be in \[0, 3600\] s"):
         PolledPodPool(StaticPodSource(prefill=["h:1"]), absent_grace=-1)
+
+
+@pytest.mark.timeout(60)
+def test_a_slow_pod_stays_routed_through_slow_polls_and_a_dead_one_leaves_at_once(
+        run_async) -> None:
+    """Polls driven one at a time: a pod whose GetLoad outlasts the poll's
+    deadline keeps its traffic for SLOW_POLLS_TOLERATED polls in a row (its
+    last report in use), leaves at the next, comes back at its first answer in
+    time; a pod that refuses the connection leaves at its first failed poll."""
+    async def run() -> None:
+        pod = await LoadServer("decode", num_running=2).start()
+        pool = PolledPodPool(StaticPodSource(decode=[pod.address]), poll_interval=0.05,
+                             poll_timeout=POLL_TIMEOUT_S)
+        try:
+            await pool.poll_once()
+            assert [p.num_running for p in pool.pods("decode")] == [2]
+            pool.poll_timeout, pod.servicer.delay = 0.2, 2.0
+            for _ in range(SLOW_POLLS_TOLERATED):
+                await pool.poll_once()
+                assert [p.num_running for p in pool.pods("decode")] == [2]
+            await pool.poll_once()
+            assert pool.pods("decode") == []
+            assert pool.state(pod.address)[0] is PodState.UNHEALTHY
+            pool.poll_timeout, pod.servicer.delay = POLL_TIMEOUT_S, 0.0
+            await pool.poll_once()
+            assert [p.address for p in pool.pods("decode")] == [pod.address]
+            await pod.stop()
+            await pool.poll_once()
+            assert pool.pods("decode") == []
+        finally:
+            await pool.close()
+            await pod.stop()
+
+    run_async(run())
