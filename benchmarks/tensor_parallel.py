@@ -91,14 +91,18 @@ def _measure(engine, args: argparse.Namespace, batch: int, clock: _AllReduceCloc
 
     vocab = engine.model_config.vocab_size
     params = SamplingParams(temperature=0, max_tokens=args.steps + 1, ignore_eos=True)
+    waiting = set()
     for i, prompt in enumerate(_prompts(vocab, batch, args.context, batch)):
-        engine.add_request(f"d{batch}-{i}-{time.monotonic_ns()}", prompt, params)
+        waiting.add(request_id := f"d{batch}-{i}-{time.monotonic_ns()}")
+        engine.add_request(request_id, prompt, params)
     steps, start, reduce_start = 0, None, 0.0
     while engine.has_unfinished_requests():
         outputs = engine.step()
         if start is not None:
             steps += 1
-        elif outputs and all(len(o.new_token_ids) for o in outputs):  # every prompt done
+            continue
+        waiting.difference_update(o.request_id for o in outputs if o.new_token_ids)
+        if not waiting:  # every prompt has its first token: pure decode from here
             sync()
             start, reduce_start = time.perf_counter(), clock.seconds if clock else 0.0
     sync()
@@ -125,6 +129,44 @@ def _round(args: argparse.Namespace, size: int, batch: int) -> dict[str, float]:
         engine.close()
 
 
+def _all_reduce_floor(rank: int, size: int, port: int, shapes: list[tuple[int, int]],
+                      shares: list[tuple[int, ...]] | None, out) -> None:
+    """One process of the collective alone: `size` processes placed as the
+    ranks are, the all-reduce of each decode step's [batch, hidden] shape."""
+    import torch
+    import torch.distributed as dist
+
+    from engine.parallel.placement import place
+
+    place(shares[rank] if shares else ())
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=size)
+    for shape in shapes:
+        x = torch.randn(shape)
+        for _ in range(20):
+            dist.all_reduce(x)
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(200):
+            dist.all_reduce(x)
+        if rank == 0:
+            out[f"{shape[0]}"] = (time.perf_counter() - start) / 200
+    dist.destroy_process_group()
+
+
+def _floor(size: int, batches: list[int], hidden: int) -> dict[str, float]:
+    import torch.multiprocessing as mp
+
+    from engine.parallel.launch import free_port
+    from engine.parallel.placement import cpu_shares
+
+    manager = mp.Manager()
+    out = manager.dict()
+    mp.spawn(_all_reduce_floor, args=(size, free_port(), [(b, hidden) for b in batches],
+                                      cpu_shares(size), out), nprocs=size)
+    return dict(out)
+
+
 def _spread(values: list[float], scale: float = 1.0, digits: int = 1) -> str:
     return (f"{statistics.median(values) * scale:.{digits}f} "
             f"({min(values) * scale:.{digits}f}-{max(values) * scale:.{digits}f})")
@@ -141,6 +183,15 @@ def main(args: argparse.Namespace) -> int:
             for size in (1, n):
                 results.setdefault((size, batch), []).append(_round(args, size, batch))
         print(f"round {round_index + 1}/{args.rounds} done", flush=True)
+    if args.device == "cpu":
+        from engine.model_config import ModelConfig
+        from engine.model_source import resolve_model
+
+        config = ModelConfig.from_pretrained(resolve_model(args.model))
+        floor = _floor(n, batches, config.hidden_size)
+        print(f"gloo all-reduce alone, {n} processes placed as the ranks: " + ", ".join(
+            f"[{b}, {config.hidden_size}] {floor[str(b)] * 1e6:.0f} us" for b in batches)
+            + f"; a decode step makes {2 * config.num_hidden_layers + 1} of them")
     print(f"model {args.model}, {args.device} {args.dtype}, block {args.block_size}, context "
           f"{args.context}, {args.steps} decode steps, prefill {args.prefill_len} tokens; "
           f"TP=1 on {torch.get_num_threads()} threads, TP={n} on one share each; "

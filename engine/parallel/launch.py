@@ -99,7 +99,7 @@ def rank_device(device: str, rank: int) -> str:
     return f"cuda:{(torch.device(device).index or 0) + rank}"
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -142,7 +142,7 @@ class TPLeader:
         """Start ranks 1..N-1 and join the group as rank 0. `eager`: rank 0
         captures no CUDA graphs (a layer-KV hook), so neither do the workers."""
         size = config.tensor_parallel_size
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        init_method = f"tcp://127.0.0.1:{free_port()}"
         worker_config = replace(config, enforce_eager=config.enforce_eager or eager)
         processes, sockets, readers = [], [], []
         leader = None
