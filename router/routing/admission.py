@@ -89,21 +89,12 @@ from router.cache_index.index import PromptBlocks
 from router.generation import GenerationRequest
 from router.metrics import RouterMetrics
 from router.routing.base import NoPodAvailable, PodPool
-from router.routing.ledger import (
-    MIN_SAMPLES,
-    PEAK_HALF_LIFE_S,
-    PodLedger,
-    PodWork,
-    ShedLimit,
-    Throughput,
-    WorkSlot,
-)
+from router.routing.ledger import PodLedger, PodWork, ShedLimit, Throughput, WorkSlot
 from router.routing.local_prefill import Ahead, LocalChoice, LocalRate, QueuedOffer
 from router.routing.policy import RoutingPolicy
 from router.settings import AdmissionSettings
 
-__all__ = ["MIN_SAMPLES", "PEAK_HALF_LIFE_S", "SHORT_BATCH_TOKENS", "AdmissionSettings",
-           "AdmissionSlot", "PrefillAdmission", "Throughput"]
+__all__ = ["SHORT_BATCH_TOKENS", "AdmissionSettings", "AdmissionSlot", "PrefillAdmission"]
 
 # Tokens that may wait at a pod behind the prompt it computes whatever its
 # learnt rate (the module docstring, Dispatch budget).

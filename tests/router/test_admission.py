@@ -12,15 +12,9 @@ from router.api_error import ApiError
 from router.cache_index.index import PrefixIndex, PromptBlocks
 from router.generation import GenerationRequest
 from router.metrics import RouterMetrics
-from router.routing.admission import (
-    MIN_SAMPLES,
-    PEAK_HALF_LIFE_S,
-    SHORT_BATCH_TOKENS,
-    AdmissionSettings,
-    PrefillAdmission,
-    Throughput,
-)
+from router.routing.admission import SHORT_BATCH_TOKENS, AdmissionSettings, PrefillAdmission
 from router.routing.base import PodLoad, PodPool
+from router.routing.ledger import MIN_SAMPLES, PEAK_HALF_LIFE_S, Throughput
 from router.routing.local_prefill import LocalRate
 from router.routing.policy import RoutingPolicy
 from router.sampling import SamplingSpec

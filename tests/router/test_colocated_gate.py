@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import pytest
 
 from router.metrics import RouterMetrics
-from router.routing.admission import MIN_SAMPLES
 from router.routing.colocated_gate import ColocatedGate
+from router.routing.ledger import MIN_SAMPLES
 
 
 @dataclass

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import openai
 import pytest
 
-from router.routing.admission import MIN_SAMPLES
+from router.routing.ledger import MIN_SAMPLES
 from tests.integration.pods import PodProcess, start_pod, start_pods
 from tests.router.router_process import RouterProcess, start_router, wait_ready
 

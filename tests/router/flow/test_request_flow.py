@@ -18,8 +18,9 @@ from router.metrics import RouterMetrics
 from router.pod_channels import PodChannels
 from router.registry.poller import PolledPodPool
 from router.registry.static import StaticPodSource
-from router.routing.admission import MIN_SAMPLES, AdmissionSettings, PrefillAdmission
+from router.routing.admission import AdmissionSettings, PrefillAdmission
 from router.routing.colocated_gate import ColocatedGate
+from router.routing.ledger import MIN_SAMPLES
 from router.routing.policy import RoutingPolicy
 from router.sampling import SamplingSpec
 from router.sessions import InMemorySessionStore
