@@ -14,7 +14,7 @@
  * A work item is one sequence and a range of its KV heads. Its visible
  * tokens are taken CHUNK at a time (a chunk may cross block boundaries;
  * the last one may be short). Three passes (paged_decode_simd.h has their
- * inner loops, AVX2 where the host has it):
+ * inner loops: AVX-512 or AVX2 where the host has it, TILE 16 or 8):
  *   scores  per chunk and KV head: the chunk's K rows (used in place for
  *           float32, else converted once into a small buffer) are scored
  *           against each of the Hq / Hkv query heads of that KV head, TILE
@@ -25,8 +25,12 @@
  * Before this layout one score was one dot product and one horizontal sum,
  * with the softcap test and a scalar expf per score: ~5-13x slower
  * (docs/kernels.md, "Decode attention").
- * Every K/V row is read from the cache once, in place. Items are dealt
- * round-robin to `num_threads` OpenMP threads.
+ * Every K/V row is read from the cache once, in place; each (chunk, KV
+ * head) step requests the next step's rows as it goes (prefetch_next_step).
+ * One pass with an online softmax per chunk (a token's K and V rows read
+ * together) measured slower: the per-chunk max, sum and rescale of every
+ * query head cost more than the second stream over the rows saves.
+ * Items are dealt round-robin to `num_threads` OpenMP threads.
  *
  * Bounds: a context length above W * BS or a used block id outside
  * [0, num_blocks) stops the item with status 3 instead of reading out of
@@ -142,20 +146,52 @@ static inline void chunk_rows(const Dtype *dt, const void *half, const long off[
   for (int j = count; j < CHUNK; j++) rows[j] = rows[count - 1];
 }
 
+/* Rows [a, b) of the next (chunk, KV head) step requested: head h + 1 of
+ * this chunk (offsets `off`), or head 0 of the next chunk (`next`, when
+ * next_count > 0), so they arrive while this step computes: a score step
+ * asks for them in slices between its dot products, a value step at once
+ * (its weighted sums are one call). A decode step's KV comes from DRAM
+ * (the weights evict it between layers), where this pays; other schemes
+ * measured no better (docs/kernels.md, "Decode attention"). */
+static inline void prefetch_next_step(const Dtype *dt, const void *half, const Item *it, int h,
+                                      const long off[CHUNK], const long next[CHUNK],
+                                      int next_count, int D, int a, int b) {
+  const long *rows = off;
+  long head_offset = (long)(h + 1) * D;
+  if (h + 1 == it->heads) {
+    if (next_count <= 0) return;
+    rows = next;
+    head_offset = 0;
+  }
+  const long bytes = (long)D * dt->size;
+  for (int j = a; j < b; j++) {
+    const char *row = (const char *)half + (rows[j] + head_offset) * dt->size;
+    for (long c = 0; c < bytes; c += 64) __builtin_prefetch(row + c, 0, 3);
+  }
+}
+
 /* Raw scores of every query head of the item over its visible tokens. */
 static void score_keys(const Job *job, const Dtype *dt, const Item *it, Scratch *s) {
   const int D = job->head_dim;
   for (int t0 = it->start; t0 < it->len; t0 += CHUNK) {
     const int count = it->len - t0 < CHUNK ? it->len - t0 : CHUNK;
-    long off[CHUNK];
+    const int t1 = t0 + CHUNK, next_count = it->len - t1 < CHUNK ? it->len - t1 : CHUNK;
+    long off[CHUNK], next[CHUNK];
     chunk_offsets(job, it, t0, count, off);
+    if (next_count > 0) chunk_offsets(job, it, t1, next_count, next);
     for (int h = 0; h < it->heads; h++) {
       const float *rows[CHUNK];
       chunk_rows(dt, job->cache, off, (long)h * D, count, D, s->rows, rows);
+      const int tiles = (count + TILE - 1) / TILE, calls = it->group * tiles;
       for (int g = 0; g < it->group; g++) {
         const long r = (long)h * it->group + g;
         float *out = s->scores + r * s->stride + (t0 - it->start);
-        for (int j = 0; j < count; j += TILE) dot_tile(s->query + r * D, rows + j, D, out + j);
+        for (int j = 0; j < count; j += TILE) {
+          const int c = g * tiles + j / TILE;
+          prefetch_next_step(dt, job->cache, it, h, off, next, next_count, D,
+                             c * CHUNK / calls, (c + 1) * CHUNK / calls);
+          dot_tile(s->query + r * D, rows + j, D, out + j);
+        }
       }
     }
   }
@@ -169,15 +205,17 @@ static void accumulate_values(const Job *job, const Dtype *dt, const Item *it, S
   memset(s->acc, 0, sizeof(float) * it->heads * it->group * D);
   for (int t0 = it->start; t0 < it->len; t0 += CHUNK) {
     const int count = it->len - t0 < CHUNK ? it->len - t0 : CHUNK;
-    long off[CHUNK];
+    const int t1 = t0 + CHUNK, next_count = it->len - t1 < CHUNK ? it->len - t1 : CHUNK;
+    long off[CHUNK], next[CHUNK];
     chunk_offsets(job, it, t0, count, off);
+    if (next_count > 0) chunk_offsets(job, it, t1, next_count, next);
     for (int h = 0; h < it->heads; h++) {
       const float *rows[CHUNK];
       chunk_rows(dt, values, off, (long)h * D, count, D, s->rows, rows);
-      for (int g = 0; g < it->group; g++) {
-        const long r = (long)h * it->group + g;
-        accumulate(s->acc + r * D, s->scores + r * s->stride + (t0 - it->start), rows, D);
-      }
+      prefetch_next_step(dt, values, it, h, off, next, next_count, D, 0, CHUNK);
+      const long r = (long)h * it->group;
+      accumulate_group(s->acc + r * D, s->scores + r * s->stride + (t0 - it->start), s->stride,
+                       it->group, rows, D);
     }
   }
 }

@@ -1,12 +1,18 @@
 /* The inner loops of paged_decode.c, on K and V rows already float32 (in
  * the cache, or converted into scratch):
- *   dot_tile       TILE scores: q . k[j] for j < TILE;
- *   softmax_row    a row of scores into probabilities (soft-capped first);
- *   accumulate     acc += sum_j p[j] v[j] over CHUNK rows;
- *   *_to_floats    a row of bfloat16 / float16 as float32.
- * AVX2 + FMA (+ F16C for float16) where the compiler targets them (the
- * library is built with -march=native); otherwise the portable 16-lane GCC
- * vectors of vec.h. D is a multiple of 16 throughout.
+ *   dot_tile          TILE scores: q . k[j] for j < TILE;
+ *   softmax_row       a row of scores into probabilities (soft-capped
+ *                     first); entries n .. n + CHUNK - 1 (a short last
+ *                     chunk's) become 0, so the value pass takes whole chunks;
+ *   accumulate_group  acc[g] += sum_j p[g][j] v[j] over CHUNK rows, for the
+ *                     query heads g of one KV head;
+ *   *_to_floats       a row of bfloat16 / float16 as float32.
+ * AVX-512F where the compiler targets it (paged_decode_avx512.h: TILE 16),
+ * else AVX2 + FMA (+ F16C for float16; TILE 8), else the portable 16-lane
+ * GCC vectors of vec.h (the library is built with -march=native). Each
+ * path sums in its own order (lanes, accumulator split, reduction tree),
+ * so their results differ in the last bits; every one is checked against
+ * the torch reference. D is a multiple of 16 throughout.
  */
 #ifndef PDSERVE_NATIVE_PAGED_DECODE_SIMD_H
 #define PDSERVE_NATIVE_PAGED_DECODE_SIMD_H
@@ -16,14 +22,75 @@
 
 #include "vec.h"
 
-#if defined(__AVX2__)
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
-#define TILE 8   /* scores reduced together: one AVX2 register */
+#if defined(__AVX512F__)
+#define TILE 16 /* scores reduced together: one AVX-512 register */
+#else
+#define TILE 8 /* scores reduced together: one AVX2 register */
+#endif
 #define CHUNK 32 /* tokens per step of a pass: whole tiles */
 
 #if defined(__AVX2__) && defined(__FMA__)
+/* exp(x) per lane, as vec.h's vexp (Cephes' polynomial on x - n ln2, 2^n
+ * in the exponent bits), written for 8 lanes: GCC lowers the 16-lane
+ * version to AVX2 with spills and lane-by-lane inserts. */
+static inline __m256 exp8(__m256 x) {
+  /* min/max return their second operand, x, when either is NaN: NaN stays NaN */
+  x = _mm256_min_ps(_mm256_set1_ps(88.3762626647949f), x);
+  x = _mm256_max_ps(_mm256_set1_ps(-87.3365447504f), x);
+  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f),
+                                                   _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+/* tanh(x) per lane, as vec.h's vtanh. */
+static inline __m256 tanh8(__m256 x) {
+  const __m256 sign = _mm256_and_ps(x, _mm256_set1_ps(-0.0f)), ax = _mm256_xor_ps(x, sign);
+  const __m256 e = exp8(_mm256_add_ps(ax, ax)), one = _mm256_set1_ps(1.0f);
+  const __m256 large =
+      _mm256_sub_ps(one, _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(e, one)));
+  const __m256 s = _mm256_mul_ps(x, x);
+  __m256 p = _mm256_set1_ps(-5.70498872745e-3f);
+  p = _mm256_fmadd_ps(p, s, _mm256_set1_ps(2.06390887954e-2f));
+  p = _mm256_fmadd_ps(p, s, _mm256_set1_ps(-5.37397155531e-2f));
+  p = _mm256_fmadd_ps(p, s, _mm256_set1_ps(1.33314422036e-1f));
+  p = _mm256_fmadd_ps(p, s, _mm256_set1_ps(-3.33332819422e-1f));
+  const __m256 small = _mm256_fmadd_ps(_mm256_mul_ps(p, s), x, x);
+  const __m256 is_small = _mm256_cmp_ps(ax, _mm256_set1_ps(0.625f), _CMP_LT_OQ);
+  return _mm256_blendv_ps(_mm256_xor_ps(large, sign), small, is_small);
+}
+
+static inline float lanes_max(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+static inline float lanes_sum(__m256 v) {
+  __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_add_ss(m, _mm_movehdup_ps(m)));
+}
+
+#endif
+
+#if defined(__AVX512F__)
+#include "paged_decode_avx512.h"
+#elif defined(__AVX2__) && defined(__FMA__)
 /* Eight accumulators (enough to cover the FMA latency), reduced together at
  * the end rather than one horizontal sum per score. */
 static inline void dot_tile(const float *q, const float *const k[TILE], int D, float *out) {
@@ -96,80 +163,6 @@ static inline void accumulate(float *acc, const float *p, const float *const v[C
     _mm256_storeu_ps(acc + d + 8, _mm256_add_ps(a1, b1));
   }
 }
-#else
-static inline void dot_tile(const float *q, const float *const k[TILE], int D, float *out) {
-  for (int j = 0; j < TILE; j++) {
-    vfloat s = {0};
-    for (int d = 0; d < D; d += LANES) s += load_f32(q + d) * load_f32(k[j] + d);
-    float sum = 0.0f;
-    for (int i = 0; i < LANES; i++) sum += s[i];
-    out[j] = sum;
-  }
-}
-
-static inline void accumulate(float *acc, const float *p, const float *const v[CHUNK], int D) {
-  for (int d = 0; d < D; d += LANES) {
-    vfloat a = load_f32(acc + d);
-    for (int j = 0; j < CHUNK; j++) a += p[j] * load_f32(v[j] + d);
-    store_f32(acc + d, a);
-  }
-}
-#endif
-
-/* Softmax: entries n .. n + CHUNK - 1 of the row (a short last chunk's)
- * become 0, so the value pass can take whole chunks. */
-#if defined(__AVX2__) && defined(__FMA__)
-/* exp(x) per lane, as vec.h's vexp (Cephes' polynomial on x - n ln2, 2^n
- * in the exponent bits), written for 8 lanes: GCC lowers the 16-lane
- * version to AVX2 with spills and lane-by-lane inserts. */
-static inline __m256 exp8(__m256 x) {
-  /* min/max return their second operand, x, when either is NaN: NaN stays NaN */
-  x = _mm256_min_ps(_mm256_set1_ps(88.3762626647949f), x);
-  x = _mm256_max_ps(_mm256_set1_ps(-87.3365447504f), x);
-  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f),
-                                                   _mm256_set1_ps(0.5f)));
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
-  const __m256i bits = _mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-}
-
-/* tanh(x) per lane, as vec.h's vtanh. */
-static inline __m256 tanh8(__m256 x) {
-  const __m256 sign = _mm256_and_ps(x, _mm256_set1_ps(-0.0f)), ax = _mm256_xor_ps(x, sign);
-  const __m256 e = exp8(_mm256_add_ps(ax, ax)), one = _mm256_set1_ps(1.0f);
-  const __m256 large =
-      _mm256_sub_ps(one, _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(e, one)));
-  const __m256 s = _mm256_mul_ps(x, x);
-  __m256 p = _mm256_set1_ps(-5.70498872745e-3f);
-  p = _mm256_fmadd_ps(p, s, _mm256_set1_ps(2.06390887954e-2f));
-  p = _mm256_fmadd_ps(p, s, _mm256_set1_ps(-5.37397155531e-2f));
-  p = _mm256_fmadd_ps(p, s, _mm256_set1_ps(1.33314422036e-1f));
-  p = _mm256_fmadd_ps(p, s, _mm256_set1_ps(-3.33332819422e-1f));
-  const __m256 small = _mm256_fmadd_ps(_mm256_mul_ps(p, s), x, x);
-  const __m256 is_small = _mm256_cmp_ps(ax, _mm256_set1_ps(0.625f), _CMP_LT_OQ);
-  return _mm256_blendv_ps(_mm256_xor_ps(large, sign), small, is_small);
-}
-
-static inline float lanes_max(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-}
-
-static inline float lanes_sum(__m256 v) {
-  __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
-  return _mm_cvtss_f32(_mm_add_ss(m, _mm_movehdup_ps(m)));
-}
 
 static inline void softmax_row(float *row, int n, float softcap) {
   const int full = n - n % 8;
@@ -205,6 +198,24 @@ static inline void softmax_row(float *row, int n, float softcap) {
   for (int i = n; i < n + CHUNK; i++) row[i] = 0.0f;
 }
 #else
+static inline void dot_tile(const float *q, const float *const k[TILE], int D, float *out) {
+  for (int j = 0; j < TILE; j++) {
+    vfloat s = {0};
+    for (int d = 0; d < D; d += LANES) s += load_f32(q + d) * load_f32(k[j] + d);
+    float sum = 0.0f;
+    for (int i = 0; i < LANES; i++) sum += s[i];
+    out[j] = sum;
+  }
+}
+
+static inline void accumulate(float *acc, const float *p, const float *const v[CHUNK], int D) {
+  for (int d = 0; d < D; d += LANES) {
+    vfloat a = load_f32(acc + d);
+    for (int j = 0; j < CHUNK; j++) a += p[j] * load_f32(v[j] + d);
+    store_f32(acc + d, a);
+  }
+}
+
 static inline void softmax_row(float *row, int n, float softcap) {
   const int full = n - n % LANES;
   if (softcap > 0.0f) {
@@ -239,7 +250,37 @@ static inline void softmax_row(float *row, int n, float softcap) {
 }
 #endif
 
-#if defined(__AVX2__) && defined(__F16C__) /* every AVX2 CPU has F16C */
+#if !defined(__AVX512F__)
+/* acc[g] += sum_j p[g][j] v[j] for G query heads (acc rows D apart, p rows
+ * `ps` apart): one head at a time here. */
+static inline void accumulate_group(float *acc, const float *p, long ps, int G,
+                                    const float *const v[CHUNK], int D) {
+  for (int g = 0; g < G; g++) accumulate(acc + (long)g * D, p + g * ps, v, D);
+}
+#endif
+
+#if defined(__AVX512F__) && defined(__F16C__)
+/* 16 at a time (n is a multiple of 16 for every caller: D is), 8 for a tail. */
+static inline void bf16_row_to_floats(const uint16_t *src, long n, float *dst) {
+  long i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(src + i)));
+    _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)));
+  }
+  for (; i < n; i += 8) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + i)));
+    _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)));
+  }
+}
+
+static inline void f16_row_to_floats(const _Float16 *src, long n, float *dst) {
+  long i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + i))));
+  for (; i < n; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
+}
+#elif defined(__AVX2__) && defined(__F16C__) /* every AVX2 CPU has F16C */
 /* GCC scalarises vec.h's 16-lane float16 conversion here (16 scalar
  * converts per load); these take one to three instructions per 8. */
 static inline void bf16_row_to_floats(const uint16_t *src, long n, float *dst) {

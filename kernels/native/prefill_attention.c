@@ -24,8 +24,9 @@
  *
  * Work split. A work item is one KV head, a slice of up to QROWS heads of
  * its GQA group and a block of consecutive query positions: SUBS
- * sub-blocks of QROWS = 24 query rows, row r being position r / heads and
- * head r % heads of the slice (4 heads x 6 positions for the base model;
+ * sub-blocks of QROWS query rows (24 on AVX2, 32 on AVX-512), row r being
+ * position r / heads and head r % heads of the slice (AVX2: 4 heads x 6
+ * positions for the base model;
  * padding rows repeat the last real one and are never written). The
  * item's sub-blocks share each key tile while it is in L1. Items go to
  * torch's OpenMP pool dynamically, KV head by KV head (the threads share
@@ -34,8 +35,11 @@
  * even out the threads' ends.
  *
  * Per key tile (KEYS keys at absolute positions k0 .. k0 + KEYS - 1, k0 a
- * multiple of KEYS) and sub-block, the 24 rows are the lanes of NV = 3
- * AVX2 registers, so the softmax needs no horizontal reduction:
+ * multiple of KEYS) and sub-block, the rows are the lanes of NV registers
+ * (AVX2: 24 rows in 3 ymm; AVX-512: 32 in 2 zmm), so the softmax needs no
+ * horizontal reduction (counts below for AVX2; AVX-512 scores eight keys
+ * at a time with sixteen FMAs per dimension and takes the values eight
+ * rows by 32 dimensions in sixteen registers):
  *   scores  S^T[key][row] = K[key] . Q^T[.][row] (queries scaled by
  *           scale * log2 e and transposed once per item), four keys at a
  *           time: per dimension three loads of Q^T, four broadcasts of K,
@@ -61,8 +65,10 @@
  * 2^0 = 1). This file is built without -fassociative-math (the pragma
  * below) so no compiler reordering can break that.
  *
- * AVX2 + FMA only; elsewhere pdserve_prefill_attention_available() is 0 and
- * the caller keeps SDPA. Head dims: multiples of 16 up to 256.
+ * AVX2 + FMA, or AVX-512F (prefill_attention_simd.h; 1.6-1.7x the AVX2
+ * path on the Cascade Lake, L = 1,024, SmolLM2's 9 / 3 heads, one
+ * thread); elsewhere pdserve_prefill_attention_available() is 0 and the
+ * caller keeps SDPA. Head dims: multiples of 16 up to 256.
  */
 #pragma GCC optimize("no-associative-math")
 
@@ -81,7 +87,9 @@
 /* Measured on the AVX2 EPYC (L = 1024, one thread, rounds interleaved):
  * QROWS 24 was ~5-8 % faster than 16 (with SUBS 4); SUBS 1-10 and KEYS
  * 24-96 were within the noise of a shared machine. QROWS 16 (six, six and
- * four rows in the value pass) also works. */
+ * four rows in the value pass) also works. On the AVX-512 Cascade Lake,
+ * QROWS 32 and 48 with 6-12 keys per score step were within ~3 % of each
+ * other; 16 was ~12 % slower. */
 #define SUBS 3  /* sub-blocks per work item, sharing each key tile */
 #define KEYS 48 /* keys per tile (a multiple of KB) */
 #define MAX_HEAD_DIM 256
@@ -244,7 +252,7 @@ static void attend_keys(const Job *job, const Item *it, Scratch *sc) {
       const int masked = b - 1 > first || (window > 0 && a <= final - window);
       float *m = sc->m + sub * QROWS, *l = sc->l + sub * QROWS;
       const Visibility vis = visibility(a, masked, qpos, window);
-      float top[QROWS] __attribute__((aligned(32)));
+      float top[QROWS] __attribute__((aligned(64)));
       memcpy(top, m, sizeof top);
       score_tile(sc->qt + (long)sub * D * QROWS, kt + (a - t_lo) * ks, ks, b - a, D, &vis,
                  sc->s, top);

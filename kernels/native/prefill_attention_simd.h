@@ -7,9 +7,13 @@
  *   softmax_tile       scores into probabilities, the rescale alpha, l;
  *   value_tile         O = alpha O + P V;
  *   transpose8         an 8 x 8 block of floats (the queries' transpose).
- * AVX2 + FMA only; included by prefill_attention.c after its
+ * AVX-512F where the compiler targets it (prefill_attention_avx512.h:
+ * QROWS 32 in two zmm, hidden keys as lane masks), else AVX2 + FMA (here:
+ * QROWS 24 in three ymm). Included by prefill_attention.c after its
  * no-associative-math pragma, which these loops' bit-for-bit invariant
- * relies on.
+ * relies on (each lane's arithmetic is its own and in key order on both
+ * paths, with the same FMA order and exp2 polynomial, so a real row's
+ * result is the same on both: measured equal bit for bit).
  */
 #ifndef PDSERVE_NATIVE_PREFILL_ATTENTION_SIMD_H
 #define PDSERVE_NATIVE_PREFILL_ATTENTION_SIMD_H
@@ -17,6 +21,9 @@
 #include <immintrin.h>
 #include <stdint.h>
 
+#if defined(__AVX512F__)
+#include "prefill_attention_avx512.h"
+#else /* AVX2 + FMA */
 #define QROWS 24 /* query rows per sub-block: the lanes of NV registers */
 #define NV (QROWS / 8)
 #define KB (12 / NV) /* keys scored together: twelve accumulators */
@@ -195,6 +202,8 @@ static inline void value_tile(float *o, const float *alpha, const float *p, cons
   for (; r + 6 <= QROWS; r += 6) value_rows6(o + r * D, alpha + r, p + r, v, vs, count, D);
   if (QROWS - r == 4) value_rows4(o + r * D, alpha + r, p + r, v, vs, count, D);
 }
+
+#endif
 
 /* dst[c][r] = src[r][c] for an 8 x 8 block (rows `*_stride` floats apart). */
 static inline void transpose8(const float *src, long src_stride, float *dst, long dst_stride) {

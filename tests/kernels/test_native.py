@@ -49,10 +49,11 @@ def test_matches_reference(name, dtype, threads):
     assert_close(got, expected)
 
 
-# The kernel scores TILE = 8 tokens at a time and takes CHUNK = 32 per step
+# The kernel scores TILE = 8 (AVX2) or 16 (AVX-512) tokens at a time, takes
+# CHUNK = 32 per step and runs the softmax 8 or 16 lanes at a time
 # (paged_decode_simd.h): lengths around and between those, chunks that cross
 # blocks of 16 and 128, windows starting off both grids.
-TILING_LENS = [1, 7, 8, 9, 31, 33, 300, 1025]
+TILING_LENS = [1, 7, 8, 9, 15, 16, 17, 31, 33, 300, 1025]
 TILING_VARIANTS = {
     # name: (sliding_window, softcap, scale factor, threads)
     "full": (None, None, 1.0, 1),
@@ -65,7 +66,7 @@ TILING_VARIANTS = {
 
 
 @pytest.mark.parametrize("variant", list(TILING_VARIANTS))
-@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("group", [1, 3, 4, 8])  # 3: SmolLM2-135M's 9 / 3 heads
 @pytest.mark.parametrize("head_dim", [64, 96, 256])
 @pytest.mark.parametrize("block_size", [16, 128])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)

@@ -57,7 +57,7 @@ LENGTHS = [(1, 1), (2, 2), (7, 7), (64, 64), (129, 129), (300, 300),
 
 @pytest.mark.parametrize("n,length", LENGTHS)
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("num_kv_heads,group", [(3, 1), (2, 4), (1, 8)])
+@pytest.mark.parametrize("num_kv_heads,group", [(3, 1), (3, 3), (2, 4), (1, 8)])
 def test_float32_matches_float64_reference(n, length, head_dim, num_kv_heads, group):
     q, k, v = _inputs(n * 7919 + length * 31 + head_dim + group, n, length, num_kv_heads,
                       group, head_dim)
@@ -100,7 +100,7 @@ def test_sharp_softmax_and_large_scores():
                                rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("head_dim", [16, 80, 256])
+@pytest.mark.parametrize("head_dim", [16, 80, 96, 256])
 def test_other_head_dims(head_dim):
     q, k, v = _inputs(head_dim, 37, 90, 2, 3, head_dim)
     scale = 1.0 / math.sqrt(head_dim)
@@ -109,9 +109,10 @@ def test_other_head_dims(head_dim):
                                rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("num_kv_heads,group", [(1, 16), (1, 17), (2, 20), (1, 40)])
+@pytest.mark.parametrize("num_kv_heads,group", [(1, 16), (1, 17), (2, 20), (1, 33), (1, 40)])
 def test_groups_wider_than_a_sub_block(num_kv_heads, group):
-    """Groups are split into slices of at most 24 heads (prefill_attention.c)."""
+    """Groups are split into slices of at most QROWS heads: 24 on AVX2, 32 on
+    AVX-512 (prefill_attention.c)."""
     q, k, v = _inputs(group, 30, 61, num_kv_heads, group, 64)
     got = native.prefill_attention(q, k, v, scale=0.125, num_threads=2)
     torch.testing.assert_close(got.double(), _reference(q, k, v, 0.125, None),

@@ -1,0 +1,181 @@
+/* The AVX-512F inner loops of prefill_attention.c: those of
+ * prefill_attention_simd.h (see there; it includes this file where the
+ * compiler targets AVX-512F) on sub-blocks of QROWS = 32 query rows, the
+ * lanes of two zmm registers, hidden keys as lane masks. Each lane's
+ * arithmetic (FMA order, exp2 polynomial) is the AVX2 path's, so a real
+ * row's result is the same on both; only which rows share a sub-block
+ * differs. */
+#ifndef PDSERVE_NATIVE_PREFILL_ATTENTION_AVX512_H
+#define PDSERVE_NATIVE_PREFILL_ATTENTION_AVX512_H
+#if defined(__AVX512F__)
+
+#include <immintrin.h>
+#include <stdint.h>
+
+#define QROWS 32 /* query rows per sub-block: the lanes of NV registers */
+#define NV (QROWS / 16)
+#define KB 8 /* keys scored together: sixteen accumulators, eight row pointers */
+#define MASKED (-1e30f) /* as in prefill_attention_simd.h */
+
+/* As the AVX2 Visibility (prefill_attention_simd.h), hidden() a lane mask. */
+typedef struct {
+  int key0;   /* the tile's first key */
+  int masked; /* 0: every row sees every key of the tile */
+  __m512i pos[NV], first[NV];
+} Visibility;
+
+static inline Visibility visibility(int key0, int masked, const int32_t *qpos, int window) {
+  Visibility vis = {.key0 = key0, .masked = masked};
+  const __m512i shift = _mm512_set1_epi32(window > 0 ? window - 1 : 1 << 30);
+  for (int x = 0; x < NV; x++) {
+    vis.pos[x] = _mm512_loadu_si512(qpos + 16 * x);
+    vis.first[x] = _mm512_sub_epi32(vis.pos[x], shift);
+  }
+  return vis;
+}
+
+static inline __mmask16 hidden(const Visibility *vis, int j, int x) {
+  const __m512i key = _mm512_set1_epi32(vis->key0 + j);
+  return _mm512_cmpgt_epi32_mask(key, vis->pos[x]) | _mm512_cmpgt_epi32_mask(vis->first[x], key);
+}
+
+/* score_tile of the AVX2 path (prefill_attention_simd.h), KB = 8 keys by
+ * 32 rows: per dimension two loads of Q^T, eight broadcasts of K, sixteen
+ * FMAs (6 and 12 keys, or QROWS 48, measured the same within ~3 %). */
+static __attribute__((noinline)) void score_tile(const float *qt, const float *k, long ks,
+                                                 int count, int D, const Visibility *vis,
+                                                 float *s, float *top) {
+  __m512 t[NV];
+  for (int x = 0; x < NV; x++) t[x] = _mm512_loadu_ps(top + 16 * x);
+  for (int j0 = 0; j0 < count; j0 += KB) {
+    const float *r[KB];
+    for (int j = 0; j < KB; j++) r[j] = k + (j0 + j < count ? j0 + j : count - 1) * ks;
+    __m512 a[KB][NV];
+#pragma GCC unroll 8
+    for (int j = 0; j < KB; j++)
+#pragma GCC unroll 2
+      for (int x = 0; x < NV; x++) a[j][x] = _mm512_setzero_ps();
+#pragma GCC unroll 2
+    for (int d = 0; d < D; d++) {
+      __m512 q[NV];
+#pragma GCC unroll 2
+      for (int x = 0; x < NV; x++) q[x] = _mm512_loadu_ps(qt + d * QROWS + 16 * x);
+#pragma GCC unroll 8
+      for (int j = 0; j < KB; j++) {
+        const __m512 b = _mm512_set1_ps(r[j][d]);
+#pragma GCC unroll 2
+        for (int x = 0; x < NV; x++) a[j][x] = _mm512_fmadd_ps(b, q[x], a[j][x]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < KB; j++)
+#pragma GCC unroll 2
+      for (int x = 0; x < NV; x++) {
+        if (vis->masked)
+          a[j][x] = _mm512_mask_blend_ps(hidden(vis, j0 + j, x), a[j][x],
+                                         _mm512_set1_ps(MASKED));
+        _mm512_storeu_ps(s + (j0 + j) * QROWS + 16 * x, a[j][x]);
+        if (j0 + j < count) t[x] = _mm512_max_ps(t[x], a[j][x]);
+      }
+  }
+  for (int x = 0; x < NV; x++) _mm512_storeu_ps(top + 16 * x, t[x]);
+}
+
+/* exp2_nonpositive8 of the AVX2 path (prefill_attention_simd.h), on 16 lanes. */
+static inline __m512 exp2_nonpositive16(__m512 x) {
+  x = _mm512_max_ps(_mm512_set1_ps(-126.0f), x); /* x second: NaN stays */
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  const __m512i bits = _mm512_slli_epi32(
+      _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+/* softmax_tile of the AVX2 path (prefill_attention_simd.h). */
+static inline void softmax_tile(float *s, int count, const Visibility *vis, const float *m_new,
+                                float *m, float *l, float *alpha) {
+  __m512 top[NV], sum[NV];
+#pragma GCC unroll 2
+  for (int x = 0; x < NV; x++) {
+    top[x] = _mm512_loadu_ps(m_new + 16 * x);
+    const __m512 a = exp2_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(m + 16 * x), top[x]));
+    _mm512_storeu_ps(alpha + 16 * x, a);
+    _mm512_storeu_ps(m + 16 * x, top[x]);
+    sum[x] = _mm512_mul_ps(_mm512_loadu_ps(l + 16 * x), a);
+  }
+  for (int j = 0; j < count; j++)
+#pragma GCC unroll 2
+    for (int x = 0; x < NV; x++) {
+      float *row = s + j * QROWS + 16 * x;
+      __m512 p = exp2_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(row), top[x]));
+      if (vis->masked) /* 2^x never returns 0 here: clear the hidden keys */
+        p = _mm512_maskz_mov_ps((__mmask16)~hidden(vis, j, x), p);
+      _mm512_storeu_ps(row, p);
+      sum[x] = _mm512_add_ps(sum[x], p);
+    }
+#pragma GCC unroll 2
+  for (int x = 0; x < NV; x++) _mm512_storeu_ps(l + 16 * x, sum[x]);
+}
+
+/* o[r] = alpha[r] o[r] + sum_j p[j][r] v[j] for 8 rows r (o rows D apart,
+ * p rows QROWS apart, v rows `vs` apart): 32 dimensions at a time in
+ * sixteen registers (two V loads, eight broadcasts, sixteen FMAs per key),
+ * then 16 for a head dim that is an odd multiple of 16. */
+static __attribute__((noinline)) void value_rows8(float *o, const float *alpha, const float *p,
+                                                  const float *v, long vs, int count, int D) {
+  int d0 = 0;
+  for (; d0 + 32 <= D; d0 += 32) {
+    __m512 a[8][2];
+#pragma GCC unroll 8
+    for (int r = 0; r < 8; r++) {
+      const __m512 w = _mm512_set1_ps(alpha[r]);
+      a[r][0] = _mm512_mul_ps(w, _mm512_loadu_ps(o + r * D + d0));
+      a[r][1] = _mm512_mul_ps(w, _mm512_loadu_ps(o + r * D + d0 + 16));
+    }
+    for (int j = 0; j < count; j++) {
+      const float *x = v + j * vs + d0;
+      const __m512 v0 = _mm512_loadu_ps(x), v1 = _mm512_loadu_ps(x + 16);
+#pragma GCC unroll 8
+      for (int r = 0; r < 8; r++) {
+        const __m512 w = _mm512_set1_ps(p[j * QROWS + r]);
+        a[r][0] = _mm512_fmadd_ps(w, v0, a[r][0]);
+        a[r][1] = _mm512_fmadd_ps(w, v1, a[r][1]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < 8; r++) {
+      _mm512_storeu_ps(o + r * D + d0, a[r][0]);
+      _mm512_storeu_ps(o + r * D + d0 + 16, a[r][1]);
+    }
+  }
+  if (d0 < D) {
+    __m512 a[8];
+#pragma GCC unroll 8
+    for (int r = 0; r < 8; r++)
+      a[r] = _mm512_mul_ps(_mm512_set1_ps(alpha[r]), _mm512_loadu_ps(o + r * D + d0));
+    for (int j = 0; j < count; j++) {
+      const __m512 v0 = _mm512_loadu_ps(v + j * vs + d0);
+#pragma GCC unroll 8
+      for (int r = 0; r < 8; r++)
+        a[r] = _mm512_fmadd_ps(_mm512_set1_ps(p[j * QROWS + r]), v0, a[r]);
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < 8; r++) _mm512_storeu_ps(o + r * D + d0, a[r]);
+  }
+}
+
+/* The rows in blocks of eight. */
+static inline void value_tile(float *o, const float *alpha, const float *p, const float *v,
+                              long vs, int count, int D) {
+  for (int r = 0; r < QROWS; r += 8) value_rows8(o + r * D, alpha + r, p + r, v, vs, count, D);
+}
+
+#endif
+#endif
