@@ -40,11 +40,10 @@ from torch import nn
 
 from engine.attention_context import AttentionContext
 from engine.layers.linear import Linear
-from engine.layers.parallel import embed_tokens, row_linear
+from engine.layers.parallel import embed_tokens, model_logits, row_linear, shard_of
 from engine.layers.rotary import cos_sin_cache_for
 from engine.model_config import ModelConfig
 from engine.parallel.group import TPGroup
-from engine.parallel.shard import ShardLayout
 
 # Through kernels.dispatch, not the `kernels` package attribute: importing the
 # submodule kernels/rms_norm.py (the Triton launcher) rebinds `kernels.rms_norm`
@@ -228,8 +227,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.tp = tp
-        self.shard = (ShardLayout.single(config) if tp is None
-                      else ShardLayout.for_rank(config, tp.rank, tp.size))
+        self.shard = shard_of(config, tp)
         self.kernel_backend = Backend.parse(kernel_backend)
         self.model = LlamaModel(self.shard.local_config(config), dtype=dtype, device=device,
                                 kernel_backend=self.kernel_backend,
@@ -279,5 +277,4 @@ class LlamaForCausalLM(nn.Module):
         must call it (each computes its vocabulary shard); rank 0 gets the
         gathered logits, the others None."""
         logits = self.lm_head(hidden).float()
-        return logits if self.tp is None else self.tp.gather_logits(logits,
-                                                                    self.config.vocab_size)
+        return model_logits(logits, self.tp, self.config.vocab_size)

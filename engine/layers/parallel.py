@@ -1,11 +1,14 @@
-"""The two places a sharded model talks to its other ranks inside `forward`
-(engine/parallel/shard.py has the layout): a row-parallel `Linear`, whose
-input columns are this rank's slice and whose partial output is summed over
-the ranks, and the vocab-parallel embedding lookup.
+"""The places a sharded model talks to its other ranks (engine/parallel/
+shard.py has the layout): a row-parallel `Linear`, whose input columns are
+this rank's slice and whose partial output is summed over the ranks, the
+vocab-parallel embedding lookup, and the gather of the vocabulary shards'
+logits (`model_logits`); and `shard_of`, the layout a model class builds
+itself from.
 
-Both all-reduce inside the model's forward, so a captured CUDA graph holds
-them (NCCL collectives capture). Without a group (`tp is None`: one rank)
-each is the plain op, with no collective, mask or copy added.
+The first two all-reduce inside the model's forward, so a captured CUDA
+graph holds them (NCCL collectives capture); the gather runs in
+`compute_logits`, outside it. Without a group (`tp is None`: one rank) each
+is the plain op, with no collective, mask or copy added.
 """
 
 from __future__ import annotations
@@ -14,8 +17,15 @@ import torch
 import torch.nn.functional as F
 
 from engine.layers.linear import Linear
+from engine.model_config import ModelConfig
 from engine.parallel.group import TPGroup
 from engine.parallel.shard import ShardLayout
+
+
+def shard_of(config: ModelConfig, tp: TPGroup | None) -> ShardLayout:
+    """This rank's layout of `config`'s model: the whole model without a group."""
+    return ShardLayout.single(config) if tp is None else ShardLayout.for_rank(
+        config, tp.rank, tp.size)
 
 
 class RowParallelLinear(Linear):
@@ -54,3 +64,11 @@ def embed_tokens(input_ids: torch.Tensor, weight: torch.Tensor, shard: ShardLayo
     out = F.embedding(local_ids, weight)
     out.masked_fill_(outside.unsqueeze(-1), 0.0)
     return tp.all_reduce(out)
+
+
+def model_logits(logits: torch.Tensor, tp: TPGroup | None, vocab_size: int
+                 ) -> torch.Tensor | None:
+    """A model's float32 logits from this rank's vocabulary shard of them:
+    as they are on one rank; under a group rank 0 gets them gathered
+    [n, vocab_size], the other ranks (which must call it too) None."""
+    return logits if tp is None else tp.gather_logits(logits, vocab_size)

@@ -39,13 +39,12 @@ from torch import nn
 
 from engine.attention_context import AttentionContext
 from engine.layers.linear import Linear
-from engine.layers.parallel import embed_tokens, row_linear
+from engine.layers.parallel import embed_tokens, model_logits, row_linear, shard_of
 from engine.layers.rotary import build_cos_sin_cache
 from engine.model import attend_projected
 from engine.model_config import ModelConfig
 from engine.models.gemma_config import GemmaConfig
 from engine.parallel.group import TPGroup
-from engine.parallel.shard import ShardLayout
 from kernels import dispatch as kernel_ops
 from kernels import fused as fused_ops
 from kernels.dispatch import Backend
@@ -211,8 +210,7 @@ class GemmaForCausalLM(nn.Module):
         gemma: GemmaConfig = config.gemma
         self.config = config
         self.tp = tp
-        self.shard = (ShardLayout.single(config) if tp is None
-                      else ShardLayout.for_rank(config, tp.rank, tp.size))
+        self.shard = shard_of(config, tp)
         self.kernel_backend = Backend.parse(kernel_backend)
         self.model = GemmaModel(self.shard.local_config(config), dtype=dtype, device=device,
                                 kernel_backend=self.kernel_backend,
@@ -261,5 +259,4 @@ class GemmaForCausalLM(nn.Module):
         under `tp` rank 0's gathered logits, None on the others (as
         `LlamaForCausalLM.compute_logits`)."""
         logits = soft_cap(self.lm_head(hidden).float(), self.config.gemma.final_logit_softcapping)
-        return logits if self.tp is None else self.tp.gather_logits(logits,
-                                                                    self.config.vocab_size)
+        return model_logits(logits, self.tp, self.config.vocab_size)

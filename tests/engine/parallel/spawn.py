@@ -11,7 +11,6 @@ import them by name (`tests.engine.parallel.spawn`).
 from __future__ import annotations
 
 import json
-import socket
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -29,15 +28,10 @@ from engine.make_model import ModelSpec, build_weights
 from engine.model_config import ModelConfig
 from engine.paged_attention_context import PagedAttentionContext, PrefillChunk
 from engine.parallel.group import TPGroup
+from tests.redis_server import free_port
 
 BLOCK_SIZE = 16
 RANK_TIMEOUT_S = 60.0  # every collective and the rendezvous
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _rank_main(target: Callable[..., Any], rank: int, size: int, init_method: str,
