@@ -49,13 +49,15 @@ CLI_FLAGS: dict[str, frozenset[str]] = {
     "prefill": frozenset({
         "--model", "--host", "--port", "--metrics-port", "--block-size", "--kv-cache-memory",
         "--device", "--dtype", "--kv-streams", "--redis-url", "--advertise-host",
+        "--tensor-parallel-size",
         "--grace-period", *POD_SECURITY_FLAGS,
     }),
     "decode": frozenset({
         "--model", "--host", "--port", "--kv-port", "--metrics-port", "--block-size",
         "--kv-transport", "--kv-cache-memory", "--landing-memory", "--transfer-timeout",
         "--reservation-timeout", "--redis-url", "--advertise-host", "--grace-period",
-        "--kv-max-connections", "--kv-frame-timeout", *POD_SECURITY_FLAGS,
+        "--kv-max-connections", "--kv-frame-timeout", "--tensor-parallel-size",
+        *POD_SECURITY_FLAGS,
     }),
     "make-model": frozenset({"--size", "--from-gguf"}),
 }

@@ -115,14 +115,16 @@ def test_default_prefill_and_decode_args() -> None:
         "--model": "/models/smollm2-135m-instruct", "--host": "0.0.0.0", "--port": "50051",
         "--metrics-port": "9101", "--block-size": "16", "--kv-cache-memory": "2GiB",
         "--device": "auto", "--dtype": "auto", "--kv-streams": "4",
-        "--advertise-host": "$(POD_IP)", "--grace-period": "30", **POD_TLS_FLAGS,
+        "--advertise-host": "$(POD_IP)", "--grace-period": "30",
+        "--tensor-parallel-size": "1", **POD_TLS_FLAGS,
     }
     assert _args(docs, "decode") == {
         "--model": "/models/smollm2-135m-instruct", "--host": "0.0.0.0", "--port": "50061",
         "--metrics-port": "9102", "--kv-port": "50062", "--block-size": "128",
         "--kv-transport": "tcp", "--landing-memory": "1GiB", "--transfer-timeout": "30",
         "--reservation-timeout": "600", "--advertise-host": "$(POD_IP)", "--grace-period": "30",
-        "--kv-max-connections": "256", "--kv-frame-timeout": "10", **POD_TLS_FLAGS,
+        "--kv-max-connections": "256", "--kv-frame-timeout": "10",
+        "--tensor-parallel-size": "1", **POD_TLS_FLAGS,
     }
     for role in ("prefill", "decode"):
         env = container(find(docs, "Deployment", f"{PREFIX}-{role}"), role)["env"]

@@ -205,6 +205,43 @@ volumes:
     secret:
       secretName: {{ . }}
   {{- end }}
+  {{- with include "pdserve.shmSize" . }}
+  # Tensor-parallel ranks exchange through shared memory (NCCL, gloo); a
+  # container's default /dev/shm is 64 MB.
+  - name: dshm
+    emptyDir:
+      medium: Memory
+      sizeLimit: {{ . }}
+  {{- end }}
+{{- end }}
+
+{{/*
+The size of a prefill or decode pod's memory-backed /dev/shm: its shmSize
+when tensorParallelSize > 1, else empty (no mount). (dict "root" $ "component" "decode")
+*/}}
+{{- define "pdserve.shmSize" -}}
+{{- if eq .component "prefill" }}
+{{- if gt (int .root.Values.prefill.tensorParallelSize) 1 }}{{ .root.Values.prefill.shmSize }}{{ end }}
+{{- else if eq .component "decode" }}
+{{- if gt (int .root.Values.decode.tensorParallelSize) 1 }}{{ .root.Values.decode.shmSize }}{{ end }}
+{{- end }}
+{{- end }}
+
+{{/*
+A prefill or decode container's resources: the role's `resources`, and with
+`gpu: true` one nvidia.com/gpu per tensor-parallel rank in limits (and
+requests, which Kubernetes requires equal for extended resources).
+(dict "resources" $d.resources "gpu" $d.gpu "ranks" $d.tensorParallelSize)
+*/}}
+{{- define "pdserve.roleResources" -}}
+{{- $resources := deepCopy .resources }}
+{{- if .gpu }}
+{{- $gpus := dict "nvidia.com/gpu" (int .ranks) }}
+{{- $_ := set $resources "limits" (merge $gpus (default dict $resources.limits)) }}
+{{- $_ := set $resources "requests" (merge (deepCopy $gpus) (default dict $resources.requests)) }}
+{{- end }}
+resources:
+  {{- toYaml $resources | nindent 2 }}
 {{- end }}
 
 {{/*
@@ -235,6 +272,10 @@ volumeMounts:
   - name: pod-token
     mountPath: /etc/pdserve/pod-token
     readOnly: true
+  {{- end }}
+  {{- if include "pdserve.shmSize" . }}
+  - name: dshm
+    mountPath: /dev/shm
   {{- end }}
 {{- end }}
 
