@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.layers.linear import DecodeMatmul, MatmulBackend
+from engine.parallel.control import check_rank_service_name
 from kernels.dispatch import Backend
 
 _DTYPES = ("float32", "float16", "bfloat16")
@@ -97,6 +98,11 @@ class EngineConfig:
     # A collective not done within this many seconds raises: a dead or
     # stalled rank takes the pod down in bounded time.
     tp_timeout_s: float = DEFAULT_TP_TIMEOUT_S
+    # "package.module:function" each worker rank (TP > 1) imports and runs
+    # beside its steps, talking to rank 0 over the control channel (a decode
+    # rank's KV receiver, a prefill rank's sender); "" = none. A name, not an
+    # object: the worker is another process (engine/parallel/control.py).
+    rank_service: str = ""
 
     @property
     def use_async_scheduling(self) -> bool:
@@ -154,6 +160,7 @@ class EngineConfig:
         if type(tp) is not int or not 1 <= tp <= MAX_TENSOR_PARALLEL_SIZE:
             raise ValueError(f"tensor_parallel_size must be an integer in [1, "
                              f"{MAX_TENSOR_PARALLEL_SIZE}], got {tp!r}")
+        check_rank_service_name(self.rank_service)
         if not 0 < self.tp_timeout_s <= MAX_TP_TIMEOUT_S:
             raise ValueError(f"tp_timeout_s must be in (0, {MAX_TP_TIMEOUT_S:g}] seconds, "
                              f"got {self.tp_timeout_s}")

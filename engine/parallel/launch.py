@@ -28,6 +28,12 @@ Life cycle (docs/tensor_parallel.md, Workers in lockstep):
 
 Worker output (stdout and stderr) is copied to rank 0's stderr, each line
 prefixed `[tp rank r]`, by one reader thread per worker.
+
+With a rank service (`EngineConfig.rank_service`) each worker also gets a
+control socket (engine/parallel/control.py): `control_send` from any thread,
+replies to the handler given to `on_control`, on one reader thread per
+worker; each step message carries, per worker, how many control messages
+rank 0 had sent it, and the worker applies them all before that forward.
 """
 
 from __future__ import annotations
@@ -35,25 +41,25 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import socket
+import struct
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 
 import torch
 
 from engine.config import EngineConfig
 from engine.kv_hook import LayerKVHook
 from engine.model_runner import PreparedStep
+from engine.parallel.control import ControlHandler, ControlHub, LeaderControl
 from engine.parallel.group import TPGroup
 from engine.parallel.placement import Placement, cpu_shares, place, restore
+from engine.parallel.processes import describe_exit, forward_output, spawn
 from engine.parallel.rank import RankModel, build_rank
-from engine.parallel.step_wire import StepEncoder, send, stop_message
+from engine.parallel.step_wire import CONTROL_SEQ_WORD, StepEncoder, send, stop_message
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +87,12 @@ class WorkerSpec:
     cpus: tuple[int, ...]  # its share of the pod's CPUs (engine/parallel/placement.py)
     log_level: int
     config: EngineConfig  # this rank's: its device
+    control_fd: int = -1  # its control socket (engine/parallel/control.py); -1: none
+
+    @property
+    def rank_service(self) -> str:
+        """The service this worker runs beside its steps ("module:function", or "")."""
+        return self.config.rank_service
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -105,27 +117,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _describe_exit(returncode: int) -> str:
-    if returncode < 0:
-        try:
-            return f"killed by {signal.Signals(-returncode).name}"
-        except ValueError:
-            return f"killed by signal {-returncode}"
-    return f"exit status {returncode}"
-
-
 class TPLeader:
     """Rank 0's handle on the workers and the group; see the module docstring
     for which thread calls what."""
 
     def __init__(self, processes: Sequence[subprocess.Popen] = (),
-                 sockets: Sequence[socket.socket] = (), readers: Sequence[threading.Thread] = ()
-                 ) -> None:
+                 sockets: Sequence[socket.socket] = (), readers: Sequence[threading.Thread] = (),
+                 controls: Sequence[LeaderControl] = ()) -> None:
         """Use `start`; `TPLeader()` is a pod of one rank (no workers, no
         group: every method is a no-op)."""
         self._processes = list(processes)  # rank r at index r - 1, likewise sockets
         self._sockets = list(sockets)
         self._readers = list(readers)
+        self._control = ControlHub(controls)  # no channel without a rank service
         self.size = len(self._processes) + 1
         self.group: TPGroup | None = None
         self._placement: Placement | None = None  # rank 0's, undone by close()
@@ -144,7 +148,7 @@ class TPLeader:
         size = config.tensor_parallel_size
         init_method = f"tcp://127.0.0.1:{free_port()}"
         worker_config = replace(config, enforce_eager=config.enforce_eager or eager)
-        processes, sockets, readers = [], [], []
+        processes, sockets, readers, controls = [], [], [], []
         leader = None
         on_cpu = not config.device.startswith("cuda")
         shares = (cpu_shares(size) if on_cpu else None) or [()] * size
@@ -152,20 +156,29 @@ class TPLeader:
             for rank in range(1, size):
                 ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
                 sockets.append(ours)
+                control = theirs_control = None
+                if config.rank_service:
+                    control, theirs_control = socket.socketpair(socket.AF_UNIX,
+                                                                socket.SOCK_STREAM)
+                    controls.append(LeaderControl(control))
                 spec = WorkerSpec(rank, size, init_method, theirs.fileno(), os.getpid(),
                                   shares[rank], logging.getLogger().getEffectiveLevel(),
-                                  replace(worker_config, device=rank_device(config.device, rank)))
+                                  replace(worker_config, device=rank_device(config.device, rank)),
+                                  -1 if theirs_control is None else theirs_control.fileno())
                 with theirs:
-                    processes.append(_spawn(spec))
-                readers.append(_forward_output(processes[-1], rank))
-            leader = cls(processes, sockets, readers)
+                    processes.append(spawn(spec))
+                if theirs_control is not None:
+                    theirs_control.close()
+                readers.append(forward_output(processes[-1], rank))
+            leader = cls(processes, sockets, readers, controls)
+            leader._readers += leader._control.start_readers()
             if on_cpu:
                 leader._placement = place(shares[0])
             leader.group = TPGroup.initialize(rank=0, size=size, init_method=init_method,
                                               device=config.device, timeout_s=config.tp_timeout_s)
         except BaseException as exc:
             if leader is None:
-                leader = cls(processes, sockets, readers)
+                leader = cls(processes, sockets, readers, controls)
             reason = leader.explain(exc)
             leader.close()
             raise reason from exc
@@ -190,7 +203,13 @@ class TPLeader:
         message = self.encoder.encode(step, broadcast_sampled=broadcast_sampled)
         self.check()
         try:
-            for sock in self._sockets:
+            if not self._control.size:
+                for sock in self._sockets:
+                    send(sock, message)
+                return
+            message = bytearray(message)  # each worker's copy: its own control_seq
+            for sock, sent in zip(self._sockets, self._control.sent, strict=True):
+                struct.pack_into("q", message, CONTROL_SEQ_WORD * 8, sent)
                 send(sock, message)
         except OSError as exc:
             raise self.explain(exc) from exc
@@ -203,6 +222,34 @@ class TPLeader:
     def broadcast_sampled(self, token_ids: torch.Tensor) -> None:
         """Forward thread: a step's sampled token ids to the workers."""
         self.group.broadcast_from_first(token_ids)
+
+    # ------------------------------------------------------------ control
+
+    @property
+    def has_control(self) -> bool:
+        """True when the workers run a rank service (a control socket each)."""
+        return self._control.size > 0
+
+    @property
+    def control_sent(self) -> tuple[int, ...]:
+        """Control messages sent to each worker so far, rank 1 first."""
+        return self._control.sent
+
+    def control_send(self, rank: int, kind: int, fields: dict, payload: bytes = b"") -> int:
+        """Any thread: one message to worker `rank` (1..N-1); returns its
+        sequence number on that worker's channel. Every step sent after this
+        returns runs on that worker only once the message was applied.
+        TensorParallelError when the worker is gone."""
+        self.check()
+        try:
+            return self._control.send(rank, kind, fields, payload)
+        except OSError as exc:
+            raise self.explain(exc) from exc
+
+    def on_control(self, handler: ControlHandler) -> None:
+        """`handler(rank, kind, fields, payload)` gets every message a worker
+        sends, on that worker's control reader thread (`ControlHub.on_control`)."""
+        self._control.on_control(handler)
 
     # ------------------------------------------------------------ failure
 
@@ -251,7 +298,7 @@ class TPLeader:
             returncode = process.poll()
             if returncode is not None and not self._closing:
                 self._fail(f"tensor-parallel rank {rank} (pid {process.pid}) exited: "
-                           f"{_describe_exit(returncode)}")
+                           f"{describe_exit(returncode)}")
                 return
 
     def _fail(self, reason: str) -> None:
@@ -292,6 +339,7 @@ class TPLeader:
         self._kill()
         for sock in self._sockets:
             sock.close()
+        self._control.close()
         for reader in self._readers:
             reader.join(timeout)
         if self.group is not None:
@@ -325,29 +373,3 @@ def build_first_rank(config: EngineConfig, layer_kv_hook: LayerKVHook | None
         reason = leader.explain(exc)  # a worker that failed to load, say
         leader.close(timeout=0)
         raise reason from exc
-
-
-def _spawn(spec: WorkerSpec) -> subprocess.Popen:
-    """Start one worker; its output goes to a pipe (`_forward_output`)."""
-    root = str(Path(__file__).resolve().parents[2])  # the directory holding `engine`
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    return subprocess.Popen(
-        [sys.executable, "-m", "engine.parallel.worker", spec.to_json()],
-        pass_fds=(spec.socket_fd,), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, env=env)
-
-
-def _forward_output(process: subprocess.Popen, rank: int) -> threading.Thread:
-    """A thread copying the worker's output lines to our stderr, prefixed."""
-    prefix = f"[tp rank {rank}] "
-
-    def copy() -> None:
-        for line in process.stdout:
-            sys.stderr.write(prefix + line.decode(errors="replace"))
-            sys.stderr.flush()
-        process.stdout.close()
-
-    thread = threading.Thread(target=copy, name=f"tp-rank{rank}-output", daemon=True)
-    thread.start()
-    return thread

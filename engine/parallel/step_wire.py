@@ -25,20 +25,37 @@ in the previous step's sampled tokens; a worker has those tokens because
 rank 0 broadcasts every sampled-token tensor whose step header says
 BROADCAST_SAMPLED (`engine.parallel.worker`).
 
-Wire format (version 1): one message per step, int64 words in native byte
+A worker knows each handle's request id (the names section names every
+handle the first time it is sent) and, when rank 0's step streams KV to a
+`LayerKVHook` (a prefill pod), the step's spans: so a worker's hook is
+called with `LayerKVSpan`s equal to rank 0's (request id, start, end, and
+the slot mapping, rebuilt from the handle's table). `control_seq` orders the
+step after the control messages (engine/parallel/control.py): rank 0 writes
+into each worker's copy how many it had sent that worker, and the worker's
+forward waits until its control thread applied that many.
+
+Wire format (version 2): one message per step, int64 words in native byte
 order (both ends run on the same machine), no pickle, no Python objects.
 
     header  HEADER_WORDS words: MAGIC, VERSION, kind (STEP | STOP), step
             (0, 1, ...: a worker checks none is lost or reordered), flags
             (BROADCAST_SAMPLED), graph_bucket (-1: eager), num_rows,
             num_tokens, num_table_ids, num_forget, num_prompt_rows,
-            num_sampled (rows that sample = the broadcast's length)
+            num_sampled (rows that sample = the broadcast's length),
+            control_seq (control messages sent to this worker before the
+            step), num_name_words, num_spans
     body    forget      [num_forget]            handles to drop, applied first
             rows        [num_rows x ROW_WORDS]  handle, start, num_new_tokens,
                                                 samples, table_op, table_count
             tokens      [num_tokens]            input ids in row order
             table_ids   [num_table_ids]         each row's table_count ids
             prompt_rows [num_prompt_rows]       rows scored for prompt logprobs
+            names       [num_name_words]        per handle new in this step:
+                                                handle, byte length, its request
+                                                id's UTF-8 bytes zero-padded to
+                                                whole words
+            spans       [num_spans x SPAN_WORDS] handle, start, end: the
+                                                step's LayerKVSpans in order
 
 A STOP message has zero counts; end of stream (rank 0 gone) means the same.
 """
@@ -50,14 +67,20 @@ import heapq
 import socket
 from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from engine.model_runner import PreparedStep, StepRow
+import torch
+
+from engine.host_copy import to_device
+from engine.kv_hook import LayerKVSpan
+from engine.model_runner import PreparedStep, StepRow, slots_for
 
 MAGIC = 0x50445450_53544550  # "PDTPSTEP"
-VERSION = 1
-HEADER_WORDS = 12
+VERSION = 2
+HEADER_WORDS = 15
+CONTROL_SEQ_WORD = 12  # header index rank 0 rewrites per worker (TPLeader.send_step)
 ROW_WORDS = 6
+SPAN_WORDS = 3
 BROADCAST_SAMPLED = 1  # flags bit: rank 0 broadcasts this step's sampled token ids
 _WORD = 8
 
@@ -94,6 +117,9 @@ class StepMessage:
     tokens: list[int]
     table_ids: list[int]
     prompt_rows: list[int]
+    control_seq: int = 0
+    names: list[int] = field(default_factory=list)  # the names section's words
+    spans: list[int] = field(default_factory=list)  # num_spans * SPAN_WORDS words
 
     @property
     def num_rows(self) -> int:
@@ -102,7 +128,7 @@ class StepMessage:
 
 def stop_message(step: int) -> bytes:
     """The message that ends a worker's loop."""
-    return array("q", [MAGIC, VERSION, Kind.STOP, step, 0, -1, 0, 0, 0, 0, 0, 0]).tobytes()
+    return array("q", [MAGIC, VERSION, Kind.STOP, step, 0, -1] + [0] * 9).tobytes()
 
 
 class StepEncoder:
@@ -141,11 +167,13 @@ class StepEncoder:
         words: list[int] = []
         tokens: list[int] = []
         table_ids: list[int] = []
+        names: list[int] = []
         num_sampled = 0
         for request_id, row in zip(step.request_ids, step.rows, strict=True):
             handle = handles.get(request_id)
             if handle is None:
                 handle = self._new_handle(request_id)
+                names += _name_words(handle, request_id)
             table, held = row.block_ids, tables.get(handle)
             if held is not None and held[0] is table:  # append-only: send the new tail
                 op, count = _APPEND, len(table) - held[1]
@@ -164,13 +192,17 @@ class StepEncoder:
                 tokens += row.token_ids
             num_sampled += row.samples
         prompt_rows = _prompt_rows(step)
+        spans: list[int] = []
+        for span in () if step.context is None else step.context.spans:
+            spans += (handles[span.request_id], span.start, span.end)
         bucket = -1 if step.graph_bucket is None else step.graph_bucket
         message = array("q", (MAGIC, VERSION, Kind.STEP.value, self.num_steps,
                               BROADCAST_SAMPLED if broadcast_sampled else 0, bucket,
                               len(step.rows), len(tokens), len(table_ids), len(forget),
-                              len(prompt_rows), num_sampled))
+                              len(prompt_rows), num_sampled, 0, len(names),
+                              len(spans) // SPAN_WORDS))
         self.num_steps += 1
-        for section in (forget, words, tokens, table_ids, prompt_rows):
+        for section in (forget, words, tokens, table_ids, prompt_rows, names, spans):
             message.fromlist(section)
         return message.tobytes()
 
@@ -181,6 +213,13 @@ class StepEncoder:
             handle, self._next_handle = self._next_handle, self._next_handle + 1
         self._handles[request_id] = handle
         return handle
+
+
+def _name_words(handle: int, request_id: str) -> list[int]:
+    """A names-section entry: handle, byte length, the UTF-8 bytes in words."""
+    raw = request_id.encode()
+    padded = raw + bytes(-len(raw) % _WORD)
+    return [handle, len(raw), *memoryview(padded).cast("q").tolist()]
 
 
 def _prompt_rows(step: PreparedStep) -> list[int]:
@@ -214,29 +253,32 @@ def decode(buffer: bytes | bytearray | memoryview) -> StepMessage:
         raise WireError(f"the header announces {body_words(header)} body words, "
                         f"{len(body)} came")
     (_, _, kind, step, flags, bucket, num_rows, num_tokens, num_table_ids, num_forget,
-     num_prompt_rows, num_sampled) = header
-    ends = _ends(num_forget, num_rows * ROW_WORDS, num_tokens, num_table_ids, num_prompt_rows)
+     num_prompt_rows, num_sampled, control_seq, num_name_words, num_spans) = header
+    ends = _ends(num_forget, num_rows * ROW_WORDS, num_tokens, num_table_ids, num_prompt_rows,
+                 num_name_words, num_spans * SPAN_WORDS)
     return StepMessage(
         kind=Kind(kind), step=step, broadcast_sampled=bool(flags & BROADCAST_SAMPLED),
         graph_bucket=None if bucket < 0 else bucket, num_sampled=num_sampled,
         forget=body[: ends[0]], rows=body[ends[0] : ends[1]], tokens=body[ends[1] : ends[2]],
-        table_ids=body[ends[2] : ends[3]], prompt_rows=body[ends[3] : ends[4]])
+        table_ids=body[ends[2] : ends[3]], prompt_rows=body[ends[3] : ends[4]],
+        control_seq=control_seq, names=body[ends[4] : ends[5]], spans=body[ends[5] : ends[6]])
 
 
 def body_words(header: Sequence[int]) -> int:
     """Body length in words announced by a header; WireError for a header
-    that is not version 1's."""
+    that is not this version's."""
     if header[0] != MAGIC:
         raise WireError(f"not a step message (magic {header[0]:#x})")
     if header[1] != VERSION:
         raise WireError(f"step message version {header[1]}, this worker reads {VERSION}")
     if header[2] not in (Kind.STEP, Kind.STOP):
         raise WireError(f"unknown step message kind {header[2]}")
-    counts = header[6:11]
+    counts = [*header[6:11], *header[13:15]]
     if min(counts) < 0:
-        raise WireError(f"negative section length in {list(counts)}")
-    num_rows, num_tokens, num_table_ids, num_forget, num_prompt_rows = counts
-    return num_forget + num_rows * ROW_WORDS + num_tokens + num_table_ids + num_prompt_rows
+        raise WireError(f"negative section length in {counts}")
+    num_rows, num_tokens, num_table_ids, num_forget, num_prompt_rows, num_names, num_spans = counts
+    return (num_forget + num_rows * ROW_WORDS + num_tokens + num_table_ids + num_prompt_rows
+            + num_names + num_spans * SPAN_WORDS)
 
 
 def _ends(*lengths: int) -> list[int]:
@@ -279,11 +321,13 @@ def _read_exactly(sock: socket.socket, size: int) -> bytearray | None:
 
 
 class StepMirror:
-    """A worker's side: each handle's block table, and the rows of each step
-    rebuilt from a message. The worker's loop thread only."""
+    """A worker's side: each handle's block table and request id, and the
+    rows (and spans) of each step rebuilt from a message. The worker's loop
+    thread only."""
 
     def __init__(self) -> None:
         self.tables: dict[int, list[int]] = {}
+        self.names: dict[int, str] = {}
         self.next_step = 0
 
     def apply(self, message: StepMessage) -> list[StepRow]:
@@ -295,6 +339,13 @@ class StepMirror:
         for handle in message.forget:
             if self.tables.pop(handle, None) is None:
                 raise WireError(f"forget of unknown handle {handle}")
+            self.names.pop(handle, None)
+        names, i = message.names, 0
+        while i < len(names):
+            handle, size = names[i], names[i + 1]
+            end = i + 2 + -(-size // _WORD)
+            self.names[handle] = array("q", names[i + 2 : end]).tobytes()[:size].decode()
+            i = end
         rows: list[StepRow] = []
         words, tokens, table_ids = message.rows, message.tokens, message.table_ids
         next_token = next_id = 0
@@ -315,3 +366,15 @@ class StepMirror:
             else:
                 rows.append(StepRow(start, num_new, bool(samples), table, ids))
         return rows
+
+    def spans(self, message: StepMessage, block_size: int,
+              device: torch.device) -> tuple[LayerKVSpan, ...]:
+        """The step's `LayerKVSpan`s as rank 0 made them (after `apply`):
+        the slot mappings from the handles' tables."""
+        words = message.spans
+        spans = []
+        for i in range(0, len(words), SPAN_WORDS):
+            handle, start, end = words[i : i + SPAN_WORDS]
+            slots = to_device(slots_for(self.tables[handle], block_size, start, end), device)
+            spans.append(LayerKVSpan(self.names[handle], start, end, slots))
+        return tuple(spans)

@@ -11,18 +11,25 @@ Life of a worker:
              as rank 0, `engine.parallel.rank`).
     idle     blocked reading its socket: no collective is pending, so no
              timeout runs while the pod has nothing to do.
+    service  with a rank service (`WorkerSpec.rank_service`): imported by
+             name and started on the built rank; its `layer_kv_hook`
+             becomes the runner's, and a control thread applies rank 0's
+             control messages to it (engine/parallel/control.py).
     step     a STEP message: `StepMirror` updates the block tables and gives
-             the rows, `ModelRunner.build` the very tensors rank 0 built,
-             `forward` runs the shard (its all-reduces) and takes part in
-             the lm_head gathers; then, when the header says so, the
-             broadcast of the step's sampled tokens, kept for the next
-             step's placeholder rows.
+             the rows (and the spans a hook sees, request ids included),
+             `ModelRunner.build` the very tensors rank 0 built; the step
+             waits until the control thread applied the header's
+             `control_seq` messages; `forward` runs the shard (its
+             all-reduces) and takes part in the lm_head gathers; then, when
+             the header says so, the broadcast of the step's sampled
+             tokens, kept for the next step's placeholder rows.
     end      a STOP message or the end of the stream (rank 0 is gone): exit
              0. Any error (a collective that timed out, a malformed message):
              logged, exit 1, which rank 0's watchdog turns into the pod going
              down.
 
-Everything runs on the main thread; nothing is ever pickled.
+Steps run on the main thread, control messages on the control thread (and
+whatever threads the rank service starts); nothing is ever pickled.
 """
 
 from __future__ import annotations
@@ -38,10 +45,11 @@ import torch
 
 from engine.host_copy import to_device
 from engine.model_runner import ModelRunner
+from engine.parallel.control import RankService, WorkerControl, load_rank_service
 from engine.parallel.group import TPGroup
 from engine.parallel.launch import WorkerSpec
 from engine.parallel.placement import place
-from engine.parallel.rank import build_rank
+from engine.parallel.rank import RankModel, build_rank
 from engine.parallel.step_wire import Kind, StepMessage, StepMirror, WireError, receive
 from engine.prompt_logprobs import PromptLogprobsPlan
 
@@ -50,14 +58,23 @@ log = logging.getLogger("engine.parallel.worker")
 _PR_SET_PDEATHSIG = 1
 
 
-def serve(runner: ModelRunner, group: TPGroup, sock: socket.socket) -> int:
-    """Run steps until STOP or end of stream; returns the steps run."""
+def serve(runner: ModelRunner, group: TPGroup, sock: socket.socket,
+          control: WorkerControl | None = None, control_timeout_s: float = 60.0) -> int:
+    """Run steps until STOP or end of stream; returns the steps run. With
+    `control`, each step's forward waits (up to `control_timeout_s`) until
+    the control messages rank 0 sent before it were applied."""
     mirror = StepMirror()
     previous_tokens: torch.Tensor | None = None
     with torch.inference_mode():
         while (message := receive(sock)) is not None and message.kind is Kind.STEP:
-            step = runner.build(mirror.apply(message),
-                                prompt_logprobs=prompt_plan(message, runner.device))
+            rows = mirror.apply(message)
+            step = runner.build(rows, prompt_logprobs=prompt_plan(message, runner.device),
+                                spans=mirror.spans(message, runner.block_size, runner.device))
+            if message.control_seq:
+                if control is None:
+                    raise WireError(f"step {message.step} follows control message "
+                                    f"{message.control_seq}; this worker has no control channel")
+                control.wait_processed(message.control_seq, control_timeout_s)
             if step.graph_bucket != message.graph_bucket:
                 raise WireError(f"step {message.step}: rank 0 runs graph bucket "
                                 f"{message.graph_bucket}, this rank chose {step.graph_bucket}")
@@ -77,6 +94,21 @@ def prompt_plan(message: StepMessage, device: torch.device) -> PromptLogprobsPla
     return PromptLogprobsPlan(
         rows=to_device(torch.tensor(message.prompt_rows, dtype=torch.long), device),
         targets=torch.empty(0, dtype=torch.long, device=device), spans=(), num_top=0)
+
+
+def _start_service(spec: WorkerSpec, rank: RankModel, group: TPGroup
+                   ) -> tuple[WorkerControl | None, RankService | None]:
+    """The rank service and its control thread (none without a service).
+    Started on the built rank (it needs the KV cache), so its hook is bound
+    to the runner afterwards: rank 0 made every rank eager when it has a
+    hook itself (TPLeader.start), so no graph was captured without it."""
+    if spec.control_fd < 0:
+        return None, None
+    control = WorkerControl(socket.socket(fileno=spec.control_fd))
+    service = load_rank_service(spec.rank_service)(spec, rank, group, control)
+    rank.runner.layer_kv_hook = service.layer_kv_hook
+    control.start(service)
+    return control, service
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -107,7 +139,12 @@ def main(argv: list[str]) -> int:
         rank = build_rank(spec.config, group)
         log.info("rank %d of %d ready on %s: %d KV blocks", spec.rank, spec.size,
                  spec.config.device, rank.num_blocks)
-        steps = serve(rank.runner, group, sock)
+        control, service = _start_service(spec, rank, group)
+        try:
+            steps = serve(rank.runner, group, sock, control, spec.config.tp_timeout_s)
+        finally:
+            if service is not None:
+                service.close()
     except Exception:
         log.exception("tensor-parallel rank %d failed", spec.rank)
         return 1
