@@ -2,8 +2,8 @@
 
 Each prefill rank holds the KV heads `kv_head_range(H, rank, a)` of the
 request's cache, each decode rank needs `kv_head_range(H, rank, b)`
-(engine/parallel/shard.py: contiguous ranges; a size above H replicates
-each head on size / H ranks). The plan moves every head a decode rank needs
+(engine/parallel/shard.py, restated below: contiguous ranges; a size above
+H replicates each head on size / H ranks). The plan moves every head a decode rank needs
 exactly once into that rank:
 
 * from the LOWEST prefill rank holding it: a head the prefill side
@@ -23,7 +23,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.parallel.shard import kv_head_range
+
+def kv_head_range(num_kv_heads: int, rank: int, size: int) -> tuple[int, int]:
+    """[start, end) of the KV heads rank `rank` of `size` holds: the rule of
+    `engine.parallel.shard.kv_head_range`, restated here because kv_transfer
+    imports only proto and torch (docs/architecture.md); a test checks that the
+    two agree."""
+    if size <= num_kv_heads:
+        per_rank = num_kv_heads // size
+        return rank * per_rank, (rank + 1) * per_rank
+    head = rank * num_kv_heads // size
+    return head, head + 1
 
 
 @dataclass(frozen=True, slots=True)

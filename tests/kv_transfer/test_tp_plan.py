@@ -6,8 +6,8 @@ from collections import Counter
 
 import pytest
 
-from engine.parallel.shard import kv_head_range
-from kv_transfer.tp_plan import SubTransfer, send_plan, senders_of, sends_of
+from engine.parallel import shard
+from kv_transfer.tp_plan import SubTransfer, kv_head_range, send_plan, senders_of, sends_of
 
 SIZES = (1, 2, 4, 8)
 
@@ -47,6 +47,13 @@ def test_every_decode_rank_gets_its_heads_once_from_the_lowest_holder(heads, a, 
         assert total == heads  # no head moves twice
     assert sum((sends_of(plan, p) for p in range(a)), ()) == tuple(
         sorted(plan, key=lambda s: (s.prefill_rank, s.decode_rank, s.head_start)))
+
+
+@pytest.mark.parametrize(("heads", "a", "b"), CASES)
+def test_head_ranges_agree_with_the_engines(heads, a, b):
+    for size in (a, b):
+        for rank in range(size):
+            assert kv_head_range(heads, rank, size) == shard.kv_head_range(heads, rank, size)
 
 
 def test_exact_plans():
