@@ -65,6 +65,9 @@ class RouterConfig:
     colocated: tuple[str, ...] = ()
     redis_url: str | None = None
     api_key: str | None = None
+    # Named keys with limits, reloaded when the file changes (router/api_keys.py);
+    # exclusive with api_key.
+    api_keys_file: str | None = None
     session_epsilon: float = 0.25
     load_poll_interval: float = 0.5
     # A pod missing from the Redis registry but still answering its polls stays
@@ -132,6 +135,9 @@ class RouterConfig:
             )
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be empty (leave it unset to disable auth)")
+        if self.api_key is not None and self.api_keys_file is not None:
+            raise ValueError("give either api_key (one key) or api_keys_file (named keys), "
+                             "not both")
         if not 0.0 <= self.session_epsilon <= 10.0:
             raise ValueError(f"session_epsilon must be in [0, 10], got {self.session_epsilon}")
         if not 0.01 <= self.load_poll_interval <= 60.0:

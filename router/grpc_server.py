@@ -33,6 +33,7 @@ from proto.status import ServiceError, grpc_errors
 from proto.tls import TlsFiles, add_port
 from router.api_error import ApiError, bad_request
 from router.auth import ApiKeyCheck
+from router.client_gate import ClientGate
 from router.frontend import Frontend
 from router.generation import Delta, ParsedRequest
 from router.http.client_limits import ClientConcurrency
@@ -115,25 +116,22 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
     """Router.Generate / Router.ListModels over a `Frontend`."""
 
     def __init__(self, frontend: Frontend, auth: ApiKeyCheck,
-                 client_limits: ClientConcurrency | None = None) -> None:
+                 gate: ClientGate | None = None) -> None:
         self._frontend = frontend
         self._auth = auth
-        self._limits = client_limits or ClientConcurrency(0)
+        self._gate = gate or ClientGate(auth, ClientConcurrency(0))
 
     def _check_auth(self, context: grpc.aio.ServicerContext) -> None:
         metadata = dict(context.invocation_metadata() or ())
         self._auth.check(metadata.get("authorization"))
 
-    def _client(self, context: grpc.aio.ServicerContext) -> tuple[str, str]:
-        """The key a call counts under for --max-concurrent-per-client, as on
-        the HTTP front door: its API key when the router checks one, else the
-        peer's address without its port (`ipv4:127.0.0.1:5001` -> `ipv4:127.0.0.1`)."""
-        if self._auth.enabled:
-            metadata = dict(context.invocation_metadata() or ())
-            token = str(metadata.get("authorization", "")).partition(" ")[2].strip()
-            return ClientConcurrency.client_key(token, None), "API key"
+    def _admit(self, context: grpc.aio.ServicerContext):
+        """The call's client slot and token-rate check, as on the HTTP front
+        door (router/client_gate.py): its API key, else the peer's address
+        without its port (`ipv4:127.0.0.1:5001` -> `ipv4:127.0.0.1`)."""
+        metadata = dict(context.invocation_metadata() or ())
         address = (context.peer() or "unknown").rpartition(":")[0]
-        return ClientConcurrency.client_key(None, address), "client address"
+        return self._gate.admit(metadata.get("authorization"), address)
 
     def _parse(self, request: pb.GenerateRequest) -> ParsedRequest:
         parsed = parsed_request(request, self._frontend.model_name)
@@ -146,7 +144,7 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
     ) -> AsyncIterator[pb.GenerateResponse]:
         try:
             self._check_auth(context)
-            with self._limits.hold(*self._client(context)):
+            with self._admit(context):
                 generation = await self._frontend.prepare(self._parse(request),
                                                           request.session_id)
                 request_id = request.request_id or generation.request_id
@@ -172,19 +170,19 @@ class RouterServicer(pdserve_pb2_grpc.RouterServicer):
 
 def build_grpc_server(
     frontend: Frontend, auth: ApiKeyCheck, address: str, *, reuse_port: bool = False,
-    tls: TlsFiles | None = None, client_limits: ClientConcurrency | None = None,
+    tls: TlsFiles | None = None, gate: ClientGate | None = None,
 ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """A started-later server with Router + health bound to `address`;
     returns (server, bound port, health servicer — the router server sets
     it SERVING / NOT_SERVING as the pool's readiness changes). `reuse_port`:
     other router workers bind the same port (SO_REUSEPORT); off, a port
     already taken is an error rather than silently shared. `tls`: serve TLS
-    (mutual with its CA file). `client_limits`: the per-client concurrency
-    limit, shared with the HTTP front door."""
+    (mutual with its CA file). `gate`: the per-client limits, shared with
+    the HTTP front door."""
     options = [*GRPC_MESSAGE_OPTIONS, ("grpc.so_reuseport", 1 if reuse_port else 0)]
     server = grpc.aio.server(options=options)
     pdserve_pb2_grpc.add_RouterServicer_to_server(
-        RouterServicer(frontend, auth, client_limits), server)
+        RouterServicer(frontend, auth, gate), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = add_port(server, address, tls)

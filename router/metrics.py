@@ -129,6 +129,22 @@ class RouterMetrics:
             "Requests refused with 429 because the estimated queue wait was above "
             "--max-queue-wait", registry=r,
         )
+        # API keys by name (router/client_gate.py; never the key itself)
+        self.key_requests = Counter(
+            "pdserve_router_key_requests_total", "Generation requests admitted, by API key name",
+            ["key"], registry=r)
+        self.key_tokens = Counter(
+            "pdserve_router_key_tokens_total",
+            "Prompt and output tokens of finished requests, by API key name", ["key"],
+            registry=r)
+        self.key_rejections = Counter(
+            "pdserve_router_key_rejections_total",
+            "Requests refused with 429 by their API key's limits: concurrency "
+            "(max_concurrent) or token_rate (tokens_per_minute)", ["key", "reason"], registry=r)
+        self.key_reloads = Counter(
+            "pdserve_router_api_key_reloads_total",
+            "Reloads of --api-keys-file after it changed: ok, or error (the previous keys "
+            "stay in force)", ["outcome"], registry=r)
 
         # the prefix index (router/cache_index/): refreshed at every feed sync
         self.cache_index_blocks = Gauge(

@@ -28,9 +28,11 @@ from collections.abc import Callable
 from aiohttp import web
 
 from engine.tokenizer import Tokenizer
+from router.api_keys import KeyFile
 from router.auth import ApiKeyCheck
 from router.cache_index.feed import CacheEventFeed
 from router.cache_index.index import PrefixIndex
+from router.client_gate import ClientGate
 from router.config import RouterConfig
 from router.flow.deps import FlowDeps
 from router.frontend import Frontend
@@ -85,6 +87,7 @@ class RouterServer:
         self._grpc = None
         self._health = None
         self._ready_task: asyncio.Task[None] | None = None
+        self._keys_task: asyncio.Task[None] | None = None
         self.pool: PolledPodPool | None = None
         self._sessions: SessionStore | None = None
         self._feed: CacheEventFeed | None = None
@@ -148,9 +151,11 @@ class RouterServer:
                                              max_model_len=max_model_len,
                                              tokenizer=tokenizer, deps=deps,
                                              tool_call_parser=c.tool_call_parser)
-        auth = ApiKeyCheck(c.api_key)
-        client_limits = ClientConcurrency(c.max_concurrent_per_client)  # both front doors
-        app = build_app(frontend, self.pool, auth, client_limits)
+        auth = self._auth()
+        # both front doors: per-client slots, per-key token rates
+        gate = ClientGate(auth, ClientConcurrency(c.max_concurrent_per_client),
+                          metrics=self.metrics)
+        app = build_app(frontend, self.pool, auth, gate)
         self._runner = TimedAppRunner(
             app, HttpTimeouts(header_timeout=c.http_header_timeout,
                               keepalive_timeout=c.http_keepalive_timeout),
@@ -163,12 +168,26 @@ class RouterServer:
         self.http_port = self._runner.addresses[0][1]
         self._grpc, self.grpc_port, self._health = build_grpc_server(
             frontend, auth, f"{c.host}:{c.grpc_port}", reuse_port=c.workers > 1, tls=c.tls,
-            client_limits=client_limits)
+            gate=gate)
         await self._grpc.start()
         self._ready_task = asyncio.create_task(self._mirror_readiness(), name="router-ready")
         log.info("router serving %s: HTTP%s on %s:%d, gRPC on %s:%d (%s); pods: %s",
                  c.model_name, "S" if c.tls else "", c.host, self.http_port, c.host,
                  self.grpc_port, "TLS" if c.tls else "plaintext", c.pod_security.describe())
+
+    def _auth(self) -> ApiKeyCheck:
+        """The key check: none, `--api-key`'s one key, or `--api-keys-file`'s
+        keys, watched for changes by a task of this event loop (a file that
+        does not parse raised at `RouterConfig`'s start, see api_keys.py)."""
+        c = self.config
+        if c.api_keys_file is None:
+            return ApiKeyCheck(c.api_key)
+        keys = KeyFile(c.api_keys_file,
+                       on_reload=lambda outcome: self.metrics.key_reloads.labels(
+                           outcome=outcome).inc())
+        self._keys_task = asyncio.create_task(keys.watch(), name="api-keys-watch")
+        log.info("API keys from %s: %s", c.api_keys_file, ", ".join(keys.ring.names))
+        return ApiKeyCheck(lambda: keys.ring)
 
     async def _mirror_readiness(self) -> None:
         """Keep the gRPC health status equal to the pool's readiness."""
@@ -184,6 +203,8 @@ class RouterServer:
     async def stop(self) -> None:
         """Stop taking work, let in-flight requests finish (up to the grace
         period), then release everything."""
+        if self._keys_task is not None:
+            self._keys_task.cancel()
         if self._ready_task is not None:
             self._ready_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

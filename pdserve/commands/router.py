@@ -50,6 +50,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="pod registry and shared session map (redis://host:port/db)")
     parser.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer KEY' (default: $PDSERVE_API_KEY)")
+    parser.add_argument("--api-keys-file", default=None, metavar="PATH",
+                        help="named API keys with optional limits, one per line: 'NAME KEY "
+                             "[max_concurrent=N] [tokens_per_minute=N]'; reloaded when the "
+                             "file changes (default: $PDSERVE_API_KEYS_FILE; docs/router.md)")
     parser.add_argument("--session-epsilon", type=float, default=0.25,
                         help="a session moves off its pod above (1 + eps) x average load")
     parser.add_argument("--load-poll-interval", type=float, default=0.5, metavar="SECONDS")
@@ -191,6 +195,7 @@ def config_from_args(args: argparse.Namespace):
         colocated=args.colocated,
         redis_url=args.redis_url,
         api_key=args.api_key or os.environ.get("PDSERVE_API_KEY") or None,
+        api_keys_file=args.api_keys_file or os.environ.get("PDSERVE_API_KEYS_FILE") or None,
         session_epsilon=args.session_epsilon,
         load_poll_interval=args.load_poll_interval,
         registry_absent_grace=args.registry_absent_grace,
@@ -234,9 +239,13 @@ def main(args: argparse.Namespace) -> int:
     resolve_model_arg(args, "router")
     try:
         config = config_from_args(args)
+        if config.api_keys_file is not None:
+            from router.api_keys import read_keys
+            read_keys(config.api_keys_file)  # a bad file stops the start, naming the line
     except ValueError as exc:
         logging.getLogger("pdserve.router").error("bad router flags: %s", exc)
         return 2
+
     def write_ready_file(http_port: int, grpc_port: int) -> None:
         if args.ready_file:
             # write then rename, so a reader never sees half a file

@@ -79,6 +79,7 @@ from router.flow.pod_caller import PodCaller
 from router.flow.pod_calls import AttemptFailed, choose_path
 from router.flow.state import FlowState, check_transition
 from router.generation import Delta, GenerationRequest
+from router.key_limits import charge_current
 from router.routing.local_prefill import LocalChoice
 
 log = logging.getLogger(__name__)
@@ -160,6 +161,8 @@ class RequestFlow:
         finally:
             metrics.in_flight.dec()
             metrics.requests.labels(outcome=outcome).inc()
+            # the client's API key pays for what was computed, whatever the outcome
+            charge_current(len(self.request.prompt_token_ids) + len(self._out.output_ids))
 
     def _observe(self, delta: Delta) -> None:
         if not delta.token_ids:

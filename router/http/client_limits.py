@@ -3,10 +3,11 @@ so one client cannot take every slot of the router (both front doors share
 one count, `--max-concurrent-per-client`, 0 = off; gRPC answers
 RESOURCE_EXHAUSTED, router/grpc_server.py).
 
-A client is its API key when the router checks one (the key presented,
-kept only as a hash), else its address as the connection shows it (behind a
-proxy or load balancer that does not preserve addresses, every client
-shares the proxy's address: set the limit with that in mind). A request over
+A client is its API key's name when the router checks keys, else its
+address as the connection shows it (behind a proxy or load balancer that
+does not preserve addresses, every client shares the proxy's address: set
+the limit with that in mind). A key with its own `max_concurrent`
+(router/api_keys.py) is held to that instead of the router-wide limit. A request over
 the limit is answered 429 at once, its body unread, with a message naming the
 limit; a slot is held from the handler's start until its response (a stream:
 its last event) is sent or the client goes away.
@@ -19,7 +20,6 @@ router workers the limit holds per worker.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 from collections.abc import Iterator
 
 from router.api_error import ApiError
@@ -35,28 +35,31 @@ class ClientConcurrency:
         self._in_flight: dict[str, int] = {}
 
     @staticmethod
-    def client_key(api_key: str | None, address: str | None) -> str:
-        """The key a request counts under: its API key's hash, else its address."""
-        if api_key:
-            return "key:" + hashlib.sha256(api_key.encode()).hexdigest()[:16]
+    def client_key(key_name: str | None, address: str | None) -> str:
+        """The key a request counts under: its API key's name, else its address."""
+        if key_name:
+            return "key:" + key_name
         return "addr:" + (address or "unknown")
 
     def in_flight(self, key: str) -> int:
         return self._in_flight.get(key, 0)
 
     @contextlib.contextmanager
-    def hold(self, key: str, kind: str) -> Iterator[None]:
+    def hold(self, key: str, kind: str, own_limit: int | None = None) -> Iterator[None]:
         """One slot of `key` for the `with` block; ApiError 429 when all are
-        taken. `kind` ("API key" / "client address") words the message."""
-        if self.limit == 0:
+        taken. `kind` ("API key" / "client address") words the message;
+        `own_limit`: the key's own max_concurrent, instead of `limit`."""
+        limit = self.limit if own_limit is None else own_limit
+        if limit == 0:
             yield
             return
         count = self._in_flight.get(key, 0)
-        if count >= self.limit:
+        if count >= limit:
+            source = (f"per {kind} (--max-concurrent-per-client)" if own_limit is None
+                      else f"(max_concurrent of API key {key.removeprefix('key:')!r})")
             raise ApiError(
                 429, f"too many concurrent requests from this {kind}: {count} in flight, "
-                     f"the limit is {self.limit} per {kind} (--max-concurrent-per-client); "
-                     "retry when one has finished",
+                     f"the limit is {limit} {source}; retry when one has finished",
                 error_type="rate_limit_error", code="concurrency_limit_exceeded",
                 retry_after=1)
         self._in_flight[key] = count + 1

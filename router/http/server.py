@@ -8,8 +8,9 @@ GET /ready (503 until the pod pool can serve), GET /metrics (Prometheus).
 Life of one generation request, all on the router's event loop:
 
 1. the middleware checks the API key (/v1/* only) and turns any `ApiError`
-   into OpenAI's error JSON with its status; a second one holds one of the
-   client's concurrency slots for a generation request (router.http.client_limits);
+   into OpenAI's error JSON with its status; a second one admits a
+   generation request through the client gate (router.client_gate: its
+   concurrency slot, its key's token rate) for the request's whole life;
 2. the handler reads the body within the input limits (router.http.body:
    413 over the size limit, 400 for JSON too deep or not valid text),
    validates it (router.http.requests), checks the model name, tokenizes
@@ -36,6 +37,7 @@ from aiohttp import HttpVersion11, web
 from proto.roles import PodRole
 from router.api_error import ApiError
 from router.auth import OPEN_PATHS, ApiKeyCheck
+from router.client_gate import ClientGate
 from router.frontend import Frontend
 from router.generation import ParsedRequest
 from router.http.body import read_json
@@ -55,7 +57,7 @@ log = logging.getLogger(__name__)
 FRONTEND = web.AppKey("frontend", Frontend)
 POOL = web.AppKey("pool", PodPool)
 AUTH = web.AppKey("auth", ApiKeyCheck)
-CLIENT_LIMITS = web.AppKey("client_limits", ClientConcurrency)
+GATE = web.AppKey("client_gate", ClientGate)
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 INLINE_ECHO_TOKENS = 256  # echoed prompts rendered on the event loop; longer ones off it
@@ -93,17 +95,12 @@ async def _errors_and_auth(request: web.Request, handler: Handler) -> web.Stream
 
 
 @web.middleware
-async def _client_concurrency(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Inside `_errors_and_auth`: the API key (if any) is already checked."""
-    limits = request.app[CLIENT_LIMITS]
-    if limits.limit == 0 or request.path not in GENERATION_PATHS:
+async def _client_gate(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Inside `_errors_and_auth`: a generation request takes its client's
+    slot and token-rate check (router/client_gate.py) for its whole life."""
+    if request.path not in GENERATION_PATHS:
         return await handler(request)
-    if request.app[AUTH].enabled:
-        token = request.headers.get("Authorization", "").partition(" ")[2].strip()
-        key, kind = ClientConcurrency.client_key(token, None), "API key"
-    else:
-        key, kind = ClientConcurrency.client_key(None, request.remote), "client address"
-    with limits.hold(key, kind):
+    with request.app[GATE].admit(request.headers.get("Authorization"), request.remote):
         return await handler(request)
 
 
@@ -261,16 +258,17 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 def build_app(frontend: Frontend, pool: PodPool, auth: ApiKeyCheck,
-              client_limits: ClientConcurrency | None = None) -> web.Application:
+              gate: ClientGate | None = None) -> web.Application:
     """The aiohttp application; run it with `TimedAppRunner(app, timeouts,
     handler_cancellation=True)` (router.http.connection). Bodies over
-    `frontend.limits.max_body_bytes` get 413."""
-    app = web.Application(middlewares=[_errors_and_auth, _client_concurrency],
+    `frontend.limits.max_body_bytes` get 413. `gate`: per-client limits
+    (default: none beyond the key check)."""
+    app = web.Application(middlewares=[_errors_and_auth, _client_gate],
                           client_max_size=frontend.limits.max_body_bytes)
     app[FRONTEND] = frontend
     app[POOL] = pool
     app[AUTH] = auth
-    app[CLIENT_LIMITS] = client_limits or ClientConcurrency(0)
+    app[GATE] = gate or ClientGate(auth, ClientConcurrency(0))
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)

@@ -44,7 +44,7 @@ CLI_FLAGS: dict[str, frozenset[str]] = {
         "--local-prefill-min-wait", "--split-prefill-min-tokens",
         "--split-prefill-head-share", "--split-prefill-busy-head-share",
         "--split-prefill-max-running",
-        "--registry-absent-grace",
+        "--registry-absent-grace", "--api-keys-file",
     }),
     "prefill": frozenset({
         "--model", "--host", "--port", "--metrics-port", "--block-size", "--kv-cache-memory",

@@ -101,6 +101,9 @@ breaks sticky sessions and per-pod load tracking).
 {{- if and (include "pdserve.podTokenSecretName" .) (not .Values.tls.pods.enabled) }}
 {{- fail "podToken needs tls.pods.enabled: the token is only sent over TLS" }}
 {{- end }}
+{{- if and .Values.router.apiKeys.existingSecret (include "pdserve.apiKeySecretName" .) }}
+{{- fail "router.apiKeys and router.apiKey are exclusive: put the one key into the keys file as `default <key>`" }}
+{{- end }}
 {{- if and (eq .Values.model.source "hostPath") (not .Values.model.hostPath.path) }}
 {{- fail "model.source is hostPath but model.hostPath.path is empty: name a directory on the nodes" }}
 {{- end }}
@@ -195,6 +198,12 @@ volumes:
     secret:
       secretName: {{ $v.tls.router.secretName }}
   {{- end }}
+  {{- if and (eq .component "router") $v.router.apiKeys.existingSecret }}
+  # mounted whole (no subPath), so an updated Secret reaches the file
+  - name: api-keys
+    secret:
+      secretName: {{ $v.router.apiKeys.existingSecret }}
+  {{- end }}
   {{- if $v.tls.pods.enabled }}
   - name: pod-tls
     secret:
@@ -261,6 +270,11 @@ volumeMounts:
   {{- if and (eq .component "router") $v.tls.router.enabled }}
   - name: router-tls
     mountPath: /etc/pdserve/router-tls
+    readOnly: true
+  {{- end }}
+  {{- if and (eq .component "router") $v.router.apiKeys.existingSecret }}
+  - name: api-keys
+    mountPath: /etc/pdserve/api-keys
     readOnly: true
   {{- end }}
   {{- if $v.tls.pods.enabled }}

@@ -10,9 +10,9 @@ from router.http.client_limits import ClientConcurrency
 
 def test_slots_per_key_and_release_on_error():
     limits = ClientConcurrency(2)
-    alice = ClientConcurrency.client_key("sk-alice", "10.0.0.1")
+    alice = ClientConcurrency.client_key("alice", "10.0.0.1")  # an API key's name
     bob = ClientConcurrency.client_key(None, "10.0.0.1")
-    assert alice.startswith("key:") and "sk-alice" not in alice  # only a hash is kept
+    assert alice == "key:alice"
     assert bob == "addr:10.0.0.1"
     with limits.hold(alice, "API key"), limits.hold(alice, "API key"):
         with pytest.raises(ApiError) as err, limits.hold(alice, "API key"):
@@ -34,3 +34,16 @@ def test_zero_means_no_limit():
         assert limits.in_flight("k") == 0
     with pytest.raises(ValueError):
         ClientConcurrency(-1)
+
+
+def test_a_keys_own_limit_replaces_the_router_wide_one():
+    limits = ClientConcurrency(0)  # no router-wide limit
+    with limits.hold("key:small", "API key", own_limit=1):
+        with pytest.raises(ApiError) as err, limits.hold("key:small", "API key", own_limit=1):
+            pass
+        with limits.hold("key:big", "API key"), limits.hold("key:big", "API key"):
+            pass  # a key without its own limit: none
+    assert err.value.message == (
+        "too many concurrent requests from this API key: 1 in flight, the limit is 1 "
+        "(max_concurrent of API key 'small'); retry when one has finished")
+    assert limits.in_flight("key:small") == 0
