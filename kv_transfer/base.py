@@ -20,156 +20,41 @@ landing buffer once no receiver thread can still write into it. Nothing waits
 without a deadline: D's collector fails transfers whose deadline passed and
 frees buffers nobody released within the claim grace period.
 
-Transfer layout (docs/architecture.md): per layer `[2, num_tokens, kv_heads,
-head_dim]` contiguous, K rows then V rows. A chunk of tokens `[a, b)` of a
-layer is two byte ranges: K at `a * row_bytes`, V at `(num_tokens + a) * row_bytes`.
+Transfer layout (`KVLayout`, layout.py; docs/architecture.md): per layer
+`[2, num_tokens, kv_heads, head_dim]` contiguous, K rows then V rows. A chunk
+of tokens `[a, b)` of a layer is two byte ranges: K at `a * row_bytes`, V at
+`(num_tokens + a) * row_bytes`. A head-ranged layout (a TP > 1 decode rank's
+heads, possibly written by several prefill ranks: `begin(..., heads=,
+attempt=, num_senders=)`) is head-major instead; layout.py has both byte maps.
+The target (`TransferTarget`, target.py) lists one receiver per decode rank.
 """
 
 from __future__ import annotations
 
 import abc
 import enum
-import math
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
 
 from kv_transfer.errors import InvalidTransition, root_reason
-from proto.address import split_host_port
-
-# dtype name -> (torch dtype, bytes per element); the names are the wire names
-DTYPES: dict[str, tuple[torch.dtype, int]] = {
-    "float32": (torch.float32, 4),
-    "bfloat16": (torch.bfloat16, 2),
-    "float16": (torch.float16, 2),
-}
-DTYPE_CODES: dict[str, int] = {"float32": 1, "bfloat16": 2, "float16": 3}
-
-MAX_LAYERS = 1024
-MAX_TOKENS = 1 << 22
-MAX_KV_HEADS = 1024
-MAX_HEAD_DIM = 4096
-MAX_TICKET_BYTES = 512
-TRANSPORTS = ("tcp", "grpc")
-
-
-def _check_int(name: str, value: int, low: int, high: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
-        raise ValueError(f"{name} must be an int in [{low}, {high}], got {value!r}")
-
-
-@dataclass(frozen=True, slots=True)
-class KVLayout:
-    """Shape of one request's KV in transfer layout: all layers, context tokens
-    `[token_offset, token_offset + num_tokens)`.
-
-    `token_offset` > 0 is a cache-miss-only transfer: the decode pod already
-    holds the first `token_offset` context tokens (whole blocks of its prefix
-    cache), so row 0 of each layer is context token `token_offset`. Both ends
-    must agree on it (BEGIN carries it; a mismatch is `layout_mismatch`)."""
-
-    num_layers: int
-    num_tokens: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: str
-    token_offset: int = 0
-
-    def __post_init__(self) -> None:
-        _check_int("num_layers", self.num_layers, 1, MAX_LAYERS)
-        _check_int("num_tokens", self.num_tokens, 1, MAX_TOKENS)
-        _check_int("token_offset", self.token_offset, 0, MAX_TOKENS)
-        _check_int("num_kv_heads", self.num_kv_heads, 1, MAX_KV_HEADS)
-        _check_int("head_dim", self.head_dim, 1, MAX_HEAD_DIM)
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype][0]
-
-    @property
-    def itemsize(self) -> int:
-        return DTYPES[self.dtype][1]
-
-    @property
-    def row_bytes(self) -> int:
-        """Bytes of one token's K (or V) for one layer: kv_heads * head_dim * itemsize."""
-        return self.num_kv_heads * self.head_dim * self.itemsize
-
-    @property
-    def rows_per_layer(self) -> int:
-        """K rows then V rows: 2 * num_tokens."""
-        return 2 * self.num_tokens
-
-    @property
-    def bytes_per_layer(self) -> int:
-        return self.rows_per_layer * self.row_bytes
-
-    @property
-    def total_bytes(self) -> int:
-        return self.num_layers * self.bytes_per_layer
-
-    @property
-    def layer_shape(self) -> tuple[int, int, int, int]:
-        return (2, self.num_tokens, self.num_kv_heads, self.head_dim)
-
-    def check_chunk(self, layer: int, kv: torch.Tensor, token_start: int) -> None:
-        """Raise ValueError unless `kv` is `layer`'s KV for tokens from `token_start` on."""
-        _check_int("layer", layer, 0, self.num_layers - 1)
-        if kv.dim() != 4 or kv.shape[0] != 2 or tuple(kv.shape[2:]) != (
-            self.num_kv_heads,
-            self.head_dim,
-        ):
-            raise ValueError(
-                f"kv must have shape [2, n, {self.num_kv_heads}, {self.head_dim}], "
-                f"got {list(kv.shape)}"
-            )
-        if kv.dtype != self.torch_dtype:
-            raise ValueError(f"kv dtype must be {self.torch_dtype}, got {kv.dtype}")
-        n = kv.shape[1]
-        _check_int("token_start", token_start, 0, self.num_tokens - 1)
-        if n < 1 or token_start + n > self.num_tokens:
-            raise ValueError(
-                f"tokens [{token_start}, {token_start + n}) are outside [0, {self.num_tokens})"
-            )
-
-
-@dataclass(frozen=True, slots=True)
-class TransferTarget:
-    """Where and how a prefill pod sends one request's KV; issued by `KVReceiver.expect`.
-
-    `deadline` is unix seconds: after it the receiver fails the transfer and
-    frees its landing buffer, whatever state it is in (a receiver given a
-    transfer timeout may fail a started attempt earlier, `KVReceiver.expect`).
-    """
-
-    endpoints: tuple[str, ...]
-    ticket: bytes
-    transport: str
-    generation: int
-    deadline: float
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.endpoints, tuple) or not self.endpoints:
-            raise ValueError(f"endpoints must be a non-empty tuple, got {self.endpoints!r}")
-        for endpoint in self.endpoints:
-            split_endpoint(endpoint)
-        if not isinstance(self.ticket, bytes) or not 0 < len(self.ticket) <= MAX_TICKET_BYTES:
-            raise ValueError(f"ticket must be 1..{MAX_TICKET_BYTES} bytes")
-        if self.transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
-        _check_int("generation", self.generation, 0, (1 << 63) - 1)
-        if not isinstance(self.deadline, (int, float)) or not math.isfinite(self.deadline):
-            raise ValueError(f"deadline must be finite unix seconds, got {self.deadline!r}")
-
-
-def split_endpoint(endpoint: str) -> tuple[str, int]:
-    """'host:port' -> (host, port) for a socket (an IPv6 literal loses its
-    brackets); raises ValueError naming the bad endpoint."""
-    host, port = split_host_port(endpoint, "endpoint")
-    return host.strip("[]"), port
+from kv_transfer.layout import (  # noqa: F401 - re-exported: the layout is part of the interface
+    DTYPE_CODES,
+    DTYPES,
+    MAX_HEAD_DIM,
+    MAX_KV_HEADS,
+    MAX_LAYERS,
+    MAX_TOKENS,
+    KVLayout,
+)
+from kv_transfer.target import (  # noqa: F401 - re-exported: the target is part of the interface
+    MAX_TICKET_BYTES,
+    TRANSPORTS,
+    RankTarget,
+    TransferTarget,
+    split_endpoint,
+)
 
 
 class Verdict(enum.Enum):

@@ -64,8 +64,7 @@ class Incoming:
     def layer_view(self, layer: int) -> torch.Tensor:
         assert self.buffer is not None
         bpl = self.layout.bytes_per_layer
-        flat = self.buffer.data[layer * bpl : (layer + 1) * bpl]
-        return flat.view(self.layout.torch_dtype).view(self.layout.layer_shape)
+        return self.layout.layer_view(self.buffer.data[layer * bpl : (layer + 1) * bpl])
 
     def tombstone(self) -> Tombstone:
         """How it ended (for frames still in flight once it is gone)."""

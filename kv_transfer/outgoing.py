@@ -29,14 +29,17 @@ class Piece:
 
 
 def plan_pieces(layout: KVLayout, layer: int, token_start: int, num_tokens: int,
-                num_streams: int, max_chunk_bytes: int,
-                min_chunk_bytes: int = 0) -> list[Piece]:  # fmt: skip
-    """Slice tokens [token_start, token_start + num_tokens) of one layer.
+                num_streams: int, max_chunk_bytes: int, min_chunk_bytes: int = 0,
+                heads: tuple[int, int] | None = None) -> list[Piece]:  # fmt: skip
+    """Slice tokens [token_start, token_start + num_tokens) of heads `heads`
+    (layout-local, None = all) of one layer.
 
-    The staged chunk is [2, n, H, D]: its K rows are bytes [0, n*row), its V rows
-    [n*row, 2n*row). K goes to `token_start*row`, V to `(T + token_start)*row`.
-    A whole layer (n = T) is laid out exactly as it lands, so its 2n rows are one
-    run; a partial chunk is two runs (K, V). Runs are cut into pieces of whole
+    The staged chunk is `layout.staged(kv)`'s bytes and `layout.chunk_runs` says
+    where its rows land. Whole-model form: [2, n, H, D], its K rows are bytes
+    [0, n*row), its V rows [n*row, 2n*row); K goes to `token_start*row`, V to
+    `(T + token_start)*row`; a whole layer (n = T) is laid out exactly as it
+    lands, so its 2n rows are one run. Head-ranged form: [h, 2, n, D], two runs
+    per head (one for all heads when n = T). Runs are cut into pieces of whole
     rows, about one per stream (so one layer spreads over all streams), never
     above max_chunk_bytes and, unless the run itself is shorter, never below
     min_chunk_bytes: the fewer and larger the frames, the less per-frame work
@@ -44,11 +47,7 @@ def plan_pieces(layout: KVLayout, layer: int, token_start: int, num_tokens: int,
     successive layers rotate over the streams).
     """
     row = layout.row_bytes
-    if token_start == 0 and num_tokens == layout.num_tokens:
-        runs = [(0, 0, 2 * num_tokens)]  # (first source row, first dest row, rows)
-    else:
-        runs = [(0, token_start, num_tokens),
-                (num_tokens, layout.num_tokens + token_start, num_tokens)]  # fmt: skip
+    runs = layout.chunk_runs(token_start, num_tokens, heads)
     total_rows = sum(rows for _, _, rows in runs)
     per_stream = max(-(-total_rows // num_streams), min_chunk_bytes // row)
     rows_per_piece = max(1, min(per_stream, max_chunk_bytes // row))
