@@ -33,6 +33,12 @@ holds the first n context tokens) gets only tokens [n, context): the layout
 starts at that token offset, and `kv_bytes_sent` and
 `pdserve_kv_transfer_bytes_total` count what was sent.
 
+With tensor parallelism on either side (this pod at TP=a > 1, or a target
+listing a decode pod's ranks) every prefill rank sends its own KV heads to
+the decode ranks holding them (prefill_service/kv_export.py on rank 0,
+rank_export.py on the workers): the verdict is every part's (the first
+failure wins), and the byte counts are all ranks' together.
+
 Without a target (prefill only, the TTFT baseline) `transfer_done` (0 bytes)
 follows the first token at once. A max_tokens=0 request (scoring the prompt:
 its `prompt_logprobs`, no token) takes no target; its `first_token` has
@@ -58,24 +64,19 @@ from engine.metrics import PodMetrics
 from engine.outputs import RequestOutput
 from kv_transfer.base import KVLayout, TransferOutcome, TransferTarget
 from kv_transfer.errors import reason_code
+from kv_transfer.target_wire import target_from_proto
 from pod.drain import DrainGate
 from pod.errors import pod_errors
 from pod.kv_shape import KVShape
 from pod.load import load_report
 from pod.messages import ModelLimits, check_request, logprob_to_proto
 from prefill_service.kv_export import KVExport
+from prefill_service.rank_sends import bytes_moved
 from proto import pdserve_pb2, pdserve_pb2_grpc
 from proto.roles import PodRole
 from proto.status import ServiceError
 
 log = logging.getLogger(__name__)
-
-def target_from_proto(msg: pdserve_pb2.KVTarget) -> TransferTarget:
-    """ValueError (from TransferTarget) names whatever field is malformed."""
-    return TransferTarget(
-        endpoints=tuple(msg.endpoints), ticket=bytes(msg.ticket), transport=msg.transport or "tcp",
-        generation=msg.generation, deadline=msg.deadline_unix_ms / 1000.0,
-    )
 
 
 class PrefillServicer(pdserve_pb2_grpc.PrefillServicer):
@@ -174,8 +175,9 @@ class PrefillServicer(pdserve_pb2_grpc.PrefillServicer):
                 f"KV transfer of {rid} to {','.join(target.endpoints)} failed: {outcome.reason}",
             )
         self._metrics.kv_transfer_seconds.observe(time.monotonic() - started)
-        self._metrics.kv_transfer_bytes.inc(layout.total_bytes)
-        return layout.total_bytes
+        sent = bytes_moved(layout, target)  # all ranks' (a replicating decode pod gets more)
+        self._metrics.kv_transfer_bytes.inc(sent)
+        return sent
 
     @pod_errors
     async def Abort(self, request: pdserve_pb2.AbortRequest,

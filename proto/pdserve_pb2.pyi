@@ -138,20 +138,34 @@ class AbortResponse(_message.Message):
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class KVTarget(_message.Message):
-    __slots__ = ("endpoints", "ticket", "transport", "generation", "deadline_unix_ms", "num_held_tokens")
+    __slots__ = ("endpoints", "ticket", "transport", "generation", "deadline_unix_ms", "num_held_tokens", "ranks", "tensor_parallel_size")
     ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
     TICKET_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     NUM_HELD_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     endpoints: _containers.RepeatedScalarFieldContainer[str]
     ticket: bytes
     transport: str
     generation: int
     deadline_unix_ms: int
     num_held_tokens: int
-    def __init__(self, endpoints: _Optional[_Iterable[str]] = ..., ticket: _Optional[bytes] = ..., transport: _Optional[str] = ..., generation: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., num_held_tokens: _Optional[int] = ...) -> None: ...
+    ranks: _containers.RepeatedCompositeFieldContainer[KVRankTarget]
+    tensor_parallel_size: int
+    def __init__(self, endpoints: _Optional[_Iterable[str]] = ..., ticket: _Optional[bytes] = ..., transport: _Optional[str] = ..., generation: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., num_held_tokens: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[KVRankTarget, _Mapping]]] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
+
+class KVRankTarget(_message.Message):
+    __slots__ = ("endpoints", "head_start", "head_end")
+    ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_START_FIELD_NUMBER: _ClassVar[int]
+    HEAD_END_FIELD_NUMBER: _ClassVar[int]
+    endpoints: _containers.RepeatedScalarFieldContainer[str]
+    head_start: int
+    head_end: int
+    def __init__(self, endpoints: _Optional[_Iterable[str]] = ..., head_start: _Optional[int] = ..., head_end: _Optional[int] = ...) -> None: ...
 
 class DecodeGenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "output_token_ids", "remote_prefill", "local_prefill_below", "split_at")
@@ -290,7 +304,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[_Union[PrefillFirstToken, _Mapping]] = ..., transfer_done: _Optional[_Union[PrefillTransferDone, _Mapping]] = ...) -> None: ...
 
 class KVFrame(_message.Message):
-    __slots__ = ("version", "kind", "request_id", "layer", "offset", "payload", "checksum", "ticket", "num_layers", "num_tokens", "num_kv_heads", "head_dim", "dtype", "first_token_id", "total_bytes", "reason", "flags", "token_offset")
+    __slots__ = ("version", "kind", "request_id", "layer", "offset", "payload", "checksum", "ticket", "num_layers", "num_tokens", "num_kv_heads", "head_dim", "dtype", "first_token_id", "total_bytes", "reason", "flags", "token_offset", "head_start", "model_kv_heads", "sub_start", "sub_end", "num_senders")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -309,6 +323,11 @@ class KVFrame(_message.Message):
     REASON_FIELD_NUMBER: _ClassVar[int]
     FLAGS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    HEAD_START_FIELD_NUMBER: _ClassVar[int]
+    MODEL_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    SUB_START_FIELD_NUMBER: _ClassVar[int]
+    SUB_END_FIELD_NUMBER: _ClassVar[int]
+    NUM_SENDERS_FIELD_NUMBER: _ClassVar[int]
     version: int
     kind: FrameKind
     request_id: str
@@ -327,7 +346,12 @@ class KVFrame(_message.Message):
     reason: str
     flags: int
     token_offset: int
-    def __init__(self, version: _Optional[int] = ..., kind: _Optional[_Union[FrameKind, str]] = ..., request_id: _Optional[str] = ..., layer: _Optional[int] = ..., offset: _Optional[int] = ..., payload: _Optional[bytes] = ..., checksum: _Optional[int] = ..., ticket: _Optional[bytes] = ..., num_layers: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., first_token_id: _Optional[int] = ..., total_bytes: _Optional[int] = ..., reason: _Optional[str] = ..., flags: _Optional[int] = ..., token_offset: _Optional[int] = ...) -> None: ...
+    head_start: int
+    model_kv_heads: int
+    sub_start: int
+    sub_end: int
+    num_senders: int
+    def __init__(self, version: _Optional[int] = ..., kind: _Optional[_Union[FrameKind, str]] = ..., request_id: _Optional[str] = ..., layer: _Optional[int] = ..., offset: _Optional[int] = ..., payload: _Optional[bytes] = ..., checksum: _Optional[int] = ..., ticket: _Optional[bytes] = ..., num_layers: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., first_token_id: _Optional[int] = ..., total_bytes: _Optional[int] = ..., reason: _Optional[str] = ..., flags: _Optional[int] = ..., token_offset: _Optional[int] = ..., head_start: _Optional[int] = ..., model_kv_heads: _Optional[int] = ..., sub_start: _Optional[int] = ..., sub_end: _Optional[int] = ..., num_senders: _Optional[int] = ...) -> None: ...
 
 class PushResult(_message.Message):
     __slots__ = ("ok", "reason")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kv_transfer.target import RankTarget, TransferTarget
+from kv_transfer.target_wire import target_from_proto, target_to_proto
 
 R0 = RankTarget(("127.0.0.1:7000",), 0, 2)
 R1 = RankTarget(("127.0.0.1:7001",), 2, 4)
@@ -54,3 +55,18 @@ def test_rank_target_validation():
         RankTarget(("nohost",), 0, 1)
     with pytest.raises(ValueError, match="non-empty"):
         RankTarget((), 0, 1)
+
+
+def test_proto_round_trip():
+    tp1 = _target(deadline=1700000000.25)
+    msg = target_to_proto(tp1, num_held_tokens=32)
+    assert msg.num_held_tokens == 32 and not msg.ranks and msg.tensor_parallel_size == 0
+    assert target_from_proto(msg) == tp1
+    tp2 = _target(deadline=1700000000.5, ranks=(R0, R1), tensor_parallel_size=2)
+    msg = target_to_proto(tp2)
+    assert [tuple(r.endpoints) for r in msg.ranks] == [R0.endpoints, R1.endpoints]
+    assert [(r.head_start, r.head_end) for r in msg.ranks] == [(0, 2), (2, 4)]
+    assert target_from_proto(msg) == tp2
+    msg.ranks[1].head_end = 2  # an empty range names the field
+    with pytest.raises(ValueError, match="head_end"):
+        target_from_proto(msg)
