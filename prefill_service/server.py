@@ -11,15 +11,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+from dataclasses import replace
 from pathlib import Path
 
+from engine.config import EngineConfig
 from engine.engine_loop import EngineLoop, LoopState
 from engine.llm_engine import LLMEngine
 from engine.metrics import PodMetrics, serve_metrics
 from engine.model_config import ModelConfig
-from kv_transfer.base import KVSender
-from kv_transfer.config import SenderConfig
-from kv_transfer.tcp import TcpKVSender
 from pod.cache_events import add_cache_events
 from pod.drain import DrainGate
 from pod.kv_shape import kv_shape_of
@@ -27,35 +26,39 @@ from pod.messages import ModelLimits
 from pod.server import PodServer
 from prefill_service.config import PrefillConfig
 from prefill_service.kv_export import KVExport
+from prefill_service.rank_export import RANK_SERVICE
+from prefill_service.senders import make_senders
 from prefill_service.servicer import PrefillServicer
+from prefill_service.worker_exports import WorkerExports
 from proto import pdserve_pb2_grpc
 from proto.roles import PodRole
-from proto.tls import PodSecurity
 
 log = logging.getLogger(__name__)
 
 
-def make_senders(kv_streams: int, security: PodSecurity | None = None) -> dict[str, KVSender]:
-    """One sender per transport this build has; the target picks per request.
-    `security` secures the gRPC transport's channels (the TCP one is
-    cluster-internal, docs/deploy.md, Security)."""
-    config = SenderConfig(num_streams=kv_streams, security=security or PodSecurity())
-    senders: dict[str, KVSender] = {"tcp": TcpKVSender(config)}
-    try:
-        from kv_transfer.grpc import GrpcKVSender
-    except ImportError:  # the gRPC connector is optional
-        log.info("gRPC KV sender not available; serving tcp targets only")
-    else:
-        senders["grpc"] = GrpcKVSender(config)
-    return senders
+def engine_config_of(config: PrefillConfig) -> EngineConfig:
+    """The engine's config: at TP > 1 each worker rank runs the prefill rank
+    service (its own heads' KV transfers, prefill_service/rank_export.py)."""
+    engine = config.engine
+    if engine.tensor_parallel_size == 1:
+        return engine
+    if engine.rank_service not in ("", RANK_SERVICE):
+        raise ValueError(f"a prefill pod's workers run {RANK_SERVICE}, not "
+                         f"{engine.rank_service!r}")
+    return replace(engine, rank_service=RANK_SERVICE)
 
 
 async def run_prefill_pod(config: PrefillConfig, stop: asyncio.Event | None = None) -> int:
     """Serve until SIGTERM/SIGINT or `stop`; returns the exit status."""
     metrics = PodMetrics.create(PodRole.PREFILL)
-    export = KVExport(make_senders(config.kv_streams, config.server.security),
-                      kernel_backend=config.engine.kernel_backend)
-    engine = LLMEngine(config.engine, layer_kv_hook=export)
+    streams, security = config.kv_streams, config.server.security
+    tp = config.engine.tensor_parallel_size
+    export = KVExport(make_senders(streams, security),
+                      more_senders=lambda: make_senders(streams, security),
+                      kernel_backend=config.engine.kernel_backend, prefill_tp=tp)
+    engine = LLMEngine(engine_config_of(config), layer_kv_hook=export)
+    if tp > 1:
+        export.attach_workers(WorkerExports(engine.tp, num_streams=streams, security=security))
     loop = EngineLoop(engine, metrics)
     model_config = ModelConfig.from_pretrained(config.engine.model_dir)
     gate = DrainGate()
