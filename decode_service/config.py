@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
-from pod.config import ServerConfig, check_transfer_tensor_parallel
+from pod.config import ServerConfig
 
 KV_TRANSPORTS = ("tcp", "grpc")
 MAX_TRANSFER_TIMEOUT_S = 3600.0
@@ -19,7 +19,8 @@ class DecodeConfig:
     """A decode pod: engine, gRPC server, and the KV receiver.
 
     `kv_port` is where prefill pods push KV (the TCP listener, or the gRPC
-    `KVTransfer` server); `landing_memory` bounds the bytes of KV in flight
+    `KVTransfer` server; at tensor_parallel_size b rank r's is kv_port + r);
+    `landing_memory` bounds the bytes of KV in flight
     (a full pool refuses new requests with RESOURCE_EXHAUSTED);
     `transfer_timeout_s` is how long one sending attempt may take from its
     BEGIN to the last layer, and `reservation_timeout_s` how long a reserved
@@ -42,10 +43,12 @@ class DecodeConfig:
     join_wait: float = 0.5
 
     def __post_init__(self) -> None:
-        check_transfer_tensor_parallel(self.engine.tensor_parallel_size, "decode")
-        if not 0 <= self.kv_port <= 65535:
-            raise ValueError(f"kv_port must be in [0, 65535] (0 = any free port), "
-                             f"got {self.kv_port}")
+        # At TP=b rank r listens on kv_port + r (docs/tensor_parallel.md, Decode ranks).
+        last = 65535 - self.engine.tensor_parallel_size + 1
+        if not 0 <= self.kv_port <= last:
+            raise ValueError(f"kv_port must be in [0, {last}] (0 = any free port), got "
+                             f"{self.kv_port}: rank r of the pod's "
+                             f"{self.engine.tensor_parallel_size} listens on kv_port + r")
         if self.kv_transport not in KV_TRANSPORTS:
             raise ValueError(f"kv_transport must be one of {KV_TRANSPORTS}, "
                              f"got {self.kv_transport!r}")

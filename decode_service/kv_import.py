@@ -49,6 +49,17 @@ the pod's event loop unless another caller is named:
     from COMMITTED on, so a token computed over a head that never arrived
     whole is never sent (the engine aborts such a request itself).
 
+    A decode pod at TP=b > 1 (`RemoteKV.ranks`, decode_service/rank_links.py):
+    every rank lands and injects only its own KV heads. open() also sends
+    each worker rank EXPECT (its heads' layout, the same deadline, so its
+    receiver issues the same ticket) and the target lists every rank's
+    endpoints and heads; R is INJECTED only when rank 0's own injection and
+    every worker's LANDED are in (any FAILED fails R), and only then does
+    this class queue R's commit (rank 0's injector queues nothing). free()
+    has every worker forget R (FORGOTTEN from each) before the engine frees
+    R's blocks. No split prefill at TP > 1 (`split_for` takes none: the tail
+    would compute beside the steps' collectives).
+
     RESERVED / OPEN / INJECTED ── free(reason) ──> FREED
         (cancel, Abort, failure, deadline, a commit that raised): the receiver
         stops writing (cancel), the injector lets go of R (forget returns once
@@ -74,16 +85,18 @@ import asyncio
 import enum
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from decode_service.injector import KVInjector, TransferFailed
+from decode_service.rank_links import DecodeRanks
+from decode_service.rank_wire import rank_layout
 from decode_service.split_head import SplitHead
 from engine.engine_loop import EngineLoop
 from engine.layer_gate import LayerGate
 from engine.outputs import RemoteReservation
 from engine.request_stream import RequestAborted, RequestStream
 from engine.sampling_params import SamplingParams
-from kv_transfer.base import KVReceiver, TransferTarget
+from kv_transfer.base import KVLayout, KVReceiver, TransferTarget
 from pod.kv_shape import KVShape
 
 # Past the transfer deadline the receiver's sweeper fails the transfer
@@ -104,6 +117,9 @@ class RemoteKV:
     kv_shape: KVShape
     transfer_timeout_s: float
     reservation_timeout_s: float = 600.0
+    ranks: DecodeRanks | None = None  # the worker ranks of a pod at TP > 1
+    # how long free() waits for the worker ranks to forget a request
+    forget_timeout_s: float = 60.0
 
 
 class ImportState(enum.Enum):
@@ -145,6 +161,8 @@ class KVImport:
         self._ready: asyncio.Future[int] | None = None  # the injector's
         self._committed: asyncio.Future[None] | None = None  # the engine loop's, see _queue_commit
         self._aborted: asyncio.Future[RequestAborted] | None = None  # ours: abort()
+        self._own_ready: asyncio.Future[int] | None = None  # TP > 1: rank 0's injector's
+        self._expecting: asyncio.Future[None] | None = None  # TP > 1: DecodeRanks'
 
     @property
     def state(self) -> ImportState:
@@ -191,6 +209,8 @@ class KVImport:
         """The split this pod takes for a requested `split_at` (0 = none):
         none when its cached prefix already holds the head."""
         assert self._reservation is not None
+        if self._remote.ranks is not None:
+            return 0  # TP > 1: no split (module docstring)
         return split_at if split_at > self._reservation.num_held_tokens else 0
 
     def open(self, split_at: int = 0) -> TransferTarget:
@@ -210,6 +230,9 @@ class KVImport:
         head = split_at - held if split_at else reservation.num_new_tokens
         layout = remote.kv_shape.layout(head, held)
         event_loop = asyncio.get_running_loop()
+        deadline = time.time() + remote.reservation_timeout_s
+        if remote.ranks is not None:
+            return self._open_ranks(remote.ranks, layout, deadline, event_loop)
         if split_at:
             gate = LayerGate(layout.num_layers)
             split = SplitHead(gate, lambda: self._queue_tail(split_at, gate, event_loop))
@@ -221,11 +244,52 @@ class KVImport:
                 self.request_id, reservation.slot_mapping, layout.num_layers,
                 layout.total_bytes, on_ready=lambda token: self._queue_commit(token, event_loop))
         self._aborted = event_loop.create_future()
-        target = remote.receiver.expect(self.request_id, layout,
-                                        time.time() + remote.reservation_timeout_s,
+        target = remote.receiver.expect(self.request_id, layout, deadline,
                                         transfer_timeout_s=remote.transfer_timeout_s)
         self._to(ImportState.OPEN)
         return target
+
+    def _open_ranks(self, ranks: DecodeRanks, layout: KVLayout, deadline: float,
+                    event_loop: asyncio.AbstractEventLoop) -> TransferTarget:
+        """`open` at TP > 1: the workers expect their heads first, then rank
+        0 its own; `_ready` resolves when all are in, having queued the commit."""
+        remote, reservation = self._remote, self._reservation
+        own = remote.injector.expect(self.request_id, reservation.slot_mapping,
+                                     layout.num_layers, rank_layout(layout, *ranks.head_range(0))
+                                     .total_bytes)
+        landing = ranks.expect(self.request_id, layout, deadline, remote.transfer_timeout_s,
+                               reservation.slot_mapping)
+        self._own_ready, self._expecting = own, landing.expecting
+        self._ready = event_loop.create_task(self._all_landed(own, landing.landed, event_loop))
+        self._aborted = event_loop.create_future()
+        target = remote.receiver.expect(self.request_id, rank_layout(layout,
+                                                                     *ranks.head_range(0)),
+                                        deadline, transfer_timeout_s=remote.transfer_timeout_s)
+        self._to(ImportState.OPEN)
+        return replace(target, ranks=ranks.targets, tensor_parallel_size=ranks.size)
+
+    async def ranks_expecting(self) -> None:
+        """After `open`, before R's target goes out: at TP > 1 every worker
+        rank expects R (else a sender could reach a rank that refuses R as
+        unknown). TransferFailed when a rank could not expect R."""
+        if self._expecting is not None:
+            await asyncio.wait_for(asyncio.shield(self._expecting), self._remote.forget_timeout_s)
+
+    async def _all_landed(self, own: asyncio.Future[int], landed: asyncio.Future[int],
+                          event_loop: asyncio.AbstractEventLoop) -> int:
+        """Rank 0's first token once its own injection and every worker's
+        LANDED are in (the first failure wins); R's commit queued."""
+        await asyncio.wait((own, landed), return_when=asyncio.FIRST_EXCEPTION)
+        for future in (own, landed):
+            if future.done() and not future.cancelled() and future.exception() is not None:
+                raise future.exception()
+        first_token_id = own.result()
+        if landed.result() != first_token_id:
+            raise TransferFailed(self.request_id, f"aborted: rank 0 landed first token "
+                                                  f"{first_token_id}, the workers "
+                                                  f"{landed.result()}")
+        self._queue_commit(first_token_id, event_loop)
+        return first_token_id
 
     async def wait(self) -> int:
         """R's first token once every layer is in its slots and END was
@@ -295,9 +359,13 @@ class KVImport:
             return
         self._to(ImportState.FREED)
         remote = self._remote
+        if isinstance(self._ready, asyncio.Task):
+            self._ready.cancel()  # TP > 1: it must not queue a commit after the abort below
         remote.receiver.cancel(self.request_id, f"decode request ended before commit ({reason})")
         await remote.injector.forget(self.request_id)
-        for future in (self._ready, self._committed):
+        if remote.ranks is not None:  # every worker stops writing R's slots first
+            await remote.ranks.forget(self.request_id, remote.forget_timeout_s)
+        for future in (self._ready, self._committed, self._own_ready, self._expecting):
             if future is not None and future.done() and not future.cancelled():
                 future.exception()  # a late outcome nobody waits for any more: seen
         remote.receiver.release(self.request_id)

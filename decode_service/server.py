@@ -4,6 +4,13 @@ colocated pod (engine only) behind `DecodeServicer`, until SIGTERM.
 Called by `pdserve decode` / `pdserve serve` with a validated config; runs in
 the caller's asyncio loop, plus the engine loop thread, the receiver's I/O
 threads and the injector thread.
+
+A decode pod at TP=b > 1 (docs/tensor_parallel.md, "Decode ranks"): every
+worker rank runs its own receiver and injector (decode_service/rank_kv.py,
+started by name as the engine's rank service); rank 0 picks the pod's ticket
+secret and generation, sends each worker its receiver config and waits for
+every rank's READY before it serves (decode_service/rank_links.py). Rank r
+listens on --kv-port + r (any free port when --kv-port is 0).
 """
 
 from __future__ import annotations
@@ -11,12 +18,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+from dataclasses import replace
 from pathlib import Path
 
 from decode_service.config import ColocatedConfig, DecodeConfig
 from decode_service.injector import KVInjector
 from decode_service.kv_import import RemoteKV
+from decode_service.rank_kv import RANK_SERVICE
+from decode_service.rank_links import DecodeRanks
 from decode_service.receiver_metrics import ReceiverCollector
+from decode_service.receivers import open_receiver, receiver_config
 from decode_service.servicer import DecodeServicer
 from decode_service.transfer_eta import TransferETA
 from engine.config import EngineConfig
@@ -25,8 +36,8 @@ from engine.join_hold import JoinHold
 from engine.llm_engine import LLMEngine
 from engine.metrics import PodMetrics, serve_metrics
 from engine.model_config import ModelConfig
-from kv_transfer.base import KVReceiver
-from kv_transfer.config import ReceiverConfig
+from kv_transfer.base import KVReceiver, RankTarget
+from kv_transfer.tickets import new_generation
 from pod.cache_events import add_cache_events
 from pod.config import ServerConfig
 from pod.drain import DrainGate
@@ -40,31 +51,45 @@ from proto.roles import PodRole
 log = logging.getLogger(__name__)
 
 
-def make_receiver(config: DecodeConfig, injector: KVInjector) -> KVReceiver:
-    """The receiver for --kv-transport, listening on --kv-port."""
-    rc = ReceiverConfig(
-        capacity_bytes=config.landing_memory, host=config.server.host, port=config.kv_port,
-        advertise_host=config.server.public_host(), security=config.server.security,
-        max_connections=config.kv_max_connections, io_timeout_s=config.kv_frame_timeout_s,
-    )
-    if config.kv_transport == "tcp":
-        from kv_transfer.tcp import TcpKVReceiver
-
-        if config.server.security.enabled:
-            # By design (docs/deploy.md, Security): the TCP KV channel is
-            # cluster-internal, ticket-checked, and fenced by the chart's
-            # NetworkPolicy; --kv-transport grpc carries KV over pod TLS.
-            log.info("KV transport tcp: plaintext on the cluster network (only prefill "
-                     "pods may reach it); --kv-transport grpc encrypts it with pod TLS")
-        return TcpKVReceiver(rc, injector)
-    from kv_transfer.grpc import GrpcKVReceiver
-
-    return GrpcKVReceiver(rc, injector)
+def _open_remote(decode: DecodeConfig, engine: LLMEngine, loop: EngineLoop,
+                 metrics: PodMetrics, eta: TransferETA) -> tuple[KVReceiver, RemoteKV]:
+    """Rank 0's receiver and injector, and at TP > 1 the worker ranks' (their
+    READY awaited: blocking, so run it off the event loop)."""
+    engine_config = decode.engine
+    size = engine_config.tensor_parallel_size
+    secret = secrets.token_bytes(32) if size > 1 else None  # one ticket for every rank
+    generation = new_generation() if size > 1 else None
+    injector = KVInjector(loop.kv_caches(), metrics,
+                          kernel_backend=engine_config.kernel_backend, eta=eta)
+    receiver = open_receiver(decode.kv_transport,
+                             receiver_config(decode, 0, secret=secret, generation=generation),
+                             injector)
+    receiver.start()
+    ranks = None
+    if size > 1:
+        shard = engine.model.shard
+        ranks = DecodeRanks(engine.tp, RankTarget(receiver.endpoints, shard.kv_head_start,
+                                                  shard.kv_head_end))
+        try:
+            ranks.start(decode.kv_transport,
+                        [receiver_config(decode, r, secret=secret, generation=generation)
+                         for r in range(1, size)], engine_config.tp_timeout_s)
+        except BaseException:
+            receiver.close()
+            injector.close()
+            raise
+    remote = RemoteKV(receiver, injector, kv_shape_of(engine_config.model_dir,
+                                                      engine_config.dtype),
+                      decode.transfer_timeout_s, decode.reservation_timeout_s, ranks=ranks,
+                      forget_timeout_s=engine_config.tp_timeout_s)
+    return receiver, remote
 
 
 async def _serve(role: PodRole, engine_config: EngineConfig, server_config: ServerConfig,
                  stop: asyncio.Event | None, decode: DecodeConfig | None) -> int:
     metrics = PodMetrics.create(role)
+    if decode is not None and engine_config.tensor_parallel_size > 1:
+        engine_config = replace(engine_config, rank_service=RANK_SERVICE)
     engine = LLMEngine(engine_config)
     eta = TransferETA()  # when a decode pod's transfers end: its join hold asks
     join_hold = None if decode is None else JoinHold(eta.next_ready, decode.join_wait, metrics)
@@ -75,17 +100,16 @@ async def _serve(role: PodRole, engine_config: EngineConfig, server_config: Serv
     extra_ports: dict[str, int] = {}
     remote = None
     if decode is not None:
-        injector = KVInjector(loop.kv_caches(), metrics,
-                              kernel_backend=engine_config.kernel_backend, eta=eta)
-        receiver = make_receiver(decode, injector)
-        receiver.start()
+        try:
+            receiver, remote = await asyncio.to_thread(_open_remote, decode, engine, loop,
+                                                       metrics, eta)
+        except BaseException:
+            engine.close()
+            raise
         extra_ports["kv"] = split_host_port(receiver.endpoints[0], "KV endpoint")[1]
         metrics.kv_landing_bytes_in_use.set_function(lambda: receiver.stats().bytes_in_use)
         ReceiverCollector(receiver, role).register(metrics.registry)
-        remote = RemoteKV(receiver, injector, kv_shape_of(engine_config.model_dir,
-                                                          engine_config.dtype),
-                          decode.transfer_timeout_s, decode.reservation_timeout_s)
-        on_stopped = [receiver.close, injector.close, loop.stop]
+        on_stopped = [receiver.close, remote.injector.close, loop.stop]
     gate = DrainGate()
     generation = secrets.randbits(63)
     server = PodServer.new_grpc_server(server_config.security)

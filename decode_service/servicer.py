@@ -14,7 +14,8 @@ receiver, injector) is a `KVImport` (decode_service/kv_import.py):
     kv.reserve()        WAITING_FOR_REMOTE_KV: blocks for context + max_tokens held
       │  no room ──> RESOURCE_EXHAUSTED  (the router tries another pod)
       v
-    kv.open()           injector expects R; landing buffer + ticket
+    kv.open()           injector expects R; landing buffer + ticket (at TP > 1
+      │                 every rank's, kv.ranks_expecting(): decode_service/kv_import.py)
       │  landing pool full ──> RESOURCE_EXHAUSTED (blocks released first)
       v
     yield Reserved{target, block_size, num_reserved_blocks}
@@ -62,6 +63,7 @@ from engine.metrics import PodMetrics
 from engine.request_stream import EngineDead, RequestAborted, RequestStream
 from engine.sampling_params import SamplingParams
 from kv_transfer.errors import BufferPoolExhausted, reason_code
+from kv_transfer.target_wire import target_to_proto
 from pod.decode_stream import DecodeStreamMux
 from pod.drain import DrainGate
 from pod.errors import pod_errors
@@ -192,12 +194,9 @@ class DecodeServicer(pdserve_pb2_grpc.DecodeServicer):
             split_at = kv.split_for(split_at)
             target = kv.open(split_at)
             self._importing[rid] = kv
+            await kv.ranks_expecting()  # TP > 1: every decode rank knows R first
             yield pdserve_pb2.DecodeGenerateResponse(reserved=pdserve_pb2.Reserved(
-                target=pdserve_pb2.KVTarget(
-                    endpoints=list(target.endpoints), ticket=target.ticket,
-                    transport=target.transport, generation=target.generation,
-                    deadline_unix_ms=int(target.deadline * 1000),
-                    num_held_tokens=reservation.num_held_tokens),
+                target=target_to_proto(target, reservation.num_held_tokens),
                 block_size=reservation.block_size,
                 num_reserved_blocks=len(reservation.block_ids), split_at=split_at))
             reserved_at = time.monotonic()

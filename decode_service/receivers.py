@@ -1,0 +1,45 @@
+"""The KV receiver of a decode pod's rank: its `ReceiverConfig` from the
+pod's config, and the receiver of the pod's transport. Rank 0 builds its
+own (decode_service/server.py); at TP > 1 it sends each worker rank its
+config (decode_service/rank_wire.py, SETUP), so every rank listens with the
+same transport, security, ticket secret and generation."""
+
+from __future__ import annotations
+
+import logging
+
+from decode_service.config import DecodeConfig
+from kv_transfer.base import KVReceiveListener, KVReceiver
+from kv_transfer.config import ReceiverConfig
+
+log = logging.getLogger(__name__)
+
+
+def receiver_config(config: DecodeConfig, rank: int = 0, *, secret: bytes | None = None,
+                    generation: int | None = None) -> ReceiverConfig:
+    """Rank `rank`'s receiver: on --kv-port + rank (0: any free port), the
+    pod's advertised host, and (TP > 1) the pod's ticket secret and generation."""
+    return ReceiverConfig(
+        capacity_bytes=config.landing_memory, host=config.server.host,
+        port=config.kv_port + rank if config.kv_port else 0,
+        advertise_host=config.server.public_host(), security=config.server.security,
+        max_connections=config.kv_max_connections, io_timeout_s=config.kv_frame_timeout_s,
+        secret=secret, generation=generation)
+
+
+def open_receiver(transport: str, config: ReceiverConfig,
+                  listener: KVReceiveListener) -> KVReceiver:
+    """The receiver for `transport` ("tcp" or "grpc"), not started yet."""
+    if transport == "tcp":
+        from kv_transfer.tcp import TcpKVReceiver
+
+        if config.security.enabled:
+            # By design (docs/deploy.md, Security): the TCP KV channel is
+            # cluster-internal, ticket-checked, and fenced by the chart's
+            # NetworkPolicy; --kv-transport grpc carries KV over pod TLS.
+            log.info("KV transport tcp: plaintext on the cluster network (only prefill "
+                     "pods may reach it); --kv-transport grpc encrypts it with pod TLS")
+        return TcpKVReceiver(config, listener)
+    from kv_transfer.grpc import GrpcKVReceiver
+
+    return GrpcKVReceiver(config, listener)
