@@ -17,19 +17,6 @@ _SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
-def check_transfer_tensor_parallel(tensor_parallel_size: int, role: str) -> None:
-    """A prefill or decode pod moves KV from one process's cache, which at
-    TP=N holds only that rank's heads: until each rank sends and lands its
-    own heads (issue 38's per-rank KV transfer), those roles run at TP=1.
-    ValueError naming the role, the value and what serves TP today."""
-    if tensor_parallel_size != 1:
-        raise ValueError(
-            f"tensor_parallel_size {tensor_parallel_size} on a {role} pod: the KV transfer "
-            f"moves one rank's cache, so {role} pods run at tensor_parallel_size 1 until "
-            f"every rank sends its own KV heads; a colocated pod (pdserve serve, pdserve up "
-            f"--colocated-tp) runs at any size")
-
-
 def parse_size(text: str) -> int:
     """'2GiB' -> 2147483648; plain numbers are bytes. ValueError names the input."""
     match = _SIZE_RE.match(text)

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from engine.model_source import DEFAULT_MODEL
 from pdserve.commands._cpus import format_cpu_list, parse_cpu_list
 from pdserve.commands._supervisor import RestartPolicy
-from pod.config import check_transfer_tensor_parallel
 from proto.roles import PodRole
 
 # The pdserve subcommand that runs each pod role.
@@ -83,8 +82,6 @@ class UpConfig:
                                  f"{', '.join(POD_COMMANDS)}")
             if not 1 <= size <= 64:
                 raise ValueError(f"--{role}-tp must be between 1 and 64; got {size}")
-            if role != PodRole.COLOCATED:
-                check_transfer_tensor_parallel(size, role)
         self.restart_policy()  # validates the restart flags
 
     def tensor_parallel_of(self, role: str) -> int:

@@ -184,5 +184,8 @@ def test_up_tensor_parallel_flags() -> None:
     assert "--tensor-parallel-size" not in pod_argv("prefill", Path("/m"), config, Path("/r"))
     with pytest.raises(ValueError, match="--colocated-tp must be between 1 and 64; got 0"):
         UpConfig(num_colocated=1, tensor_parallel=(("colocated", 0),))
-    with pytest.raises(ValueError, match="tensor_parallel_size 2 on a decode pod"):
-        UpConfig(tensor_parallel=(("decode", 2),))
+    # prefill and decode at different sizes: each rank moves its own KV heads
+    config = UpConfig(tensor_parallel=(("prefill", 2), ("decode", 4)))
+    for role, size in (("prefill", "2"), ("decode", "4")):
+        argv = pod_argv(role, Path("/m"), config, Path("/r"))
+        assert argv[argv.index("--tensor-parallel-size") + 1] == size
