@@ -295,3 +295,34 @@ def test_encode_and_send_cost_is_printed(capsys):
         print("\nstep description encode+send:",
               ", ".join(f"batch {b}: {us:.1f} us" for b, us in costs.items()))
     assert all(us > 0 for us in costs.values())
+
+
+def test_names_and_spans_reach_the_worker():
+    """Request ids of new handles (any UTF-8 length; a reused handle gets its
+    new request's id) and the step's layer-KV spans, slot mappings rebuilt
+    from the worker's tables."""
+    from types import SimpleNamespace
+
+    from engine.kv_hook import LayerKVSpan
+
+    encoder, mirror = StepEncoder(), StepMirror()
+    ids = ["a", "ré-12345", "x" * 8, "日本語のリクエスト"]
+    tables = [[3], [4, 9], [5], [6, 7]]
+    step = _step([StepRow(0, 2, False, t, [1, 2]) for t in tables], ids)
+    span = LayerKVSpan(ids[1], 16, 18, torch.tensor([9 * 16, 9 * 16 + 1]))
+    step = PreparedStep(**{f: getattr(step, f) for f in PreparedStep.__slots__
+                           if f != "context"}, context=SimpleNamespace(spans=(span,)))
+    message = decode(encoder.encode(step, broadcast_sampled=False))
+    mirror.apply(message)
+    assert mirror.names == dict(enumerate(ids))
+    (rebuilt,) = mirror.spans(message, 16, torch.device("cpu"))
+    assert (rebuilt.request_id, rebuilt.start, rebuilt.end) == (ids[1], 16, 18)
+    assert rebuilt.slot_mapping.tolist() == [144, 145]
+    encoder.forget(ids[0])
+    again = decode(encoder.encode(_step([StepRow(0, 1, True, [8], [5])], ["new"]),
+                                  broadcast_sampled=False))
+    assert again.names[:2] == [0, 3]  # handle 0 reused, 3 bytes
+    mirror.apply(again)
+    assert mirror.names[0] == "new" and mirror.spans(again, 16, torch.device("cpu")) == ()
+    # rank 0 writes each worker's control_seq into its copy (TPLeader.send_step)
+    assert again.control_seq == 0
