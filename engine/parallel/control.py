@@ -245,16 +245,19 @@ class WorkerControl(_End):
         super().__init__(sock)
         self._progress = _Progress()
 
-    def start(self, service: RankService) -> threading.Thread:
+    def start(self, service: RankService,
+              on_failure: Callable[[str], object] | None = None) -> threading.Thread:
         """Dispatch messages to `service` on a new thread, counting each
-        once `on_control` returned. A service that raises fails the worker
-        at its next `wait_processed` (the pod goes down, nothing waits)."""
-        thread = threading.Thread(target=self._read, args=(service,), name="tp-control",
-                                  daemon=True)
+        once `on_control` returned. A service that raises fails the next
+        `wait_processed` and calls `on_failure(reason)` (the worker exits
+        then: an idle pod must go down too, not leave rank 0 waiting for a
+        reply that never comes)."""
+        thread = threading.Thread(target=self._read, args=(service, on_failure),
+                                  name="tp-control", daemon=True)
         thread.start()
         return thread
 
-    def _read(self, service: RankService) -> None:
+    def _read(self, service: RankService, on_failure: Callable[[str], object] | None) -> None:
         progress = self._progress
         try:
             while (message := receive(self.sock)) is not None:
@@ -267,6 +270,8 @@ class WorkerControl(_End):
             with progress.changed:
                 progress.failure = f"{type(exc).__name__}: {exc}"
                 progress.changed.notify_all()
+            if on_failure is not None:
+                on_failure(progress.failure)
             return
         with progress.changed:
             progress.ended = True

@@ -107,8 +107,17 @@ def _start_service(spec: WorkerSpec, rank: RankModel, group: TPGroup
     control = WorkerControl(socket.socket(fileno=spec.control_fd))
     service = load_rank_service(spec.rank_service)(spec, rank, group, control)
     rank.runner.layer_kv_hook = service.layer_kv_hook
-    control.start(service)
+    control.start(service, on_failure=lambda reason: _exit_at_once(spec.rank, reason))
     return control, service
+
+
+def _exit_at_once(rank: int, reason: str) -> None:
+    """The control thread: the rank service failed; exit now (rank 0's
+    watchdog takes the pod down) rather than at the next step, which an idle
+    pod may never send."""
+    log.error("tensor-parallel rank %d: its rank service failed (%s); exiting", rank, reason)
+    sys.stderr.flush()
+    os._exit(1)
 
 
 def _die_with_parent(parent_pid: int) -> None:

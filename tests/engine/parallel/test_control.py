@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import queue
 import socket
+import time
 
 import pytest
 import torch
@@ -138,11 +139,16 @@ def test_messages_both_ways_and_steps_after_them(tiny_model_dir):
         engine.close()
 
 
-def test_a_failing_service_takes_the_pod_down(tiny_model_dir):
+def test_a_failing_service_takes_the_pod_down_while_idle(tiny_model_dir):
     engine, replies = _engine(tiny_model_dir, size=2)
     try:
         _take(replies, 1)
         engine.tp.control_send(1, Kind.FAIL, {})
+        deadline = time.monotonic() + 10  # the worker exits at once: no step needed
+        while engine.tp.failure is None:
+            assert time.monotonic() < deadline, "the pod did not go down"
+            time.sleep(0.05)
+        assert "rank 1" in engine.tp.failure and "exit status 1" in engine.tp.failure
         with pytest.raises(TensorParallelError, match="rank 1 .* exited"):
             engine.generate([list(range(10, 30))], GREEDY)
     finally:
