@@ -1,10 +1,11 @@
 """A decode pod at tensor_parallel_size 2 (a real `pdserve decode` process
-and its worker rank, gloo, the tiny model: 2 KV heads) fed by two real TCP
-KV senders on loopback, one per decode rank, as prefill ranks would: heads
-[0, 1) to rank 0's receiver, heads [1, 2) to rank 1's, each a head-ranged
-layout of its own. The KV and first token come from a TP=1 engine's
-prefill of the same prompt (its layer hook's extract), so the pod's
-generated tokens must equal that engine's greedy tokens.
+and its worker rank, gloo, the tiny model: 2 KV heads) fed by two real KV
+senders on loopback (TCP; gRPC too in the first two tests), one per decode
+rank, as prefill ranks would: heads [0, 1) to rank 0's receiver, heads
+[1, 2) to rank 1's, each a head-ranged layout of its own. The KV and first
+token come from a TP=1 engine's prefill of the same prompt (its layer
+hook's extract), so the pod's generated tokens must equal that engine's
+greedy tokens.
 
 * the Reserved target lists both ranks (endpoints, heads), one ticket;
   both transfers succeed and the pod commits and generates the reference;
@@ -31,7 +32,8 @@ import kernels
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
-from kv_transfer.base import KVLayout
+from kv_transfer.base import KVLayout, KVSender
+from kv_transfer.grpc import GrpcKVSender
 from kv_transfer.target_wire import target_from_proto
 from kv_transfer.tcp import TcpKVSender
 from proto import pdserve_pb2 as pb
@@ -81,9 +83,14 @@ def reference(tiny_model_dir):
     return out
 
 
-@pytest.fixture(scope="module")
-def pod(tiny_model_dir):
-    pod = start_pod("decode", tiny_model_dir, **DECODE)
+SENDERS = {"tcp": TcpKVSender, "grpc": GrpcKVSender}
+
+
+@pytest.fixture(scope="module", params=["tcp", "grpc"])
+def pod(request, tiny_model_dir):
+    """A decode pod at TP=2 per transport (its senders: `SENDERS[pod.transport]`)."""
+    pod = start_pod("decode", tiny_model_dir, kv_transport=request.param, **DECODE)
+    pod.transport = request.param
     yield pod
     if pod.alive():
         pod.terminate()
@@ -99,7 +106,7 @@ def _reserve(stub, rid: str, prompt: list[int], max_tokens: int = MAX_TOKENS):
     return call, first.reserved.target
 
 
-def _send_heads(sender: TcpKVSender, rid: str, target: pb.KVTarget, rank: int,
+def _send_heads(sender: KVSender, rid: str, target: pb.KVTarget, rank: int,
                 kv: list[torch.Tensor], first_token: int):
     """Decode rank `rank`'s heads of every layer, from one sender; its outcome."""
     rank_target = target.ranks[rank]
@@ -127,7 +134,7 @@ def _load(pod) -> pb.LoadReport:
 
 
 def test_two_senders_one_per_rank_generate_the_reference(pod, reference):
-    senders = [TcpKVSender(), TcpKVSender()]
+    senders = [SENDERS[pod.transport](), SENDERS[pod.transport]()]
     channel = grpc.insecure_channel(pod.address)
     stub = pdserve_pb2_grpc.DecodeStub(channel)
     try:
@@ -154,7 +161,7 @@ def test_two_senders_one_per_rank_generate_the_reference(pod, reference):
 
 def test_half_the_heads_never_commit_and_cancel_frees_everything(pod, reference):
     prompt, (kv, expected) = next(iter(reference.items()))
-    sender = TcpKVSender()
+    sender = SENDERS[pod.transport]()
     channel = grpc.insecure_channel(pod.address)
     stub = pdserve_pb2_grpc.DecodeStub(channel)
     try:
