@@ -3,7 +3,10 @@
 
 Called by `pdserve prefill` (pdserve/commands/prefill.py) with a validated
 `PrefillConfig`; everything runs in the calling thread's asyncio loop except
-the engine loop thread and the senders' I/O threads.
+the engine loop thread and the senders' I/O threads. At
+`tensor_parallel_size` N > 1 the engine's worker ranks run the prefill rank
+service (prefill_service/rank_export.py), each sending its own KV heads;
+rank 0's `KVExport` drives them (`WorkerExports`).
 """
 
 from __future__ import annotations
