@@ -90,6 +90,11 @@ class WorkerSpec:
     control_fd: int = -1  # its control socket (engine/parallel/control.py); -1: none
 
     @property
+    def fds(self) -> tuple[int, ...]:
+        """The descriptors the worker inherits."""
+        return (self.socket_fd,) if self.control_fd < 0 else (self.socket_fd, self.control_fd)
+
+    @property
     def rank_service(self) -> str:
         """The service this worker runs beside its steps ("module:function", or "")."""
         return self.config.rank_service
@@ -166,7 +171,7 @@ class TPLeader:
                                   replace(worker_config, device=rank_device(config.device, rank)),
                                   -1 if theirs_control is None else theirs_control.fileno())
                 with theirs:
-                    processes.append(spawn(spec))
+                    processes.append(spawn(spec.to_json(), spec.fds))
                 if theirs_control is not None:
                     theirs_control.close()
                 readers.append(forward_output(processes[-1], rank))

@@ -10,10 +10,6 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from engine.parallel.launch import WorkerSpec
 
 
 def describe_exit(returncode: int) -> str:
@@ -26,14 +22,14 @@ def describe_exit(returncode: int) -> str:
     return f"exit status {returncode}"
 
 
-def spawn(spec: WorkerSpec) -> subprocess.Popen:
-    """Start one worker; its output goes to a pipe (`forward_output`)."""
+def spawn(spec_json: str, fds: tuple[int, ...]) -> subprocess.Popen:
+    """Start one worker with its `WorkerSpec` as JSON, handing it `fds` (its
+    sockets); its output goes to a pipe (`forward_output`)."""
     root = str(Path(__file__).resolve().parents[2])  # the directory holding `engine`
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    fds = (spec.socket_fd,) if spec.control_fd < 0 else (spec.socket_fd, spec.control_fd)
     return subprocess.Popen(
-        [sys.executable, "-m", "engine.parallel.worker", spec.to_json()],
+        [sys.executable, "-m", "engine.parallel.worker", spec_json],
         pass_fds=fds, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, env=env)
 
