@@ -230,15 +230,15 @@ class KVExport:
             state, reason = export.state, export.reason
             if state is ExportState.SENDING:
                 export.to(ExportState.ENDED)
-        workers = [] if self._workers is None else self._workers.finish(request_id,
-                                                                        first_token_id)
         if state is not ExportState.SENDING:
             failed: Future[TransferOutcome] = Future()
             failed.set_result(TransferOutcome.failed(
                 reason or f"no KV was sent (export state {state.value})"))
-            if self._workers is not None:
+            if self._workers is not None:  # their parts cannot complete R any more
                 self._workers.abort(request_id, failed.result().reason)
             return failed
+        workers = [] if self._workers is None else self._workers.finish(request_id,
+                                                                        first_token_id)
         if len(export.sends) == 1 and not workers:
             return export.sends[0].sender.end(request_id, first_token_id)  # TP=1 as ever
         parts = [send.sender.end(request_id, first_token_id) for send in export.sends]
