@@ -155,13 +155,24 @@ class KVSender(abc.ABC):
     """
 
     @abc.abstractmethod
-    def begin(self, request_id: str, target: TransferTarget, layout: KVLayout) -> None:
-        """Start a transfer; raises ValueError for a duplicate id or a target of another
-        transport. Connection problems surface in the outcome, not here."""
+    def begin(self, request_id: str, target: TransferTarget, layout: KVLayout, *,
+              heads: tuple[int, int] | None = None, attempt: bytes | None = None,
+              num_senders: int = 1) -> None:  # fmt: skip
+        """Start a transfer; raises ValueError for a duplicate id, a target of another
+        transport, or heads/senders a whole-model layout cannot have. Connection
+        problems surface in the outcome, not here.
+
+        Several senders (one per prefill rank) may fill one head-ranged `layout`
+        (a decode rank's heads): each begins with its own `heads` (layout-local
+        [start, end), None = all), the same `attempt` id (bytes, up to 16; None =
+        a fresh random one, for a single sender) and `num_senders` = how many
+        of them write this layout; the receiver completes the transfer once
+        every sender's END and every byte are in."""
 
     @abc.abstractmethod
     def send_layer(self, request_id: str, layer: int, kv: torch.Tensor, token_start: int) -> None:
-        """Queue tokens [token_start, token_start + kv.shape[1]) of `layer` (kv [2, n, H, D]).
+        """Queue tokens [token_start, token_start + kv.shape[1]) of `layer` (kv [2, n, H, D],
+        H = this sender's heads: `begin`'s `heads`, all of the layout's by default).
 
         Raises ValueError on a shape/dtype/range mismatch or an unknown request.
         A transfer that already failed silently drops the data (its outcome says why).

@@ -30,9 +30,9 @@ class Incoming:
     """One transfer's state; guarded by the table's lock (`deliver_lock` aside)."""
 
     __slots__ = (
-        "request_id", "layout", "deadline", "reservation_deadline", "transfer_timeout_s",
-        "buffer", "writes", "attempts", "state",
-        "reason", "next_layer", "delivered_any", "released", "end_peer",
+        "request_id", "expected", "layout", "deadline", "reservation_deadline",
+        "transfer_timeout_s", "buffer", "writes", "attempts", "state", "num_senders",
+        "reason", "next_layer", "delivered_any", "released", "end_peers",
         "first_token_id", "end_total", "finished_at", "deliver_lock",
     )  # fmt: skip
 
@@ -40,6 +40,9 @@ class Incoming:
                  buffer: LandingBuffer,
                  transfer_timeout_s: float | None = None) -> None:  # fmt: skip
         self.request_id = request_id
+        self.expected = layout  # what `expect` got
+        # the current attempt's form of it: `expected`, or its head-major form when
+        # a TP > 1 prefill pod's ranks fill a whole-model layout (KVLayout.accepts)
         self.layout = layout
         # Per phase (see `start_attempt`): waiting for a sender is bounded by the
         # reservation's deadline; a running attempt by its BEGIN + transfer_timeout_s.
@@ -50,11 +53,13 @@ class Incoming:
         self.writes = LandingWrites(layout, byte_view(buffer.data))
         self.attempts = Attempts()
         self.state = TransferState.EXPECTED
+        self.num_senders = 1  # senders of the current attempt (one per prefill rank)
         self.reason = ""  # why it failed ("" unless FAILED)
         self.next_layer = 0  # next layer to deliver
         self.delivered_any = False
         self.released = False  # the consumer said it is done with the views
-        self.end_peer: Peer | None = None  # the stream that carried END: gets the verdict
+        # the streams that carried END, one per sender: each gets the verdict
+        self.end_peers: list[Peer] = []
         self.first_token_id = 0
         self.end_total = 0
         self.finished_at = 0.0
@@ -76,12 +81,39 @@ class Incoming:
         """A BEGIN of `attempt` must first drop the attempt that is running."""
         return self.state in _RECEIVING and attempt != self.attempts.current
 
-    def start_attempt(self, attempt: bytes, peer: Peer) -> None:
+    def switches_form(self, layout: KVLayout) -> bool:
+        """A BEGIN announcing `layout` starts an attempt in the other form of the
+        expected layout: its rows are counted anew, so no writer may be inside."""
+        return self.state not in _RECEIVING and layout != self.layout
+
+    def joins_differently(self, attempt: bytes, layout: KVLayout, num_senders: int) -> str:
+        """Why a BEGIN of the running attempt disagrees with the attempt's first
+        BEGIN (every sender of one attempt announces the same layout and number
+        of senders); "" when it agrees or starts an attempt."""
+        if self.state not in _RECEIVING or attempt != self.attempts.current:
+            return ""
+        if layout != self.layout:
+            return (f"a sender of this attempt sends {layout.describe()}, another "
+                    f"{self.layout.describe()}")
+        if num_senders != self.num_senders:
+            return (f"a sender of this attempt says {num_senders} senders, another "
+                    f"{self.num_senders}")
+        return ""
+
+    def start_attempt(self, attempt: bytes, peer: Peer, layout: KVLayout | None = None,
+                      num_senders: int = 1) -> None:  # fmt: skip
         """BEGIN of `attempt` on `peer`: EXPECTED/SENDER_LOST -> STARTED with it as
-        the current attempt; on a running attempt, `peer` joins it."""
+        the current attempt (of `num_senders` senders, writing `layout`: the
+        expected layout or its other form, `switches_form` having been waited
+        out); on a running attempt, `peer` joins it."""
         if self.state in (TransferState.EXPECTED, TransferState.SENDER_LOST):
             self.state = self.state.to(TransferState.STARTED)
             self.attempts.start(attempt)
+            self.num_senders = num_senders
+            if layout is not None and layout != self.layout:
+                assert not self.writes.writers, "a writer is inside while the form changes"
+                self.layout = layout
+                self.writes = LandingWrites(layout, self.writes.data)
             if self.transfer_timeout_s is not None:  # the transfer's clock starts now
                 self.deadline = min(self.reservation_deadline,
                                     time.time() + self.transfer_timeout_s)
@@ -99,21 +131,29 @@ class Incoming:
         stale = self.attempts.drop()
         self.writes.reset()
         self.next_layer = 0
-        self.end_peer = None
+        self.end_peers = []
         self.end_total = 0
         return stale
 
     # ---------------------------------------------------------------- progress
 
-    def end(self, peer: Peer, first_token_id: int, total_bytes: int) -> bool:
-        """END on `peer`: STARTED -> ENDING; False if it is not STARTED (a second END)."""
-        if self.state is not TransferState.STARTED:
-            return False
-        self.state = self.state.to(TransferState.ENDING)
-        self.end_peer = peer
+    def end(self, peer: Peer, first_token_id: int, total_bytes: int) -> str:
+        """END of one sender on `peer`: STARTED -> ENDING at the first; "" if it
+        was accepted, else why not (a second END on `peer`, more ENDs than
+        senders, a first token other senders did not send)."""
+        if self.state not in _RECEIVING or any(p is peer for p in self.end_peers):
+            return "second END"
+        if len(self.end_peers) >= self.num_senders:
+            return f"END number {len(self.end_peers) + 1} of {self.num_senders} senders"
+        if self.end_peers and first_token_id != self.first_token_id:
+            return (f"END's first token {first_token_id} differs from another sender's "
+                    f"{self.first_token_id}")
+        if self.state is TransferState.STARTED:
+            self.state = self.state.to(TransferState.ENDING)
+        self.end_peers.append(peer)
         self.first_token_id = first_token_id
         self.end_total = total_bytes
-        return True
+        return ""
 
     def take_ready_layer(self) -> int | None:
         """The next layer to deliver, if all its rows landed (layers go in order)."""
@@ -128,8 +168,10 @@ class Incoming:
         return layer
 
     def complete(self) -> bool:
-        """ENDING with every layer delivered -> COMPLETE; False otherwise."""
-        if self.state is not TransferState.ENDING or self.next_layer < self.layout.num_layers:
+        """ENDING with every sender's END in and every layer delivered -> COMPLETE;
+        False otherwise."""
+        if (self.state is not TransferState.ENDING or len(self.end_peers) < self.num_senders
+                or self.next_layer < self.layout.num_layers):  # fmt: skip
             return False
         self.state = self.state.to(TransferState.COMPLETE)
         self.finished_at = time.time()

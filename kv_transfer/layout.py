@@ -244,3 +244,35 @@ class KVLayout:
             return self
         return KVLayout(self.num_layers, self.num_tokens, self.num_kv_heads, self.head_dim,
                         self.dtype, self.token_offset, 0, self.num_kv_heads)  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class SenderPart:
+    """What one sender (one prefill rank) of a transfer writes: the
+    layout-local heads [sub_start, sub_end), as one of `num_senders` senders
+    that share one sending attempt (BEGIN carries it for a head-ranged layout;
+    a whole-model transfer has one sender writing everything)."""
+
+    sub_start: int
+    sub_end: int
+    num_senders: int = 1
+
+    def __post_init__(self) -> None:
+        check_int("num_senders", self.num_senders, 1, MAX_KV_HEADS)
+        check_int("sub_start", self.sub_start, 0, MAX_KV_HEADS - 1)
+        check_int("sub_end", self.sub_end, self.sub_start + 1, MAX_KV_HEADS)
+
+    @staticmethod
+    def whole(layout: KVLayout) -> SenderPart:
+        """One sender writing every head of `layout`."""
+        return SenderPart(0, layout.num_kv_heads, 1)
+
+    @property
+    def heads(self) -> tuple[int, int]:
+        return self.sub_start, self.sub_end
+
+    def fits(self, layout: KVLayout) -> bool:
+        """Inside `layout`'s heads, and all of them unless it is head-ranged."""
+        if not layout.head_ranged:
+            return self == SenderPart.whole(layout)
+        return self.sub_end <= layout.num_kv_heads

@@ -13,8 +13,12 @@ import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+import torch
+
 from kv_transfer.base import KVLayout, TransferOutcome, TransferState, TransferTarget
 from kv_transfer.errors import InvalidTransition
+from kv_transfer.layout import SenderPart
+from kv_transfer.wire import MAX_ATTEMPT_BYTES
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,13 +68,27 @@ class Outgoing:
     """One transfer on the sender. `pending` and `end_first_token` are guarded by
     `lock`; the outcome is set once, by whoever decides first."""
 
-    __slots__ = ("request_id", "target", "layout", "state", "pending", "end_first_token",
-                 "end_queued", "future", "lock", "next_stream", "resolved", "attempt")  # fmt: skip
+    __slots__ = ("request_id", "target", "layout", "part", "state", "pending",
+                 "end_first_token", "end_queued", "future", "lock", "next_stream", "resolved",
+                 "attempt")  # fmt: skip
 
-    def __init__(self, request_id: str, target: TransferTarget, layout: KVLayout) -> None:
+    def __init__(self, request_id: str, target: TransferTarget, layout: KVLayout,
+                 heads: tuple[int, int] | None = None, attempt: bytes | None = None,
+                 num_senders: int = 1) -> None:  # fmt: skip
+        """`heads`, `attempt`, `num_senders` as `KVSender.begin` takes them;
+        ValueError if they do not fit `layout`."""
+        start, end = layout.heads(heads)
+        part = SenderPart(start, end, num_senders)
+        if not part.fits(layout):
+            raise ValueError(f"{num_senders} senders of a whole-model layout: only a "
+                             "head-ranged layout (model_kv_heads > 0) has several")
+        if attempt is not None and not (
+                isinstance(attempt, bytes) and 0 < len(attempt) <= MAX_ATTEMPT_BYTES):  # fmt: skip
+            raise ValueError(f"attempt must be 1..{MAX_ATTEMPT_BYTES} bytes, got {attempt!r}")
         self.request_id = request_id
         self.target = target
         self.layout = layout
+        self.part = part  # the heads this sender writes, of how many senders
         self.state = TransferState.STARTED
         self.pending = 0
         self.end_first_token: int | None = None
@@ -80,12 +98,21 @@ class Outgoing:
         self.next_stream = 0  # round-robin start for the next piece
         self.resolved = False
         # this sending attempt's id, on every stream's BEGIN: the receiver tells a
-        # retry from another pod (new id) from this attempt's other streams (same id)
-        self.attempt = os.urandom(8)
+        # retry from another pod (new id) from this attempt's other streams (same
+        # id), and from its other senders (other prefill ranks: the id they share)
+        self.attempt = attempt if attempt is not None else os.urandom(8)
 
     @property
     def done(self) -> bool:
         return self.resolved
+
+    def plan(self, layer: int, kv: torch.Tensor, token_start: int, num_streams: int,
+             max_chunk_bytes: int, min_chunk_bytes: int) -> list[Piece]:  # fmt: skip
+        """Check `send_layer`'s chunk (ValueError) and slice it (`plan_pieces`); the
+        bytes to send are `self.layout.staged(kv)`'s."""
+        self.layout.check_chunk(layer, kv, token_start, self.part.heads)
+        return plan_pieces(self.layout, layer, token_start, kv.shape[1], num_streams,
+                           max_chunk_bytes, min_chunk_bytes, self.part.heads)  # fmt: skip
 
     def add_pending(self, count: int) -> None:
         with self.lock:

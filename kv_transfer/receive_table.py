@@ -63,6 +63,7 @@ from kv_transfer.base import (
 from kv_transfer.errors import Reason, TransferRefused, make_reason, reason_code
 from kv_transfer.incoming import Incoming
 from kv_transfer.landing import LandingBufferPool
+from kv_transfer.layout import SenderPart
 from kv_transfer.tickets import TicketAuthority
 from kv_transfer.tombstones import ended_refusal
 from kv_transfer.transfers import Transfers
@@ -146,10 +147,12 @@ class ReceiveTable:
     # ---------------------------------------------------------------- I/O threads
 
     def begin(self, request_id: str, ticket: bytes, layout: KVLayout, peer: Peer,
-              attempt: bytes = b"") -> None:  # fmt: skip
+              attempt: bytes = b"", part: SenderPart | None = None) -> None:  # fmt: skip
         """Authenticate `peer` for `request_id` as a stream of sending attempt
-        `attempt` (all streams of one attempt carry the same id); a new id starts a
+        `attempt` (all streams of one attempt carry the same id, and so do all
+        `part.num_senders` senders of a head-ranged transfer); a new id starts a
         new attempt, superseding a running one. Raises TransferRefused."""
+        part = part or SenderPart.whole(layout)
         with self._lock:
             t = self._transfers.get(request_id)
             ended = self._transfers.tombstone(request_id)
@@ -168,10 +171,7 @@ class ReceiveTable:
         try:
             if t is None:
                 raise TransferRefused(Reason.UNKNOWN_REQUEST, f"{request_id!r} is not expected")
-            if layout != t.layout:
-                raise TransferRefused(
-                    Reason.LAYOUT_MISMATCH, f"sender has {layout}, receiver expects {t.layout}"
-                )
+            _check_layout(t.expected, layout, part)
         except TransferRefused as refused:
             self._transfers.refuse(t, refused, request_id)
             raise
@@ -192,11 +192,23 @@ class ReceiveTable:
                     self._transfers.counts.stale_frames += 1
                     raise TransferRefused(Reason.SUPERSEDED,
                                           f"attempt of {request_id!r} was dropped")  # fmt: skip
+                differs = t.joins_differently(attempt, layout, part.num_senders)
                 stale: list[Peer] | None = None
-                if t.superseded_by(attempt):
+                if not differs and t.superseded_by(attempt):
                     stale = t.drop_attempt()
                     self._transfers.counts.senders_lost += 1
-                t.start_attempt(attempt, peer)
+                # the other form's rows are counted anew: a dropped attempt's writer
+                # must leave first (bounded: its stream's I/O timeout)
+                while not differs and t.switches_form(layout) and t.writes.writers:
+                    self._cond.wait(0.5)
+                if t.state.terminal:
+                    raise ended_refusal(t.reason)
+                if not differs:
+                    t.start_attempt(attempt, peer, layout, part.num_senders)
+            if differs:
+                refused = TransferRefused(Reason.LAYOUT_MISMATCH, differs)
+                self._transfers.refuse(t, refused, request_id)
+                raise refused
             if stale is not None:
                 reason = make_reason(Reason.SENDER_LOST, "superseded by a new attempt")
                 self._transfers.restarted(t, reason, stale)
@@ -245,12 +257,13 @@ class ReceiveTable:
         self._transfers.free(t)
 
     def end(self, request_id: str, peer: Peer, first_token_id: int, total_bytes: int) -> None:
-        """END arrived on `peer`; the verdict goes back to it once decided."""
+        """END of one sender arrived on `peer`; the verdict goes back to it once
+        decided (COMPLETE: every sender's END in and every row landed)."""
         with self._lock:
             t = self._transfers.authenticated(request_id, peer)
-            accepted = t.end(peer, first_token_id, total_bytes)
-        if not accepted:
-            self._transfers.refuse(t, TransferRefused(Reason.BAD_FRAME, "second END"), request_id)
+            refused = t.end(peer, first_token_id, total_bytes)
+        if refused:
+            self._transfers.refuse(t, TransferRefused(Reason.BAD_FRAME, refused), request_id)
         elif total_bytes != t.layout.total_bytes:
             self._transfers.fail(t, make_reason(
                 Reason.SIZE_MISMATCH, f"END says {total_bytes} bytes, layout has "
@@ -314,3 +327,15 @@ class ReceiveTable:
             with self._lock:
                 t.release()
             self._transfers.free(t)
+
+
+def _check_layout(expected: KVLayout, sent: KVLayout, part: SenderPart) -> None:
+    """TransferRefused(layout_mismatch) naming both sides' values unless a BEGIN
+    announcing `sent` and `part` may fill a transfer expected as `expected`."""
+    if not expected.accepts(sent):
+        raise TransferRefused(Reason.LAYOUT_MISMATCH, f"prefill sends {sent.describe()}, "
+                                                      f"decode expects {expected.describe()}")
+    if not part.fits(sent):
+        raise TransferRefused(Reason.LAYOUT_MISMATCH,
+                              f"prefill sends heads [{part.sub_start}, {part.sub_end}) of "
+                              f"{sent.describe()}")  # fmt: skip

@@ -132,8 +132,8 @@ class Transfers:
                 if not self._call(t, "on_layer_ready", t.request_id, layer, t.layer_view(layer)):
                     return
             self._call(t, "on_complete", t.request_id, t.first_token_id)
-        if t.end_peer is not None:
-            t.end_peer.notify(t.request_id, TransferOutcome.complete())
+        for peer in t.end_peers:  # every sender's END stream gets the verdict
+            peer.notify(t.request_id, TransferOutcome.complete())
 
     def fail(self, t: Incoming, reason: str) -> bool:
         """Move `t` to FAILED (False if it already ended) and tell everybody."""

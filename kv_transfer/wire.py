@@ -12,3 +12,7 @@ MAX_DATA_BYTES = 64 << 20  # one DATA frame's payload; senders slice below this
 # BEGIN's attempt id: the sender's random id of one sending attempt (every stream
 # of the attempt carries the same id, a retry from another pod a new one)
 MAX_ATTEMPT_BYTES = 16
+# BEGIN flag: the layout is head-ranged (KVLayout.head_ranged) and BEGIN carries its
+# head fields and this sender's part (SenderPart). Never set for a whole-model
+# layout, so a TP=1 BEGIN is byte for byte what earlier senders send.
+FLAG_HEAD_RANGE = 8

@@ -45,6 +45,11 @@ _FIELDS = {
     16: ("reason", _LEN, "text"),
     17: ("flags", _VARINT, "u32"),
     18: ("token_offset", _VARINT, "u32"),
+    19: ("head_start", _VARINT, "u32"),
+    20: ("model_kv_heads", _VARINT, "u32"),
+    21: ("sub_start", _VARINT, "u32"),
+    22: ("sub_end", _VARINT, "u32"),
+    23: ("num_senders", _VARINT, "u32"),
 }
 
 
@@ -71,6 +76,11 @@ class WireFrame:
     reason: str = ""
     flags: int = 0
     token_offset: int = 0
+    head_start: int = 0
+    model_kv_heads: int = 0
+    sub_start: int = 0
+    sub_end: int = 0
+    num_senders: int = 0
 
 
 class Malformed:

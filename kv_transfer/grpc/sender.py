@@ -33,9 +33,9 @@ from kv_transfer.device import HostCopy, HostStager, byte_view
 from kv_transfer.errors import Reason, make_reason
 from kv_transfer.grpc.codec import encode_data_frame
 from kv_transfer.grpc.servicer import SERVICE
-from kv_transfer.outgoing import Outgoing, Piece, plan_pieces
+from kv_transfer.outgoing import Outgoing, Piece
 from kv_transfer.sweeper import Sweeper
-from kv_transfer.wire import MAX_DATA_BYTES, VERSION
+from kv_transfer.wire import FLAG_HEAD_RANGE, MAX_DATA_BYTES, VERSION
 from proto import pdserve_pb2
 from proto.request_id import check_request_id
 from proto.tls import pod_channel
@@ -103,6 +103,24 @@ class _Transfer:
             q.put(None)
 
 
+def _begin_frame(request_id: str, target: TransferTarget, layout: KVLayout,
+                 out: Outgoing) -> bytes:  # fmt: skip
+    """BEGIN's encoded KVFrame; the head fields (and flags bit 3) only for a
+    head-ranged layout, so a TP=1 BEGIN is what earlier senders send."""
+    frame = pdserve_pb2.KVFrame(
+        version=VERSION, kind=_KIND.FRAME_KIND_BEGIN, request_id=request_id,
+        ticket=target.ticket, num_layers=layout.num_layers, num_tokens=layout.num_tokens,
+        num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim, dtype=layout.dtype,
+        payload=out.attempt, checksum=checksum(out.attempt), token_offset=layout.token_offset,
+    )  # fmt: skip
+    if layout.head_ranged:
+        frame.flags = FLAG_HEAD_RANGE
+        frame.head_start, frame.model_kv_heads = layout.head_start, layout.model_kv_heads
+        frame.sub_start, frame.sub_end = out.part.heads
+        frame.num_senders = out.part.num_senders
+    return frame.SerializeToString()
+
+
 class GrpcKVSender(KVSender):
     def __init__(self, config: SenderConfig | None = None) -> None:
         self.config = config or SenderConfig()
@@ -115,12 +133,14 @@ class GrpcKVSender(KVSender):
         self._sweeper = Sweeper(self._sweep, self.config.sweep_interval_s, "kv-grpc-send-gc")
         self._sweeper.start()
 
-    def begin(self, request_id: str, target: TransferTarget, layout: KVLayout) -> None:
+    def begin(self, request_id: str, target: TransferTarget, layout: KVLayout, *,
+              heads: tuple[int, int] | None = None, attempt: bytes | None = None,
+              num_senders: int = 1) -> None:  # fmt: skip
         check_request_id(request_id)
         if target.transport != "grpc":
             raise ValueError(f"GrpcKVSender cannot send to a {target.transport!r} target")
         n = self.config.num_streams
-        t = _Transfer(Outgoing(request_id, target, layout), n)
+        t = _Transfer(Outgoing(request_id, target, layout, heads, attempt, num_senders), n)
         with self._lock:
             if self._closed:
                 raise RuntimeError("GrpcKVSender is closed")
@@ -129,13 +149,7 @@ class GrpcKVSender(KVSender):
             self._finished.pop(request_id, None)
             self._transfers[request_id] = t
             channels = self._channels_for(target.endpoints)
-        begin = pdserve_pb2.KVFrame(
-            version=VERSION, kind=_KIND.FRAME_KIND_BEGIN, request_id=request_id,
-            ticket=target.ticket, num_layers=layout.num_layers, num_tokens=layout.num_tokens,
-            num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim, dtype=layout.dtype,
-            payload=t.out.attempt, checksum=checksum(t.out.attempt),
-            token_offset=layout.token_offset,
-        ).SerializeToString()  # fmt: skip
+        begin = _begin_frame(request_id, target, layout, t.out)
         remaining = target.deadline + self.config.verdict_grace_s - time.time()
         timeout = min(max(0.1, remaining), 86400.0)  # gRPC rejects absurd deadlines
         for i, channel in enumerate(channels):
@@ -147,13 +161,12 @@ class GrpcKVSender(KVSender):
 
     def send_layer(self, request_id: str, layer: int, kv: torch.Tensor, token_start: int) -> None:
         t = self._get(request_id)
-        t.out.layout.check_chunk(layer, kv, token_start)
+        n = len(t.queues)
+        pieces = t.out.plan(layer, kv, token_start, n, self.config.max_chunk_bytes,
+                            self.config.min_chunk_bytes)  # fmt: skip
         if t.out.done or t.closed:
             return
-        host = self._stager.stage(kv)
-        n = len(t.queues)
-        pieces = plan_pieces(t.out.layout, layer, token_start, kv.shape[1], n,
-                             self.config.max_chunk_bytes, self.config.min_chunk_bytes)  # fmt: skip
+        host = self._stager.stage(t.out.layout.staged(kv))
         with t.out.lock:
             first = t.out.next_stream
             t.out.next_stream = (first + len(pieces)) % n

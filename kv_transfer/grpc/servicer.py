@@ -1,8 +1,10 @@
 """`KVTransfer.Push` servicer: one client stream = one sender stream of one transfer.
 
 Every frame's `checksum` is xxhash64 of its `payload` (BEGIN: the sender's
-attempt id, up to 16 bytes; empty for END, whose fields carry the data; the
-reason for ABORT), or XXH3-64 for a DATA frame whose `flags` bit 1 is set.
+attempt id, up to 16 bytes, shared by every sender of a head-ranged transfer,
+whose BEGIN sets `flags` bit 3 and the head fields, as TCP's does; empty for
+END, whose fields carry the data; the reason for ABORT), or XXH3-64 for a
+DATA frame whose `flags` bit 1 is set.
 
 Life of a call (a servicer thread; the servicer is synchronous, so it runs in a
 `grpc.server` thread pool, or in a `grpc.aio.server(migration_thread_pool=...)`):
@@ -36,8 +38,9 @@ from kv_transfer.base import KVLayout, TransferOutcome
 from kv_transfer.checksum import checksum, data_checksum
 from kv_transfer.errors import Reason, TransferRefused, make_reason, reason_code
 from kv_transfer.grpc.codec import Malformed, WireFrame, decode_frame
+from kv_transfer.layout import SenderPart
 from kv_transfer.receive_table import ReceiveTable
-from kv_transfer.wire import MAX_ATTEMPT_BYTES, MAX_DATA_BYTES, VERSION
+from kv_transfer.wire import FLAG_HEAD_RANGE, MAX_ATTEMPT_BYTES, MAX_DATA_BYTES, VERSION
 from proto import pdserve_pb2, pdserve_pb2_grpc
 
 # options a server hosting the servicer needs (DATA frames exceed gRPC's 4 MiB default)
@@ -143,15 +146,21 @@ class KVTransferServicer(pdserve_pb2_grpc.KVTransferServicer):
             raise TransferRefused(Reason.BAD_FRAME, "the first frame of a stream must be BEGIN")
         if checksum(frame.payload) != frame.checksum:
             raise TransferRefused(Reason.BAD_CHECKSUM, "BEGIN payload")
+        ranged = bool(frame.flags & FLAG_HEAD_RANGE)
         try:
             layout = KVLayout(frame.num_layers, frame.num_tokens, frame.num_kv_heads,
-                              frame.head_dim, frame.dtype, frame.token_offset)  # fmt: skip
+                              frame.head_dim, frame.dtype, frame.token_offset,
+                              frame.head_start, frame.model_kv_heads)  # fmt: skip
+            part = SenderPart(frame.sub_start, frame.sub_end, frame.num_senders) if ranged else (
+                SenderPart.whole(layout))  # fmt: skip
         except ValueError as exc:
             raise TransferRefused(Reason.BAD_FRAME, str(exc)) from None
+        if ranged != layout.head_ranged:  # the head fields travel behind the flag only
+            raise TransferRefused(Reason.BAD_FRAME, "BEGIN head fields do not match its flags")
         attempt = bytes(frame.payload)
         if len(attempt) > MAX_ATTEMPT_BYTES:
             raise TransferRefused(Reason.BAD_FRAME, f"attempt id over {MAX_ATTEMPT_BYTES} bytes")
-        self.table.begin(frame.request_id, bytes(frame.ticket), layout, peer, attempt)
+        self.table.begin(frame.request_id, bytes(frame.ticket), layout, peer, attempt, part)
 
     def _handle(self, frame: WireFrame, peer: _CallPeer) -> pdserve_pb2.PushResult | None:
         """One frame after BEGIN; a PushResult ends the call."""

@@ -7,7 +7,8 @@ Header, little-endian, 104 bytes (`HEADER.size`):
     4      2    version (1)
     6      1    kind   (FrameKind)
     7      1    flags  (STATUS: bit 0 = ok; DATA: bit 1 = checksum is XXH3-64;
-                        BEGIN: bit 2 = the payload ends with a token offset)
+                        BEGIN: bit 2 = the payload ends with a token offset,
+                        bit 3 = ... and then with a head range)
     8      2    request id length in bytes (1..64)
     10     2    reserved, 0
     12     4    layer
@@ -23,7 +24,14 @@ Payloads:
             attempt carries the same id, a retry from another pod a new one);
             with BEGIN flag bit 2 (FLAG_TOKEN_OFFSET) the last 4 bytes are instead
             the layout's token offset u32 (cache-miss-only transfer: row 0 is that
-            context token; without the flag it is 0, as in every earlier sender)
+            context token; without the flag it is 0, as in every earlier sender);
+            with BEGIN flag bit 3 (FLAG_HEAD_RANGE, a head-ranged layout) the
+            last 20 bytes (after the token offset, if any) are head_start u32,
+            model_kv_heads u32, sub_start u32, sub_end u32, num_senders u32: the
+            layout holds heads [head_start, head_start + kv heads) of the
+            model's model_kv_heads, head-major; this sender writes the
+            layout-local heads [sub_start, sub_end), one of num_senders senders
+            of this attempt (kv_transfer/layout.py)
     DATA    raw bytes of the layer's transfer layout at [offset, offset + length)
     END     first token i32, total byte count u64
     ABORT   reason, UTF-8
@@ -46,8 +54,9 @@ from dataclasses import dataclass
 from kv_transfer.base import DTYPE_CODES, MAX_TICKET_BYTES, KVLayout
 from kv_transfer.checksum import checksum
 from kv_transfer.errors import Reason, TransferRefused
+from kv_transfer.layout import SenderPart
 from kv_transfer.refusals import PortRefusal
-from kv_transfer.wire import MAX_ATTEMPT_BYTES, MAX_DATA_BYTES, VERSION
+from kv_transfer.wire import FLAG_HEAD_RANGE, MAX_ATTEMPT_BYTES, MAX_DATA_BYTES, VERSION
 from proto.request_id import MAX_REQUEST_ID_BYTES
 
 MAGIC = b"PDKV"
@@ -61,6 +70,7 @@ FLAG_TOKEN_OFFSET = 4
 _BEGIN = struct.Struct("<IIIIBH")
 _END = struct.Struct("<iQ")
 _TOKEN_OFFSET = struct.Struct("<I")
+_HEAD_RANGE = struct.Struct("<IIIII")
 _DTYPE_NAMES = {code: name for name, code in DTYPE_CODES.items()}
 
 
@@ -136,13 +146,23 @@ def control_frame(kind: FrameKind, request_id: str, payload: bytes, flags: int =
 
 def begin_flags(layout: KVLayout) -> int:
     """The header flags of `layout`'s BEGIN frame (see `encode_begin`)."""
-    return FLAG_TOKEN_OFFSET if layout.token_offset else 0
+    return ((FLAG_TOKEN_OFFSET if layout.token_offset else 0)
+            | (FLAG_HEAD_RANGE if layout.head_ranged else 0))  # fmt: skip
 
 
-def encode_begin(layout: KVLayout, ticket: bytes, attempt: bytes) -> bytes:
-    """BEGIN's payload; send it with `begin_flags(layout)`."""
+def encode_begin(layout: KVLayout, ticket: bytes, attempt: bytes,
+                 part: SenderPart | None = None) -> bytes:  # fmt: skip
+    """BEGIN's payload; send it with `begin_flags(layout)`. `part` (None = every
+    head, one sender) travels only for a head-ranged layout."""
     if len(attempt) > MAX_ATTEMPT_BYTES:
         raise ValueError(f"attempt id is {len(attempt)} bytes, the limit is {MAX_ATTEMPT_BYTES}")
+    part = part or SenderPart.whole(layout)
+    if not part.fits(layout):
+        raise ValueError(f"{part} is not a part of {layout.describe()}")
+    head_range = b""
+    if layout.head_ranged:
+        head_range = _HEAD_RANGE.pack(layout.head_start, layout.model_kv_heads, part.sub_start,
+                                      part.sub_end, part.num_senders)  # fmt: skip
     return (
         _BEGIN.pack(
             layout.num_layers, layout.num_tokens, layout.num_kv_heads, layout.head_dim,
@@ -151,18 +171,29 @@ def encode_begin(layout: KVLayout, ticket: bytes, attempt: bytes) -> bytes:
         + ticket
         + attempt
         + (_TOKEN_OFFSET.pack(layout.token_offset) if layout.token_offset else b"")
+        + head_range
     )  # fmt: skip
 
 
-def decode_begin(payload: bytes, flags: int = 0) -> tuple[KVLayout, bytes, bytes]:
-    """BEGIN payload (and its header's flags) -> (layout, ticket, attempt);
-    raises TransferRefused(bad_frame)."""
-    token_offset = 0
+def _take_tail(payload: bytes, tail: struct.Struct, what: str) -> tuple[bytes, tuple]:
+    """Split the fixed-size `tail` off the end of a BEGIN payload."""
+    if len(payload) < _BEGIN.size + tail.size:
+        raise TransferRefused(Reason.BAD_FRAME, f"BEGIN payload too short for its {what}")
+    return payload[: len(payload) - tail.size], tail.unpack_from(payload, len(payload) - tail.size)
+
+
+def decode_begin(payload: bytes,
+                 flags: int = 0) -> tuple[KVLayout, bytes, bytes, SenderPart]:  # fmt: skip
+    """BEGIN payload (and its header's flags) -> (layout, ticket, attempt, this
+    sender's part); raises TransferRefused(bad_frame)."""
+    token_offset = head_start = model_kv_heads = 0
+    sub: tuple[int, int, int] | None = None
+    if flags & FLAG_HEAD_RANGE:
+        payload, (head_start, model_kv_heads, *rest) = _take_tail(payload, _HEAD_RANGE,
+                                                                  "head range")  # fmt: skip
+        sub = tuple(rest)
     if flags & FLAG_TOKEN_OFFSET:
-        if len(payload) < _BEGIN.size + _TOKEN_OFFSET.size:
-            raise TransferRefused(Reason.BAD_FRAME, "BEGIN payload too short for its token offset")
-        (token_offset,) = _TOKEN_OFFSET.unpack_from(payload, len(payload) - _TOKEN_OFFSET.size)
-        payload = payload[: len(payload) - _TOKEN_OFFSET.size]
+        payload, (token_offset,) = _take_tail(payload, _TOKEN_OFFSET, "token offset")
     if len(payload) < _BEGIN.size:
         raise TransferRefused(Reason.BAD_FRAME, "BEGIN payload too short")
     layers, tokens, heads, head_dim, dtype_code, ticket_len = _BEGIN.unpack_from(payload)
@@ -173,11 +204,14 @@ def decode_begin(payload: bytes, flags: int = 0) -> tuple[KVLayout, bytes, bytes
         raise TransferRefused(Reason.BAD_FRAME, f"unknown dtype code {dtype_code}")
     try:
         layout = KVLayout(layers, tokens, heads, head_dim, _DTYPE_NAMES[dtype_code],
-                          token_offset)
+                          token_offset, head_start, model_kv_heads)  # fmt: skip
+        part = SenderPart(*sub) if sub is not None else SenderPart.whole(layout)
     except ValueError as exc:
         raise TransferRefused(Reason.BAD_FRAME, str(exc)) from None
+    if sub is not None and not layout.head_ranged:
+        raise TransferRefused(Reason.BAD_FRAME, "BEGIN head range with model_kv_heads 0")
     end = _BEGIN.size + ticket_len
-    return layout, bytes(payload[_BEGIN.size : end]), bytes(payload[end:])
+    return layout, bytes(payload[_BEGIN.size : end]), bytes(payload[end:]), part
 
 
 def encode_end(first_token_id: int, total_bytes: int) -> bytes:

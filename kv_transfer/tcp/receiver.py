@@ -199,8 +199,8 @@ class _Connection:
             if checksum(payload) != header.checksum:
                 raise TransferRefused(Reason.BAD_CHECKSUM, f"{header.kind.name} payload")
             if header.kind is FrameKind.BEGIN:
-                layout, ticket, attempt = decode_begin(payload, header.flags)
-                self.table.begin(rid, ticket, layout, self, attempt)
+                layout, ticket, attempt, part = decode_begin(payload, header.flags)
+                self.table.begin(rid, ticket, layout, self, attempt, part)
             elif header.kind is FrameKind.END:
                 first_token_id, total_bytes = decode_end(payload)
                 self.table.end(rid, self, first_token_id, total_bytes)

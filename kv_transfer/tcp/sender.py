@@ -2,7 +2,8 @@
 
 Life of a transfer here: `begin` queues BEGIN on each of its N streams (stream
 i of the pool for endpoint i mod E); `send_layer` stages the chunk on the host
-(`HostStager`, D2H on a side stream on CUDA) and queues its row-aligned pieces
+(`HostStager`, D2H on a side stream on CUDA; head-major first for a
+head-ranged layout, `KVLayout.staged`) and queues its row-aligned pieces
 round-robin over the streams; `end` records the first token and END is queued
 on stream 0 once every queued frame was sent. The outcome future resolves
 with the receiver's STATUS verdict, or FAILED on abort, connection loss, a
@@ -24,7 +25,7 @@ from kv_transfer.base import KVLayout, KVSender, TransferOutcome, TransferTarget
 from kv_transfer.config import SenderConfig
 from kv_transfer.device import HostStager
 from kv_transfer.errors import Reason, make_reason
-from kv_transfer.outgoing import Outgoing, plan_pieces
+from kv_transfer.outgoing import Outgoing
 from kv_transfer.sweeper import Sweeper
 from kv_transfer.tcp.frames import FrameKind, encode_begin, encode_end
 from kv_transfer.tcp.stream import Stream, WorkItem
@@ -54,11 +55,13 @@ class TcpKVSender(KVSender):
         self._sweeper = Sweeper(self._sweep, self.config.sweep_interval_s, "kv-tcp-send-gc")
         self._sweeper.start()
 
-    def begin(self, request_id: str, target: TransferTarget, layout: KVLayout) -> None:
+    def begin(self, request_id: str, target: TransferTarget, layout: KVLayout, *,
+              heads: tuple[int, int] | None = None, attempt: bytes | None = None,
+              num_senders: int = 1) -> None:  # fmt: skip
         check_request_id(request_id)
         if target.transport != "tcp":
             raise ValueError(f"TcpKVSender cannot send to a {target.transport!r} target")
-        t = Outgoing(request_id, target, layout)
+        t = Outgoing(request_id, target, layout, heads, attempt, num_senders)
         with self._lock:
             if self._closed:
                 raise RuntimeError("TcpKVSender is closed")
@@ -68,18 +71,17 @@ class TcpKVSender(KVSender):
             streams = self._streams_for(target.endpoints)
             self._transfers[request_id] = (t, streams)
         t.add_pending(len(streams))
-        payload = encode_begin(layout, target.ticket, t.attempt)
+        payload = encode_begin(layout, target.ticket, t.attempt, t.part)
         for stream in streams:
             stream.enqueue(WorkItem(FrameKind.BEGIN, t, payload))
 
     def send_layer(self, request_id: str, layer: int, kv: torch.Tensor, token_start: int) -> None:
         t, streams = self._get(request_id)
-        t.layout.check_chunk(layer, kv, token_start)
+        pieces = t.plan(layer, kv, token_start, len(streams), self.config.max_chunk_bytes,
+                        self.config.min_chunk_bytes)  # fmt: skip
         if t.done:
             return
-        host = self._stager.stage(kv)
-        pieces = plan_pieces(t.layout, layer, token_start, kv.shape[1], len(streams),
-                             self.config.max_chunk_bytes, self.config.min_chunk_bytes)  # fmt: skip
+        host = self._stager.stage(t.layout.staged(kv))
         t.add_pending(len(pieces))
         with t.lock:
             first = t.next_stream
