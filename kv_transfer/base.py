@@ -145,13 +145,13 @@ class KVSender(abc.ABC):
     they enqueue work for the sender's own I/O threads.
 
     Memory: `send_layer` takes ownership of `kv`. A CPU tensor is used in place
-    (made contiguous if it is not) and must not be modified by the caller
-    afterwards; the engine hands in a freshly extracted tensor. A CUDA tensor
-    is copied D2H into pinned memory on the sender's own CUDA stream, ordered
-    after the caller's current stream with an event; the caller's stream is
-    never blocked. The caller may drop the CUDA tensor at once (`record_stream`
-    keeps its memory from being reused before the copy ran) but must not write
-    into it in place. The host copy is freed once sent.
+    (made contiguous if it is not, e.g. head-major for a head-ranged layout)
+    and must not be modified by the caller afterwards; the engine hands in a
+    freshly extracted tensor. A CUDA tensor is copied D2H into pinned memory on
+    the sender's own CUDA stream, ordered after the caller's current stream
+    with an event; the caller's stream is never blocked. The caller may drop
+    the CUDA tensor at once (`record_stream` keeps its memory from being reused
+    before the copy ran) but must not write into it in place. The host copy is freed once sent.
     """
 
     @abc.abstractmethod
@@ -201,7 +201,9 @@ class KVReceiveListener(abc.ABC):
     @abc.abstractmethod
     def on_layer_ready(self, request_id: str, layer: int, kv_view: torch.Tensor) -> None:
         """All bytes of `layer` landed and were verified. `kv_view` [2, T, H, D] is a
-        view of the landing buffer, valid until `release(request_id)`. Delivered in
+        view of the landing buffer, valid until `release(request_id)`; for a
+        head-ranged layout (and a whole-model one filled in its head-major
+        form) it is a permuted, non-contiguous view of head-major bytes. Delivered in
         layer order: layer l only after layers 0..l-1."""
 
     @abc.abstractmethod
@@ -276,6 +278,10 @@ class KVReceiver(abc.ABC):
         transfer waits until `deadline`; each sending attempt must finish
         within `transfer_timeout_s` of its BEGIN (and by `deadline`). So a
         prefill that is merely queued does not use up the transfer's time.
+
+        The ticket expires at `deadline`: receivers sharing the ticket secret and
+        generation (the ranks of one decode pod) issue the same bytes for the
+        same request and deadline, and each accepts the others' tickets.
 
         Raises `BufferPoolExhausted` when the pool cannot hold `layout.total_bytes`
         now (back-pressure: nothing is queued), ValueError for a duplicate id or a

@@ -8,11 +8,19 @@ Per transfer (see `TransferState`):
 
     expect  -> EXPECTED, landing buffer allocated, ticket issued (valid until the
                reservation's deadline)
-    BEGIN   -> STARTED   (each stream's BEGIN authenticates that stream: `peer`)
+    BEGIN   -> STARTED   (each stream's BEGIN authenticates that stream: `peer`;
+               its layout must be the expected one, or a whole-model layout's
+               head-major form (`KVLayout.accepts`), else `layout_mismatch`
+               naming both sides. The first BEGIN of an attempt fixes its form
+               and its number of senders: several senders (prefill ranks) of
+               one head-ranged layout share the attempt id, each writing its
+               own heads)
     DATA    -> rows claimed (no two writers ever touch the same bytes), payload
                written by the transport straight into the buffer, then committed
                (checksum verdict); complete layers are delivered in layer order
-    END     -> ENDING; COMPLETE once every row landed and the byte count matches
+    END     -> ENDING (each sender sends one); COMPLETE once every sender's END
+               is in (same first token), every row landed and the byte count
+               matches; the verdict goes to every stream that carried an END
     sender lost (its stream broke or it sent ABORT before END)
             -> SENDER_LOST: the attempt's streams are dropped, progress is reset
                (`on_restart`), buffer, ticket and deadline stay

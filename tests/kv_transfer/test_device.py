@@ -39,3 +39,17 @@ def test_cuda_stage_copies_into_pinned_memory_on_a_side_stream():
     copy.wait()
     assert reuse.abs().sum().item() == 0
     assert torch.equal(copy.tensor, expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_stage_of_a_head_major_view():
+    """A head-ranged sender stages `KVLayout.staged(kv)`: a permuted CUDA view."""
+    stager = HostStager()
+    kv = torch.randn(2, 300, 4, 128, device="cuda", dtype=torch.bfloat16)[:, :, 1:3]
+    expected = kv.permute(2, 0, 1, 3).contiguous().cpu()
+    copy = stager.stage(kv.permute(2, 0, 1, 3))
+    del kv
+    copy.wait()
+    assert copy.tensor.is_pinned() and copy.tensor.is_contiguous()
+    assert torch.equal(copy.tensor, expected)

@@ -48,3 +48,14 @@ def test_validation():
         TicketAuthority(SECRET, generation=0)
     with pytest.raises(ValueError, match="64"):
         TicketAuthority(SECRET, 1).issue("x" * 65, 1.0)
+
+
+def test_ranks_sharing_secret_and_generation_issue_the_same_ticket():
+    """A decode pod's ranks each run a receiver with the pod's secret and
+    generation: given the same deadline as expiry, each issues the bytes rank 0
+    put into the target, and each accepts the others'."""
+    ranks = [TicketAuthority(SECRET, generation=7) for _ in range(2)]
+    tickets = [authority.issue("req-1", expiry=100.0) for authority in ranks]
+    assert tickets[0] == tickets[1]
+    ranks[1].verify(tickets[0], "req-1", now=99.0)
+    ranks[0].verify(tickets[1], "req-1", now=99.0)
