@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.itl_budget import parse_budget
 from engine.layers.linear import DecodeMatmul, MatmulBackend
 from engine.parallel.control import check_rank_service_name
 from kernels.dispatch import Backend
@@ -70,6 +71,10 @@ class EngineConfig:
     # prompt tokens (chunks and new prompts); 0, or a value at or above
     # max_num_batched_tokens, = the whole budget. See engine/scheduler.py.
     mixed_prefill_tokens: int = 0
+    # With decode-first: prompt work beside decodes only while the step's
+    # predicted time fits this inter-token budget: "off", "auto" (1.5x the
+    # pod's own plain decode step) or milliseconds. See engine/itl_budget.py.
+    itl_budget: str = "off"
     # None: the model's max_position_embeddings (resolved by the engine).
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
@@ -148,6 +153,7 @@ class EngineConfig:
         if not 0 <= self.mixed_prefill_tokens <= 1 << 24:  # at or above the budget: no cap
             raise ValueError(f"mixed_prefill_tokens must be in [0, {1 << 24}], "
                              f"got {self.mixed_prefill_tokens}")
+        parse_budget(self.itl_budget)  # ValueError naming the value
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
                              f"got {self.scheduling_policy!r}")

@@ -122,6 +122,7 @@ class EngineLoop:
         # prefix-cache totals already added to the (delta-only) counters
         self._counted_queries = 0
         self._counted_hits = 0
+        self._counted_capped = 0  # ITL-budget capped steps already counted
         self.block_size: int = int(engine.config.block_size)
         self.max_model_len: int = int(engine.max_model_len)
         self.device_type: str = engine.device.type  # "cpu" | "cuda"
@@ -385,3 +386,8 @@ class EngineLoop:
         m.prefix_cache_hits.inc(max(0, stats.prefix_cache_hits - self._counted_hits))
         self._counted_queries = stats.prefix_cache_queries
         self._counted_hits = stats.prefix_cache_hits
+        budget = self._engine.scheduler.itl_budget
+        if budget is not None:
+            m.step_model(budget.snapshot())
+            m.itl_budget_capped_steps.inc(budget.capped_steps - self._counted_capped)
+            self._counted_capped = budget.capped_steps

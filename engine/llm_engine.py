@@ -33,9 +33,8 @@ in N+1 has its N+1 token discarded; blocks of a request finished, aborted
 or preempted while a step that includes it is in flight return to the pool
 when that step completes.
 
-Tensor parallelism (docs/tensor_parallel.md): at `tensor_parallel_size` N > 1
-this engine is rank 0 and drives the other N - 1 (`engine.parallel`); a
-rank that dies makes `step()` raise `TensorParallelError`.
+Tensor parallelism (docs/tensor_parallel.md): at N > 1 ranks this engine is rank 0 and
+drives the others (`engine.parallel`); a dying rank makes `step()` raise TensorParallelError.
 """
 
 from __future__ import annotations
@@ -49,6 +48,7 @@ from engine.config import EngineConfig
 from engine.errors import CapacityError
 from engine.grammar import GrammarCompiler, model_tokenizer
 from engine.grammar_batch import GrammarBatch
+from engine.itl_budget import ItlBudget
 from engine.kv_hook import LayerKVHook
 from engine.layer_gate import LayerGate
 from engine.model_runner import slots_for
@@ -89,7 +89,8 @@ class LLMEngine:
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    decode_first=config.scheduling_policy == "decode-first",
                                    short_prefill_tokens=config.short_prefill_tokens,
-                                   mixed_prefill_tokens=config.mixed_prefill_tokens)
+                                   mixed_prefill_tokens=config.mixed_prefill_tokens,
+                                   itl_budget=(budget := ItlBudget.of(config.itl_budget)))
         self.sampler = Sampler(config.seed)
         self.async_scheduling = config.use_async_scheduling
         self.eos_token_ids = loaded.eos_token_ids
@@ -103,7 +104,8 @@ class LLMEngine:
                                       use_worker=self.async_scheduling and config.device == "cpu",
                                       grammars=self.grammars, eos_token_ids=self.eos_token_ids,
                                       tp=self.tp if self.tp.size > 1 else None,
-                                      async_scheduling=self.async_scheduling)
+                                      async_scheduling=self.async_scheduling,
+                                      on_step_time=budget.observe if budget else None)
         self._tokenizer = None  # loaded by the first generate() that needs text
         self._generate_ids = (f"generate-{i}" for i in itertools.count())
         self._requests: dict[str, Request] = {}

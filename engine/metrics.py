@@ -57,8 +57,10 @@ class PodMetrics:
     kv_injection_seconds: Histogram
     join_holds: Counter
     join_hold_seconds: Counter
+    itl_budget_capped_steps: Counter
     _kv_transfer_failures: Counter
     _aborts: Counter
+    _step_model: Gauge
 
     def __post_init__(self) -> None:
         PodRole.parse(self.role)
@@ -138,6 +140,17 @@ class PodMetrics:
                 "pdserve_join_hold_seconds_total",
                 "Decode pod: time steps' starts waited for transfers about to complete.",
             ),
+            itl_budget_capped_steps=counter(
+                "pdserve_itl_budget_capped_steps_total",
+                "Steps whose prompt tokens the inter-token budget cut (--itl-budget-ms).",
+            ),
+            _step_model=Gauge(
+                "pdserve_step_time_model_seconds",
+                "The pod's learnt step-time model (--itl-budget-ms): seconds per step, per "
+                "row, per computed token and per 1000 attended context tokens (term); 0 "
+                "until it has seen steps with and without prompt tokens.",
+                ("role", "term"), registry=reg,
+            ),
             _kv_transfer_failures=Counter(
                 "pdserve_kv_transfer_failures_total",
                 "KV transfers that ended without END, by reason.",
@@ -155,6 +168,11 @@ class PodMetrics:
         ("timeout", "aborted", "checksum", ...), never a free-form message,
         so the label's cardinality stays bounded."""
         self._kv_transfer_failures.labels(role=self.role, reason=reason).inc()
+
+    def step_model(self, coefficients: dict[str, float]) -> None:
+        """Export the ITL budget's step-time model (engine/itl_budget.py)."""
+        for term, value in coefficients.items():
+            self._step_model.labels(role=self.role, term=term).set(value)
 
     def abort(self, reason: str) -> None:
         """Count one aborted request ("client", "deadline", "transfer", "shutdown")."""

@@ -41,6 +41,11 @@ capping how many sequences decode at once (a smaller
 prompt itself (the router's idle side) runs with it: its running batch
 stalls for C-token chunks, not for the whole prompt.
 
+ITL budget (`itl_budget`, with `decode_first`; engine/itl_budget.py): a
+step that decodes takes prompt tokens (running prompts' chunks, short and
+newly admitted prompts) only while its predicted time stays within the
+pod's inter-token budget; 0 left means prompt work waits a step.
+
 Async scheduling (docs/engine.md): step N+1 may be scheduled before step
 N completes. A token a scheduled step will sample counts as an output
 placeholder (`Request.num_output_placeholders`), so step N+1 plans the
@@ -62,6 +67,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from engine.block_manager import BlockManager
+from engine.itl_budget import ItlBudget, PromptRoom
 from engine.request import Request, RequestStatus
 
 
@@ -97,8 +103,10 @@ class Scheduler:
 
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int,
                  max_num_batched_tokens: int, decode_first: bool = True,
-                 short_prefill_tokens: int = 0, mixed_prefill_tokens: int = 0) -> None:
+                 short_prefill_tokens: int = 0, mixed_prefill_tokens: int = 0,
+                 itl_budget: ItlBudget | None = None) -> None:
         self.block_manager = block_manager
+        self.itl_budget = itl_budget  # None: off (module docstring, ITL budget)
         self.decode_first = decode_first
         self.short_prefill_tokens = short_prefill_tokens  # 0: off (module docstring)
         self.mixed_prefill_tokens = mixed_prefill_tokens  # 0: off (module docstring)
@@ -143,13 +151,16 @@ class Scheduler:
         preempted: list[str] = []
         stalled = False  # someone waits for deferred blocks: admit nobody
         decoding, prefilling = self._running_groups()
+        itl: PromptRoom | None = None  # the ITL budget's room for prompt rows; None: no limit
         for group in (decoding, prefilling):
             if group is prefilling and self.mixed_prefill_tokens and self.decode_first \
                     and scheduled:  # the decoding requests scheduled so far
                 budget = min(budget, self.mixed_prefill_tokens)
+            if group is prefilling and self.itl_budget is not None and self.decode_first:
+                itl = self.itl_budget.room(scheduled)
             if group is prefilling and self.short_prefill_tokens and self.decode_first \
                     and not preempted and not stalled:
-                budget = self._admit_short(budget, scheduled, step_id)
+                budget = self._admit_short(budget, scheduled, step_id, itl)
             for request in group:
                 if budget == 0:
                     break
@@ -157,6 +168,10 @@ class Scheduler:
                     continue  # preempted earlier in this loop, or done once its step lands
                 num_new = min(request.num_tokens_with_placeholders - request.num_computed_tokens,
                               budget)
+                if itl is not None and group is prefilling:
+                    num_new = itl.take(request.num_computed_tokens, num_new)
+                    if num_new == 0:
+                        break
                 room = self._make_room(request, num_new, scheduled, preempted)
                 if room is None:
                     stalled = True
@@ -169,7 +184,9 @@ class Scheduler:
                 continue
             break  # the budget ran out, or a request had to make room by going itself
         if not preempted and not stalled:
-            budget = self._admit_waiting(budget, scheduled, step_id)
+            budget = self._admit_waiting(budget, scheduled, step_id, itl)
+        if itl is not None and itl.cut:
+            self.itl_budget.count_capped()
         if scheduled:  # an empty plan is never run: its id goes to the next one
             self.num_scheduled_steps += 1
         return SchedulerOutput(step_id, tuple(scheduled), tuple(preempted))
@@ -188,7 +205,8 @@ class Scheduler:
             (decoding if left == 1 else prefilling).append(r)
         return decoding, prefilling
 
-    def _admit_short(self, budget: int, scheduled: list[ScheduledRequest], step_id: int) -> int:
+    def _admit_short(self, budget: int, scheduled: list[ScheduledRequest], step_id: int,
+                     itl: PromptRoom | None) -> int:
         """Admit waiting requests with at most `short_prefill_tokens` left to
         compute, in queue order, within half the step's budget (the module
         docstring, Short prompts first)."""
@@ -206,7 +224,9 @@ class Scheduler:
             if not request.block_ids:
                 self._map_prefix(request)
                 num_new = request.num_tokens - request.num_computed_tokens
-            if num_new > room or not bm.can_allocate(request, num_new):
+            if num_new > room or not bm.can_allocate(request, num_new) or (
+                    itl is not None and not itl.take(request.num_computed_tokens, num_new,
+                                                     whole=True)):
                 bm.free(request)  # drop the prefix hit; it waits its turn
                 continue
             self.waiting.remove(request)
@@ -235,7 +255,8 @@ class Scheduler:
                 return False
         return True
 
-    def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest], step_id: int) -> int:
+    def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest], step_id: int,
+                       itl: PromptRoom | None = None) -> int:
         while self.waiting and budget > 0 and self.num_seqs < self.max_num_seqs:
             request = self.waiting[0]
             # A preempted request's token in flight lands before it is resumed:
@@ -244,7 +265,9 @@ class Scheduler:
             if not request.block_ids:
                 self._map_prefix(request)
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self.block_manager.can_allocate(request, num_new):
+            if itl is not None:
+                num_new = itl.take(request.num_computed_tokens, num_new)
+            if num_new == 0 or not self.block_manager.can_allocate(request, num_new):
                 self.block_manager.free(request)  # drop the prefix hit; retried next step
                 break
             self.waiting.popleft()

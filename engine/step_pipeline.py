@@ -41,6 +41,7 @@ ids after sampling (the other ranks fill their placeholder rows from them).
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -80,6 +81,7 @@ class _Launched:
     params: tuple[SamplingParams, ...]
     result: Future[_Result]
     prompt_logprobs: PromptLogprobsPlan | None = None
+    launched_at: float = 0.0  # time.perf_counter() when launch began
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,8 +105,14 @@ class StepPipeline:
 
     def __init__(self, runner: ModelRunner, sampler: Sampler, *, use_worker: bool,
                  grammars: GrammarBatch, eos_token_ids: frozenset[int] = frozenset(),
-                 tp: TPLeader | None = None, async_scheduling: bool = False) -> None:
+                 tp: TPLeader | None = None, async_scheduling: bool = False,
+                 on_step_time: Callable[[tuple, float], None] | None = None) -> None:
+        """`on_step_time(scheduled, seconds)`: told each completed step's plan
+        and how long it held the forward (from its launch, or from the
+        previous step's completion when it waited behind that one)."""
         self._runner = runner
+        self._on_step_time = on_step_time
+        self._last_completed = 0.0
         self._tp = tp
         self._async = async_scheduling
         self._sampler = sampler
@@ -120,6 +128,7 @@ class StepPipeline:
 
     def launch(self, plan: SchedulerOutput) -> None:
         """Prepare `plan`'s inputs and start its forward and sampling."""
+        launched_at = time.perf_counter()
         previous = self._in_flight[-1] if self._in_flight else None
         sources = ({} if previous is None else
                    {r.request_id: row for row, r in enumerate(previous.sampling_requests)})
@@ -147,7 +156,8 @@ class StepPipeline:
                 raise
             # the ranks are out of step for good: say why (TensorParallelError)
             raise self._tp.explain(exc) from exc
-        self._in_flight.append(_Launched(plan, requests, params, result, inputs.prompt_logprobs))
+        self._in_flight.append(_Launched(plan, requests, params, result, inputs.prompt_logprobs,
+                                         launched_at))
 
     def complete(self) -> CompletedStep:
         """Wait for the oldest step in flight and read its tokens on the host."""
@@ -160,6 +170,11 @@ class StepPipeline:
             if self._tp is None:
                 raise
             raise self._tp.explain(exc) from exc
+        if self._on_step_time is not None:
+            now = time.perf_counter()
+            self._on_step_time(step.plan.scheduled,
+                               now - max(step.launched_at, self._last_completed))
+            self._last_completed = now
         sampled = _NO_SAMPLES if result.host is None else result.host.output(step.params)
         prompt = None
         if step.prompt_logprobs is not None:

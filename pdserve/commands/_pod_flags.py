@@ -25,9 +25,11 @@ STEP_TOKENS = 2048
 
 def add_engine_arguments(parser: argparse.ArgumentParser, *, block_size: int,
                          prefix_cache_default: bool,
-                         mixed_prefill_default: int | Mapping[str, int] = 0) -> None:
+                         mixed_prefill_default: int | Mapping[str, int] = 0,
+                         itl_budget_default: str = "off") -> None:
     """`mixed_prefill_default`: --mixed-prefill-tokens' default, or one per
-    device ("cpu", "cuda"), picked once the device is resolved."""
+    device ("cpu", "cuda"), picked once the device is resolved.
+    `itl_budget_default`: --itl-budget-ms' ("auto" on decode pods)."""
     g = parser.add_argument_group("engine")
     g.add_argument("--model", required=True, metavar="MODEL",
                    help="Hugging Face style model directory (config.json + safetensors), a "
@@ -66,6 +68,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, block_size: int,
                    help="With decode-first: a step that decodes computes at most this many "
                         "prompt tokens, so a prompt stalls the running batch in chunks of this "
                         f"size (default {default_text}; docs/engine.md, Configuration).")
+    g.add_argument("--itl-budget-ms", default=itl_budget_default, metavar="MS|auto|off",
+                   help="With decode-first: a step that decodes takes prompt tokens only "
+                        "while its predicted time (a step-time model the pod learns from "
+                        "its own steps) stays within this inter-token budget: milliseconds, "
+                        "auto (1.5x the pod's own plain decode step at the step's batch and "
+                        f"context) or off (default {itl_budget_default}; docs/engine.md, "
+                        "ITL budget).")
     g.add_argument("--kernel-backend", choices=("auto", "triton", "torch"),
                    default=os.environ.get("PDSERVE_KERNEL_BACKEND", "auto"),
                    help="Kernels: Triton on CUDA and torch on CPU (auto), or one of them "
@@ -157,6 +166,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         short_prefill_tokens=args.short_prefill_tokens,
         mixed_prefill_tokens=(args.mixed_prefill_by_device[device]
                               if args.mixed_prefill_tokens is None else args.mixed_prefill_tokens),
+        itl_budget=args.itl_budget_ms,
         max_model_len=args.max_model_len,
         enable_prefix_caching=args.prefix_cache,
         seed=args.seed,
