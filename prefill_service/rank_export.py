@@ -31,6 +31,9 @@ import logging
 from concurrent.futures import Future
 from typing import Any
 
+import torch
+
+from engine.kv_hook import LayerKVSpan
 from engine.parallel.control import WorkerControl
 from engine.parallel.group import TPGroup
 from engine.parallel.launch import WorkerSpec
@@ -58,7 +61,8 @@ class RankExport:
         self._export: KVExport | None = None  # made at SETUP
         self.layer_kv_hook = self  # the runner's hook (RankService)
 
-    def on_layer_kv(self, layer_idx, kv_cache_layer, spans) -> None:
+    def on_layer_kv(self, layer_idx: int, kv_cache_layer: torch.Tensor,
+                    spans: tuple[LayerKVSpan, ...]) -> None:
         """The runner's hook (step thread); nothing to do before SETUP."""
         if self._export is not None:
             self._export.on_layer_kv(layer_idx, kv_cache_layer, spans)
