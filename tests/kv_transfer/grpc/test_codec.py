@@ -35,6 +35,8 @@ def _random_message(rng: random.Random) -> pdserve_pb2.KVFrame:
         num_tokens=num(32), num_kv_heads=num(32), head_dim=num(32), dtype=text(),
         first_token_id=rng.choice([0, -1, -(1 << 31), (1 << 31) - 1, rng.randrange(1 << 20)]),
         total_bytes=num(64), reason=text(), flags=num(32), token_offset=num(32),
+        head_start=num(32), model_kv_heads=num(32), sub_start=num(32), sub_end=num(32),
+        num_senders=num(32),
     )  # fmt: skip
 
 

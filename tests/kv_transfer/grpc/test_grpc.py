@@ -16,7 +16,7 @@ from kv_transfer.checksum import checksum
 from kv_transfer.config import ReceiverConfig, SenderConfig
 from kv_transfer.errors import reason_code
 from kv_transfer.grpc import SERVER_OPTIONS, GrpcKVReceiver, GrpcKVSender
-from kv_transfer.wire import VERSION
+from kv_transfer.wire import FLAG_HEAD_RANGE, VERSION
 from proto import pdserve_pb2, pdserve_pb2_grpc
 from tests.kv_transfer.helpers import (
     RecordingListener,
@@ -251,3 +251,26 @@ def test_a_sender_that_disagrees_on_the_token_offset_is_refused(receiver, listen
         assert listener.wait_final("offset")[0] == "failed"
     finally:
         sender.close()
+
+
+def test_head_fields_travel_behind_their_flag(receiver, listener):
+    layout = KVLayout(1, 4, 2, 4, "float32", head_start=2, model_kv_heads=4)
+    stub = pdserve_pb2_grpc.KVTransferStub(grpc.insecure_channel(receiver.endpoints[0]))
+    target = receiver.expect("hf", layout, time.time() + 30)
+    fields = dict(head_start=2, model_kv_heads=4, sub_start=0, sub_end=2, num_senders=1)
+    unflagged = begin_frame("hf", layout, target.ticket)
+    unflagged.MergeFrom(pdserve_pb2.KVFrame(**fields))  # the head fields, no flag
+    result = stub.Push(iter([unflagged]), timeout=30)
+    assert (result.ok, result.reason) == (
+        False, "bad_frame: BEGIN head fields do not match its flags")  # fmt: skip
+    target = receiver.expect("hf2", layout, time.time() + 30)
+    flagged = begin_frame("hf2", layout, target.ticket)
+    flagged.MergeFrom(pdserve_pb2.KVFrame(flags=FLAG_HEAD_RANGE, **fields))
+    payload = bytes(layout.bytes_per_layer)
+    frames = [flagged, frame(KIND.FRAME_KIND_DATA, "hf2", layer=0, offset=0, payload=payload),
+              frame(KIND.FRAME_KIND_END, "hf2", first_token_id=3,
+                    total_bytes=layout.total_bytes)]  # fmt: skip
+    result = stub.Push(iter(frames), timeout=30)
+    assert (result.ok, result.reason) == (True, "")
+    assert listener.wait_final("hf2") == ("complete", 3)
+    assert receiver.release("hf2")
