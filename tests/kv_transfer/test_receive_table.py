@@ -7,6 +7,7 @@ import torch
 from kv_transfer.base import KVLayout
 from kv_transfer.errors import BufferPoolExhausted, Reason, TransferRefused
 from kv_transfer.landing import LandingBufferPool
+from kv_transfer.layout import SenderPart
 from kv_transfer.receive_table import ReceiveTable
 from kv_transfer.tickets import TicketAuthority
 from tests.kv_transfer.helpers import RecordingListener
@@ -266,3 +267,43 @@ def test_deadline_per_phase_no_sender_by_the_reservation_deadline():
         "failed", f"deadline: no sender began before the reservation's deadline {deadline:.3f}")
     with pytest.raises(ValueError, match="transfer_timeout_s must be > 0 seconds, got 0"):
         table.expect("z", LAYOUT, deadline, ("127.0.0.1:1",), transfer_timeout_s=0)
+
+
+def test_an_attempt_in_the_head_major_form_waits_for_the_dropped_writer():
+    """A TP=1 prefill's attempt (whole-model rows) is superseded by a TP=2 prefill
+    pod's (head-major rows of the same bytes) while its writer is inside: the
+    new BEGIN waits for that writer to leave, then counts rows its own way."""
+    layout = KVLayout(1, 4, 2, 2, "float32")  # whole-model: 16-byte rows, 64 bytes
+    table, pool, listener = make_table()
+    target = table.expect("f", layout, time.time() + 30, ("127.0.0.1:1",))
+    old = Peer()
+    table.begin("f", target.ticket, layout, old, b"tp1")
+    claim = table.claim("f", old, 0, 0, 32)  # the old writer is inside
+    ranks = [Peer(), Peer()]
+    head_major = layout.head_major()
+    began = threading.Event()
+
+    def begin_first_rank():
+        table.begin("f", target.ticket, head_major, ranks[0], b"tp2", SenderPart(0, 1, 2))
+        began.set()
+
+    thread = threading.Thread(target=begin_first_rank)
+    thread.start()
+    assert not began.wait(0.3)  # waiting for the old writer
+    table.commit(claim)  # it leaves (its attempt was dropped: nothing counts)
+    assert began.wait(5)
+    thread.join()
+    assert old.outcomes[0][1:] == (False, "superseded: sender_lost: superseded by a new "
+                                          "attempt")  # fmt: skip
+    table.begin("f", target.ticket, head_major, ranks[1], b"tp2", SenderPart(1, 2, 2))
+    kv = torch.arange(32, dtype=torch.float32).view(2, 4, 2, 2)  # [2, T, H, D]
+    staged = kv.permute(2, 0, 1, 3).contiguous().view(torch.uint8).flatten()  # head-major
+    write(table, ranks[1], "f", 0, 32, bytes(staged[32:].tolist()))
+    write(table, ranks[0], "f", 0, 0, bytes(staged[:32].tolist()))
+    table.end("f", ranks[0], 9, layout.total_bytes)
+    assert listener.events["f"][-1] == ("layer", 0)  # one END of two
+    table.end("f", ranks[1], 9, layout.total_bytes)
+    assert listener.events["f"][-1] == ("complete", 9)
+    assert [p.outcomes for p in ranks] == [[("f", True, "")]] * 2
+    assert torch.equal(listener.layers[("f", 0)], kv)
+    assert table.release("f") and pool.bytes_in_use == 0
