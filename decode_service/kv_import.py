@@ -207,11 +207,22 @@ class KVImport:
 
     def split_for(self, split_at: int) -> int:
         """The split this pod takes for a requested `split_at` (0 = none):
-        none when its cached prefix already holds the head."""
+        none when its cached prefix already holds the head, or when the tail
+        would not fit its inter-token budget beside the running batch."""
         assert self._reservation is not None
         if self._remote.ranks is not None:
             return 0  # TP > 1: no split (module docstring)
-        return split_at if split_at > self._reservation.num_held_tokens else 0
+        if split_at <= self._reservation.num_held_tokens:
+            return 0
+        # The tail computes beside the running batch: only if it fits the
+        # pod's inter-token budget beside the last step's decodes (else the
+        # prefill pod computes the whole prompt; docs/router.md, Split prefill).
+        budget = self._loop.itl_budget
+        tail = self._reservation.num_context_tokens - split_at
+        if budget is not None and self._loop.stats.num_running and \
+                not budget.fits_beside_last_step(split_at, tail):
+            return 0
+        return split_at
 
     def open(self, split_at: int = 0) -> TransferTarget:
         """Announce R to the injector, then open its landing buffer; returns the

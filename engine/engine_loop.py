@@ -312,6 +312,11 @@ class EngineLoop:
             self._metrics.abort(reason)
         return found
 
+    @property
+    def itl_budget(self) -> Any:
+        """The engine's `ItlBudget` (engine/itl_budget.py), None when off."""
+        return self._engine.scheduler.itl_budget
+
     def kv_caches(self) -> list[Any]:
         """The engine's per-layer KV cache tensors (never reallocated after
         start), for the decode pod's injector thread."""

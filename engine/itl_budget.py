@@ -183,6 +183,7 @@ class ItlBudget:
         self.budget_ms = budget_ms
         self.model = model or StepTimeModel()
         self.capped_steps = 0  # steps whose prompt tokens the budget cut
+        self.last_decoding: StepFeatures | None = None  # the last plan's decoding rows
 
     def observe(self, scheduled: Sequence, seconds: float) -> None:
         if scheduled:
@@ -196,12 +197,20 @@ class ItlBudget:
     def room(self, decoding: Sequence) -> PromptRoom | None:
         """What prompt work the step may add to the `decoding` rows already in
         it; None: no limit (nothing decodes)."""
-        if not decoding:
-            return None
+        plain = self.last_decoding = StepFeatures.of(decoding) if decoding else None
+        return None if plain is None else self._room(plain)
+
+    def _room(self, plain: StepFeatures) -> PromptRoom:
         if not self.model.ready:
-            return PromptRoom(None, StepFeatures.of(decoding), 0.0, PROBE_TOKENS)
-        plain = StepFeatures.of(decoding)
+            return PromptRoom(None, plain, 0.0, PROBE_TOKENS)
         return PromptRoom(self.model, plain, self.budget_s(plain), None)
+
+    def fits_beside_last_step(self, start: int, num_tokens: int) -> bool:
+        """Would `num_tokens` prompt tokens from `start` fit beside the last
+        planned step's decoding rows (True when it decoded nothing)? Any
+        thread: it reads the last plan's features, replaced whole."""
+        plain = self.last_decoding
+        return plain is None or self._room(plain).take(start, num_tokens, whole=True) > 0
 
     def count_capped(self) -> None:
         self.capped_steps += 1

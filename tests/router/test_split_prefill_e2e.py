@@ -48,13 +48,17 @@ CASES = [
 
 @contextlib.contextmanager
 def split_pods(model_dir, device: str = "cpu", decode_block_size: int = 16,
-               decode_blocks: int = 512) -> Iterator[dict]:
-    """A prefill pod (16-token blocks, no prefix cache) and a decode pod on `device`."""
+               decode_blocks: int = 512, itl_budget: str = "off") -> Iterator[dict]:
+    """A prefill pod (16-token blocks, no prefix cache) and a decode pod on
+    `device`. The decode pod's inter-token budget is off unless asked: these
+    tests are about the split's mechanics, which the budget would decline
+    beside a running batch (see the budget's own test below)."""
     started = start_pods({
         "prefill": ("prefill", {"device": device, "block_size": 16, "num_blocks": 512,
                                 "no_prefix_cache": True}),
         "decode": ("decode", {"device": device, "block_size": decode_block_size,
-                              "num_blocks": decode_blocks, "landing_memory": "256MiB"}),
+                              "num_blocks": decode_blocks, "landing_memory": "256MiB",
+                              "itl_budget_ms": itl_budget}),
     }, model_dir)
     try:
         yield started
@@ -176,6 +180,36 @@ def check_split_beside_a_decoding_request(model_dir, pods, case, device: str,
 def test_a_split_beside_a_decoding_request_gives_both_undisturbed_outputs(
         tiny_model_dir, pods):
     check_split_beside_a_decoding_request(tiny_model_dir, pods, CASES[0], "cpu", 600)
+
+
+def test_the_itl_budget_declines_a_split_whose_tail_would_stretch_a_running_batch(
+        tiny_model_dir):
+    """A decode pod whose budget no tail fits beside its running batch (1 ms)
+    takes no split while a request decodes: the prefill pod computes the
+    whole prompt, and both outputs are undisturbed; once idle, it splits."""
+    (prompt, sampling), background = CASES[0], _prompt(5, 20)
+    (expected,) = undisturbed_texts(tiny_model_dir, [CASES[0]])
+    (expected_background,) = undisturbed_texts(tiny_model_dir,
+                                               [(background, {"temperature": 0})], "cpu", 600)
+    with split_pods(tiny_model_dir, itl_budget="1") as pods:
+        router = _router(tiny_model_dir, pods, split_prefill_min_tokens=64)
+        try:
+            _idle(router, pods)
+            client = openai.OpenAI(base_url=router.base_url, api_key="x", max_retries=0,
+                                   timeout=120)
+            chunks = iter(client.completions.create(
+                model="tiny", prompt=background, max_tokens=600, temperature=0,
+                stream=True, extra_body={"ignore_eos": True}))
+            text = next(chunks).choices[0].text  # decoding now
+            assert _complete(router, prompt, sampling, True) == expected
+            assert router.metric(SPLITS) == 0  # declined: the whole prompt on the prefill pod
+            text += "".join(chunk.choices[0].text for chunk in chunks if chunk.choices)
+            assert text == expected_background
+            _idle(router, pods)  # nothing decodes: no stream to protect, the split is taken
+            assert _complete(router, prompt, sampling, False) == expected
+            assert router.metric(SPLITS) == 1
+        finally:
+            router.terminate()
 
 
 @pytest.mark.parametrize("min_tokens", [200, None], ids=["200", "auto-on-a-cpu-decode-pod"])
