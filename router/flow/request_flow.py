@@ -100,6 +100,7 @@ class RequestFlow:
         self._start = time.monotonic()
         self._deadline = self._start + deps.settings.request_timeout
         self._left_out: set[str] = set()  # pods that failed this request
+        self._last_failure: str | None = None  # why, the last time
         self._attempt = 0
         self._migrations = 0
         self._last_token_time: float | None = None
@@ -139,6 +140,10 @@ class RequestFlow:
                 except AttemptFailed as failure:
                     self._after_failure(failure)
         except ApiError as exc:
+            if exc.code == "no_pod_available" and self._last_failure is not None:
+                # the pods left are none because this request failed on them: say why
+                exc.message = f"{exc.message}; this request's last failure: {self._last_failure}"
+                exc.args = (exc.message,)
             outcome = f"http_{exc.status}"
             # pods had the request and are told to drop it (their calls are cancelled)
             if exc.status == 504:
@@ -184,6 +189,7 @@ class RequestFlow:
     def _after_failure(self, failure: AttemptFailed) -> None:
         """Decide whether the request moves on after a failed attempt."""
         self._left_out.update(failure.addresses)
+        self._last_failure = failure.reason
         if failure.migrate:
             self._deps.metrics.migrations.inc()
         else:

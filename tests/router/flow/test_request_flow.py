@@ -307,6 +307,23 @@ def test_all_prefill_pods_failing_gives_up_with_reason():
     run(main())
 
 
+def test_no_pods_left_after_a_failure_says_what_failed():
+    async def main():
+        # one prefill pod that fails, migrations allowed: the retry finds no
+        # pod left, and the 503 carries the failure that used them up
+        cluster = Cluster(max_prefill_retries=0, max_migrations=2)
+        await cluster.add("prefill", fail_prefill=True)
+        await cluster.add("decode")
+        async with cluster:
+            with pytest.raises(ApiError) as info:
+                await _collect(cluster.flow())
+        assert info.value.status == 503 and info.value.code == "no_pod_available"
+        assert info.value.message.startswith("no pod can serve the request")
+        assert "this request's last failure:" in info.value.message
+        assert "UNAVAILABLE: prefill pod is broken" in info.value.message
+    run(main())
+
+
 def test_decode_failure_migrates_without_duplicates_or_gaps():
     async def main():
         cluster = Cluster()
