@@ -84,7 +84,7 @@ def _model_dir(name: str) -> str:
     return str(resolve_model(name))
 
 
-class _Pod:
+class Pod:
     """A pod subprocess on loopback with OS-picked ports (see --ready-file)."""
 
     def __init__(self, command: str, flags: list[str]) -> None:
@@ -118,7 +118,7 @@ def _pinned(cpus: str | None) -> list[str]:
     return [] if cpus is None else ["--cpus", cpus]
 
 
-def _measure_prefill_only(prefill, pb, rid: str, prompt: list[int]) -> float:
+def measure_prefill_only(prefill, pb, rid: str, prompt: list[int]) -> float:
     sampling = pb.SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     start = time.perf_counter()
     messages = prefill.Prefill(pb.PrefillRequest(request_id=rid, prompt_token_ids=prompt,
@@ -130,7 +130,7 @@ def _measure_prefill_only(prefill, pb, rid: str, prompt: list[int]) -> float:
     return ttft
 
 
-def _measure_disaggregated(prefill, decode, pb, rid: str, prompt: list[int]) -> tuple[float, int]:
+def measure_disaggregated(prefill, decode, pb, rid: str, prompt: list[int]) -> tuple[float, int]:
     sampling = pb.SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     start = time.perf_counter()
     call = decode.Generate(pb.DecodeGenerateRequest(
@@ -198,14 +198,14 @@ def main(args: argparse.Namespace) -> int:
     model = _model_dir(args.model)
     common = ["--model", model, "--device", args.device, "--kv-cache-memory",
               args.kv_cache_memory, "--max-num-batched-tokens", str(max(2048, max(lengths)))]
-    prefill_pod = _Pod("prefill", [*common, "--block-size", str(args.prefill_block_size),
+    prefill_pod = Pod("prefill", [*common, "--block-size", str(args.prefill_block_size),
                                    "--kv-streams", str(args.kv_streams), "--no-prefix-cache",
                                    *_pinned(args.prefill_cpus)])
     decode_pod = None
     try:
         # a CPU prefill of thousands of tokens on a shared machine can take
         # longer than the default 30 s transfer timeout
-        decode_pod = _Pod("decode", [*common, "--block-size", str(args.decode_block_size),
+        decode_pod = Pod("decode", [*common, "--block-size", str(args.decode_block_size),
                                      "--kv-port", "0", "--kv-transport", args.kv_transport,
                                      "--transfer-timeout", "600", *_pinned(args.decode_cpus)])
         prefill = pbg.PrefillStub(grpc.insecure_channel(prefill_pod.address))
@@ -217,16 +217,16 @@ def main(args: argparse.Namespace) -> int:
         # warm up both paths (first calls pay for lazy initialisation)
         for i in range(2):
             warm = [rng.randrange(5, 1000) for _ in range(min(lengths))]
-            _measure_prefill_only(prefill, pb, f"warm-p-{i}", warm)
-            _measure_disaggregated(prefill, decode, pb, f"warm-d-{i}", warm)
+            measure_prefill_only(prefill, pb, f"warm-p-{i}", warm)
+            measure_disaggregated(prefill, decode, pb, f"warm-d-{i}", warm)
         for length in lengths:
             base, disagg, kv_bytes = [], [], 0
             local: list[float] = []
             for r in range(args.repeats):
                 prompt = [rng.randrange(5, 1000) for _ in range(length)]
                 other = [rng.randrange(5, 1000) for _ in range(length)]
-                base.append(_measure_prefill_only(prefill, pb, f"p-{length}-{r}", prompt))
-                ttft, kv_bytes = _measure_disaggregated(prefill, decode, pb,
+                base.append(measure_prefill_only(prefill, pb, f"p-{length}-{r}", prompt))
+                ttft, kv_bytes = measure_disaggregated(prefill, decode, pb,
                                                         f"d-{length}-{r}", other)
                 disagg.append(ttft)
                 line = (f"prompt {length} #{r}: prefill-only {base[-1] * 1e3:.1f} ms, "

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
-HELP = ("Benchmarks: engine, tp, decode-gemm, prefill-gemm, prefill-split, kernels, transfer, "
+HELP = ("Benchmarks: engine, tp, tp-transfer, decode-gemm, prefill-gemm, prefill-split, kernels, transfer, "
         "transfer-split, ttft, router, sse-floor, peer, disagg, first-gap, routing "
         "(each against its baseline); serve (a load generator) and serve-plot; soak "
         "(mixed load, cancellations and a pod restart).")
@@ -17,6 +17,7 @@ HELP = ("Benchmarks: engine, tp, decode-gemm, prefill-gemm, prefill-split, kerne
 BENCHMARKS: dict[str, str] = {
     "engine": "benchmarks.engine",
     "tp": "benchmarks.tensor_parallel",
+    "tp-transfer": "benchmarks.tp_transfer",
     "decode-gemm": "benchmarks.decode_gemm",
     "prefill-gemm": "benchmarks.prefill_gemm",
     "prefill-split": "benchmarks.prefill_split",
