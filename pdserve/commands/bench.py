@@ -9,8 +9,9 @@ from __future__ import annotations
 import argparse
 import importlib
 
-HELP = ("Benchmarks: engine, tp, tp-transfer, decode-gemm, prefill-gemm, prefill-split, kernels, transfer, "
-        "transfer-split, ttft, router, sse-floor, peer, disagg, first-gap, routing "
+HELP = ("Benchmarks: engine, tp, tp-transfer, decode-gemm, prefill-gemm, prefill-split, "
+        "kernels, transfer, transfer-split, ttft, router, sse-floor, peer, disagg, first-gap, "
+        "routing "
         "(each against its baseline); serve (a load generator) and serve-plot; soak "
         "(mixed load, cancellations and a pod restart).")
 
