@@ -40,6 +40,10 @@ class DecodeConfig:
     reservation_timeout_s: float = 600.0
     kv_max_connections: int = 256
     kv_frame_timeout_s: float = 10.0
+    # TCP KV connections before they authenticate (kv_transfer/tcp/lobby.py)
+    kv_auth_timeout_s: float = 5.0
+    kv_max_pending: int = 256
+    kv_max_pending_per_peer: int = 64
     join_wait: float = 0.5
 
     def __post_init__(self) -> None:

@@ -57,6 +57,12 @@ class ReceiverCollector(Collector):
             labels=["role"])
         connections.add_metric([self._role], stats.open_connections)
         yield connections
+        pending = GaugeMetricFamily(
+            "pdserve_kv_port_pending_connections",
+            "Connections on the KV port that have not yet sent a BEGIN with a valid "
+            "ticket (no thread, no slot; closed after --kv-auth-timeout).", labels=["role"])
+        pending.add_metric([self._role], stats.pending_connections)
+        yield pending
 
     def register(self, registry: CollectorRegistry) -> None:
         registry.register(self)

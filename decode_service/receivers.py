@@ -24,6 +24,8 @@ def receiver_config(config: DecodeConfig, rank: int = 0, *, secret: bytes | None
         port=config.kv_port + rank if config.kv_port else 0,
         advertise_host=config.server.public_host(), security=config.server.security,
         max_connections=config.kv_max_connections, io_timeout_s=config.kv_frame_timeout_s,
+        auth_timeout_s=config.kv_auth_timeout_s, max_pending=config.kv_max_pending,
+        max_pending_per_peer=config.kv_max_pending_per_peer,
         secret=secret, generation=generation)
 
 

@@ -241,8 +241,10 @@ class ReceiverStats:
     stale_frames: int = 0
     # frames and connections the port refused, by reason (kv_transfer/refusals.py)
     refusals: dict[str, int] = field(default_factory=dict)
-    # sender connections open now (TCP; 0 for gRPC, whose server owns them)
+    # sender connections open now (TCP; 0 for gRPC, whose server owns them):
+    # authenticated ones, and ones waiting to authenticate (kv_transfer/tcp/lobby.py)
     open_connections: int = 0
+    pending_connections: int = 0
 
 
 class KVReceiver(abc.ABC):

@@ -73,9 +73,11 @@ class ReceiverConfig:
     io_timeout_s: once a frame's first byte has arrived, the whole frame
     (header and payload, up to 64 MiB) must arrive within this; a peer that
     trickles bytes is cut off (TCP; it also bounds each send).
-    max_connections: sender connections the TCP port serves at once (each is
-    a thread); more are accepted and closed at once, and counted. A prefill pod
-    keeps `num_streams` (4) connections to each decode pod it sends to."""
+    max_connections: authenticated sender connections the TCP port serves at
+    once (each is a thread); more are closed at once, and counted. A prefill
+    pod keeps `num_streams` (4) connections to each decode pod it sends to.
+    auth_timeout_s, max_pending, max_pending_per_peer: connections that have
+    not yet sent a BEGIN with a valid ticket (no thread, no slot; lobby.py)."""
 
     capacity_bytes: int
     host: str = "127.0.0.1"
@@ -85,6 +87,12 @@ class ReceiverConfig:
     sweep_interval_s: float = 0.2
     io_timeout_s: float = 10.0
     max_connections: int = 256
+    # before a TCP connection authenticates (kv_transfer/tcp/lobby.py): its first
+    # frame, a BEGIN with a valid ticket, within this; at most this many waiting,
+    # and this many from one address
+    auth_timeout_s: float = 5.0
+    max_pending: int = 256
+    max_pending_per_peer: int = 64
     secret: bytes | None = None
     generation: int | None = None
     pin_memory: bool | None = None
@@ -102,6 +110,11 @@ class ReceiverConfig:
         _positive("claim_grace_s", self.claim_grace_s, 3600)
         _positive("sweep_interval_s", self.sweep_interval_s, 60)
         _positive("io_timeout_s", self.io_timeout_s, 3600)
+        _positive("auth_timeout_s", self.auth_timeout_s, 3600)
+        for name in ("max_pending", "max_pending_per_peer"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or not 1 <= value <= 65536:
+                raise ValueError(f"{name} must be an int in [1, 65536], got {value!r}")
         if not isinstance(self.max_connections, int) or not 1 <= self.max_connections <= 65536:
             raise ValueError(f"max_connections must be an int in [1, 65536], "
                              f"got {self.max_connections!r}")

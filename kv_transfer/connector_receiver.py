@@ -70,8 +70,13 @@ class ConnectorReceiver(KVReceiver):
 
     def stats(self) -> ReceiverStats:
         return dataclasses.replace(self.table.stats(), refusals=self.refusals.snapshot(),
-                                   open_connections=self.open_connections())
+                                   open_connections=self.open_connections(),
+                                   pending_connections=self.pending_connections())
 
     def open_connections(self) -> int:
         """Sender connections open now; 0 unless the subclass owns its connections."""
+        return 0
+
+    def pending_connections(self) -> int:
+        """Connections waiting to authenticate; 0 unless the subclass has a lobby."""
         return 0

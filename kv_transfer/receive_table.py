@@ -154,6 +154,20 @@ class ReceiveTable:
 
     # ---------------------------------------------------------------- I/O threads
 
+    def authenticate(self, request_id: str, ticket: bytes) -> None:
+        """A connection's first BEGIN, before it may cost a thread (the TCP
+        port's lobby): raises TransferRefused if `ticket` does not admit
+        `request_id`, failing the transfer as `begin` would."""
+        try:
+            self.authority.verify(ticket, request_id)
+        except TransferRefused as refused:
+            with self._lock:
+                t = self._transfers.get(request_id)
+                ended = self._transfers.tombstone(request_id)
+            if t is not None or ended is None:
+                self._transfers.refuse(t, refused, request_id)
+            raise
+
     def begin(self, request_id: str, ticket: bytes, layout: KVLayout, peer: Peer,
               attempt: bytes = b"", part: SenderPart | None = None) -> None:  # fmt: skip
         """Authenticate `peer` for `request_id` as a stream of sending attempt

@@ -15,7 +15,12 @@ Reasons, a bounded label set:
   last also counts late frames of a transfer that was cancelled or failed);
 * a connection cut off (`PortRefusal`): `stalled` (a frame not complete within
   the receiver's `io_timeout_s` of its first byte: a peer trickling bytes), and
-  `connection_limit` (accepted over `max_connections` and closed at once).
+  `connection_limit` (authenticated over `max_connections` and closed at once);
+* before a TCP connection authenticated (kv_transfer/tcp/lobby.py): `not_begin`
+  (its first frame was not BEGIN), `auth_timeout` (no first frame within
+  `auth_timeout_s`), `pending_limit` (the oldest waiting one, dropped for a
+  new one over `max_pending`), `peer_limit` (over `max_pending_per_peer` from
+  one address); a BEGIN whose ticket fails counts its reason as above.
 
 `add` is called from the receiver's connection and accept threads, `snapshot`
 from the metrics thread at scrape time.
@@ -37,6 +42,11 @@ class PortRefusal(enum.StrEnum):
     BAD_REQUEST_ID = "bad_request_id"
     STALLED = "stalled"
     CONNECTION_LIMIT = "connection_limit"
+    # before a connection authenticated (kv_transfer/tcp/lobby.py)
+    NOT_BEGIN = "not_begin"
+    AUTH_TIMEOUT = "auth_timeout"
+    PENDING_LIMIT = "pending_limit"
+    PEER_LIMIT = "peer_limit"
 
 
 class RefusalCounts:

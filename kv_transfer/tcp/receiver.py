@@ -1,6 +1,9 @@
-"""TCP receiver: a listening socket, one thread per sender connection.
+"""TCP receiver: a listening socket, one thread per authenticated sender connection.
 
-Life of a connection (one thread, `_Connection.run`): wait (idle allowed) for
+A new connection waits in the lobby (kv_transfer/tcp/lobby.py: no thread,
+no slot) until its first frame, a BEGIN whose ticket verifies, is in; then
+it is promoted. Life of a promoted connection (one thread,
+`_Connection.run`): handle that BEGIN, then wait (idle allowed) for
 the first bytes of a frame, which starts its deadline; read the 104-byte header;
 BEGIN/END/ABORT payloads are small and read into memory; a DATA payload is
 read with `recv_into` straight into the landing buffer region the table
@@ -15,13 +18,16 @@ Limits, each refusal counted by reason (kv_transfer/refusals.py):
   accept thread, waking at least every 0.2 s, shuts down the socket of a
   connection past its frame deadline (a peer trickling one byte every few
   seconds makes progress on every recv, so a per-recv timeout never fires);
-* at most `max_connections` connections: more are closed as they are accepted;
+* at most `max_connections` authenticated connections: more are closed as they
+  are promoted; connections not yet authenticated are the lobby's to bound
+  (`auth_timeout_s`, `max_pending`, `max_pending_per_peer`);
 * nothing is allocated per connection up front beyond the 104-byte header
   buffer: a refused DATA payload is skipped through a scratch buffer that
   lives for that frame only (socket_io.skip).
 
-Threads: the accept thread (also the frame watchdog), one per connection, and
-the sweeper. The listener is called from connection threads and the sweeper.
+Threads: the accept thread (the lobby's selector loop, also the frame
+watchdog), one per authenticated connection, and the sweeper. The listener
+is called from connection threads and the sweeper.
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ from kv_transfer.tcp.frames import (
     decode_begin,
     decode_end,
 )
+from kv_transfer.tcp.lobby import Lobby, LobbyLimits
 from kv_transfer.tcp.socket_io import (
     PeerClosed,
     close_quietly,
@@ -157,10 +164,14 @@ class _Connection:
         if request_id not in self._told:
             self.notify(request_id, TransferOutcome.failed(refused.reason))
 
-    def run(self) -> None:
+    def run(self, first: tuple[FrameHeader, bytes] | None = None) -> None:
+        """Serve frames until the peer leaves; `first`: the BEGIN the lobby
+        already read (and authenticated), handled before anything else."""
         header_buf = new_header_buffer()
         reason = make_reason(Reason.CONNECTION_LOST)
         try:
+            if first is not None:
+                self._control(*first)
             while not self.stop.is_set():
                 self._handle(recv_header(self.sock, header_buf, self.stop, self._frame_started))
         except PeerClosed:
@@ -187,7 +198,6 @@ class _Connection:
                                                    f"complete within {self.frame_timeout_s:g} s")
 
     def _handle(self, header: FrameHeader) -> None:
-        rid = header.request_id
         if header.kind is FrameKind.DATA:
             self._data(header)
             return
@@ -195,6 +205,11 @@ class _Connection:
             raise HeaderError(PortRefusal.BAD_KIND, "STATUS frames only travel receiver -> sender")
         payload = recv_bytes(self.sock, header.length)
         self._frame_read()
+        self._control(header, payload)
+
+    def _control(self, header: FrameHeader, payload: bytes) -> None:
+        """A BEGIN, END or ABORT frame whose payload has been read."""
+        rid = header.request_id
         try:
             if checksum(payload) != header.checksum:
                 raise TransferRefused(Reason.BAD_CHECKSUM, f"{header.kind.name} payload")
@@ -246,50 +261,53 @@ class TcpKVReceiver(ConnectorReceiver):
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
         self._limit_logged_at = -_LIMIT_LOG_EVERY_S
+        self._lobby: Lobby | None = None
 
     def open_connections(self) -> int:
         with self._lock:
             return len(self._connections)
 
+    def pending_connections(self) -> int:
+        """Connections not yet authenticated (the lobby's; read without a lock)."""
+        return 0 if self._lobby is None else len(self._lobby)
+
     def start(self) -> None:
         server = socket.create_server((self.config.host, self.config.port), backlog=128)
-        server.settimeout(_ACCEPT_TICK_S)  # the accept loop polls the stop flag and deadlines
         self._server = server
         host = self.config.advertise_host or self.config.host
         self._endpoints = (f"{host}:{server.getsockname()[1]}",)
-        accept = threading.Thread(target=self._accept_loop, name="kv-tcp-accept", daemon=True)
+        c = self.config
+        self._lobby = Lobby(server, self.table,
+                            LobbyLimits(c.auth_timeout_s, c.io_timeout_s, c.max_pending,
+                                        c.max_pending_per_peer),
+                            self.refusals, self._promote, self._stop,
+                            on_tick=self._cut_stalled, tick_s=_ACCEPT_TICK_S)
+        accept = threading.Thread(target=self._lobby.run, name="kv-tcp-accept", daemon=True)
         accept.start()
         self._threads.append(accept)
         self.sweeper.start()
 
-    def _accept_loop(self) -> None:
-        assert self._server is not None
-        while not self._stop.is_set():
-            self._cut_stalled()
-            try:
-                sock, _ = self._server.accept()
-            except TimeoutError:
-                continue
-            except OSError:
+    def _promote(self, sock: socket.socket, begin: FrameHeader, payload: bytes) -> None:
+        """Accept thread: a connection the lobby authenticated gets its thread
+        and a slot, or is closed when every slot is taken."""
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        set_io_timeout(sock, self.config.io_timeout_s)
+        conn = _Connection(sock, self.table, self._stop, self.refusals,
+                           self.config.io_timeout_s)  # fmt: skip
+        thread = threading.Thread(target=self._serve, args=(conn, (begin, payload)),
+                                  daemon=True, name="kv-tcp-conn")  # fmt: skip
+        with self._lock:
+            if self._stop.is_set():
+                close_quietly(sock)
                 return
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            set_io_timeout(sock, self.config.io_timeout_s)
-            conn = _Connection(sock, self.table, self._stop, self.refusals,
-                               self.config.io_timeout_s)  # fmt: skip
-            thread = threading.Thread(target=self._serve, args=(conn,), daemon=True,
-                                      name="kv-tcp-conn")  # fmt: skip
-            with self._lock:
-                if self._stop.is_set():
-                    close_quietly(sock)
-                    return
-                full = len(self._connections) >= self.config.max_connections
-                if not full:
-                    self._connections.add(conn)
-                    self._threads = [t for t in self._threads if t.is_alive()] + [thread]
-            if full:
-                self._refuse_over_limit(sock)
-                continue
-            thread.start()
+            full = len(self._connections) >= self.config.max_connections
+            if not full:
+                self._connections.add(conn)
+                self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+        if full:
+            self._refuse_over_limit(sock)
+            return
+        thread.start()
 
     def _cut_stalled(self) -> None:
         now = time.monotonic()
@@ -308,9 +326,9 @@ class TcpKVReceiver(ConnectorReceiver):
                         "(counted in pdserve_kv_port_refusals_total)",
                         self.config.max_connections)
 
-    def _serve(self, conn: _Connection) -> None:
+    def _serve(self, conn: _Connection, first: tuple[FrameHeader, bytes]) -> None:
         try:
-            conn.run()
+            conn.run(first)
         finally:
             with self._lock:
                 self._connections.discard(conn)

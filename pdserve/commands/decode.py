@@ -46,6 +46,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-frame-timeout", type=float, default=10.0, metavar="SECONDS",
                    help="How long one KV frame may take from its first byte to its last; a "
                         "sender trickling bytes is cut off (default 10).")
+    g.add_argument("--kv-auth-timeout", type=float, default=5.0, metavar="SECONDS",
+                   help="A new TCP KV connection must send a BEGIN with a valid ticket within "
+                        "this, or be closed and counted; until then it costs no thread or "
+                        "connection slot (default 5).")
+    g.add_argument("--kv-max-pending", type=int, default=256, metavar="N",
+                   help="TCP KV connections waiting to authenticate at once; over it the "
+                        "oldest is dropped (default 256).")
+    g.add_argument("--kv-max-pending-per-peer", type=int, default=64, metavar="N",
+                   help="... and from one address; over it new ones are closed (a prefill "
+                        "pod at TP=a opens 4a at once; default 64).")
     g.add_argument("--join-wait", type=float, default=0.5, metavar="FRACTION",
                    help="How long, as a fraction of a step (0-1), the engine may hold a "
                         "step's start for a transfer expected to complete by then, so the "
@@ -73,6 +83,8 @@ def main(args: argparse.Namespace) -> int:
         landing_memory=args.landing_memory, transfer_timeout_s=args.transfer_timeout,
         reservation_timeout_s=args.reservation_timeout,
         kv_max_connections=args.kv_max_connections, kv_frame_timeout_s=args.kv_frame_timeout,
+        kv_auth_timeout_s=args.kv_auth_timeout, kv_max_pending=args.kv_max_pending,
+        kv_max_pending_per_peer=args.kv_max_pending_per_peer,
         join_wait=args.join_wait,
     )
     return asyncio.run(run_decode_pod(config))

@@ -57,7 +57,7 @@ CLI_FLAGS: dict[str, frozenset[str]] = {
         "--kv-transport", "--kv-cache-memory", "--landing-memory", "--transfer-timeout",
         "--reservation-timeout", "--redis-url", "--advertise-host", "--grace-period",
         "--kv-max-connections", "--kv-frame-timeout", "--tensor-parallel-size",
-        "--itl-budget-ms",
+        "--itl-budget-ms", "--kv-auth-timeout", "--kv-max-pending", "--kv-max-pending-per-peer",
         *POD_SECURITY_FLAGS,
     }),
     "make-model": frozenset({"--size", "--from-gguf"}),

@@ -124,7 +124,8 @@ def test_default_prefill_and_decode_args() -> None:
         "--kv-transport": "tcp", "--landing-memory": "1GiB", "--transfer-timeout": "30",
         "--reservation-timeout": "600", "--advertise-host": "$(POD_IP)", "--grace-period": "30",
         "--kv-max-connections": "256", "--kv-frame-timeout": "10",
-        "--tensor-parallel-size": "1", "--itl-budget-ms": "auto", **POD_TLS_FLAGS,
+        "--tensor-parallel-size": "1", "--itl-budget-ms": "auto", "--kv-auth-timeout": "5",
+        "--kv-max-pending": "256", "--kv-max-pending-per-peer": "64", **POD_TLS_FLAGS,
     }
     for role in ("prefill", "decode"):
         env = container(find(docs, "Deployment", f"{PREFIX}-{role}"), role)["env"]

@@ -11,9 +11,16 @@ from kv_transfer.tcp.frames import FLAG_OK, HEADER, FrameHeader, FrameKind, deco
 class RawClient:
     """Speaks the frame format by hand (to send what a real sender never would)."""
 
-    def __init__(self, endpoint: str):
+    # Hostile input comes from its own address (any 127.x is local on Linux):
+    # the port's per-address budget for unauthenticated connections then
+    # keeps it from crowding out the real senders on 127.0.0.1, as a
+    # stranger's address would in a cluster.
+    SOURCE = "127.0.0.9"
+
+    def __init__(self, endpoint: str, source: str | None = SOURCE):
         host, port = endpoint.rsplit(":", 1)
-        self.sock = socket.create_connection((host, int(port)), timeout=30)
+        self.sock = socket.create_connection((host, int(port)), timeout=30,
+                                             source_address=(source, 0) if source else None)
 
     def send(self, data: bytes) -> None:
         self.sock.sendall(data)

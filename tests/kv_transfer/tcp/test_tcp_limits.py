@@ -1,7 +1,9 @@
 """The TCP KV port's limits, with real sockets: a whole-frame deadline (a
-trickling peer is cut off), a cap on connections, refusals counted by reason
-on the decode pod's metrics collector, and idle connections that cost a
-thread but no buffer, all returned when they close."""
+trickling peer is cut off), a cap on authenticated connections, refusals
+counted by reason on the decode pod's metrics collector, authenticated idle
+connections that cost a thread but no buffer, all returned when they close,
+and connections that never authenticate, which cost no thread at all
+(kv_transfer/tcp/lobby.py)."""
 
 from __future__ import annotations
 
@@ -124,20 +126,29 @@ def test_the_frame_deadline_does_not_count_the_receivers_own_work() -> None:
         rx.close()
 
 
+def authenticated(rx: TcpKVReceiver, request_id: str) -> RawClient:
+    """A connection that sent a BEGIN with a valid ticket: out of the lobby."""
+    target = rx.expect(request_id, LAYOUT, time.time() + 60)
+    client = RawClient(rx.endpoints[0], source=None)
+    client.send(control_frame(FrameKind.BEGIN, request_id,
+                              encode_begin(LAYOUT, target.ticket, b"a")))
+    return client
+
+
 def test_connections_over_the_cap_are_refused_and_counted() -> None:
     rx = make_receiver(RecordingListener(), max_connections=3)
     clients = []
     try:
-        clients = [RawClient(rx.endpoints[0]) for _ in range(3)]
+        clients = [authenticated(rx, f"c{i}") for i in range(3)]
         assert wait_until(lambda: rx.stats().open_connections == 3)
-        extra = RawClient(rx.endpoints[0])
+        extra = authenticated(rx, "c3")
         assert closed_by_peer(extra.sock, 5.0)
         extra.close()
         assert rx.stats().refusals == {"connection_limit": 1}
         # below the cap again, a new connection is served (and held open)
         clients.pop().close()
         assert wait_until(lambda: rx.open_connections() == 2)
-        clients.append(RawClient(rx.endpoints[0]))
+        clients.append(authenticated(rx, "c4"))
         assert wait_until(lambda: rx.open_connections() == 3)
         assert not closed_by_peer(clients[-1].sock, 0.3)
         assert rx.stats().refusals == {"connection_limit": 1}
@@ -177,8 +188,10 @@ def test_refusals_are_counted_by_reason_on_the_metrics_collector() -> None:
         assert refusals("bad_magic") == 1.0
         assert refusals("oversized_length") == 1.0
         assert refusals("bad_ticket") == 1.0
+        # only `good` authenticated: the forged ticket's connection waits in the
+        # lobby (no thread, no slot) for a valid BEGIN or its auth timeout
         assert registry.get_sample_value("pdserve_kv_port_connections",
-                                         {"role": "decode"}) == 2.0
+                                         {"role": "decode"}) == 1.0
         for c in (bad_magic, oversized, client, good):
             c.close()
     finally:
@@ -186,12 +199,12 @@ def test_refusals_are_counted_by_reason_on_the_metrics_collector() -> None:
 
 
 def test_idle_connections_hold_no_buffer_and_threads_return_to_baseline() -> None:
-    rx = make_receiver(RecordingListener())
+    rx = make_receiver(RecordingListener(), max_pending=200, max_pending_per_peer=200)
     num_connections = 100
     clients: list[RawClient] = []
     try:
         threads_before, rss_before = threading.active_count(), rss_bytes()
-        clients = [RawClient(rx.endpoints[0]) for _ in range(num_connections)]
+        clients = [authenticated(rx, f"i{i}") for i in range(num_connections)]
         assert wait_until(lambda: rx.open_connections() == num_connections)
         assert threading.active_count() == threads_before + num_connections
         # a thread (stack mostly untouched) but no buffer each: well under 1 MiB apiece
@@ -206,5 +219,56 @@ def test_idle_connections_hold_no_buffer_and_threads_return_to_baseline() -> Non
         assert rx.stats().refusals == {}
     finally:
         for client in clients:
+            client.close()
+        rx.close()
+
+
+def test_connections_that_never_authenticate_cost_no_thread_and_are_closed_in_time() -> None:
+    auth_timeout_s = 2.0
+    rx = make_receiver(RecordingListener(), auth_timeout_s=auth_timeout_s, max_pending=400,
+                       max_pending_per_peer=400)
+    clients: list[RawClient] = []
+    try:
+        threads_before, rss_before = threading.active_count(), rss_bytes()
+        clients = [RawClient(rx.endpoints[0]) for _ in range(300)]
+        last_connected = time.monotonic()
+        assert wait_until(lambda: rx.pending_connections()
+                          + rx.stats().refusals.get("auth_timeout", 0) == 300)  # all accepted
+        assert threading.active_count() == threads_before  # not one thread for them
+        assert rss_bytes() - rss_before < 20 << 20
+        assert rx.open_connections() == 0
+        assert all(closed_by_peer(c.sock, 10.0) for c in clients)
+        # each within the auth timeout of its accept, plus the loop's tick and slack
+        assert time.monotonic() - last_connected < auth_timeout_s + 3.0
+        assert rx.stats().refusals == {"auth_timeout": 300}
+    finally:
+        for client in clients:
+            client.close()
+        rx.close()
+
+
+def test_a_flood_from_one_address_cannot_crowd_out_a_real_sender() -> None:
+    rx = make_receiver(RecordingListener(), max_pending=32, max_pending_per_peer=8)
+    flood: list[RawClient] = []
+    try:
+        flood = [RawClient(rx.endpoints[0]) for _ in range(100)]  # from 127.0.0.9
+        assert wait_until(lambda: rx.stats().refusals.get("peer_limit") == 92)
+        # a real sender (another address) authenticates and completes a transfer
+        target = rx.expect("real", LAYOUT, time.time() + 30)
+        sender = RawClient(rx.endpoints[0], source=None)
+        sender.send(control_frame(FrameKind.BEGIN, "real",
+                                  encode_begin(LAYOUT, target.ticket, b"a")))
+        sender.send(data_frame("real", 0, 0, bytes(LAYOUT.total_bytes)))
+        sender.send(control_frame(FrameKind.END, "real", encode_end(7, LAYOUT.total_bytes)))
+        assert sender.status()[:2] == ("real", True)
+        # a stranger's first frame that is not BEGIN, or a forged ticket: refused
+        stranger = RawClient(rx.endpoints[0], source="127.0.0.10")
+        stranger.send(data_frame("real", 0, 0, bytes(64)))
+        assert closed_by_peer(stranger.sock, 5.0)
+        assert rx.stats().refusals["not_begin"] == 1
+        sender.close()
+        stranger.close()
+    finally:
+        for client in flood:
             client.close()
         rx.close()

@@ -1,0 +1,103 @@
+"""300 idle connections to a decode pod's KV port (real pods, the router and
+the openai client): they cost the pod no thread and little memory, they are
+closed within the configured time, and meanwhile a prefill pod that has
+never connected to it completes a transfer, its stream token-identical to
+a colocated pod's."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.integration.pods import start_pods
+from tests.router.router_process import start_router, wait_ready
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+FLOOD = 300
+AUTH_TIMEOUT_S = 3.0
+PER_PEER = 64  # the pod's default --kv-max-pending-per-peer
+PROMPT = "A lighthouse keeper counts the ships that pass"
+
+
+def _threads(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/task"))
+
+
+def _rss(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _closed(sock: socket.socket, timeout: float) -> bool:
+    sock.settimeout(timeout)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_a_flood_of_idle_connections_costs_no_threads_and_a_new_sender_gets_through(
+        tiny_model_dir):
+    pods = start_pods({
+        "prefill": ("prefill", {"block_size": 16, "num_blocks": 256}),
+        "decode": ("decode", {"block_size": 16, "num_blocks": 256,
+                              "kv_auth_timeout": AUTH_TIMEOUT_S}),
+        "reference": ("colocated", {"block_size": 16, "num_blocks": 256}),
+    }, tiny_model_dir)
+    flood: list[socket.socket] = []
+    routers = []
+    try:
+        reference = start_router(tiny_model_dir, colocated=[pods["reference"].address])
+        routers.append(reference)
+        router = start_router(tiny_model_dir, prefill=[pods["prefill"].address],
+                              decode=[pods["decode"].address], split_prefill_min_tokens=0,
+                              local_prefill_max_tokens=0)
+        routers.append(router)
+        wait_ready(reference)
+        wait_ready(router)
+
+        def complete(r) -> str:
+            client = openai.OpenAI(base_url=r.base_url, api_key="-", max_retries=0,
+                                   timeout=60)
+            chunks = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24,
+                                               temperature=0, stream=True)
+            return "".join(c.choices[0].text for c in chunks if c.choices)
+
+        expected = complete(reference)
+        decode = pods["decode"]
+        pid = decode.process.pid
+        threads_before, rss_before = _threads(pid), _rss(pid)
+        for _ in range(FLOOD):  # a stranger's address: any 127.x is local
+            sock = socket.create_connection(("127.0.0.1", decode.kv_port), timeout=10,
+                                            source_address=("127.0.0.9", 0))
+            flood.append(sock)
+        flooded_at = time.monotonic()
+        time.sleep(0.5)
+        assert _threads(pid) <= threads_before + 2
+        assert _rss(pid) - rss_before < 20 << 20
+        # the prefill pod has never connected: its streams get through the flood
+        assert complete(router) == expected
+        assert all(_closed(sock, 10.0) for sock in flood)
+        assert time.monotonic() - flooded_at < AUTH_TIMEOUT_S + 3.0
+
+        def refusals(reason: str) -> float:
+            return decode.metric_value("pdserve_kv_port_refusals_total", role="decode",
+                                       reason=reason)
+
+        assert refusals("peer_limit") == FLOOD - PER_PEER
+        assert refusals("auth_timeout") == PER_PEER
+        assert _threads(pid) <= threads_before + 2 + 4  # + the prefill pod's streams
+    finally:
+        for sock in flood:
+            sock.close()
+        for r in routers:
+            r.terminate()
+        for pod in pods.values():
+            pod.kill()
