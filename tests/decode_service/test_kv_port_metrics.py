@@ -16,16 +16,9 @@ from kv_transfer.tcp.frames import FrameKind, control_frame, encode_begin
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc
 from tests.integration.pods import start_pod
+from tests.kv_transfer.tcp.raw import closed_by_peer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
-
-
-def _closed_by_peer(sock: socket.socket, timeout: float) -> bool:
-    sock.settimeout(timeout)
-    try:
-        return sock.recv(1) == b""
-    except ConnectionResetError:
-        return True
 
 
 def test_kv_port_refusals_and_connections_on_the_pods_metrics(tiny_model_dir: Path) -> None:
@@ -50,14 +43,14 @@ def test_kv_port_refusals_and_connections_on_the_pods_metrics(tiny_model_dir: Pa
         address = ("127.0.0.1", pod.kv_port)
         with socket.create_connection(address, timeout=10) as garbage:
             garbage.sendall(b"GET /metrics HTTP/1.1\r\n\r\n" + bytes(100))
-            assert _closed_by_peer(garbage, 10)
+            assert closed_by_peer(garbage, 10)
         wait_connections(0.0)
         with socket.create_connection(address, timeout=10) as trickle:
             trickle.sendall(b"PD")  # a frame that never completes
-            assert _closed_by_peer(trickle, 10)
+            assert closed_by_peer(trickle, 10)
         wait_connections(0.0)
         with socket.create_connection(address, timeout=10) as idle:  # never authenticates
-            assert _closed_by_peer(idle, 10)  # after --kv-auth-timeout
+            assert closed_by_peer(idle, 10)  # after --kv-auth-timeout
         # a connection takes the slot once it authenticated (a BEGIN with the
         # ticket of a real reservation); a second one is over the limit
         channel = grpc.insecure_channel(pod.address)
@@ -72,7 +65,7 @@ def test_kv_port_refusals_and_connections_on_the_pods_metrics(tiny_model_dir: Pa
             wait_connections(1.0)
             with socket.create_connection(address, timeout=10) as extra:
                 extra.sendall(begin)
-                assert _closed_by_peer(extra, 10)
+                assert closed_by_peer(extra, 10)
         call.cancel()
         channel.close()
         kind = "pdserve_kv_port_refusals_total"

@@ -15,6 +15,7 @@ import openai
 import pytest
 
 from tests.integration.pods import start_pods
+from tests.kv_transfer.tcp.raw import closed_by_peer
 from tests.router.router_process import start_router, wait_ready
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -31,16 +32,6 @@ def _threads(pid: int) -> int:
 
 def _rss(pid: int) -> int:
     return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _closed(sock: socket.socket, timeout: float) -> bool:
-    sock.settimeout(timeout)
-    try:
-        return sock.recv(1) == b""
-    except ConnectionResetError:
-        return True
-    except TimeoutError:
-        return False
 
 
 def test_a_flood_of_idle_connections_costs_no_threads_and_a_new_sender_gets_through(
@@ -84,7 +75,7 @@ def test_a_flood_of_idle_connections_costs_no_threads_and_a_new_sender_gets_thro
         assert _rss(pid) - rss_before < 20 << 20
         # the prefill pod has never connected: its streams get through the flood
         assert complete(router) == expected
-        assert all(_closed(sock, 10.0) for sock in flood)
+        assert all(closed_by_peer(sock, 10.0) for sock in flood)
         assert time.monotonic() - flooded_at < AUTH_TIMEOUT_S + 3.0
 
         def refusals(reason: str) -> float:

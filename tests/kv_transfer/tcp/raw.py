@@ -46,3 +46,14 @@ class RawClient:
 def data_frame(rid, layer, offset, payload, bad_checksum=False):
     digest = checksum(payload) ^ (1 if bad_checksum else 0)
     return FrameHeader(FrameKind.DATA, rid, layer, offset, len(payload), digest).pack() + payload
+
+
+def closed_by_peer(sock: socket.socket, timeout: float) -> bool:
+    """Whether the other end closed `sock` within `timeout` (EOF or reset)."""
+    sock.settimeout(timeout)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False

@@ -8,7 +8,6 @@ and connections that never authenticate, which cost no thread at all
 from __future__ import annotations
 
 import os
-import socket
 import threading
 import time
 
@@ -28,7 +27,7 @@ from kv_transfer.tcp.frames import (
 )
 from kv_transfer.wire import MAX_DATA_BYTES
 from tests.kv_transfer.helpers import RecordingListener, wait_until
-from tests.kv_transfer.tcp.raw import RawClient, data_frame
+from tests.kv_transfer.tcp.raw import RawClient, closed_by_peer, data_frame
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -40,17 +39,6 @@ def make_receiver(listener: RecordingListener, **config: object) -> TcpKVReceive
     rx = TcpKVReceiver(ReceiverConfig(capacity_bytes=8 << 20, **config), listener)
     rx.start()
     return rx
-
-
-def closed_by_peer(sock: socket.socket, timeout: float) -> bool:
-    """Whether the receiver closed `sock` within `timeout` (EOF or reset)."""
-    sock.settimeout(timeout)
-    try:
-        return sock.recv(1) == b""
-    except ConnectionResetError:
-        return True
-    except TimeoutError:
-        return False
 
 
 def rss_bytes() -> int:
