@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import threading
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 
 import torch
@@ -154,5 +154,10 @@ class Outgoing:
                 # COMPLETE needs END first: a receiver claiming success before END is lying
                 self.state = self.state.to(TransferState.FAILED)
                 outcome = TransferOutcome.failed("bad_frame: verdict before END")
-        self.future.set_result(outcome)  # outside the lock: callbacks run here
+        try:
+            self.future.set_result(outcome)  # outside the lock: callbacks run here
+        except InvalidStateError:
+            # the caller gave up on the verdict (asyncio.wrap_future cancels the
+            # future when the awaiting RPC is cancelled): nobody is waiting
+            pass
         return True

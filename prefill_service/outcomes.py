@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 
 from kv_transfer.base import TransferOutcome
 
@@ -36,7 +36,10 @@ def first_failure(parts: Sequence[Future[TransferOutcome]],
             if decided[0] or (outcome.ok and left[0]):
                 return
             decided[0] = True
-        result.set_result(outcome)  # outside the lock: its callbacks run here
+        try:
+            result.set_result(outcome)  # outside the lock: its callbacks run here
+        except InvalidStateError:  # the awaiting RPC gave up (cancelled): nobody waits
+            pass
         if not outcome.ok and on_failure is not None:
             on_failure(outcome.reason)
 

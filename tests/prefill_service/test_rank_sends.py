@@ -100,3 +100,20 @@ def test_first_failure_decides_at_once_and_complete_needs_every_part():
     ok = first_failure([_done(TransferOutcome.complete()), _done(TransferOutcome.complete())])
     assert ok.result(0).ok
     assert first_failure([]).result(0).ok
+
+
+def test_a_verdict_nobody_waits_for_any_more_is_dropped_quietly():
+    """asyncio.wrap_future cancels a part's future when the awaiting Prefill RPC is
+    cancelled; the outcome that arrives later (an abort, a verdict) must not raise
+    (it did: InvalidStateError out of the servicer's cancel path)."""
+    from concurrent.futures import Future
+
+    from kv_transfer.base import TransferOutcome
+    from prefill_service.outcomes import first_failure
+
+    part: Future = Future()
+    combined = first_failure([part], on_failure=lambda why: failures.append(why))
+    failures: list[str] = []
+    assert combined.cancel()
+    part.set_result(TransferOutcome.failed("aborted: prefill RPC cancelled"))
+    assert failures == ["aborted: prefill RPC cancelled"]  # the other parts are still told
