@@ -62,6 +62,7 @@ from kv_transfer.tcp.socket_io import close_quietly
 
 log = logging.getLogger(__name__)
 
+_ACCEPTS_PER_ROUND = 256
 _SKIP_CHUNK = 256 << 10  # a refused request's payload is dropped in reads of this size
 _REFUSED_KEPT = 64  # refused request ids a waiting connection remembers
 
@@ -131,7 +132,7 @@ class Lobby:
     # ------------------------------------------------------------ accept
 
     def _accept(self) -> None:
-        while True:
+        for _ in range(_ACCEPTS_PER_ROUND):  # a flood must not starve the reads and deadlines
             try:
                 sock, address = self._server.accept()
             except (BlockingIOError, InterruptedError):
