@@ -216,7 +216,7 @@ class ItlBudget:
         self.capped_steps += 1
 
     def snapshot(self) -> dict[str, float]:
-        """For the pod's gauges: the coefficients (seconds per unit) and the
-        budget at the last plain step's shape (0 until the model is ready)."""
+        """For the pod's gauges: the model's coefficients, seconds per unit of
+        each term (0 until the model is ready)."""
         coefficients = self.model.coefficients or (0.0,) * len(FEATURES)
         return dict(zip(FEATURES, coefficients, strict=True))
