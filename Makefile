@@ -27,7 +27,7 @@ run: setup
 	$(VENV)/bin/pdserve up
 
 test: setup proto-check lint
-	TRITON_INTERPRET=1 $(PY) -m pytest -q
+	TRITON_INTERPRET=1 $(PY) -m pytest -q --durations=25
 
 lint: setup
 	$(VENV)/bin/ruff check .
