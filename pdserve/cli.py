@@ -28,6 +28,7 @@ COMMANDS: dict[str, str] = {
     "make-model": "pdserve.commands.make_model",
     "generate": "pdserve.commands.generate",
     "bench": "pdserve.commands.bench",
+    "sim": "pdserve.commands.sim",
 }
 
 
