@@ -27,8 +27,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="KV dtype, for transfer sizes and blocks per pod (default float32).")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="Context limit (default: the model's).")
-    g.add_argument("--num-blocks", type=int, default=None,
-                   help="KV blocks per pod (default: the profile's kv_cache_bytes).")
+    g.add_argument("--prefill-num-blocks", type=int, default=None,
+                   help="KV blocks per prefill and colocated pod (default: the profile's "
+                        "kv_cache_bytes).")
+    g.add_argument("--decode-num-blocks", type=int, default=None,
+                   help="KV blocks per decode pod (default: the profile's kv_cache_bytes).")
     g.add_argument("--prefill-block-size", type=int, default=16)
     g.add_argument("--decode-block-size", type=int, default=128)
     g.add_argument("--decode-prefix-cache", action="store_true",
@@ -75,7 +78,10 @@ def cluster_config_from_args(args: argparse.Namespace):  # -> SimClusterConfig
                           redis_url=args.redis_url, grace_period_s=args.grace_period)
 
     def spec(role: str, block_size: int, prefix_cache: bool, mixed: int) -> SimPodSpec:
-        num_blocks = args.num_blocks or blocks_for(perf, model.kv_shape, block_size)
+        num_blocks = (args.decode_num_blocks if role == PodRole.DECODE
+                      else args.prefill_num_blocks)
+        if num_blocks is None:
+            num_blocks = blocks_for(perf, model.kv_shape, block_size)
         return SimPodSpec(role=role, model=model, perf=perf, block_size=block_size,
                           num_blocks=num_blocks, prefix_cache=prefix_cache, server=server,
                           max_num_seqs=args.max_num_seqs,
