@@ -27,8 +27,12 @@ TTFT and end-to-end latency of the ok requests, the RSS of every process
 after --warm-up and at the end (the restarted pod's two processes are not
 comparable and are left out of the growth target), and each pod's free KV
 blocks before and after the load, and `rss_timeline`: every process's RSS
-every --rss-interval seconds (does growth level off?). Target: no lost, hung or mismatched
-request, RSS growth under 5% after warm-up, every block free at the end.
+every --rss-interval seconds (does growth level off?), and `error_messages`:
+each distinct error text (ids masked) with its count and the first and last
+second it was seen, so a long run's errors can be told apart afterwards
+(--keep-logs DIR keeps every process's log too). Target: no error, lost,
+hung or mismatched request, RSS growth under 5% after warm-up, every block
+free at the end.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
+import shutil
 import signal
 import sys
 import tempfile
@@ -78,6 +84,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "rss_timeline")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json-out", default=None, metavar="PATH")
+    parser.add_argument("--keep-logs", default=None, metavar="DIR",
+                        help="copy every process's log into DIR at the end")
 
 
 def _range(text: str) -> tuple[int, int]:
@@ -88,16 +96,36 @@ def _range(text: str) -> tuple[int, int]:
     return lo, hi
 
 
+# Request ids and hex digests in error texts, masked so equal errors group.
+_IDS = re.compile(r"\b(?:[0-9a-f]{16,}|[0-9a-f-]{36})\b")
+_MAX_MESSAGES = 50  # distinct error texts kept; the rest count under "(other)"
+
+
 class Ledger:
     """Outcomes and latencies from every client thread (thread-safe)."""
 
     def __init__(self) -> None:
+        self.started = time.monotonic()
+        self.error_messages: dict[str, dict] = {}
         self.outcomes: Counter[str] = Counter()
         self.ttft_s: list[float] = []
         self.e2e_s: list[float] = []
         self.first_answer: dict[tuple[int, int], str] = {}
         self.lost_why: Counter[str] = Counter()
         self._lock = threading.Lock()
+
+    def error(self, outcome: str, message: str) -> None:
+        """Count `outcome` and remember `message` (ids masked) with when it
+        was first and last seen, seconds from the start of the load."""
+        text = f"{outcome}: {_IDS.sub('<id>', message)[:300]}"
+        now = round(time.monotonic() - self.started, 1)
+        with self._lock:
+            if text not in self.error_messages and len(self.error_messages) >= _MAX_MESSAGES:
+                text = f"{outcome}: (other)"
+            seen = self.error_messages.setdefault(text, {"count": 0, "first_s": now})
+            seen["count"] += 1
+            seen["last_s"] = now
+        self.record(outcome)
 
     def record(self, outcome: str, key: tuple[int, int] | None = None, text: str = "",
                ttft: float | None = None, e2e: float | None = None, why: str = "") -> None:
@@ -147,13 +175,13 @@ def _one_request(client, model: str, prompts: list[str], rng: random.Random,
         ledger.record("hung")
         return
     except openai.APIStatusError as exc:
-        ledger.record(f"error:{exc.status_code}")
+        ledger.error(f"error:{exc.status_code}", str(exc))
         return
     except openai.APIConnectionError as exc:
         ledger.record("lost", why=type(exc).__name__)
         return
     except openai.APIError as exc:  # an error event inside a started stream
-        ledger.record(f"error:stream:{type(exc).__name__}")
+        ledger.error(f"error:stream:{type(exc).__name__}", str(exc))
         return
     except Exception as exc:  # noqa: BLE001 - e.g. the connection broke mid-stream (httpx)
         ledger.record("lost", why=type(exc).__name__)
@@ -281,7 +309,8 @@ def _report(ledger: Ledger, unfinished: int, seconds: float, warm_up: float,
     growths = [r["growth"] for r in rss.values() if r["growth"] is not None]
     blocks = {name: {"free_start": blocks_start[name][0], "free_end": free,
                      "total": total} for name, (free, total) in blocks_end.items()}
-    bad = sum(outcomes.get(k, 0) for k in ("lost", "hung", "mismatch"))
+    bad = sum(v for k, v in outcomes.items()
+              if k in ("lost", "hung", "mismatch") or k.startswith("error:"))
     return {
         "duration_s": round(seconds, 1), "warm_up_s": warm_up,
         "requests": {"total": sum(outcomes.values()), "served": outcomes.get("ok", 0),
@@ -290,6 +319,8 @@ def _report(ledger: Ledger, unfinished: int, seconds: float, warm_up: float,
                      "hung": outcomes.get("hung", 0),
                      "mismatch": outcomes.get("mismatch", 0),
                      "errors": {k: v for k, v in outcomes.items() if k.startswith("error:")}},
+        "error_messages": dict(sorted(ledger.error_messages.items(),
+                                      key=lambda item: -item[1]["count"])),
         "latency_ms": {"ttft_p50": _percentile(ledger.ttft_s, 50),
                        "ttft_p99": _percentile(ledger.ttft_s, 99),
                        "e2e_p50": _percentile(ledger.e2e_s, 50),
@@ -299,6 +330,13 @@ def _report(ledger: Ledger, unfinished: int, seconds: float, warm_up: float,
         "target_met": bad == 0 and all(g < RSS_GROWTH_TARGET for g in growths)
         and all(b["free_end"] == b["total"] for b in blocks.values()),
     }
+
+
+def _keep_logs(stack: SoakStack, into: Path) -> None:
+    into.mkdir(parents=True, exist_ok=True)
+    for child in stack.children.values():
+        if child.log.exists():
+            shutil.copy(child.log, into / child.log.name)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -320,6 +358,8 @@ def main(args: argparse.Namespace) -> int:
             report = run_soak(stack, args)
         finally:
             stack.stop()
+            if args.keep_logs:
+                _keep_logs(stack, Path(args.keep_logs))
     text = json.dumps(report, indent=2)
     print(text)
     if args.json_out:

@@ -26,13 +26,25 @@ def test_bad_max_tokens_is_refused():
     assert soak.main(_args(["--max-tokens", "9,3"])) == 2
 
 
+def test_error_texts_group_with_ids_masked_and_count_against_the_target():
+    ledger = soak.Ledger()
+    for rid in ("0123456789abcdef0123", "fedcba98765432100000"):
+        ledger.error("error:503", f"no decode pod can serve request {rid}")
+    ledger.error("error:stream:APIError", "decode pod lost")
+    assert ledger.error_messages["error:503: no decode pod can serve request <id>"]["count"] == 2
+    assert ledger.outcomes == {"error:503": 2, "error:stream:APIError": 1}
+    report = soak._report(ledger, 0, 1.0, 0.0, None, {}, {}, {}, {})
+    assert report["target_met"] is False
+    assert list(report["error_messages"])[0].startswith("error:503")
+
+
 def test_a_short_soak_loses_nothing(tiny_model_dir, tmp_path):
     out = tmp_path / "soak.json"
     status = soak.main(_args([
         "--model", str(tiny_model_dir), "--minutes", "0.33", "--warm-up", "4",
         "--concurrency", "3", "--max-tokens", "4,24", "--cancel-fraction", "0.3",
         "--restart-at", "0.4", "--pod-arg=--num-blocks=256", "--pod-arg=--block-size=16",
-        "--rss-interval", "5", "--json-out", str(out)]))
+        "--rss-interval", "5", "--json-out", str(out), "--keep-logs", str(tmp_path / "logs")]))
     report = json.loads(out.read_text())
     assert status == (0 if report["target_met"] else 1)
     requests = report["requests"]
@@ -42,6 +54,9 @@ def test_a_short_soak_loses_nothing(tiny_model_dir, tmp_path):
     assert (requests["lost"], requests["hung"], requests["mismatch"]) == (0, 0, 0), report
     assert requests["total"] == (requests["served"] + requests["cancelled"]
                                  + sum(requests["errors"].values()))
+    messages = report["error_messages"]
+    assert sum(m["count"] for m in messages.values()) == sum(requests["errors"].values())
+    assert {p.name for p in (tmp_path / "logs").iterdir()} >= {"router.log", "prefill.log"}
     assert set(report["latency_ms"]) == {"ttft_p50", "ttft_p99", "e2e_p50", "e2e_p99"}
     assert 0 < report["latency_ms"]["e2e_p50"] <= report["latency_ms"]["e2e_p99"]
     assert set(report["rss"]) == {"prefill", "decode0", "decode1", "router"}
