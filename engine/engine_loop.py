@@ -386,6 +386,7 @@ class EngineLoop:
         m.kv_blocks_reserved.set(stats.num_reserved_blocks)
         m.kv_blocks_free.set(stats.num_free_blocks)
         m.kv_blocks_total.set(stats.num_total_blocks)
+        m.publish_tokens(self._engine, stats)  # engine/token_gauges.py
         # The engine keeps cumulative totals; a Counter only goes up by deltas.
         m.prefix_cache_queries.inc(max(0, stats.prefix_cache_queries - self._counted_queries))
         m.prefix_cache_hits.inc(max(0, stats.prefix_cache_hits - self._counted_hits))

@@ -16,9 +16,11 @@ the metric objects below are the children already bound to this pod's role.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from engine.token_gauges import TokenGauges
 from proto.roles import PodRole
 
 # Latency buckets from 1 ms to ~80 s: TTFT on a CPU pod with a long prompt is
@@ -58,6 +60,7 @@ class PodMetrics:
     join_holds: Counter
     join_hold_seconds: Counter
     itl_budget_capped_steps: Counter
+    tokens: TokenGauges
     _kv_transfer_failures: Counter
     _aborts: Counter
     _step_model: Gauge
@@ -144,6 +147,31 @@ class PodMetrics:
                 "pdserve_itl_budget_capped_steps_total",
                 "Steps whose prompt tokens the inter-token budget cut (--itl-budget-ms).",
             ),
+            tokens=TokenGauges(
+                prompt_tokens_waiting=gauge(
+                    "pdserve_prompt_tokens_waiting",
+                    "Prompt tokens the engine has still to compute, less the cached prefix: "
+                    "waiting requests and running ones part-way through their prompt.",
+                ),
+                running_context_tokens=gauge(
+                    "pdserve_running_context_tokens",
+                    "Context tokens (prompt and output) of the running sequences.",
+                ),
+                kv_cache_usage=gauge(
+                    "pdserve_kv_cache_usage_ratio",
+                    "KV cache blocks in use (held by requests, reservations included) over "
+                    "all blocks, 0 to 1.",
+                ),
+                queue_wait=hist(
+                    "pdserve_queue_wait_seconds",
+                    "Time a request waited in the engine's queue before its first step.",
+                ),
+                queue_wait_p50=gauge(
+                    "pdserve_queue_wait_p50_seconds",
+                    "Median queue wait of the requests first scheduled in the last 60 s; "
+                    "NaN when there were none.",
+                ),
+            ),
             _step_model=Gauge(
                 "pdserve_step_time_model_seconds",
                 "The pod's learnt step-time model (--itl-budget-ms): seconds per step, per "
@@ -173,6 +201,11 @@ class PodMetrics:
         """Export the ITL budget's step-time model (engine/itl_budget.py)."""
         for term, value in coefficients.items():
             self._step_model.labels(role=self.role, term=term).set(value)
+
+    def publish_tokens(self, engine: Any, stats: Any) -> None:
+        """Refresh the token gauges (engine/token_gauges.py) from the engine
+        loop thread, after a step or a command."""
+        self.tokens.publish(engine, stats)
 
     def abort(self, reason: str) -> None:
         """Count one aborted request ("client", "deadline", "transfer", "shutdown")."""
