@@ -37,8 +37,9 @@ class SenderConfig:
     verdict_grace_s: float = 2.0  # after the target's deadline, before giving up locally
     sweep_interval_s: float = 0.2
     checksum: str = "xxh3"
-    # TLS + token of the gRPC connector's channels (the pods' own; the TCP
-    # connector is cluster-internal and ignores it, docs/deploy.md, Security)
+    # TLS + token of the gRPC connector's channels (the pods' own); the TCP
+    # connector's streams use its TLS files too unless they say kv_streams=False
+    # (KV TLS, kv_transfer/tcp/tls.py; the token is gRPC's only)
     security: PodSecurity = field(default_factory=PodSecurity)
 
     def __post_init__(self) -> None:
@@ -97,7 +98,9 @@ class ReceiverConfig:
     generation: int | None = None
     pin_memory: bool | None = None
     prefault_landing: bool = False  # touch the whole landing slab at start (see landing.py)
-    # TLS + token of the gRPC connector's own port (ignored by the TCP connector)
+    # TLS + token of the gRPC connector's own port; the TCP port serves TLS
+    # with the same files unless they say kv_streams=False (KV TLS,
+    # kv_transfer/tcp/tls.py; the token is gRPC's only)
     security: PodSecurity = field(default_factory=PodSecurity)
 
     def __post_init__(self) -> None:

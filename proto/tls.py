@@ -11,7 +11,10 @@ Who uses what:
 
 - `TlsFiles.server_credentials()` / `.ssl_context()`: a server's certificate;
   with `ca_file` and `require_client_cert` callers must present a certificate
-  signed by that CA (mutual TLS).
+  signed by that CA (mutual TLS). `.ssl_context()` also serves a decode pod's
+  TCP KV port (kv_transfer/tcp/tls.py).
+- `TlsFiles.client_ssl_context()`: the `ssl` twin of `channel_credentials`,
+  for a prefill pod's TCP KV streams.
 - `TlsFiles.channel_credentials()`: a client verifies servers against
   `ca_file` (the system roots without it) and presents `cert_file` when set.
 - `PodSecurity`: how pod gRPC is secured, for both ends: the pod servers
@@ -66,13 +69,17 @@ class TlsFiles:
     `ca_file` (with `require_client_cert`) turns on mutual TLS. On a client
     `ca_file` verifies the server, `cert_file` + `key_file` (optional) are its
     client certificate, and `server_name` is the name checked in the server's
-    certificate instead of the host dialled (pods are dialled by IP)."""
+    certificate instead of the host dialled (pods are dialled by IP).
+    `kv_streams`: a pod's files also secure its TCP KV streams (KV TLS, on
+    whenever pod TLS is; False: `--no-kv-tls`, docs/kv_transfer.md); the
+    router's files ignore it."""
 
     cert_file: str | None = None
     key_file: str | None = None
     ca_file: str | None = None
     require_client_cert: bool = True
     server_name: str | None = None
+    kv_streams: bool = True
 
     def __post_init__(self) -> None:
         if (self.cert_file is None) != (self.key_file is None):
@@ -114,6 +121,27 @@ class TlsFiles:
                 context.verify_mode = ssl.CERT_REQUIRED
         except ssl.SSLError as exc:
             raise ValueError(f"TLS files {self.cert_file!r} / {self.key_file!r}: {exc}") from None
+        return context
+
+    def client_ssl_context(self):
+        """A client-side `ssl.SSLContext` (a prefill pod's TCP KV streams): the
+        server verified against `ca_file` (the system roots without it), by
+        `server_name` when set, and `cert_file` presented when set, as
+        `channel_credentials` does for gRPC."""
+        import ssl
+
+        context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        try:
+            if self.ca_file is not None:
+                read_pem(self.ca_file, "TLS CA file")
+                context.load_verify_locations(cafile=self.ca_file)
+            if self.cert_file is not None:
+                self._key_pair("client")
+                context.load_cert_chain(self.cert_file, self.key_file)
+        except ssl.SSLError as exc:
+            raise ValueError(f"TLS files {self.cert_file!r} / {self.key_file!r} / "
+                             f"{self.ca_file!r}: {exc}") from None
         return context
 
     def channel_credentials(self) -> grpc.ChannelCredentials:

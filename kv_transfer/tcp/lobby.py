@@ -22,6 +22,17 @@ whole first frame:
   (`auth_timeout`), or a frame begun and not complete within the port's
   `io_timeout_s` (`stalled`).
 
+With KV TLS (tls.py) the connection first completes its TLS handshake here,
+non-blocking, driven by the same selector (`do_handshake` on readiness); the
+auth deadline covers handshake and BEGIN. A failed handshake (no or a bad
+client certificate, plaintext bytes on a TLS port) is closed and counted
+(`tls`), before any frame is read; so is a TLS handshake arriving on a
+plaintext port. A peer that leaves mid-handshake is not counted, as one that
+leaves before its first frame. Decrypted bytes can wait in the SSL object
+where the selector does not see them (`SSLSocket.pending()`): a waiting
+connection is read until none are left, and the promoted connection's
+`TlsSocket` reads them before it waits on the socket.
+
 Budgets, so a flood cannot crowd out real senders: at most `max_pending`
 connections wait here (over it, the oldest is dropped: `pending_limit`),
 and at most `max_pending_per_peer` from one address (over it, the new one is
@@ -38,6 +49,7 @@ from __future__ import annotations
 import logging
 import selectors
 import socket
+import ssl
 import threading
 import time
 from collections import Counter
@@ -45,11 +57,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kv_transfer.checksum import checksum
-from kv_transfer.errors import Reason, TransferRefused
+from kv_transfer.errors import Reason, TransferRefused, make_reason
 from kv_transfer.receive_table import ReceiveTable
 from kv_transfer.refusals import PortRefusal, RefusalCounts
 from kv_transfer.tcp.frames import (
     HEADER,
+    MAGIC,
     MAX_CONTROL_BYTES,
     FrameHeader,
     FrameKind,
@@ -58,7 +71,8 @@ from kv_transfer.tcp.frames import (
     decode_begin,
     decode_header,
 )
-from kv_transfer.tcp.socket_io import close_quietly
+from kv_transfer.tcp.socket_io import KVSocket, close_quietly
+from kv_transfer.tcp.tls import TLS_REFUSAL, RateLimitedLog, TlsSocket, looks_like_tls
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +81,9 @@ _SKIP_CHUNK = 256 << 10  # a refused request's payload is dropped in reads of th
 _REFUSED_KEPT = 64  # refused request ids a waiting connection remembers
 
 # promote(sock, BEGIN header, its payload): the connection authenticated
-Promote = Callable[[socket.socket, FrameHeader, bytes], None]
+Promote = Callable[[KVSocket, FrameHeader, bytes], None]
+# the peer left mid-handshake (not counted, as a peer leaving before its first frame)
+_PEER_LEFT = (ssl.SSLEOFError, ssl.SSLZeroReturnError, ConnectionError)
 
 
 @dataclass(eq=False)
@@ -80,6 +96,8 @@ class _Pending:
     started: bool = False
     refused: set[str] = field(default_factory=set)  # request ids whose BEGIN was refused
     skip_left: int = 0  # payload bytes of a refused request's frame still to drop
+    handshaking: bool = False  # KV TLS: the handshake is not complete yet
+    peeked: bool = False  # KV TLS: its first bytes were checked for a plaintext frame
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +111,8 @@ class LobbyLimits:
 class Lobby:
     def __init__(self, server: socket.socket, table: ReceiveTable, limits: LobbyLimits,
                  refusals: RefusalCounts, promote: Promote, stop: threading.Event, *,
-                 on_tick: Callable[[], None] = lambda: None, tick_s: float = 0.2) -> None:
+                 on_tick: Callable[[], None] = lambda: None, tick_s: float = 0.2,
+                 tls: ssl.SSLContext | None = None) -> None:
         self._server = server
         self._table = table
         self._limits = limits
@@ -105,6 +124,8 @@ class Lobby:
         self._selector = selectors.DefaultSelector()
         self._pending: dict[socket.socket, _Pending] = {}  # insertion order: oldest first
         self._per_peer: Counter[str] = Counter()
+        self._tls = tls  # KV TLS: the port's server context (tls.py); None: plaintext
+        self._tls_log = RateLimitedLog()
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -118,7 +139,7 @@ class Lobby:
                     if key.fileobj is self._server:
                         self._accept()
                     elif (pending := self._pending.get(key.fileobj)) is not None:
-                        self._read(pending)
+                        self._serve(pending)
                 self._expire(time.monotonic())
                 self._on_tick()
         except OSError:
@@ -146,10 +167,79 @@ class Lobby:
                 self._refusals.add(PortRefusal.PENDING_LIMIT)
                 self._drop(next(iter(self._pending.values())))  # the oldest goes
             sock.setblocking(False)
-            pending = _Pending(sock, peer, time.monotonic() + self._limits.auth_timeout_s)
+            if self._tls is not None:
+                sock = self._tls.wrap_socket(sock, server_side=True,
+                                             do_handshake_on_connect=False)
+            pending = _Pending(sock, peer, time.monotonic() + self._limits.auth_timeout_s,
+                               handshaking=self._tls is not None)
             self._pending[sock] = pending
             self._per_peer[peer] += 1
             self._selector.register(sock, selectors.EVENT_READ)
+
+    # ------------------------------------------------------------ TLS handshake
+
+    def _serve(self, p: _Pending) -> None:
+        """The connection is ready: handshake, or read; then read on while the
+        SSL object holds decrypted bytes the selector cannot see."""
+        if p.handshaking and not self._handshake(p):
+            return
+        self._read(p)
+        while (self._pending.get(p.sock) is p and isinstance(p.sock, ssl.SSLSocket)
+               and p.sock.pending()):
+            self._read(p)
+
+    def _handshake(self, p: _Pending) -> bool:
+        """One step of the server handshake; True once it is complete."""
+        assert isinstance(p.sock, ssl.SSLSocket)
+        if not p.peeked:
+            p.peeked = True
+            if self._plaintext_sender(p):
+                return False
+        try:
+            p.sock.do_handshake()
+        except ssl.SSLWantReadError:
+            self._selector.modify(p.sock, selectors.EVENT_READ)
+            return False
+        except ssl.SSLWantWriteError:
+            self._selector.modify(p.sock, selectors.EVENT_WRITE)
+            return False
+        except _PEER_LEFT:
+            self._drop(p)
+            return False
+        except OSError as exc:  # ssl.SSLError: no or a bad certificate, not TLS at all
+            self._refuse_tls(p, f"TLS handshake failed: {exc}")
+            return False
+        p.handshaking = False
+        self._selector.modify(p.sock, selectors.EVENT_READ)
+        return True
+
+    def _plaintext_sender(self, p: _Pending) -> bool:
+        """A plaintext KV frame on this TLS port (a sender with KV TLS off):
+        refused and counted, and, when its whole header is in, told so in
+        plaintext, so the sender fails with the reason instead of a bare EOF."""
+        try:
+            head = socket.socket.recv(p.sock, HEADER.size, socket.MSG_PEEK)
+        except OSError:
+            return False  # the handshake says what went wrong
+        if not head or not MAGIC.startswith(head[: len(MAGIC)]):
+            return False
+        why = ("a plaintext KV sender on a TLS port: this decode pod has KV TLS on and "
+               "the prefill pod has it off (--no-kv-tls on one side only?)")
+        if len(head) == HEADER.size:
+            try:
+                frame = control_frame(FrameKind.STATUS, decode_header(head).request_id,
+                                      make_reason(Reason.CONNECT_FAILED, why).encode())
+                socket.socket.send(p.sock, frame)
+            except (HeaderError, OSError):
+                pass
+        self._refuse_tls(p, why)
+        return True
+
+    def _refuse_tls(self, p: _Pending, why: str) -> None:
+        self._refusals.add(TLS_REFUSAL)
+        self._tls_log.warning("kv port refused a connection from %s: %s (counted in "
+                              "pdserve_kv_port_refusals_total{reason=\"tls\"})", p.peer, why)
+        self._drop(p)
 
     # ------------------------------------------------------------ the first frame
 
@@ -160,7 +250,10 @@ class Lobby:
             want = (HEADER.size if p.header is None else HEADER.size + p.header.length) - len(p.buf)
         try:
             data = p.sock.recv(want)
-        except (BlockingIOError, InterruptedError):
+        except (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
+            return
+        except ssl.SSLError as exc:
+            self._refuse_tls(p, f"TLS error: {exc}")
             return
         except OSError:
             data = b""
@@ -180,6 +273,9 @@ class Lobby:
             if p.header is not None and len(p.buf) == HEADER.size + p.header.length:
                 self._authenticate(p, p.header, bytes(p.buf[HEADER.size:]))
         except HeaderError as exc:
+            if exc.reason == TLS_REFUSAL:
+                self._refuse_tls(p, str(exc))
+                return
             self._refusals.add(exc.reason)
             self._drop(p)
 
@@ -188,6 +284,10 @@ class Lobby:
         """The frame's header; None when it is a refused request's frame, whose
         payload is then dropped (the sender streams a transfer's frames without
         waiting for BEGIN's verdict, and may reuse the connection next)."""
+        if looks_like_tls(p.buf):
+            raise HeaderError(TLS_REFUSAL, "a TLS handshake on a plaintext KV port: the "
+                                           "sender has KV TLS on and this pod has it off "
+                                           "(--no-kv-tls, or no --tls-cert-file)")
         header = decode_header(p.buf)
         if header.kind is not FrameKind.BEGIN:
             if header.request_id not in p.refused or header.kind is FrameKind.STATUS:
@@ -219,8 +319,13 @@ class Lobby:
             p.header = None
             return
         self._forget(p)
-        p.sock.setblocking(True)
-        self._promote(p.sock, header, payload)
+        sock: KVSocket
+        if isinstance(p.sock, ssl.SSLSocket):
+            sock = TlsSocket(p.sock)  # stays non-blocking; reads what the SSL object holds first
+        else:
+            sock = p.sock
+            sock.setblocking(True)
+        self._promote(sock, header, payload)
 
     @staticmethod
     def _tell(sock: socket.socket, request_id: str, refused: TransferRefused) -> None:

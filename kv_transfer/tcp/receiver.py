@@ -25,6 +25,11 @@ Limits, each refusal counted by reason (kv_transfer/refusals.py):
   buffer: a refused DATA payload is skipped through a scratch buffer that
   lives for that frame only (socket_io.skip).
 
+KV TLS (tls.py; on when `config.security` has TLS files whose `kv_streams`
+is set): the lobby runs each connection's handshake; a promoted connection's
+socket is then a `TlsSocket`, and DATA payloads are still decrypted straight
+into the landing buffer (`recv_into`).
+
 Threads: the accept thread (the lobby's selector loop, also the frame
 watchdog), one per authenticated connection, and the sweeper. The listener
 is called from connection threads and the sweeper.
@@ -61,6 +66,7 @@ from kv_transfer.tcp.frames import (
 )
 from kv_transfer.tcp.lobby import Lobby, LobbyLimits
 from kv_transfer.tcp.socket_io import (
+    KVSocket,
     PeerClosed,
     close_quietly,
     new_header_buffer,
@@ -70,6 +76,7 @@ from kv_transfer.tcp.socket_io import (
     set_io_timeout,
     skip,
 )
+from kv_transfer.tcp.tls import kv_tls_files, server_context
 
 log = logging.getLogger(__name__)
 _TOLD_LIMIT = 1024  # request ids a connection remembers having refused
@@ -80,7 +87,7 @@ _LIMIT_LOG_EVERY_S = 10.0  # "connection limit reached" at most this often
 class _Connection:
     """One accepted sender connection; also the table's `Peer` for it."""
 
-    def __init__(self, sock: socket.socket, table: ReceiveTable, stop: threading.Event,
+    def __init__(self, sock: KVSocket, table: ReceiveTable, stop: threading.Event,
                  refusals: RefusalCounts, frame_timeout_s: float) -> None:  # fmt: skip
         self.sock = sock
         self.table = table
@@ -272,6 +279,8 @@ class TcpKVReceiver(ConnectorReceiver):
         return 0 if self._lobby is None else len(self._lobby)
 
     def start(self) -> None:
+        files = kv_tls_files(self.config.security)
+        tls = None if files is None else server_context(files)  # ValueError: bad files
         server = socket.create_server((self.config.host, self.config.port), backlog=128)
         self._server = server
         host = self.config.advertise_host or self.config.host
@@ -281,13 +290,16 @@ class TcpKVReceiver(ConnectorReceiver):
                             LobbyLimits(c.auth_timeout_s, c.io_timeout_s, c.max_pending,
                                         c.max_pending_per_peer),
                             self.refusals, self._promote, self._stop,
-                            on_tick=self._cut_stalled, tick_s=_ACCEPT_TICK_S)
+                            on_tick=self._cut_stalled, tick_s=_ACCEPT_TICK_S, tls=tls)
+        if files is not None:
+            log.info("KV port %s: %s (KV TLS; --no-kv-tls turns it off)", self._endpoints[0],
+                     "mutual TLS" if files.mutual else "TLS")
         accept = threading.Thread(target=self._lobby.run, name="kv-tcp-accept", daemon=True)
         accept.start()
         self._threads.append(accept)
         self.sweeper.start()
 
-    def _promote(self, sock: socket.socket, begin: FrameHeader, payload: bytes) -> None:
+    def _promote(self, sock: KVSocket, begin: FrameHeader, payload: bytes) -> None:
         """Accept thread: a connection the lobby authenticated gets its thread
         and a slot, or is closed when every slot is taken."""
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -316,7 +328,7 @@ class TcpKVReceiver(ConnectorReceiver):
         for conn in connections:
             conn.cut_if_stalled(now)
 
-    def _refuse_over_limit(self, sock: socket.socket) -> None:
+    def _refuse_over_limit(self, sock: KVSocket) -> None:
         self.refusals.add(PortRefusal.CONNECTION_LIMIT)  # counted before the peer sees EOF
         close_quietly(sock)
         now = time.monotonic()

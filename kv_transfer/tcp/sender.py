@@ -9,6 +9,10 @@ on stream 0 once every queued frame was sent. The outcome future resolves
 with the receiver's STATUS verdict, or FAILED on abort, connection loss, a
 refusal STATUS, or the target deadline (+ grace) passing (the collector).
 
+KV TLS (tls.py): when `config.security` has TLS files whose `kv_streams` is
+set, every stream is a TLS connection made with one client context built
+here (the pod's certificate, the CA to verify decode pods).
+
 Threads: caller threads enqueue only; each stream has a writer and a reader;
 one collector sweeps deadlines.
 """
@@ -29,6 +33,7 @@ from kv_transfer.outgoing import Outgoing
 from kv_transfer.sweeper import Sweeper
 from kv_transfer.tcp.frames import FrameKind, encode_begin, encode_end
 from kv_transfer.tcp.stream import Stream, WorkItem
+from kv_transfer.tcp.tls import client_context, kv_tls_files
 from proto.request_id import check_request_id
 
 # Resolved transfers kept for the engine's late send_layer/end calls: only a
@@ -44,6 +49,8 @@ _FINISHED_KEPT = 256
 class TcpKVSender(KVSender):
     def __init__(self, config: SenderConfig | None = None) -> None:
         self.config = config or SenderConfig()
+        files = kv_tls_files(self.config.security)
+        self._tls = None if files is None else client_context(files)  # ValueError: bad files
         self._stager = HostStager()
         self._lock = threading.Lock()
         self._pools: dict[str, list[Stream]] = {}  # endpoint -> persistent streams
@@ -132,13 +139,15 @@ class TcpKVSender(KVSender):
         for endpoint in endpoints:
             if endpoint not in self._pools:
                 self._pools[endpoint] = [
-                    Stream(endpoint, self.config, self._on_status, self._on_sent, self._on_lost)
+                    Stream(endpoint, self.config, self._on_status, self._on_sent, self._on_lost,
+                           self._tls)
                     for _ in range(per_endpoint)
                 ]
             pool = self._pools[endpoint]
             while len(pool) < per_endpoint:  # a later target spreads over fewer endpoints
                 pool.append(
-                    Stream(endpoint, self.config, self._on_status, self._on_sent, self._on_lost)
+                    Stream(endpoint, self.config, self._on_status, self._on_sent, self._on_lost,
+                           self._tls)
                 )
         return [self._pools[endpoints[i % len(endpoints)]][i // len(endpoints)] for i in range(n)]
 

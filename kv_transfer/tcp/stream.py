@@ -7,6 +7,14 @@ lives. When a connection breaks, every transfer that sent BEGIN on it fails
 with `connection_lost` (the receiver would refuse their remaining frames on a
 new connection), and the next frame reconnects: a restarted receiver costs the
 transfers in flight, never the ones after.
+
+KV TLS (tls.py): with a client context the connection's TLS handshake runs
+right after the TCP connect, within `connect_timeout_s`; a handshake that
+fails (the decode pod's certificate not trusted, its KV port plaintext) is
+`connect_failed` naming why. A receiver that refuses this pod's certificate
+does so after the client's side of a TLS 1.3 handshake is done: the first
+read or write then fails, `connection_lost` with the TLS alert. A plaintext
+stream answered in TLS is told apart the same way.
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ from __future__ import annotations
 import logging
 import queue
 import socket
+import ssl
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,6 +43,7 @@ from kv_transfer.tcp.frames import (
     control_frame,
 )
 from kv_transfer.tcp.socket_io import (
+    KVSocket,
     PeerClosed,
     close_quietly,
     new_header_buffer,
@@ -42,6 +52,8 @@ from kv_transfer.tcp.socket_io import (
     send_frame,
     set_io_timeout,
 )
+from kv_transfer.tcp.tls import connect as tls_connect
+from kv_transfer.tcp.tls import kv_tls_files, looks_like_tls
 
 log = logging.getLogger(__name__)
 
@@ -64,21 +76,27 @@ class _ConnectFailed(OSError):
 class Stream:
     """Owned by TcpKVSender. `enqueue` from any thread; callbacks run on this
     stream's threads: `on_status(request_id, ok, reason)`, `on_sent(transfer)`
-    after each counted frame, `on_lost(transfer, reason)`."""
+    after each counted frame, `on_lost(transfer, reason)`. `tls`: the
+    sender's KV TLS client context (None: plaintext)."""
 
     def __init__(self, endpoint: str, config: SenderConfig,
                  on_status: Callable[[str, bool, str], None],
                  on_sent: Callable[[Outgoing], None],
-                 on_lost: Callable[[Outgoing, str], None]) -> None:  # fmt: skip
+                 on_lost: Callable[[Outgoing, str], None],
+                 tls: ssl.SSLContext | None = None) -> None:  # fmt: skip
         self.endpoint = endpoint
         self._address = split_endpoint(endpoint)
+        self._tls = tls
+        files = kv_tls_files(config.security)
+        # pods are dialled by IP: the certificate names --tls-server-name instead
+        self._server_name = (files.server_name if files else None) or self._address[0]
         self._config = config
         self._on_status = on_status
         self._on_sent = on_sent
         self._on_lost = on_lost
         self._queue: queue.SimpleQueue[WorkItem | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
-        self._sock: socket.socket | None = None
+        self._sock: KVSocket | None = None
         self._bound: dict[str, Outgoing] = {}  # BEGIN sent on the current connection
         self._stop = threading.Event()
         self._writer = threading.Thread(target=self._write_loop, daemon=True,
@@ -121,7 +139,7 @@ class Stream:
                 if item.kind is not FrameKind.ABORT:
                     self._on_sent(item.transfer)
 
-    def _send(self, item: WorkItem) -> socket.socket | None:
+    def _send(self, item: WorkItem) -> KVSocket | None:
         t = item.transfer
         if item.kind is FrameKind.ABORT:
             with self._lock:  # only a connection that carried BEGIN can abort
@@ -149,23 +167,34 @@ class Stream:
             sock.sendall(control_frame(item.kind, t.request_id, item.payload, flags))
         return sock
 
-    def _connect(self) -> socket.socket:
+    def _connect(self) -> KVSocket:
         with self._lock:
             if self._sock is not None:
                 return self._sock
+        c = self._config
         try:
-            sock = socket.create_connection(self._address, timeout=self._config.connect_timeout_s)
+            plain = socket.create_connection(self._address, timeout=c.connect_timeout_s)
         except OSError as exc:
             raise _ConnectFailed(str(exc)) from None
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        set_io_timeout(sock, self._config.io_timeout_s)
+        plain.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock: KVSocket = plain
+        if self._tls is None:
+            set_io_timeout(plain, c.io_timeout_s)
+        else:
+            try:
+                sock = tls_connect(plain, self._tls, self._server_name, c.connect_timeout_s,
+                                   c.io_timeout_s)
+            except OSError as exc:
+                raise _ConnectFailed(f"KV TLS handshake failed: {exc} (is KV TLS off on the "
+                                     f"decode pod, or its certificate not for "
+                                     f"{self._server_name!r}?)") from None
         with self._lock:
             self._sock = sock
         threading.Thread(target=self._read_loop, args=(sock,), daemon=True,
                          name=f"kv-tcp-status-{self.endpoint}").start()  # fmt: skip
         return sock
 
-    def _broken(self, sock: socket.socket | None, reason: str) -> None:
+    def _broken(self, sock: KVSocket | None, reason: str) -> None:
         """Forget `sock` (if still current) and fail every transfer bound to it."""
         with self._lock:
             if sock is None or self._sock is not sock:
@@ -178,7 +207,7 @@ class Stream:
 
     # ---------------------------------------------------------------- reader thread
 
-    def _read_loop(self, sock: socket.socket) -> None:
+    def _read_loop(self, sock: KVSocket) -> None:
         buf = new_header_buffer()
         reason = make_reason(Reason.CONNECTION_LOST, f"{self.endpoint} closed the connection")
         try:
@@ -192,6 +221,11 @@ class Stream:
                                 payload.decode(errors="replace"))  # fmt: skip
         except PeerClosed:
             pass
-        except (OSError, HeaderError) as exc:
+        except HeaderError as exc:
+            if self._tls is None and looks_like_tls(buf):
+                exc = HeaderError(exc.reason, "it answered in TLS: KV TLS is on at the decode "
+                                              "pod and off here (--no-kv-tls on one side)")
+            reason = make_reason(Reason.CONNECTION_LOST, f"{self.endpoint}: {exc}")
+        except OSError as exc:
             reason = make_reason(Reason.CONNECTION_LOST, f"{self.endpoint}: {exc}")
         self._broken(sock, reason)

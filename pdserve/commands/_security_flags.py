@@ -5,10 +5,12 @@ Pods (`pdserve prefill|decode|serve`): `--tls-cert-file/--tls-key-file` serve
 pod gRPC over TLS, `--tls-ca-file` requires callers' certificates signed by it
 (unless `--no-tls-client-cert`) and verifies peer pods; `--pod-token-file` (or
 `--pod-token`, default $PDSERVE_POD_TOKEN) makes every call but health checks
-carry the token. The router: `--tls-*` are its public listeners' files,
-`--pod-tls-*` and `--pod-token*` how it reaches the pods. File paths are what
-a Kubernetes Secret mounts (tls.crt, tls.key, ca.crt). This module and the
-command modules are the only readers of the environment.
+carry the token; the same TLS secures the TCP KV streams unless `--no-kv-tls`
+(docs/kv_transfer.md, "TLS on the TCP KV streams"). The router: `--tls-*`
+are its public listeners' files, `--pod-tls-*` and `--pod-token*` how it
+reaches the pods. File paths are what a Kubernetes Secret mounts (tls.crt,
+tls.key, ca.crt). This module and the command modules are the only readers
+of the environment.
 """
 
 from __future__ import annotations
@@ -54,6 +56,11 @@ def add_pod_security_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tls-server-name", default=None, metavar="NAME",
                    help="Name checked in peer pods' certificates instead of the address "
                         "dialled (pods are dialled by IP).")
+    g.add_argument("--kv-tls", action=argparse.BooleanOptionalAction, default=True,
+                   help="With --tls-cert-file: the TCP KV streams use the same TLS "
+                        "(mutual with --tls-ca-file) (default); --no-kv-tls sends KV in "
+                        "plaintext, for a trusted network where the encryption's CPU cost "
+                        "matters. Prefill and decode pods must agree.")
     _add_token_arguments(g)
     g.add_argument("--health-port", type=int, default=None, metavar="PORT",
                    help="Also serve the gRPC health service alone, in plaintext, on this "
@@ -65,7 +72,7 @@ def pod_security_from_args(args: argparse.Namespace) -> PodSecurity:
     if args.tls_cert_file or args.tls_key_file or args.tls_ca_file:
         tls = TlsFiles(cert_file=args.tls_cert_file, key_file=args.tls_key_file,
                        ca_file=args.tls_ca_file, require_client_cert=args.tls_client_cert,
-                       server_name=args.tls_server_name)
+                       server_name=args.tls_server_name, kv_streams=args.kv_tls)
         if tls.cert_file is None:
             raise ValueError("--tls-ca-file needs --tls-cert-file and --tls-key-file: the "
                              "pod's own certificate")
