@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 # Most simulated pods one process runs; each costs a gRPC server (a listening
 # socket, a few tasks) and about 100 KiB.
 MAX_PODS = 4000
+_STOP_SLACK_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +147,17 @@ class SimCluster:
         """Every pod drains and stops; 0 when every pod exited cleanly."""
         for pod in self.pods:
             pod.stop.set()
+        # A pod's drain is bounded by its grace period; past it (plus the
+        # server's own stop) a pod still stopping is stuck, and one stuck pod
+        # must not hold the process: it is cancelled, and named.
+        bound = self.config.decode_spec.server.grace_period_s + _STOP_SLACK_S
+        _, stuck = await asyncio.wait(self._runs, timeout=bound)
+        for run in stuck:
+            run.cancel()
+        if stuck:
+            log.warning("%d simulated pod(s) had not stopped %.0fs after the stop; cancelled "
+                        "(seen: a cache-event publisher's close waiting on a Redis publish)",
+                        len(stuck), bound)
         statuses = await asyncio.gather(*self._runs, return_exceptions=True)
         if self.heartbeat is not None:
             self.heartbeat.close()
