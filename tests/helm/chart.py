@@ -29,7 +29,7 @@ PREFIX = "demo-pdserve"
 # command modules; the chart must not pass anything else).
 POD_SECURITY_FLAGS = frozenset({
     "--tls-cert-file", "--tls-key-file", "--tls-ca-file", "--tls-server-name",
-    "--no-tls-client-cert", "--pod-token-file", "--health-port",
+    "--no-tls-client-cert", "--pod-token-file", "--health-port", "--no-kv-tls",
 })
 CLI_FLAGS: dict[str, frozenset[str]] = {
     "router": frozenset({
@@ -134,7 +134,7 @@ def container(deployment: dict[str, Any], name: str) -> dict[str, Any]:
     return matches[0]
 
 
-SWITCHES = frozenset({"--no-tls-client-cert"})  # the only flags passed without a value
+SWITCHES = frozenset({"--no-tls-client-cert", "--no-kv-tls"})  # flags passed without a value
 
 
 def flag_values(args: list[str]) -> dict[str, str]:
