@@ -14,6 +14,10 @@ In one run, for each stream count N (default 1, 2, 4, 8):
 - **grpc-tls** (only when named in --connectors, with --tls-dir): the gRPC
   connector with the pods' mutual TLS and a pod token (proto/tls.py), what
   `--kv-transport grpc` costs with `--tls-*` set (docs/deploy.md, Security);
+- **tcp-tls** (only when named in --connectors, with --tls-dir): the TCP
+  connector with KV TLS, the pods' mutual TLS on every stream
+  (kv_transfer/tcp/tls.py), what the default TCP transport costs with
+  `--tls-*` set; its cost is the row against **tcp** at the same N;
 - **tcp-no-checksum** (only when named in --connectors; a diagnostic, not a
   product mode): the TCP connector with `data_checksum` replaced by a
   constant on both sides, to show what the checksums cost apart from framing;
@@ -54,10 +58,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--streams", default="1,2,4,8", help="comma-separated stream counts")
     parser.add_argument("--connectors", default="tcp,tcp-xxh64,grpc",
                         help="comma-separated: tcp, tcp-xxh64 (XXH64 checksums), grpc, "
-                             "grpc-tls (needs --tls-dir), tcp-no-checksum (diagnostic)")
+                             "grpc-tls and tcp-tls (need --tls-dir), tcp-no-checksum "
+                             "(diagnostic)")
     parser.add_argument("--tls-dir", default=None, metavar="DIR",
-                        help="for grpc-tls: ca.crt, and tls.crt/tls.key valid for the name "
-                             "pdserve-pod with server and client usage (as a pod Secret)")
+                        help="for grpc-tls and tcp-tls: ca.crt, and tls.crt/tls.key valid "
+                             "for the name pdserve-pod with server and client usage (as a "
+                             "pod Secret)")
     parser.add_argument("--chunk-mib", type=float, default=4.0, help="max DATA payload (MiB)")
     parser.add_argument("--min-chunk-mib", type=float, default=2.0,
                         help="smallest DATA payload a layer is cut into (MiB; SenderConfig"
@@ -221,12 +227,13 @@ def _recv_exact(conn: socket.socket, n: int) -> bytes:
     return buf
 
 
-def _pod_security(tls_dir: str | None):
-    """(server, client) `PodSecurity` of grpc-tls: mutual TLS + a pod token."""
+def _pod_security(tls_dir: str | None, name: str):
+    """(server, client) `PodSecurity` of grpc-tls and tcp-tls: mutual TLS + a
+    pod token (which only gRPC sends)."""
     from proto.tls import PodSecurity, TlsFiles
 
     if tls_dir is None:
-        raise ValueError("the grpc-tls connector needs --tls-dir")
+        raise ValueError(f"the {name} connector needs --tls-dir")
     files = TlsFiles(f"{tls_dir}/tls.crt", f"{tls_dir}/tls.key", f"{tls_dir}/ca.crt",
                      server_name="pdserve-pod")
     return PodSecurity(tls=files, token="bench"), PodSecurity(tls=files, token="bench")
@@ -241,7 +248,7 @@ def _connector(name: str, kvs, layout, num_streams: int, chunk: int,
     from proto.tls import PodSecurity
 
     server_security, client_security = (
-        _pod_security(tls_dir) if name == "grpc-tls" else (PodSecurity(), PodSecurity()))
+        _pod_security(tls_dir, name) if name.endswith("-tls") else (PodSecurity(), PodSecurity()))
 
     if name.startswith("tcp"):
         from kv_transfer.tcp import TcpKVReceiver as Receiver
