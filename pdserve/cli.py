@@ -29,6 +29,7 @@ COMMANDS: dict[str, str] = {
     "generate": "pdserve.commands.generate",
     "bench": "pdserve.commands.bench",
     "sim": "pdserve.commands.sim",
+    "plan": "pdserve.commands.plan",
 }
 
 
