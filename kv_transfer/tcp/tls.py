@@ -58,8 +58,13 @@ def kv_tls_files(security: PodSecurity) -> TlsFiles | None:
 
 def server_context(files: TlsFiles) -> ssl.SSLContext:
     """The decode pod's KV port: the pod's certificate; with `files.mutual`,
-    client certificates signed by the CA required. ValueError on bad files."""
-    return _tls13(files.ssl_context())
+    client certificates signed by the CA required. ValueError on bad files.
+    No session tickets: a KV connection lives as long as its pods, nothing
+    resumes a session, and a ticket is a write after the handshake that a
+    reader would have to make."""
+    context = _tls13(files.ssl_context())
+    context.num_tickets = 0
+    return context
 
 
 def client_context(files: TlsFiles) -> ssl.SSLContext:
@@ -164,8 +169,9 @@ class TlsSocket:
                     n = self._sock.recv_into(view[got:size], size - got)
                 except ssl.SSLWantReadError:
                     break
-                except ssl.SSLWantWriteError:  # a TLS 1.2 renegotiation: never asked for
-                    raise ssl.SSLError("TLS renegotiation is not supported on KV streams") from None
+                except ssl.SSLWantWriteError:  # a read that must write: never asked for
+                    raise ssl.SSLError("a TLS read that must write (renegotiation, key "
+                                       "update) is not supported on KV streams") from None
                 if n == 0:  # EOF (close_notify or a closed TCP connection)
                     return got
                 got += n
@@ -200,8 +206,9 @@ class TlsSocket:
                     continue
                 except ssl.SSLWantWriteError:
                     pass
-                except ssl.SSLWantReadError:
-                    raise ssl.SSLError("TLS renegotiation is not supported on KV streams") from None
+                except ssl.SSLWantReadError:  # a write that must read: never asked for
+                    raise ssl.SSLError("a TLS write that must read (renegotiation) is not "
+                                       "supported on KV streams") from None
             self._wait(select.POLLOUT)
 
     # ------------------------------------------------------------ waiting, closing
