@@ -140,7 +140,9 @@ def test_a_router_survives_50_of_200_pods_disappearing_at_once(tiny_model_dir, t
             started.wait()
             for i in range(8):
                 attempts = []
-                for _ in range(3):  # the client's retry after a clear error
+                for attempt in range(3):  # the client's retries after a clear error
+                    if attempt:  # within a poll interval the router learns a pod is gone
+                        time.sleep(1.0)
                     status, body = complete(router, prompt(index * 100 + i, 40), max_tokens=6)
                     attempts.append((status, body.get("error", {}).get("message", "")))
                     if status == 200:
