@@ -20,7 +20,10 @@ Reasons, a bounded label set:
   (its first frame was not BEGIN), `auth_timeout` (no first frame within
   `auth_timeout_s`), `pending_limit` (the oldest waiting one, dropped for a
   new one over `max_pending`), `peer_limit` (over `max_pending_per_peer` from
-  one address); a BEGIN whose ticket fails counts its reason as above.
+  one address); a BEGIN whose ticket fails counts its reason as above;
+* KV TLS (kv_transfer/tcp/tls.py): `tls`, a failed or mismatched TLS
+  handshake (no or a bad client certificate, plaintext on a TLS port, a TLS
+  handshake on a plaintext port).
 
 `add` is called from the receiver's connection and accept threads, `snapshot`
 from the metrics thread at scrape time.
@@ -47,6 +50,7 @@ class PortRefusal(enum.StrEnum):
     AUTH_TIMEOUT = "auth_timeout"
     PENDING_LIMIT = "pending_limit"
     PEER_LIMIT = "peer_limit"
+    TLS = "tls"  # KV TLS: a failed or mismatched handshake (kv_transfer/tcp/tls.py)
 
 
 class RefusalCounts:

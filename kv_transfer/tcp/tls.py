@@ -35,6 +35,7 @@ import ssl
 import threading
 import time
 
+from kv_transfer.refusals import PortRefusal
 from proto.tls import PodSecurity, TlsFiles
 
 log = logging.getLogger(__name__)
@@ -42,7 +43,7 @@ log = logging.getLogger(__name__)
 # The refusal a failed handshake is counted under on the KV port
 # (`pdserve_kv_port_refusals_total{reason="tls"}`): no or a bad client
 # certificate, plaintext bytes on a TLS port, or a TLS client on a plaintext one.
-TLS_REFUSAL = "tls"
+TLS_REFUSAL = PortRefusal.TLS
 
 # One SSL_write at most this much, so a reader waiting on the same
 # connection's lock is never held up for long behind a 4 MiB frame.
