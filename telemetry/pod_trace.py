@@ -1,0 +1,65 @@
+"""`PodTrace`: a pod call's phases, stamped as they pass, spans at its end.
+
+The prefill and decode servicers make one per call (prefill_service/
+servicer.py, decode_service/servicer.py) from the call's gRPC metadata
+(the router's attempt span, telemetry.context.from_metadata), stamp
+`phase`s with monotonic times at phase boundaries, and call `finish` once;
+only then, and only when tracing is on and the call carried a trace
+context, are the spans made: the call's span (SERVER, a child of the
+router's attempt) with one child per phase.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from telemetry import spans
+from telemetry.context import from_metadata
+
+
+class PodTrace:
+    """See the module docstring. `name`: the call's span, e.g. "prefill.request"."""
+
+    __slots__ = ("name", "carrier", "started", "phases", "attributes", "_done")
+
+    def __init__(self, name: str, metadata=None, **attributes: Any) -> None:
+        self.name = name
+        self.carrier = from_metadata(metadata) if spans.on() else {}
+        self.started = time.monotonic()
+        self.phases: list[tuple[str, float, float, dict[str, Any]]] = []
+        self.attributes: dict[str, Any] = dict(attributes)
+        self._done = False
+
+    @property
+    def traceparent(self) -> str:
+        """The traceparent this call carries on (e.g. in the KV BEGIN frame); "" = none."""
+        return self.carrier.get("traceparent", "")
+
+    def adopt(self, traceparent: str) -> None:
+        """A traceparent learnt later (the KV BEGIN's, telemetry.kv_traces),
+        for a call whose metadata carried none (the router's Session stream)."""
+        if traceparent and not self.carrier and spans.on():
+            self.carrier = {"traceparent": traceparent}
+
+    def phase(self, name: str, start: float, end: float | None = None, **attributes: Any
+              ) -> None:
+        self.phases.append((name, start, time.monotonic() if end is None else end, attributes))
+
+    def finish(self, error: str | None = None, **attributes: Any) -> None:
+        """The call ended; make its spans when tracing is on (once)."""
+        if self._done:
+            return
+        self._done = True
+        self.attributes.update(attributes)
+        if not self.carrier or not spans.on():
+            return  # a pod traces only calls of a traced request: no orphan roots
+        root = spans.start(self.name, self.started, spans.parent_context(self.carrier),
+                           _prefixed(self.attributes), kind="SERVER")
+        for name, start, end, details in self.phases:
+            spans.child(root, name, start, end, _prefixed(details))
+        spans.end(root, time.monotonic(), error=error)
+
+
+def _prefixed(attributes: dict[str, Any]) -> dict[str, Any]:
+    return {k if "." in k else f"pdserve.{k}": v for k, v in attributes.items()}
