@@ -70,6 +70,10 @@ class TransferTarget:
     deadline: float
     ranks: tuple[RankTarget, ...] = ()
     tensor_parallel_size: int = 1
+    # the request's W3C traceparent, sent in BEGIN (FLAG_TRACE) so the decode
+    # pod's spans join its trace; "" = not traced (docs/tracing.md). Set by the
+    # prefill pod, never sent back in a Reserved.
+    traceparent: str = ""
 
     def __post_init__(self) -> None:
         _check_endpoints(self.endpoints, "endpoints")

@@ -8,7 +8,8 @@ Header, little-endian, 104 bytes (`HEADER.size`):
     6      1    kind   (FrameKind)
     7      1    flags  (STATUS: bit 0 = ok; DATA: bit 1 = checksum is XXH3-64;
                         BEGIN: bit 2 = the payload ends with a token offset,
-                        bit 3 = ... and then with a head range)
+                        bit 3 = ... and then with a head range,
+                        bit 4 = ... and then with a W3C traceparent)
     8      2    request id length in bytes (1..64)
     10     2    reserved, 0
     12     4    layer
@@ -31,7 +32,13 @@ Payloads:
             layout holds heads [head_start, head_start + kv heads) of the
             model's model_kv_heads, head-major; this sender writes the
             layout-local heads [sub_start, sub_end), one of num_senders senders
-            of this attempt (kv_transfer/layout.py)
+            of this attempt (kv_transfer/layout.py);
+            with BEGIN flag bit 4 (FLAG_TRACE) the last 55 bytes (after all of
+            the above) are the sender's W3C traceparent, ASCII
+            ("00-<trace id>-<span id>-<flags>": docs/tracing.md), so the decode
+            pod's receive span joins the request's trace. Without the flag the
+            BEGIN is byte for byte what earlier senders send; a receiver that
+            does not trace drops the tail.
     DATA    raw bytes of the layer's transfer layout at [offset, offset + length)
     END     first token i32, total byte count u64
     ABORT   reason, UTF-8
@@ -58,6 +65,7 @@ from kv_transfer.layout import SenderPart
 from kv_transfer.refusals import PortRefusal
 from kv_transfer.wire import FLAG_HEAD_RANGE, MAX_ATTEMPT_BYTES, MAX_DATA_BYTES, VERSION
 from proto.request_id import MAX_REQUEST_ID_BYTES
+from telemetry.context import TRACEPARENT_BYTES, parse_traceparent
 
 MAGIC = b"PDKV"
 HEADER = struct.Struct(f"<4sHBBHHIQQQ{MAX_REQUEST_ID_BYTES}s")
@@ -66,6 +74,9 @@ FLAG_OK = 1  # STATUS only; DATA's checksum flag is checksum.FLAG_XXH3
 # BEGIN only: a u32 token offset ends the payload. Set only when the offset is
 # not 0, so a whole-context BEGIN is byte for byte what version-1 senders send.
 FLAG_TOKEN_OFFSET = 4
+# BEGIN only: a 55-byte W3C traceparent ends the payload (after everything
+# else). Set only when the sender traces this request.
+FLAG_TRACE = 16
 
 _BEGIN = struct.Struct("<IIIIBH")
 _END = struct.Struct("<iQ")
@@ -144,16 +155,20 @@ def control_frame(kind: FrameKind, request_id: str, payload: bytes, flags: int =
     return header.pack() + payload
 
 
-def begin_flags(layout: KVLayout) -> int:
+def begin_flags(layout: KVLayout, traceparent: str = "") -> int:
     """The header flags of `layout`'s BEGIN frame (see `encode_begin`)."""
     return ((FLAG_TOKEN_OFFSET if layout.token_offset else 0)
-            | (FLAG_HEAD_RANGE if layout.head_ranged else 0))  # fmt: skip
+            | (FLAG_HEAD_RANGE if layout.head_ranged else 0)
+            | (FLAG_TRACE if traceparent else 0))  # fmt: skip
 
 
 def encode_begin(layout: KVLayout, ticket: bytes, attempt: bytes,
-                 part: SenderPart | None = None) -> bytes:  # fmt: skip
-    """BEGIN's payload; send it with `begin_flags(layout)`. `part` (None = every
-    head, one sender) travels only for a head-ranged layout."""
+                 part: SenderPart | None = None, traceparent: str = "") -> bytes:  # fmt: skip
+    """BEGIN's payload; send it with `begin_flags(layout, traceparent)`. `part`
+    (None = every head, one sender) travels only for a head-ranged layout;
+    `traceparent` ("" = none) only when given, and must be a valid one."""
+    if traceparent and parse_traceparent(traceparent) is None:
+        raise ValueError(f"traceparent {traceparent!r} is not a W3C version-00 traceparent")
     if len(attempt) > MAX_ATTEMPT_BYTES:
         raise ValueError(f"attempt id is {len(attempt)} bytes, the limit is {MAX_ATTEMPT_BYTES}")
     part = part or SenderPart.whole(layout)
@@ -172,6 +187,7 @@ def encode_begin(layout: KVLayout, ticket: bytes, attempt: bytes,
         + attempt
         + (_TOKEN_OFFSET.pack(layout.token_offset) if layout.token_offset else b"")
         + head_range
+        + traceparent.encode("ascii")
     )  # fmt: skip
 
 
@@ -182,10 +198,24 @@ def _take_tail(payload: bytes, tail: struct.Struct, what: str) -> tuple[bytes, t
     return payload[: len(payload) - tail.size], tail.unpack_from(payload, len(payload) - tail.size)
 
 
+def begin_traceparent(payload: bytes, flags: int) -> str:
+    """The traceparent a BEGIN carries (FLAG_TRACE); "" when none or not a valid one."""
+    if not flags & FLAG_TRACE or len(payload) < _BEGIN.size + TRACEPARENT_BYTES:
+        return ""
+    try:
+        value = bytes(payload[len(payload) - TRACEPARENT_BYTES:]).decode("ascii")
+    except UnicodeDecodeError:
+        return ""
+    return value if parse_traceparent(value) is not None else ""
+
+
 def decode_begin(payload: bytes,
                  flags: int = 0) -> tuple[KVLayout, bytes, bytes, SenderPart]:  # fmt: skip
     """BEGIN payload (and its header's flags) -> (layout, ticket, attempt, this
-    sender's part); raises TransferRefused(bad_frame)."""
+    sender's part); raises TransferRefused(bad_frame). A traceparent
+    (FLAG_TRACE) is skipped here: `begin_traceparent` reads it."""
+    if flags & FLAG_TRACE:
+        payload = payload[: len(payload) - TRACEPARENT_BYTES]
     token_offset = head_start = model_kv_heads = 0
     sub: tuple[int, int, int] | None = None
     if flags & FLAG_HEAD_RANGE:

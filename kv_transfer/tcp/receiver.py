@@ -56,10 +56,12 @@ from kv_transfer.receive_table import ReceiveTable
 from kv_transfer.refusals import PortRefusal, RefusalCounts
 from kv_transfer.tcp.frames import (
     FLAG_OK,
+    FLAG_TRACE,
     MAX_CONTROL_BYTES,
     FrameHeader,
     FrameKind,
     HeaderError,
+    begin_traceparent,
     control_frame,
     decode_begin,
     decode_end,
@@ -77,6 +79,7 @@ from kv_transfer.tcp.socket_io import (
     skip,
 )
 from kv_transfer.tcp.tls import kv_tls_files, server_context
+from telemetry import kv_traces
 
 log = logging.getLogger(__name__)
 _TOLD_LIMIT = 1024  # request ids a connection remembers having refused
@@ -223,6 +226,8 @@ class _Connection:
             if header.kind is FrameKind.BEGIN:
                 layout, ticket, attempt, part = decode_begin(payload, header.flags)
                 self.table.begin(rid, ticket, layout, self, attempt, part)
+                if header.flags & FLAG_TRACE:  # for the decode pod's spans (telemetry)
+                    kv_traces.note(rid, begin_traceparent(payload, header.flags))
             elif header.kind is FrameKind.END:
                 first_token_id, total_bytes = decode_end(payload)
                 self.table.end(rid, self, first_token_id, total_bytes)

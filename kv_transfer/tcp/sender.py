@@ -78,7 +78,7 @@ class TcpKVSender(KVSender):
             streams = self._streams_for(target.endpoints)
             self._transfers[request_id] = (t, streams)
         t.add_pending(len(streams))
-        payload = encode_begin(layout, target.ticket, t.attempt, t.part)
+        payload = encode_begin(layout, target.ticket, t.attempt, t.part, target.traceparent)
         for stream in streams:
             stream.enqueue(WorkItem(FrameKind.BEGIN, t, payload))
 

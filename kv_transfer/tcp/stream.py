@@ -163,7 +163,8 @@ class Stream:
                                  data_checksum(view, flags), flags)  # fmt: skip
             send_frame(sock, header.pack(), view)
         else:
-            flags = begin_flags(t.layout) if item.kind is FrameKind.BEGIN else 0
+            flags = (begin_flags(t.layout, t.target.traceparent)
+                     if item.kind is FrameKind.BEGIN else 0)
             sock.sendall(control_frame(item.kind, t.request_id, item.payload, flags))
         return sock
 
