@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from router.sampling import SamplingSpec
+from telemetry.context import TraceOrigin
 
 if TYPE_CHECKING:
     from router.tools.request import ToolRequest
@@ -88,6 +89,8 @@ class GenerationRequest:
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingSpec
     session_id: str | None = None
+    # the client's trace context and API key name (telemetry.context); None: none
+    trace: TraceOrigin | None = None
 
     def __post_init__(self) -> None:
         if not self.request_id:

@@ -53,6 +53,7 @@ class FlowSettings:
     max_prefill_retries: int = 2
     max_migrations: int = 3
     request_timeout: float = 600.0
+    trace_history: int = 1000  # finished requests' timelines kept (--trace-history; 0 = off)
 
     def __post_init__(self) -> None:
         if not 0 <= self.max_prefill_retries <= 16:
@@ -63,6 +64,8 @@ class FlowSettings:
         if not 0.0 < self.request_timeout <= 86400.0:
             raise ValueError(
                 f"request_timeout must be in (0, 86400] seconds, got {self.request_timeout}")
+        if not 0 <= self.trace_history <= 1_000_000:
+            raise ValueError(f"trace_history must be in [0, 1000000], got {self.trace_history}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,6 +19,7 @@ from router.routing.local_prefill import LocalPrefill
 from router.routing.policy import RoutingPolicy
 from router.routing.split_prefill import SplitPrefill
 from router.settings import FlowSettings
+from telemetry.history import History
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,3 +35,10 @@ class FlowDeps:
     local_prefill: LocalPrefill | None = None  # None: every P/D request takes the P/D path
     split: SplitPrefill | None = None  # None: no prompt is split across the pods
     colocated_gate: ColocatedGate | None = None  # None: colocated pods shed nothing
+    # finished requests' timelines (GET /debug/requests/{id}); made from
+    # settings.trace_history when not given
+    history: History | None = None
+
+    def __post_init__(self) -> None:
+        if self.history is None:
+            object.__setattr__(self, "history", History(self.settings.trace_history))

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from typing import Protocol
 
@@ -68,9 +69,12 @@ async def disaggregated(caller: PodCaller, idle_side: IdleSide | None = None
     prefill queue (router/routing/local_prefill.py, `QueuedOffer`); the
     attempt then runs where `idle_side.take` sends it."""
     with contextlib.ExitStack() as stack:
+        queued = time.monotonic()
         slot = await caller.deps.admission.admit(
             caller.request, exclude=frozenset(caller.left_out), timeout=caller.remaining(),
             local=None if idle_side is None else idle_side.offer())
+        if caller.trace is not None:
+            caller.trace.timeline.phase("admission_wait", queued, time.monotonic())
         if not isinstance(slot, AdmissionSlot):  # a decode pod took it from the queue
             async with contextlib.aclosing(idle_side.take(slot)) as deltas:
                 async for delta in deltas:
@@ -99,6 +103,8 @@ async def disaggregated(caller: PodCaller, idle_side: IdleSide | None = None
         ending = PrefillEnding(prefill_call)
         stack.callback(ending.close)
         caller.out.set_cached_tokens(token.num_cached_tokens)
+        caller.note(prefill=prefill_address, cached_tokens=token.num_cached_tokens,
+                    **({"path": "split", "split_at": split_at} if split_at else {}))
         if split_at:
             # The prefill pod computed the head only: its token is no output.
             # Token 0 comes from the decode pod, once the head is all in.
@@ -217,7 +223,7 @@ async def _prefill(caller: PodCaller, target: pb.KVTarget, decode_address: str,
         # the pod's tracked load ends with its prefill work, at the first token
         with policy.track(address, num_tokens=len(request.prompt_token_ids)):
             call = caller.deps.channels.prefill(address).Prefill(
-                request, timeout=caller.remaining()
+                request, timeout=caller.remaining(), metadata=caller.metadata
             )
             try:
                 message = await call.read()
@@ -278,3 +284,4 @@ async def _transfer_verdict(caller: PodCaller, address: str, call: grpc.aio.Unar
         raise AttemptFailed(
             f"prefill pod {address} ended without the transfer's outcome for decode pod "
             f"{decode_address}", addresses=frozenset({address}), migrate=True)
+    caller.note(kv_bytes=message.transfer_done.kv_bytes_sent)

@@ -34,6 +34,7 @@ from router.flow.direct_relay import DeltaSink
 from router.flow.output import OutputAssembler, OutputGap, fold_final, logprobs_from_proto
 from router.flow.pod_calls import AttemptFailed, client_error, describe
 from router.flow.state import FlowState
+from router.flow.tracing import FlowTrace
 from router.generation import Delta, GenerationRequest
 from router.routing.base import NoPodAvailable
 from router.sampling import sampling_to_proto
@@ -46,7 +47,9 @@ class PodCaller:
     calls. `left_out` are pods that failed this request already (`leave_out`
     adds one); `deadline` is the request's (time.monotonic). `sink`: the
     client's stream, for the direct relay (router.flow.direct_relay); None
-    keeps every delta on the generators."""
+    keeps every delta on the generators. `trace`: the flow's timeline and
+    spans (router.flow.tracing; `note` what the pods are and say);
+    `metadata`: the attempt's trace context, sent with every pod call."""
 
     def __init__(
         self,
@@ -59,8 +62,12 @@ class PodCaller:
         deadline: float,
         to_state: Callable[[FlowState], None],
         sink: DeltaSink | None = None,
+        trace: FlowTrace | None = None,
+        metadata: tuple[tuple[str, str], ...] = (),
     ) -> None:
         self.request = request
+        self.trace = trace
+        self.metadata = metadata or None
         self.sink = sink
         self.request_id = request_id
         self.deps = deps
@@ -111,6 +118,11 @@ class PodCaller:
         rule = self.deps.local_prefill
         return 0 if rule is None else rule.below_at(
             address, len(self.request.prompt_token_ids) + self.request.sampling.max_tokens)
+
+    def note(self, **details) -> None:
+        """Tell the attempt's timeline what its pods are or said (FlowTrace.note)."""
+        if self.trace is not None:
+            self.trace.note(**details)
 
     def leave_out(self, address: str) -> None:
         """`address` failed this attempt: the rest of it leaves the pod out."""
@@ -166,6 +178,7 @@ class PodCaller:
                     address = policy.choose_decode(
                         num_tokens=num_prompt + self.request.sampling.max_tokens,
                         exclude=frozenset(tried),
+                        prompt_token_ids=self.request.prompt_token_ids,
                     )
                 else:
                     address = await policy.choose_colocated(
@@ -202,6 +215,7 @@ class PodCaller:
                     slot.release(_computed(first, num_prompt))
                 candidate.callback(call.cancel)  # no-op once the request has ended
                 stack.enter_context(candidate.pop_all())
+                self.note(**{role: address})
                 return address, call, first, below
 
     async def read_tokens(self, address: str, call, first) -> AsyncIterator[Delta]:

@@ -78,6 +78,7 @@ from router.flow.output import Detokenizer, OutputAssembler
 from router.flow.pod_caller import PodCaller
 from router.flow.pod_calls import AttemptFailed, choose_path
 from router.flow.state import FlowState, check_transition
+from router.flow.tracing import FlowTrace
 from router.generation import Delta, GenerationRequest
 from router.key_limits import charge_current
 from router.routing.local_prefill import LocalChoice
@@ -105,10 +106,13 @@ class RequestFlow:
         self._migrations = 0
         self._last_token_time: float | None = None
         self._sink: _ObservedSink | None = None
+        # phase stamps for the timeline and the spans (router.flow.tracing)
+        self.trace = FlowTrace(request, deps.history)
 
     def _to(self, state: FlowState) -> None:
         check_transition(self.request.request_id, self.state, state)
         self.state = state
+        self.trace.enter(state)
 
     @property
     def output_token_ids(self) -> tuple[int, ...]:
@@ -166,6 +170,7 @@ class RequestFlow:
         finally:
             metrics.in_flight.dec()
             metrics.requests.labels(outcome=outcome).inc()
+            self.trace.finish(outcome, len(self._out.output_ids), self._out.cached_tokens)
             # the client's API key pays for what was computed, whatever the outcome
             charge_current(len(self.request.prompt_token_ids) + len(self._out.output_ids))
 
@@ -176,6 +181,7 @@ class RequestFlow:
             now = time.monotonic()
             self._deps.metrics.ttft.observe(now - self._start)
             self._last_token_time = now
+            self.trace.event("first_token")
         else:
             self._observe_tokens(len(delta.token_ids))
 
@@ -190,10 +196,13 @@ class RequestFlow:
         """Decide whether the request moves on after a failed attempt."""
         self._left_out.update(failure.addresses)
         self._last_failure = failure.reason
+        self.trace.attempt_ended(failure.reason)
         if failure.migrate:
             self._deps.metrics.migrations.inc()
         else:
             self._deps.metrics.retries.labels(role="prefill").inc()
+        self.trace.event("migration" if failure.migrate else "retry", reason=failure.reason,
+                         after_tokens=self._out.next_index)
         self._migrations += 1
         if self._migrations > self._deps.settings.max_migrations:
             raise ApiError(
@@ -214,9 +223,11 @@ class RequestFlow:
         return f"{self.request.request_id}-{self._attempt}"
 
     async def _one_attempt(self) -> AsyncIterator[Delta]:
-        caller = PodCaller(self.request, self._next_request_id(), deps=self._deps,
+        request_id = self._next_request_id()
+        caller = PodCaller(self.request, request_id, deps=self._deps,
                            out=self._out, left_out=frozenset(self._left_out),
-                           deadline=self._deadline, to_state=self._to, sink=self._sink)
+                           deadline=self._deadline, to_state=self._to, sink=self._sink,
+                           trace=self.trace, metadata=self.trace.attempt(request_id))
         with contextlib.ExitStack() as stack:
             async with contextlib.aclosing(self._path(caller, stack)) as deltas:
                 async for delta in deltas:

@@ -41,12 +41,13 @@ async def scored(caller: PodCaller) -> AsyncIterator[Delta]:
             request, exclude=frozenset(caller.left_out), timeout=caller.remaining())
         stack.callback(slot.release)  # a no-op once released below
         address = slot.address
+        caller.note(prefill=address)
         message = pb.PrefillRequest(request_id=caller.request_id,
                                     prompt_token_ids=request.prompt_token_ids,
                                     sampling=caller.sampling_proto())
         with caller.deps.policy.track(address, num_tokens=num_tokens):
             call = caller.deps.channels.prefill(address).Prefill(
-                message, timeout=caller.remaining())
+                message, timeout=caller.remaining(), metadata=caller.metadata)
             stack.callback(call.cancel)  # no-op once the call has ended
             try:
                 first = await call.read()

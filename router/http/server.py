@@ -3,7 +3,8 @@
 Routes: POST /v1/completions, POST /v1/chat/completions (SSE with
 `stream: true`), GET /v1/models, POST /tokenize and /detokenize
 (router.http.tokenize), GET /health (the process is up),
-GET /ready (503 until the pod pool can serve), GET /metrics (Prometheus).
+GET /ready (503 until the pod pool can serve), GET /metrics (Prometheus),
+GET /debug/requests/{id} (a finished request's timeline: docs/tracing.md).
 
 Life of one generation request, all on the router's event loop:
 
@@ -28,6 +29,7 @@ Life of one generation request, all on the router's event loop:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -51,6 +53,7 @@ from router.http.tokenize import detokenize_body, tokenize_body
 from router.metrics import CONTENT_TYPE
 from router.routing.base import PodPool
 from router.tools.extractor import ToolCallDeltas
+from telemetry.context import from_headers
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +61,7 @@ FRONTEND = web.AppKey("frontend", Frontend)
 POOL = web.AppKey("pool", PodPool)
 AUTH = web.AppKey("auth", ApiKeyCheck)
 GATE = web.AppKey("client_gate", ClientGate)
+API_KEY = "pdserve_api_key"  # the ApiKey the request presented (None: no keys)
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 INLINE_ECHO_TOKENS = 256  # echoed prompts rendered on the event loop; longer ones off it
@@ -76,7 +80,8 @@ def error_response(error: ApiError) -> web.Response:
 async def _errors_and_auth(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         if request.path not in OPEN_PATHS:
-            request.app[AUTH].check(request.headers.get("Authorization"))
+            # the key's name: a request's timeline is shown to its own key only
+            request[API_KEY] = request.app[AUTH].check(request.headers.get("Authorization"))
         return await handler(request)
     except ApiError as exc:
         return error_response(exc)
@@ -111,6 +116,9 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
     parsed = parse_chat(body) if kind == "chat" else parse_completion(body)
     check_model(parsed.model, frontend.model_name)
     generation = await frontend.prepare(parsed, request.headers.get("x-session-id"))
+    key = request.get(API_KEY)
+    generation = dataclasses.replace(generation, trace=from_headers(
+        request.headers, key.name if key is not None else None, frontend.model_name))
     prompt = await _prompt_shown(frontend, parsed, generation.prompt_token_ids)
     created = int(time.time())
 
@@ -257,6 +265,23 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 
+async def debug_request(request: web.Request) -> web.Response:
+    """GET /debug/requests/{id}: a finished request's timeline (telemetry.history).
+    With API keys, a key sees only the requests made with it."""
+    request_id = request.match_info["request_id"]
+    history = request.app[FRONTEND].deps.history
+    timeline = history.find(request_id) if history is not None else None
+    key = request.get(API_KEY)
+    if timeline is not None and key is not None and timeline.key_name != key.name:
+        timeline = None  # another key's request is not this key's to see, nor to know of
+    if timeline is None:
+        kept = history.size if history is not None else 0
+        raise ApiError(404, f"no finished request {request_id!r} is known to this router: "
+                            f"it keeps the last {kept} finished requests (--trace-history) "
+                            "and only those made with the same API key", code="not_found")
+    return web.json_response(timeline.to_json())
+
+
 def build_app(frontend: Frontend, pool: PodPool, auth: ApiKeyCheck,
               gate: ClientGate | None = None) -> web.Application:
     """The aiohttp application; run it with `TimedAppRunner(app, timeouts,
@@ -277,4 +302,5 @@ def build_app(frontend: Frontend, pool: PodPool, auth: ApiKeyCheck,
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/debug/requests/{request_id}", debug_request)
     return app
