@@ -71,6 +71,8 @@ from pod.load import load_report
 from pod.messages import ModelLimits, check_request
 from proto import pdserve_pb2, pdserve_pb2_grpc
 from proto.status import ServiceError
+from telemetry import kv_traces
+from telemetry.pod_trace import PodTrace
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +103,7 @@ class DecodeServicer(pdserve_pb2_grpc.DecodeServicer):
     async def Generate(self, request: pdserve_pb2.DecodeGenerateRequest,
                        context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[pdserve_pb2.DecodeGenerateResponse]:
-        async for message in self._generate(request):
+        async for message in self._generate(request, context.invocation_metadata()):
             yield message
 
     @decode_errors
@@ -114,10 +116,27 @@ class DecodeServicer(pdserve_pb2_grpc.DecodeServicer):
         async for batch in DecodeStreamMux(self._generate, decode_errors).run(request_iterator):
             yield batch
 
-    async def _generate(self, request: pdserve_pb2.DecodeGenerateRequest
+    async def _generate(self, request: pdserve_pb2.DecodeGenerateRequest, metadata=None
                         ) -> AsyncIterator[pdserve_pb2.DecodeGenerateResponse]:
+        # the request's spans (telemetry/pod_trace.py): made at its end, when traced
+        trace = PodTrace("decode.request", metadata, request_id=request.request_id,
+                         remote_prefill=request.remote_prefill)
+        error = "cancelled"
+        try:
+            async for message in self._generate_traced(request, trace):
+                yield message
+            error = None
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            raise
+        finally:
+            trace.finish(error)
+
+    async def _generate_traced(self, request: pdserve_pb2.DecodeGenerateRequest,
+                               trace: PodTrace
+                               ) -> AsyncIterator[pdserve_pb2.DecodeGenerateResponse]:
         with self._gate.admit():
-            arrived = time.monotonic()
+            arrived = trace.started
             checked = check_request(request, self._limits)
             params = checked.params
             prompt, outputs = checked.prompt_token_ids, checked.output_token_ids
@@ -128,32 +147,39 @@ class DecodeServicer(pdserve_pb2_grpc.DecodeServicer):
                                      f"{self._role} pod computes prompts locally")
                 messages = self._generate_remote(request.request_id, prompt, outputs, params,
                                                  arrived, request.local_prefill_below,
-                                                 request.split_at)
+                                                 request.split_at, trace)
             else:
                 messages = self._generate_local(request.request_id, prompt, outputs, params,
-                                                arrived)
+                                                arrived, trace)
             async for message in messages:
                 yield message
 
     async def _generate_local(self, rid: str, prompt: list[int], outputs: list[int],
-                              params: SamplingParams, arrived: float
+                              params: SamplingParams, arrived: float, trace: PodTrace
                               ) -> AsyncIterator[pdserve_pb2.DecodeGenerateResponse]:
         stream = await self._loop.add_request(rid, prompt, params, output_token_ids=outputs)
-        async for message in self._stream_tokens(rid, stream, len(outputs), arrived):
+        async for message in self._stream_tokens(rid, stream, len(outputs), arrived,
+                                                 trace=trace):
             yield message
 
     async def _stream_tokens(self, rid: str, stream: RequestStream, first_index: int,
                              arrived: float, first_token_at: float | None = None,
+                             trace: PodTrace | None = None,
                              ) -> AsyncIterator[pdserve_pb2.DecodeGenerateResponse]:
         """Relay R's outputs; on cancel, abort R in the engine (frees its blocks).
         `first_token_at`: when a remote R's first token (from the prefill pod)
-        was committed; later gaps count as inter-token latency."""
+        was committed; later gaps count as inter-token latency. `trace` gets
+        the wait for the first step and the generation as phases."""
         index, last = first_index, first_token_at
+        waiting_since = time.monotonic() if first_token_at is None else first_token_at
+        first_step: float | None = None  # once per request, not per token
         finished = False
         try:
             async for output in stream:
                 now = time.monotonic()
                 if output.new_token_ids:
+                    if first_step is None:
+                        first_step = now
                     if last is None:
                         self._metrics.time_to_first_token.observe(now - arrived)
                     else:
@@ -173,6 +199,9 @@ class DecodeServicer(pdserve_pb2_grpc.DecodeServicer):
             raise ServiceError(grpc.StatusCode.UNAVAILABLE,
                                f"request {rid} lost: {exc}; retry on another pod") from None
         finally:
+            if trace is not None and first_step is not None:
+                trace.phase("decode.first_step_wait", waiting_since, first_step)
+                trace.phase("decode.generate", first_step, tokens=index - first_index)
             if not finished:
                 # Client cancel (CancelledError / generator closed) mid-stream.
                 await asyncio.shield(self._loop.abort(rid, "client"))
@@ -180,6 +209,7 @@ class DecodeServicer(pdserve_pb2_grpc.DecodeServicer):
     async def _generate_remote(self, rid: str, prompt: list[int], outputs: list[int],
                                params: SamplingParams, arrived: float,
                                local_prefill_below: int = 0, split_at: int = 0,
+                               trace: PodTrace | None = None,
                                ) -> AsyncIterator[pdserve_pb2.DecodeGenerateResponse]:
         remote = self._remote
         assert remote is not None
@@ -188,7 +218,8 @@ class DecodeServicer(pdserve_pb2_grpc.DecodeServicer):
         try:
             reservation = await kv.reserve(prompt, params, outputs, local_prefill_below)
             if reservation is None:  # few new tokens: computed here (KVImport LOCAL)
-                async for message in self._stream_tokens(rid, kv.stream, len(outputs), arrived):
+                async for message in self._stream_tokens(rid, kv.stream, len(outputs), arrived,
+                                                         trace=trace):
                     yield message
                 return
             split_at = kv.split_for(split_at)
@@ -201,6 +232,9 @@ class DecodeServicer(pdserve_pb2_grpc.DecodeServicer):
                 num_reserved_blocks=len(reservation.block_ids), split_at=split_at))
             reserved_at = time.monotonic()
             await kv.wait()  # the injector thread queued R's commit already
+            if trace is not None:
+                trace.adopt(kv_traces.take(rid))  # the BEGIN's, over a Session stream
+                trace.phase("kv.receive_inject", reserved_at, saved_bytes=kv.held_bytes)
             # Reserved -> every layer injected and END accepted, as this pod saw it
             self._metrics.kv_transfer_seconds.observe(time.monotonic() - reserved_at)
             self._metrics.kv_transfer_saved_bytes.inc(kv.held_bytes)
@@ -219,7 +253,7 @@ class DecodeServicer(pdserve_pb2_grpc.DecodeServicer):
                 await asyncio.shield(kv.free(outcome))
         first_index = len(outputs) + (0 if split_at else 1)
         async for message in self._stream_tokens(rid, stream, first_index, arrived,
-                                                 first_token_at):
+                                                 first_token_at, trace):
             yield message
 
     def _transfer_error(self, rid: str, exc: Exception, remote: RemoteKV) -> ServiceError:

@@ -53,6 +53,7 @@ and the RPC ends CANCELLED (client cancel) or ABORTED (Abort RPC).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -75,6 +76,7 @@ from prefill_service.rank_sends import bytes_moved
 from proto import pdserve_pb2, pdserve_pb2_grpc
 from proto.roles import PodRole
 from proto.status import ServiceError
+from telemetry.pod_trace import PodTrace
 
 log = logging.getLogger(__name__)
 
@@ -99,17 +101,30 @@ class PrefillServicer(pdserve_pb2_grpc.PrefillServicer):
     async def Prefill(self, request: pdserve_pb2.PrefillRequest,
                       context: grpc.aio.ServicerContext
                       ) -> AsyncIterator[pdserve_pb2.PrefillResponse]:
-        with self._gate.admit():
-            async for message in self._prefill(request):
-                yield message
+        trace = PodTrace("prefill.request", context.invocation_metadata(),
+                         request_id=request.request_id,
+                         prompt_tokens=len(request.prompt_token_ids))
+        error = "cancelled"
+        try:
+            with self._gate.admit():
+                async for message in self._prefill(request, trace):
+                    yield message
+            error = None
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            raise
+        finally:
+            trace.finish(error)
 
-    async def _prefill(self, request: pdserve_pb2.PrefillRequest
+    async def _prefill(self, request: pdserve_pb2.PrefillRequest, trace: PodTrace
                        ) -> AsyncIterator[pdserve_pb2.PrefillResponse]:
-        arrived = time.monotonic()
+        arrived = trace.started
         checked = check_request(request, self._limits)
         rid, params = checked.request_id, checked.params
         prompt, outputs = checked.prompt_token_ids, checked.output_token_ids
         target = target_from_proto(request.target) if request.target.endpoints else None
+        if target is not None and trace.traceparent:  # BEGIN carries it to the decode pod
+            target = dataclasses.replace(target, traceparent=trace.traceparent)
         if target is not None and params.max_tokens == 0:
             raise ValueError("max_tokens 0 (scoring the prompt) ends after prefill: it takes "
                              "no KV target")
@@ -122,7 +137,12 @@ class PrefillServicer(pdserve_pb2_grpc.PrefillServicer):
                                                   prefill_only=True)
             first = await _first_output(stream)
             finished = True
-            self._metrics.time_to_first_token.observe(time.monotonic() - arrived)
+            first_at = time.monotonic()
+            self._metrics.time_to_first_token.observe(first_at - arrived)
+            # queue wait and compute together: the engine's step stamps are not here
+            trace.phase("prefill.compute", arrived, first_at,
+                        cached_tokens=first.num_cached_tokens,
+                        computed_tokens=first.num_prompt_tokens - first.num_cached_tokens)
             first_message = pdserve_pb2.PrefillResponse(request_id=rid,
                                                         first_token=_first_token(first))
             sent = 0
@@ -133,7 +153,11 @@ class PrefillServicer(pdserve_pb2_grpc.PrefillServicer):
                 started = time.monotonic()
                 verdict = asyncio.wrap_future(self._export.finish(rid, first.new_token_ids[0]))
                 yield first_message
-                sent = await self._await_verdict(rid, target, layout, started, verdict)
+                try:
+                    sent = await self._await_verdict(rid, target, layout, started, verdict)
+                finally:
+                    trace.phase("kv.send", started, bytes=sent, transport=target.transport,
+                                to=",".join(target.endpoints))
             self._metrics.e2e_request_latency.observe(time.monotonic() - arrived)
             settled = True
             yield pdserve_pb2.PrefillResponse(
