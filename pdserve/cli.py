@@ -30,6 +30,7 @@ COMMANDS: dict[str, str] = {
     "bench": "pdserve.commands.bench",
     "sim": "pdserve.commands.sim",
     "plan": "pdserve.commands.plan",
+    "trace": "pdserve.commands.trace",
 }
 
 

@@ -130,6 +130,15 @@ def add_server_arguments(parser: argparse.ArgumentParser, *, port: int,
                    help='Write {"grpc": port, "metrics": port, "kv": port} here once serving.')
     g.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     add_pod_security_arguments(parser)
+    from telemetry.tracing import add_flags
+    add_flags(g)
+
+
+def setup_tracing(args: argparse.Namespace, role: str) -> None:
+    """OpenTelemetry for this pod, when --otlp-endpoint or OTEL_* asks (telemetry.tracing)."""
+    from telemetry.tracing import config_from_args, setup
+    host = args.advertise_host or args.host
+    setup(config_from_args(args), role=role, address=f"{host}:{args.port}", model=args.model)
 
 
 def resolve_device(device: str) -> str:

@@ -72,9 +72,11 @@ def main(args: argparse.Namespace) -> int:
         engine_config_from_args,
         server_config_from_args,
         setup_logging,
+        setup_tracing,
     )
 
     setup_logging(args.log_level)
+    setup_tracing(args, "decode")
     apply_placement(args)
     resolve_model_arg(args, "decode")
     config = DecodeConfig(

@@ -24,11 +24,13 @@ def main(args: argparse.Namespace) -> int:
         engine_config_from_args,
         server_config_from_args,
         setup_logging,
+        setup_tracing,
     )
     from prefill_service.config import PrefillConfig
     from prefill_service.server import run_prefill_pod
 
     setup_logging(args.log_level)
+    setup_tracing(args, "prefill")
     apply_placement(args)
     resolve_model_arg(args, "prefill")
     config = PrefillConfig(engine=engine_config_from_args(args),

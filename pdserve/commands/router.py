@@ -67,6 +67,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="moves to a new pod pair per request after decode pods fail")
     parser.add_argument("--request-timeout", type=float, default=flow.request_timeout,
                         metavar="SECONDS")
+    parser.add_argument("--trace-history", type=int, default=flow.trace_history, metavar="N",
+                        help="finished requests whose timelines GET /debug/requests/{id} and "
+                             "pdserve trace show (default %(default)s, 0 = off)")
+    from telemetry.tracing import add_flags
+    add_flags(parser)
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="context limit (default: max_position_embeddings in config.json)")
     parser.add_argument("--prefill-dispatch-tokens", type=int, default=admission.dispatch_tokens,
@@ -201,7 +206,8 @@ def config_from_args(args: argparse.Namespace):
         registry_absent_grace=args.registry_absent_grace,
         flow=FlowSettings(max_prefill_retries=args.max_prefill_retries,
                           max_migrations=args.max_migrations,
-                          request_timeout=args.request_timeout),
+                          request_timeout=args.request_timeout,
+                          trace_history=args.trace_history),
         max_model_len=args.max_model_len,
         shutdown_grace=args.shutdown_grace,
         admission=AdmissionSettings(dispatch_tokens=args.prefill_dispatch_tokens,
@@ -253,6 +259,10 @@ def main(args: argparse.Namespace) -> int:
             tmp.write_text(json.dumps({"http": http_port, "grpc": grpc_port}))
             tmp.replace(args.ready_file)
 
+    from telemetry import tracing
+    tracing.setup(tracing.config_from_args(args), role="router",
+                  address=f"{args.host}:{args.port}",
+                  model=config.served_model_name or str(args.model))
     if config.workers > 1:
         return _serve_workers(config, args.log_level, write_ready_file)
     asyncio.run(RouterServer(config).run_until_signal(
