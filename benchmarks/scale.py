@@ -11,7 +11,9 @@ One run, all on loopback:
               per-pod work alone (load polls, KV events, registry scans)
     load      `pdserve bench serve`'s workload and client (benchmarks/serve.py;
               its workload and load flags apply), the sessions dealt to the
-              routers in turn
+              routers in turn; tokens are counted by chunks (simulated pods
+              give no logprobs), and serve's --base-url, --metrics-url,
+              --up-ready-file, --token-count and --plot-dir are not used
     report    per router: CPU per request and per relayed output token (its
               /proc CPU time over the load), idle CPU (% of one core),
               load-report traffic (GetLoad RPCs/s and bytes/s: pods / poll
