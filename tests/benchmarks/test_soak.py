@@ -38,6 +38,18 @@ def test_error_texts_group_with_ids_masked_and_count_against_the_target():
     assert list(report["error_messages"])[0].startswith("error:503")
 
 
+def test_the_flat_window_judges_the_tail_and_leaves_out_a_pod_restarted_in_it():
+    samples = [{"t_s": 30.0 * i, "router": 70.0 + (5.0 if i < 3 else 0.0), "prefill": 300.0 + i,
+                "decode0": 0.0 if i == 2 else 700.0} for i in range(1, 9)]
+    flat = soak._flat_window(samples, 120.0, {"pod": "decode0", "at_s": 125.0})
+    assert {name: r["from_s"] for name, r in flat.items()} == dict.fromkeys(flat, 120.0)
+    assert flat["router"]["growth"] == 0.0  # the climb before the window does not count
+    assert flat["prefill"]["growth"] == round(308 / 304 - 1, 4)
+    assert flat["decode0"]["growth"] is None
+    assert soak._flat_window(samples, 120.0, {"pod": "decode0", "at_s": 60.0})["decode0"][
+        "growth"] == 0.0
+
+
 def test_a_short_soak_loses_nothing(tiny_model_dir, tmp_path):
     out = tmp_path / "soak.json"
     status = soak.main(_args([
@@ -62,6 +74,7 @@ def test_a_short_soak_loses_nothing(tiny_model_dir, tmp_path):
     assert set(report["rss"]) == {"prefill", "decode0", "decode1", "router"}
     assert all(r["start_mib"] > 0 and r["end_mib"] > 0 for r in report["rss"].values())
     assert report["rss"]["decode0"]["growth"] is None  # restarted: not comparable
+    assert set(report["rss_flat"]) == set(report["rss"])
     timeline = report["rss_timeline"]
     assert len(timeline) >= 2 and timeline[0]["t_s"] < timeline[-1]["t_s"]
     assert all(sample["prefill"] > 0 and sample["router"] > 0 for sample in timeline)
