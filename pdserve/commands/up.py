@@ -109,16 +109,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help='written once serving: {"http", "grpc", "pods": [{"name", "role", '
                              '"grpc", "metrics", "cpus"}]} (benchmarks read the pods\' '
                              "/metrics ports there)")
+    from telemetry.tracing import add_flags
+    add_flags(parser)  # passed on to every child (`_tracing_args`)
+
+
+def _tracing_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """--otlp-endpoint / --trace-sample-ratio for every child (docs/tracing.md)."""
+    flags = ("--otlp-endpoint", args.otlp_endpoint) if args.otlp_endpoint else ()
+    if args.trace_sample_ratio is not None:
+        flags += ("--trace-sample-ratio", str(args.trace_sample_ratio))
+    return flags
 
 
 def config_from_args(args: argparse.Namespace) -> UpConfig:
+    tracing = _tracing_args(args)
     return UpConfig(
         host=args.host, port=args.port, grpc_port=args.grpc_port, num_prefill=args.prefill,
         num_decode=args.decode, num_colocated=args.colocated, model_dir=args.model,
         redis_url=args.redis_url, grace_period_s=args.grace_period,
         startup_timeout_s=args.startup_timeout, log_level=args.log_level,
-        pod_args=tuple(args.pod_arg), router_workers=args.router_workers,
-        router_args=tuple(args.router_arg),
+        pod_args=(*tracing, *args.pod_arg), router_workers=args.router_workers,
+        router_args=(*tracing, *args.router_arg),
         role_args=tuple((role, tuple(getattr(args, f"{role}_arg"))) for role in POD_COMMANDS),
         cpus=tuple((role, text) for role in CPU_ROLES
                    if (text := getattr(args, f"{role}_cpus")) is not None),

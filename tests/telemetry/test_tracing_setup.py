@@ -101,3 +101,17 @@ def test_history_keeps_the_last_n_and_accepts_the_response_id():
     assert off.find("x") is None
     with pytest.raises(ValueError, match=r"--trace-history must be in \[0, 1000000\], got -1"):
         History(-1)
+
+
+def test_pdserve_up_passes_the_tracing_flags_to_every_child():
+    import argparse
+
+    from pdserve.commands import up
+    parser = argparse.ArgumentParser()
+    up.add_arguments(parser)
+    config = up.config_from_args(parser.parse_args(
+        ["--otlp-endpoint", "http://collector:4317", "--trace-sample-ratio", "0.25"]))
+    flags = ("--otlp-endpoint", "http://collector:4317", "--trace-sample-ratio", "0.25")
+    assert config.pod_args == flags and config.router_args == flags
+    off = up.config_from_args(parser.parse_args([]))
+    assert off.pod_args == off.router_args == ()
