@@ -400,4 +400,15 @@ is read-only; POD_IP feeds --advertise-host through $(POD_IP) expansion.
   valueFrom:
     fieldRef:
       fieldPath: status.podIP
+{{- with .Values.tracing }}
+{{- if .otlpEndpoint }}
+# OpenTelemetry traces (tracing.*, docs/tracing.md): every role reads these
+- name: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT
+  value: {{ .otlpEndpoint | quote }}
+- name: OTEL_TRACES_SAMPLER
+  value: parentbased_traceidratio
+- name: OTEL_TRACES_SAMPLER_ARG
+  value: {{ .sampleRatio | quote }}
+{{- end }}
+{{- end }}
 {{- end }}
