@@ -18,12 +18,14 @@ One run, all on loopback:
               /proc CPU time over the load), idle CPU (% of one core),
               load-report traffic (GetLoad RPCs/s and bytes/s: pods / poll
               interval x one report's size, computed, not counted), prefix-index
-              blocks (its pdserve_router_cache_index_blocks summed over pods);
-              Redis operations/s (all clients), and the load's TTFT/ITL
+              blocks (its pdserve_router_cache_index_blocks summed over pods),
+              routing-decision latency p50/p99 per role chosen (from its
+              pdserve_router_routing_decision_seconds buckets, interpolated
+              as Prometheus's histogram_quantile does); Redis operations/s
+              (all clients), and the load's TTFT/ITL
 
-The router has no routing-decision latency histogram yet; this run reports
-none (docs/simulator.md, "Not measured yet"). Keep N <= 20 on a shared
-machine; the N = 1,000 commands are in docs/simulator.md.
+Keep N <= 20 on a shared machine; the N = 1,000 commands are in
+docs/simulator.md.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ HELP = ("Routers in front of N simulated pods (pdserve sim), driven by bench ser
         "TTFT/ITL.")
 
 _TICKS = os.sysconf("SC_CLK_TCK")
+_DECISION = "pdserve_router_routing_decision_seconds"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -80,6 +83,42 @@ def _metrics(port: int) -> str:
 def _sum(text: str, name: str) -> float:
     return sum(float(line.rpartition(" ")[2]) for line in text.splitlines()
                if line.startswith(name) and not line.startswith("#"))
+
+
+def bucket_quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:
+    """The q-quantile of a histogram's cumulative (upper bound, count) buckets,
+    linear within the bucket it falls in (Prometheus's histogram_quantile);
+    None with no observation. Falling in the +Inf bucket gives the last bound."""
+    buckets = sorted(buckets)
+    if not buckets or buckets[-1][1] <= 0:
+        return None
+    rank = q * buckets[-1][1]
+    lower, below = 0.0, 0.0
+    for bound, count in buckets:
+        if count >= rank:
+            if bound == float("inf"):
+                return lower
+            return lower + (bound - lower) * (rank - below) / max(count - below, 1e-12)
+        lower, below = bound, count
+    return lower
+
+
+def decision_latency(text: str) -> dict[str, dict[str, float | None]]:
+    """Per role chosen: decisions counted and their p50/p99 in microseconds."""
+    buckets: dict[str, list[tuple[float, float]]] = {}
+    for line in text.splitlines():
+        if line.startswith(_DECISION + "_bucket{"):
+            labels, _, value = line.rpartition(" ")
+            fields = dict(f.split("=", 1) for f in labels[labels.index("{") + 1:-1].split(","))
+            buckets.setdefault(fields["role"].strip('"'), []).append(
+                (float(fields["le"].strip('"')), float(value)))
+    out: dict[str, dict[str, float | None]] = {}
+    for role, rows in buckets.items():
+        p50, p99 = bucket_quantile(0.5, rows), bucket_quantile(0.99, rows)
+        out[role] = {"count": max(c for _, c in rows),
+                     "p50_us": None if p50 is None else 1e6 * p50,
+                     "p99_us": None if p99 is None else 1e6 * p99}
+    return out
 
 
 def _healthy(port: int) -> dict:
@@ -177,6 +216,7 @@ def run(args: argparse.Namespace) -> dict:
                 "load_reports_per_s": num_pods / args.poll_interval,
                 "load_report_bytes_per_s": num_pods / args.poll_interval * report_bytes,
                 "prefix_index_blocks": _sum(text, "pdserve_router_cache_index_blocks{"),
+                "routing_decision": decision_latency(text),
                 "serve": result})
         return {"pods": {"prefill": args.sim_prefill, "decode": args.sim_decode},
                 "profile": args.profile, "routers": per_router,
@@ -212,6 +252,11 @@ def main(args: argparse.Namespace) -> int:
         print(f"| {r['router']} | {r['idle_cpu_fraction']:.1%} | {r['cpu_ms_per_request']:.2f} "
               f"| {r['cpu_us_per_output_token']:.0f} | {r['load_reports_per_s']:.0f} "
               f"| {r['load_report_bytes_per_s']:,.0f} | {r['prefix_index_blocks']:.0f} |")
+    for r in result["routers"]:
+        for role, d in sorted(r["routing_decision"].items()):
+            if d["count"]:
+                print(f"router {r['router']} {role} decisions: {d['count']:.0f}, "
+                      f"p50 {d['p50_us']:.0f} us, p99 {d['p99_us']:.0f} us")
     for r in result["routers"]:
         print_summary(r["serve"])
     if args.out:

@@ -19,6 +19,11 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.multiprocess import MultiProcessCollector
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# a routing decision is microseconds of Python (plus a session-store read
+# for sticky sessions): 10 us to 100 ms, 1-2.5-5 per decade
+_DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025,
+                     0.05, 0.1)
+DECISION_ROLES = ("prefill", "decode", "colocated")
 ROLE = "router"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -124,6 +129,13 @@ class RouterMetrics:
             "Time a request waited in the router's queue before its prefill was sent",
             buckets=_LATENCY_BUCKETS, registry=r,
         )
+        # RoutingPolicy's choose_* calls, by the role chosen (router/routing/timed.py)
+        decisions = Histogram(
+            "pdserve_router_routing_decision_seconds",
+            "Time the routing policy took to choose a pod, by the role chosen",
+            ["role"], buckets=_DECISION_BUCKETS, registry=r,
+        )
+        self.routing_decision = {role: decisions.labels(role=role) for role in DECISION_ROLES}
         self.queue_rejected = Counter(
             "pdserve_router_queue_rejected_total",
             "Requests refused with 429 because the estimated queue wait was above "

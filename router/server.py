@@ -49,8 +49,8 @@ from router.routing.admission import PrefillAdmission
 from router.routing.colocated_gate import ColocatedGate
 from router.routing.ledger import LocalRate
 from router.routing.local_prefill import LocalPrefill
-from router.routing.policy import RoutingPolicy
 from router.routing.split_prefill import SplitPrefill
+from router.routing.timed import TimedRoutingPolicy
 from router.sessions import InMemorySessionStore, RedisSessionStore, SessionStore
 
 log = logging.getLogger(__name__)
@@ -129,9 +129,10 @@ class RouterServer:
                 blocks_gauge=self.metrics.cache_index_blocks,
                 missed_gauge=self.metrics.cache_events_missed, security=c.pod_security)
             await self._feed.start()
-        policy = RoutingPolicy(self.pool, self._sessions, epsilon=c.session_epsilon,
-                               mode=c.routing_policy, index=index,
-                               cache_load_weight=c.cache_aware_load_weight)
+        policy = TimedRoutingPolicy(self.pool, self._sessions, epsilon=c.session_epsilon,
+                                    mode=c.routing_policy, index=index,
+                                    cache_load_weight=c.cache_aware_load_weight,
+                                    decision_seconds=self.metrics.routing_decision)
         local_rate = LocalRate()  # the local prefills' rate, which shedding counts
         admission = PrefillAdmission(
             self.pool, policy, self.metrics,
