@@ -212,6 +212,9 @@ class SimEngineLoop:
         m.kv_blocks_reserved.set(stats.num_reserved_blocks)
         m.kv_blocks_free.set(stats.num_free_blocks)
         m.kv_blocks_total.set(stats.num_total_blocks)
+        # the token signals an autoscaler reads (engine/token_gauges.py): the
+        # same scheduler and block manager as a real pod's, so the same sums
+        m.publish_tokens(self._engine, stats)
         m.prefix_cache_queries.inc(max(0, stats.prefix_cache_queries - self._counted_queries))
         m.prefix_cache_hits.inc(max(0, stats.prefix_cache_hits - self._counted_hits))
         self._counted_queries = stats.prefix_cache_queries
