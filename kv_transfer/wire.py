@@ -16,3 +16,7 @@ MAX_ATTEMPT_BYTES = 16
 # head fields and this sender's part (SenderPart). Never set for a whole-model
 # layout, so a TP=1 BEGIN is byte for byte what earlier senders send.
 FLAG_HEAD_RANGE = 8
+# BEGIN flag: BEGIN carries the request's W3C traceparent (TCP: the payload's
+# last 55 bytes; gRPC: KVFrame field 24), so the decode pod's spans join its
+# trace (docs/tracing.md). Set only for a traced request.
+FLAG_TRACE = 16

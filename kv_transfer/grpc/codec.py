@@ -50,7 +50,12 @@ _FIELDS = {
     21: ("sub_start", _VARINT, "u32"),
     22: ("sub_end", _VARINT, "u32"),
     23: ("num_senders", _VARINT, "u32"),
+    # BEGIN with flags bit 4 (FLAG_TRACE) only: the request's W3C traceparent
+    # (docs/tracing.md); appended by `trace_field`, as the generated class
+    # would encode a `string traceparent = 24`
+    24: ("traceparent", _LEN, "text"),
 }
+TRACEPARENT_FIELD = 24
 
 
 @dataclass(slots=True)
@@ -81,6 +86,7 @@ class WireFrame:
     sub_start: int = 0
     sub_end: int = 0
     num_senders: int = 0
+    traceparent: str = ""
 
 
 class Malformed:
@@ -180,3 +186,13 @@ def encode_data_frame(version: int, kind: int, request_id: str, layer: int, offs
         _put_varint(head, 6 << 3 | _LEN)
         _put_varint(head, len(payload))
     return b"".join((head, payload))
+
+
+def trace_field(traceparent: str) -> bytes:
+    """Field 24 (the traceparent) of a KVFrame, to append to a serialized BEGIN
+    (protobuf concatenates fields; a parser that does not know 24 skips it)."""
+    value = traceparent.encode("ascii")
+    out = bytearray()
+    _put_varint(out, TRACEPARENT_FIELD << 3 | _LEN)
+    _put_varint(out, len(value))
+    return bytes(out) + value

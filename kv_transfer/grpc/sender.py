@@ -31,11 +31,11 @@ from kv_transfer.checksum import FLAG_XXH3, checksum, data_checksum
 from kv_transfer.config import SenderConfig
 from kv_transfer.device import HostCopy, HostStager, byte_view
 from kv_transfer.errors import Reason, make_reason
-from kv_transfer.grpc.codec import encode_data_frame
+from kv_transfer.grpc.codec import encode_data_frame, trace_field
 from kv_transfer.grpc.servicer import SERVICE
 from kv_transfer.outgoing import Outgoing, Piece
 from kv_transfer.sweeper import Sweeper
-from kv_transfer.wire import FLAG_HEAD_RANGE, MAX_DATA_BYTES, VERSION
+from kv_transfer.wire import FLAG_HEAD_RANGE, FLAG_TRACE, MAX_DATA_BYTES, VERSION
 from proto import pdserve_pb2
 from proto.request_id import check_request_id
 from proto.tls import pod_channel
@@ -118,6 +118,9 @@ def _begin_frame(request_id: str, target: TransferTarget, layout: KVLayout,
         frame.head_start, frame.model_kv_heads = layout.head_start, layout.model_kv_heads
         frame.sub_start, frame.sub_end = out.part.heads
         frame.num_senders = out.part.num_senders
+    if target.traceparent:  # FLAG_TRACE: the decode pod's spans join the trace
+        frame.flags |= FLAG_TRACE
+        return frame.SerializeToString() + trace_field(target.traceparent)
     return frame.SerializeToString()
 
 

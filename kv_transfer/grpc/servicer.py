@@ -40,8 +40,16 @@ from kv_transfer.errors import Reason, TransferRefused, make_reason, reason_code
 from kv_transfer.grpc.codec import Malformed, WireFrame, decode_frame
 from kv_transfer.layout import SenderPart
 from kv_transfer.receive_table import ReceiveTable
-from kv_transfer.wire import FLAG_HEAD_RANGE, MAX_ATTEMPT_BYTES, MAX_DATA_BYTES, VERSION
+from kv_transfer.wire import (
+    FLAG_HEAD_RANGE,
+    FLAG_TRACE,
+    MAX_ATTEMPT_BYTES,
+    MAX_DATA_BYTES,
+    VERSION,
+)
 from proto import pdserve_pb2, pdserve_pb2_grpc
+from telemetry import kv_traces
+from telemetry.context import parse_traceparent
 
 # options a server hosting the servicer needs (DATA frames exceed gRPC's 4 MiB default)
 SERVER_OPTIONS = [
@@ -161,6 +169,8 @@ class KVTransferServicer(pdserve_pb2_grpc.KVTransferServicer):
         if len(attempt) > MAX_ATTEMPT_BYTES:
             raise TransferRefused(Reason.BAD_FRAME, f"attempt id over {MAX_ATTEMPT_BYTES} bytes")
         self.table.begin(frame.request_id, bytes(frame.ticket), layout, peer, attempt, part)
+        if frame.flags & FLAG_TRACE and parse_traceparent(frame.traceparent):
+            kv_traces.note(frame.request_id, frame.traceparent)  # the decode pod's spans
 
     def _handle(self, frame: WireFrame, peer: _CallPeer) -> pdserve_pb2.PushResult | None:
         """One frame after BEGIN; a PushResult ends the call."""

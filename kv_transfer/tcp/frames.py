@@ -63,7 +63,13 @@ from kv_transfer.checksum import checksum
 from kv_transfer.errors import Reason, TransferRefused
 from kv_transfer.layout import SenderPart
 from kv_transfer.refusals import PortRefusal
-from kv_transfer.wire import FLAG_HEAD_RANGE, MAX_ATTEMPT_BYTES, MAX_DATA_BYTES, VERSION
+from kv_transfer.wire import (
+    FLAG_HEAD_RANGE,
+    FLAG_TRACE,
+    MAX_ATTEMPT_BYTES,
+    MAX_DATA_BYTES,
+    VERSION,
+)
 from proto.request_id import MAX_REQUEST_ID_BYTES
 from telemetry.context import TRACEPARENT_BYTES, parse_traceparent
 
@@ -74,9 +80,6 @@ FLAG_OK = 1  # STATUS only; DATA's checksum flag is checksum.FLAG_XXH3
 # BEGIN only: a u32 token offset ends the payload. Set only when the offset is
 # not 0, so a whole-context BEGIN is byte for byte what version-1 senders send.
 FLAG_TOKEN_OFFSET = 4
-# BEGIN only: a 55-byte W3C traceparent ends the payload (after everything
-# else). Set only when the sender traces this request.
-FLAG_TRACE = 16
 
 _BEGIN = struct.Struct("<IIIIBH")
 _END = struct.Struct("<iQ")

@@ -64,3 +64,28 @@ def test_a_bad_traceparent_is_refused_by_the_sender_and_ignored_by_the_receiver(
     assert decode_begin(garbage, FLAG_TRACE)[:3] == (layout, TICKET, ATTEMPT)
     with pytest.raises(TransferRefused, match="too short"):
         decode_begin(b"\0" * 20, FLAG_TRACE)
+
+
+def _grpc_begin(traceparent: str) -> bytes:
+    import time
+
+    from kv_transfer.grpc.sender import _begin_frame
+    from kv_transfer.outgoing import Outgoing
+    from kv_transfer.target import TransferTarget
+    layout = KVLayout(4, 10, 2, 8, "float32")
+    target = TransferTarget(("127.0.0.1:1",), TICKET, "grpc", 1, time.time() + 60,
+                            traceparent=traceparent)
+    return _begin_frame("r1", target, layout, Outgoing("r1", target, layout, None, ATTEMPT, 1))
+
+
+def test_the_grpc_connectors_begin_carries_it_in_field_24():
+    from kv_transfer.grpc.codec import decode_frame
+    from proto import pdserve_pb2
+    plain, traced = _grpc_begin(""), _grpc_begin(PARENT)
+    assert decode_frame(plain).flags == 0 and decode_frame(plain).traceparent == ""
+    frame = decode_frame(traced)
+    assert frame.flags == FLAG_TRACE and frame.traceparent == PARENT
+    assert (frame.ticket, frame.num_layers, frame.payload) == (TICKET, 4, ATTEMPT)
+    # the generated class parses it too: 24 is a field it does not know, kept aside
+    generated = pdserve_pb2.KVFrame.FromString(traced)
+    assert generated.ticket == TICKET and generated.flags == FLAG_TRACE

@@ -1,7 +1,7 @@
 """Traces and timelines through a real disaggregated deployment (issue 39).
 
 One module-scoped cluster of processes on loopback (tiny model): a router, a
-prefill pod and two decode pods, all with --otlp-endpoint pointing at a real
+prefill pod and two decode pods (TCP and gRPC KV connectors), all with --otlp-endpoint pointing at a real
 OTLP/gRPC receiver in this process (tests/telemetry/otlp_receiver.py), and
 the router with two named API keys. Checked: one streamed request is one
 trace across router, prefill pod and decode pod, parented router request ->
@@ -44,7 +44,9 @@ def cluster(tiny_model_dir, tmp_path_factory):
         "prefill": ("prefill", {"block_size": 16, "num_blocks": 256, "kv_streams": 2,
                                 "env": FAST_EXPORT, **tracing}),
         "d1": ("decode", {"block_size": 16, "num_blocks": 256, "env": FAST_EXPORT, **tracing}),
-        "d2": ("decode", {"block_size": 16, "num_blocks": 256, "env": FAST_EXPORT, **tracing}),
+        # the gRPC KV connector's BEGIN carries the trace as the TCP one's does
+        "d2": ("decode", {"block_size": 16, "num_blocks": 256, "kv_transport": "grpc",
+                          "env": FAST_EXPORT, **tracing}),
     }, tiny_model_dir)
     router = None
     try:
