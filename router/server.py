@@ -120,10 +120,11 @@ class RouterServer:
         await self.pool.start()
         self._sessions = RedisSessionStore(c.redis_url) if c.redis_url else InMemorySessionStore()
         index = PrefixIndex(c.cache_index_blocks)
-        if c.routing_policy == "cache-aware" or c.local_prefill.below > 0:
-            # the pods' cache events, for the policy and LocalPrefill's cached
-            # prefix (not for the idle side alone, on by default: decode pods
-            # keep no prefix cache by default, so there is nothing to follow)
+        if c.routing_policy != "round-robin" or c.local_prefill.below > 0:
+            # the pods' cache events, for the policy (cache-aware placement, and
+            # the decode choice in every policy but the round-robin baseline:
+            # decode pods keep a prefix cache by default, docs/routing.md) and
+            # LocalPrefill's cached prefix
             self._feed = CacheEventFeed(
                 self.pool, index, redis_url=c.redis_url, interval=c.load_poll_interval,
                 blocks_gauge=self.metrics.cache_index_blocks,

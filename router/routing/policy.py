@@ -3,8 +3,10 @@
 Called by the router server (engineer A) on its asyncio event loop, once per
 request (and again, with `exclude`, when a pod refused or failed):
 
-1. `choose_decode(num_tokens=...)` — the decode pod with room for the
-   request's KV (prompt + max_tokens) and the fewest running sequences.
+1. `choose_decode(num_tokens=..., prompt_token_ids=...)` — the decode pod
+   with room for the request's KV (prompt + max_tokens); among those within
+   the load bound, the one whose prefix cache holds the longest prefix of
+   the prompt (the index), else the fewest running sequences.
 2. `await choose_prefill(session_id=..., prompt_token_ids=...)` — sticky per
    session, else by prefix affinity, both under bounded load.
 3. `with policy.track(address, num_tokens=len(prompt)):` around each pod call,
@@ -29,7 +31,14 @@ or in flight there (prompt tokens, from the Prefill call to its first
 token) (one request's slack = this prompt's length);
 colocated = requests waiting + running on the pod + in flight here (slack = 1
 request). Decode pods are ranked by whether they have enough free KV blocks,
-then by running + in-flight sequences, then by free blocks.
+then by the prefix of the prompt their prefix cache holds (only pods whose
+running + in-flight sequences are within the load bound, slack 1 request,
+count theirs), then by running + in-flight sequences, then by free blocks.
+A decode pod's cached prefix is a prompt its prefill path need not send
+(cache-miss-only transfer) or it need not compute (a local prefill): a
+prompt computed on a decode pod keeps its next turn there. With no index,
+or no decode pod publishing its cache, the order is least-loaded as before.
+No session stickiness for decode pods: the prefix decides.
 """
 
 from __future__ import annotations
@@ -113,9 +122,11 @@ class RoutingPolicy:
         loads = {p.address: float(p.num_waiting + p.num_running + p.in_flight) for p in pods}
         return await self._choose_sticky("colocated", loads, session_id, prompt_token_ids, 1.0)
 
-    def choose_decode(self, *, num_tokens: int, exclude: frozenset[str] = frozenset()) -> str:
+    def choose_decode(self, *, num_tokens: int, exclude: frozenset[str] = frozenset(),
+                      prompt_token_ids: Sequence[int] = ()) -> str:
         """Address of the decode pod for a request whose KV spans `num_tokens`
-        (prompt + max_tokens). Raises NoPodAvailable.
+        (prompt + max_tokens) and whose context is `prompt_token_ids` (empty:
+        prefix-blind). Raises NoPodAvailable.
 
         Pods whose last report shows too few free blocks still qualify when no
         pod has room (the report may be stale; the pod itself answers
@@ -132,12 +143,29 @@ class RoutingPolicy:
                 f"request needs KV for {num_tokens} tokens; the largest decode pod holds {largest}"
             )
 
-        def cost(p: PodLoad) -> tuple[bool, int, int, str]:
+        cached = self._decode_cached_prefixes(fitting, prompt_token_ids)
+
+        def cost(p: PodLoad) -> tuple[bool, int, int, int, str]:
             # the in-flight requests' blocks are reserved but may not show in the report yet
             short = _blocks_needed(num_tokens, p) > p.num_free_blocks
-            return (short, p.num_running + p.in_flight, -p.num_free_blocks, p.address)
+            return (short, -cached.get(p.address, 0), p.num_running + p.in_flight,
+                    -p.num_free_blocks, p.address)
 
         return min(fitting, key=cost).address
+
+    def _decode_cached_prefixes(self, pods: list[PodLoad],
+                                prompt_token_ids: Sequence[int]) -> dict[str, int]:
+        """Tokens of the prompt each decode pod within the load bound caches,
+        per the index; pods above the bound count none, so a hot cache never
+        piles requests onto one pod (the prefill side's bounded-load rule,
+        in sequences, one request of slack)."""
+        if self.index is None or not prompt_token_ids or len(pods) < 2:
+            return {}
+        loads = {p.address: float(p.num_running + p.in_flight) for p in pods}
+        bound = overload_bound(loads, epsilon=self.epsilon, slack=1.0)
+        prompt = PromptBlocks(prompt_token_ids)
+        return {a: self.index.cached_tokens(a, prompt) for a, load in loads.items()
+                if load <= bound}
 
     @contextlib.contextmanager
     def track(self, address: str, *, num_tokens: int = 0) -> Iterator[None]:

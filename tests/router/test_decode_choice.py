@@ -1,0 +1,91 @@
+"""The prefix-aware decode choice (`RoutingPolicy.choose_decode`, router/
+routing/policy.py): among decode pods with room and within the load bound,
+the one whose prefix cache holds the longest prefix of the prompt wins;
+above the bound, without an index, or with nothing cached, the least-loaded
+order stands. The index is a real `PrefixIndex` fed real `CacheEventBatch`
+messages hashed as the pods hash them.
+"""
+
+from __future__ import annotations
+
+from proto import pdserve_pb2
+from router.cache_index.index import PrefixIndex, PromptBlocks
+from router.routing.policy import RoutingPolicy
+from router.sessions import InMemorySessionStore
+from tests.router.test_policy import DECODE, SnapshotPool, load
+
+BLOCK = 16
+PROMPT = list(range(100, 100 + 8 * BLOCK + 5))  # 8 full blocks and a tail
+A, B = DECODE  # A sorts first: the least-loaded order's pick among equals
+
+
+def _publish(index: PrefixIndex, address: str, num_blocks: int) -> None:
+    """`address` says (a snapshot) it caches the prompt's first `num_blocks` blocks."""
+    hashes = PromptBlocks(PROMPT).hashes(BLOCK)[:num_blocks]
+    index.apply(pdserve_pb2.CacheEventBatch(address=address, role="decode", generation=1,
+                                            block_size=BLOCK, sequence=1, snapshot=True,
+                                            stored=hashes))
+
+
+def _policy(index: PrefixIndex | None, **loads: dict) -> tuple[RoutingPolicy, SnapshotPool]:
+    pool = SnapshotPool([load(A, "decode", **loads.get("a", {})),
+                         load(B, "decode", **loads.get("b", {}))])
+    return RoutingPolicy(pool, InMemorySessionStore(), index=index), pool
+
+
+def _choose(policy: RoutingPolicy, prompt=PROMPT) -> str:
+    return policy.choose_decode(num_tokens=len(PROMPT) + 16, prompt_token_ids=prompt)
+
+
+def test_the_longer_cached_prefix_wins_within_the_bound() -> None:
+    index = PrefixIndex()
+    _publish(index, A, 2)
+    _publish(index, B, 6)
+    # B runs one more sequence: still within max((1+0.25) x 1.5, 1.5 + 1) = 2.5
+    policy, _ = _policy(index, a={"num_running": 1}, b={"num_running": 2})
+    assert _choose(policy) == B
+    # prefix-blind (no prompt): the least-loaded pod, as before
+    assert policy.choose_decode(num_tokens=len(PROMPT) + 16) == A
+    # a pod that failed this request is left out, cached or not
+    assert policy.choose_decode(num_tokens=len(PROMPT) + 16, prompt_token_ids=PROMPT,
+                                exclude=frozenset({B})) == A
+
+
+def test_a_cached_pod_above_the_load_bound_counts_nothing() -> None:
+    index = PrefixIndex()
+    _publish(index, B, 8)
+    # bound: max(1.25 x 3, 3 + 1) = 4; B at 6 is above it, A at 0 below
+    policy, _ = _policy(index, b={"num_running": 6})
+    assert _choose(policy) == A
+    # in-flight requests count toward the bound too
+    policy, pool = _policy(index, b={"num_running": 2})
+    assert _choose(policy) == B
+    with pool.track(B), pool.track(B), pool.track(B), pool.track(B):
+        assert _choose(policy) == A  # B: 2 + 4 = 6 > max(3.75, 4)
+
+
+def test_room_comes_before_the_cached_prefix() -> None:
+    index = PrefixIndex()
+    _publish(index, B, 8)
+    # B's last report shows too few free blocks for prompt + max_tokens
+    policy, _ = _policy(index, b={"num_free_blocks": 2})
+    assert _choose(policy) == A
+
+
+def test_without_an_index_or_a_hit_the_order_is_least_loaded() -> None:
+    policy, _ = _policy(None, a={"num_running": 1})
+    assert _choose(policy) == B
+    index = PrefixIndex()
+    _publish(index, A, 0)
+    _publish(index, B, 0)
+    policy, _ = _policy(index, a={"num_running": 1})
+    assert _choose(policy) == B
+    # equal cached prefixes: least-loaded among them
+    _publish(index, A, 3)
+    _publish(index, B, 3)
+    policy, _ = _policy(index, a={"num_running": 1})
+    assert _choose(policy) == B
+    # another prompt (different first block) hits nowhere
+    other = [7] + PROMPT[1:]
+    policy, _ = _policy(index, b={"num_running": 1})
+    assert _choose(policy, other) == A
