@@ -24,6 +24,10 @@ One run, all on loopback:
               as Prometheus's histogram_quantile does); Redis operations/s
               (all clients), and the load's TTFT/ITL
 
+With --plan-ttft-ms and --plan-itl-ms it searches instead: the P:D pod
+counts that meet both p90 targets, from pdserve plan's estimate, one short
+run per count tried (benchmarks/sim_plan.py).
+
 Keep N <= 20 on a shared machine; the N = 1,000 commands are in
 docs/simulator.md.
 """
@@ -40,7 +44,8 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from benchmarks import serve
+from benchmarks import serve, sim_plan
+from benchmarks.capacity import size
 from benchmarks.peer_servers import free_port
 from benchmarks.router_stack import _spawn, _wait_file, start_redis, stop_stack
 from benchmarks.serve_client import LoadSpec
@@ -68,6 +73,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--routing-policy", default="cache-aware")
     g.add_argument("--idle-seconds", type=float, default=10.0)
     g.add_argument("--start-timeout", type=float, default=600.0)
+    p = parser.add_argument_group("plan: P:D counts checked against the simulator")
+    p.add_argument("--plan-ttft-ms", type=float, default=None,
+                   help="search the pod counts whose TTFT p90 is at most this (with "
+                        "--plan-itl-ms); --sim-prefill/--sim-decode are then not used")
+    p.add_argument("--plan-itl-ms", type=float, default=None, help="the ITL p90 target")
+    p.add_argument("--plan-max-runs", type=int, default=8, help="runs the search may make")
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -237,7 +248,45 @@ def _load(args: argparse.Namespace, port: int, sessions: list, workload: dict) -
         slo_ttft_ms=args.slo_ttft, slo_itl_ms=args.slo_itl, progress=False))
 
 
+def plan(args: argparse.Namespace) -> sim_plan.Plan:
+    """The search of benchmarks/sim_plan.py over runs of this benchmark (one
+    router, a short idle phase: planning reads only TTFT and ITL)."""
+    from sim.perf_model import load_profile
+
+    if args.plan_ttft_ms is None or args.plan_itl_ms is None:
+        raise ValueError("a plan needs both --plan-ttft-ms and --plan-itl-ms")
+    targets = sim_plan.Targets(args.plan_ttft_ms, args.plan_itl_ms)
+    sessions, _ = serve.sessions_from_args(args)
+    turns = [t for s in sessions for t in s.turns]
+    prompts, outputs = [len(t.prompt) for t in turns], [t.max_tokens for t in turns]
+    workload = sim_plan.workload_rates([s.arrival_s for s in sessions], prompts, outputs)
+    capacity = sim_plan.pod_capacity(load_profile(args.profile), sum(prompts) / len(turns),
+                                     sum(outputs) / len(turns), targets.itl_p90_ms / 1e3)
+
+    def measure(prefill: int, decode: int) -> sim_plan.Run:
+        one = argparse.Namespace(**{**vars(args), "sim_prefill": prefill, "sim_decode": decode,
+                                    "routers": 1, "idle_seconds": 0.1})
+        served = run(one)["routers"][0]["serve"]
+        result = sim_plan.Run(prefill, decode, served["ttft_ms"]["p90"],
+                              served["itl_ms"]["p90"], served["errors"])
+        print(f"plan: {prefill}:{decode} TTFT p90 {result.ttft_p90_ms} ms, ITL p90 "
+              f"{result.itl_p90_ms} ms, {result.errors} error(s)", file=sys.stderr)
+        return result
+
+    return sim_plan.search(size(workload, capacity), measure, targets, args.plan_max_runs)
+
+
 def main(args: argparse.Namespace) -> int:
+    if args.plan_ttft_ms is not None or args.plan_itl_ms is not None:
+        try:
+            found = plan(args)
+        except ValueError as exc:
+            print(f"pdserve bench scale: {exc}", file=sys.stderr)
+            return 2
+        print(sim_plan.explain(found))
+        if args.out:
+            Path(args.out).write_text(json.dumps(sim_plan.as_json(found), indent=1))
+        return 0 if found.answer else 1
     for name in ("sim_prefill", "sim_decode", "routers"):
         if getattr(args, name) < 1:
             print(f"pdserve bench scale: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
