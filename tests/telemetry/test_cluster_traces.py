@@ -1,15 +1,17 @@
 """Traces and timelines through a real disaggregated deployment (issue 39).
 
 One module-scoped cluster of processes on loopback (tiny model): a router, a
-prefill pod and two decode pods (TCP and gRPC KV connectors), all with --otlp-endpoint pointing at a real
-OTLP/gRPC receiver in this process (tests/telemetry/otlp_receiver.py), and
-the router with two named API keys. Checked: one streamed request is one
-trace across router, prefill pod and decode pod, parented router request ->
-attempt -> each pod's call, the client's traceparent continued, and the KV
-send span's bytes equal what the decode pod counted; the router's timeline
-(/debug/requests/{id}, `pdserve trace`) shows the request's phases to its
-own key only; a request whose decode pod is killed with SIGKILL mid-stream
-shows both attempts in one trace (last: it kills a pod).
+prefill pod and two decode pods (TCP and gRPC KV connectors), all with
+--otlp-endpoint pointing at a real OTLP/gRPC receiver in this process
+(tests/telemetry/otlp_receiver.py), and the router with two named API keys.
+
+Checked: one streamed request is one trace across router, prefill pod and
+decode pod, parented router request -> attempt -> each pod's call, the
+client's traceparent continued, and the KV send span's bytes equal what the
+decode pod counted; the router's timeline (/debug/requests/{id},
+`pdserve trace`) shows the request's phases to its own key only; a request
+whose decode pod is killed with SIGKILL mid-stream shows both attempts in
+one trace (last: it kills a pod).
 """
 
 from __future__ import annotations
