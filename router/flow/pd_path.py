@@ -238,6 +238,7 @@ async def _prefill(caller: PodCaller, target: pb.KVTarget, decode_address: str,
         if isinstance(message, grpc.aio.AioRpcError):
             slot.release()
             failures.append(f"{address} {describe(message)}")
+            caller.event("prefill_failed", pod=address, reason=describe(message))
             tried.add(address)
             fault = pod_fault(message)  # a full pod is skipped, not left out
             if fault is PodFault.BROKEN:

@@ -119,6 +119,11 @@ class PodCaller:
         return 0 if rule is None else rule.below_at(
             address, len(self.request.prompt_token_ids) + self.request.sampling.max_tokens)
 
+    def event(self, name: str, **details) -> None:
+        """A request-level event on the timeline and the request span (a retry)."""
+        if self.trace is not None:
+            self.trace.event(name, **details)
+
     def note(self, **details) -> None:
         """Tell the attempt's timeline what its pods are or said (FlowTrace.note)."""
         if self.trace is not None:
@@ -209,6 +214,7 @@ class PodCaller:
                     self.pod_failed(error, address)
                     refusals.append(f"{address} {describe(error)}")
                     self.deps.metrics.retries.labels(role=role).inc()
+                    self.event("retry", role=role, pod=address, reason=describe(error))
                     tried.add(address)
                     continue
                 if slot is not None and first is not grpc.aio.EOF:
