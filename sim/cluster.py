@@ -8,8 +8,10 @@ disappear (`drain`, `kill`). Each pod has its own gRPC port
 URL, one `SharedHeartbeat` that registers them all (sim/registry.py).
 
 Life cycle: `start()` builds every pod and waits until each serves, then
-writes the ready file (JSON: the addresses per role); `stop()` sets every
-pod's stop, and each drains as a real pod does (pod/server.py).
+serves every pod's metrics on one page when the config names a metrics
+port (sim/metrics_page.py), then writes the ready file (JSON: the
+addresses per role, and the page's address under "metrics"); `stop()` sets
+every pod's stop, and each drains as a real pod does (pod/server.py).
 
 Signals: each pod's `PodServer.run` installs its own SIGTERM/SIGINT
 handler, so `start()` installs the cluster's after every pod has (a pod
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 from pod.server import write_ready_file
 from proto.roles import PodRole
 from sim.kv_link import SimFabric
+from sim.metrics_page import serve_cluster_metrics
 from sim.pods import SimPod, SimPodSpec, build_sim_pod
 from sim.registry import SharedHeartbeat
 
@@ -52,8 +55,14 @@ class SimClusterConfig:
     colocated_spec: SimPodSpec
     ready_file: str | None = None
     heartbeat_ttl_s: float = 6.0
+    metrics_port: int | None = None  # None: no page; 0: a free port
 
     def __post_init__(self) -> None:
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"--metrics-port must be in [0, 65535], got {self.metrics_port}")
+        self._check_counts()
+
+    def _check_counts(self) -> None:
         counts = {"prefill": self.prefill, "decode": self.decode, "colocated": self.colocated}
         for name, count in counts.items():
             if count < 0:
@@ -83,6 +92,8 @@ class SimCluster:
         self._runs: list[asyncio.Task[int]] = []
         self.stopped = asyncio.Event()
         self._killed: set[str] = set()
+        self.metrics_address: str | None = None  # host:port of the merged page, once served
+        self._metrics_server = None
 
     async def start(self) -> None:
         """Every pod serving (and registered), the ready file written."""
@@ -103,8 +114,15 @@ class SimCluster:
                 raise RuntimeError(f"a simulated pod failed to start: {error!r}")
             waiting -= done
         self._handle_signals()
+        ready: dict = self.addresses()
+        if self.config.metrics_port is not None:
+            host = self.config.decode_spec.server.host
+            self._metrics_server, port = serve_cluster_metrics(
+                lambda: [(p.address, p.metrics.registry) for p in list(self.pods)],
+                host, self.config.metrics_port)
+            self.metrics_address = ready["metrics"] = f"{host}:{port}"
         if self.config.ready_file:
-            write_ready_file(self.config.ready_file, self.addresses())
+            write_ready_file(self.config.ready_file, ready)
         log.info("simulated cluster serving: %s", ", ".join(
             f"{len(a)} {role}" for role, a in self.addresses().items()))
 
@@ -161,6 +179,8 @@ class SimCluster:
         statuses = await asyncio.gather(*self._runs, return_exceptions=True)
         if self.heartbeat is not None:
             self.heartbeat.close()
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
         clean = all(status == 0 for pod, status in zip(self.pods, statuses, strict=True)
                     if pod.address not in self._killed)  # a killed pod exits 1, as it should
         return 0 if clean else 1

@@ -49,6 +49,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--ready-file", default=None, metavar="PATH",
                    help='Write {"prefill": [addr, ...], "decode": [...], "colocated": [...]} '
                         "once every pod serves.")
+    s.add_argument("--metrics-port", type=int, default=None,
+                   help="Serve every pod's metrics on one page at this port, each sample "
+                        "labelled with its pod (0: a free port; the ready file names it "
+                        'under "metrics"). Default: none.')
     s.add_argument("--log-level", default="WARNING",
                    choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 
@@ -94,7 +98,7 @@ def cluster_config_from_args(args: argparse.Namespace):  # -> SimClusterConfig
         decode_spec=spec(PodRole.DECODE, args.decode_block_size, args.decode_prefix_cache,
                          args.decode_mixed_prefill_tokens),
         colocated_spec=spec(PodRole.COLOCATED, args.prefill_block_size, True, 0),
-        ready_file=args.ready_file)
+        ready_file=args.ready_file, metrics_port=args.metrics_port)
 
 
 async def _serve(config) -> int:

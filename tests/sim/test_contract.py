@@ -7,16 +7,19 @@ which drive real pods the way the router does.
 One module-scoped cluster (tests/sim/cluster_thread.py): a prefill, a
 decode and two colocated pods (the second is drained by the last test).
 Tokens come from `sim.engine.token_at`, so the expected ids are exact.
+The cluster also serves its pods' metrics on one page (`--metrics-port`).
 """
 
 from __future__ import annotations
 
 import time
+import urllib.request
 from collections.abc import Iterator
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from engine.block_manager import cdiv
 from proto import pdserve_pb2, pdserve_pb2_grpc
@@ -46,7 +49,8 @@ def expected(seed: int, tokens: list[int], n: int) -> list[int]:
 def cluster(tiny_model_dir) -> Iterator[ClusterThread]:
     cluster = ClusterThread(tiny_model_dir, "--prefill", "1", "--decode", "1", "--colocated", "2",
                             "--decode-num-blocks", str(DECODE_BLOCKS),
-                            "--prefill-num-blocks", "256", "--grace-period", "30")
+                            "--prefill-num-blocks", "256", "--grace-period", "30",
+                            "--metrics-port", "0")
     yield cluster
     cluster.stop()
 
@@ -99,6 +103,26 @@ def test_colocated_and_disaggregated_give_the_same_exact_tokens(stubs):
     assert local.token_ids == remote.token_ids == expected(7, tokens, 6)
     assert local.finish_reason == remote.finish_reason == "length"
     assert released(stubs["addresses"]["decode"][0]).num_free_blocks == DECODE_BLOCKS
+
+
+def test_one_metrics_page_labels_every_pods_samples_with_its_pod(cluster, stubs):
+    addresses = stubs["addresses"]
+    pod = addresses["colocated"][0]
+    colocated_generate(stubs["colocated"], "m-1", prompt(3), sampling(2))
+    url = f"http://{cluster.cluster.metrics_address}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as response:
+        families = {f.name: f for f in text_string_to_metric_families(response.read().decode())}
+    blocks = {s.labels["pod"]: (s.labels["role"], s.value)
+              for s in families["pdserve_kv_blocks_total"].samples}
+    assert blocks == {addresses["prefill"][0]: ("prefill", 256.0),
+                      addresses["decode"][0]: ("decode", DECODE_BLOCKS),
+                      **{a: ("colocated", 256.0) for a in addresses["colocated"]}}
+    # the token signals an autoscaler reads, one sample per pod (idle now: zero)
+    waiting = {s.labels["pod"]: s.value for s in families["pdserve_prompt_tokens_waiting"].samples}
+    assert waiting == dict.fromkeys(blocks, 0.0)
+    finished = {s.labels["pod"]: s.value for s in families["pdserve_e2e_request_latency_seconds"]
+                .samples if s.name.endswith("_count")}
+    assert finished[pod] >= 1.0
 
 
 def test_reserved_holds_context_and_max_tokens_and_prefill_reports_the_bytes(stubs):
