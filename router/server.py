@@ -123,7 +123,7 @@ class RouterServer:
         if c.routing_policy != "round-robin" or c.local_prefill.below > 0:
             # the pods' cache events, for the policy (cache-aware placement, and
             # the decode choice in every policy but the round-robin baseline:
-            # decode pods keep a prefix cache by default, docs/routing.md) and
+            # decode pods with --prefix-cache, docs/routing.md) and
             # LocalPrefill's cached prefix
             self._feed = CacheEventFeed(
                 self.pool, index, redis_url=c.redis_url, interval=c.load_poll_interval,

@@ -1,0 +1,141 @@
+"""A prompt computed on a decode pod is not lost to the next turn (issue 42).
+
+Real processes on loopback: a router at its default routing policy, one
+prefill pod and two decode pods with their prefix cache on (`--prefix-cache`,
+off by default: docs/routing.md says why), `tiny` model. The router has
+`--local-prefill-below 64`, so a short first turn is computed on a decode
+pod (no prefill pod, no transfer). While a long
+request holds the first decode pod (A, the least-loaded order's pick among
+equals), the first turn goes to the other (B). Then, both pods idle again:
+
+* a follow-up turn (first prompt + its answer + 80 new tokens: too many new
+  tokens for the decode pod to compute, so the P/D path) is placed on B,
+  where the least-loaded order alone would pick A: B's cached prefix is not
+  sent (its saved-bytes counter grows, A receives nothing), and the
+  output equals the plain path's;
+* a follow-up with 10 new tokens is computed on B itself, with the prefix as
+  cache hits (`usage.prompt_tokens_details.cached_tokens` via the `openai`
+  client), and the same output as the plain path.
+
+The plain path is Decode.Generate(remote_prefill=false) on a decode pod,
+run last so it cannot warm a cache the routing depends on.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+
+import grpc
+import openai
+import pytest
+
+from proto import pdserve_pb2 as pb
+from proto import pdserve_pb2_grpc
+from tests.integration.flows import colocated_generate
+from tests.integration.pods import PodProcess, start_pods
+from tests.router.router_process import RouterProcess, start_router, wait_ready
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+BLOCK = 16
+BELOW = 64  # --local-prefill-below: fewer new tokens than this compute on a decode pod
+MAX_TOKENS = 24
+DECODE_FLAGS = {"block_size": BLOCK, "num_blocks": 128, "prefix_cache": True}
+WAIT_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model_dir) -> Iterator[tuple[RouterProcess, dict[str, PodProcess]]]:
+    pods = start_pods({"prefill": ("prefill", {}), "d1": ("decode", DECODE_FLAGS),
+                       "d2": ("decode", DECODE_FLAGS)}, tiny_model_dir)
+    router = None
+    try:
+        router = start_router(tiny_model_dir, prefill=[pods["prefill"].address],
+                              decode=[pods["d1"].address, pods["d2"].address],
+                              local_prefill_below=BELOW)
+        wait_ready(router)
+        yield router, pods
+    finally:
+        if router is not None:
+            router.terminate()
+        for pod in pods.values():
+            pod.kill()
+
+
+def _sampling(max_tokens: int = MAX_TOKENS) -> pb.SamplingParams:
+    return pb.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+
+
+def _generate(stub: pdserve_pb2_grpc.RouterStub, prompt: list[int]) -> tuple[list[int], str]:
+    """The router's gRPC Generate: (token ids, text)."""
+    messages = list(stub.Generate(pb.GenerateRequest(prompt_token_ids=prompt,
+                                                     sampling=_sampling()), timeout=120))
+    assert messages[-1].finish_reason == "length"
+    return [t for m in messages for t in m.token_ids], "".join(m.text for m in messages)
+
+
+def _wait_for(what: str, check, router: RouterProcess) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}; router log:\n"
+                                 f"{router.log_tail()}")
+        time.sleep(0.05)
+
+
+def test_the_next_turn_goes_where_the_decode_pod_computed_the_prefix(stack):
+    router, pods = stack
+    a, b = sorted((pods["d1"], pods["d2"]), key=lambda p: p.address)
+    rng = random.Random(42)
+    first_prompt = [rng.randrange(5, 1100) for _ in range(40)]
+    channel = grpc.insecure_channel(router.grpc_address)
+    stub = pdserve_pb2_grpc.RouterStub(channel)
+    try:
+        # a long request holds A (both idle: the first in address order takes it)
+        holder = stub.Generate(pb.GenerateRequest(prompt_token_ids=[5, 6, 7, 8],
+                                                  sampling=_sampling(1000)), timeout=120)
+        next(holder)
+        assert a.metric_value("pdserve_requests_running") == 1, "the holder is not on A"
+        b_queries = b.metric_value("pdserve_prefix_cache_queries_total")
+        answer, _ = _generate(stub, first_prompt)  # 40 < 64 new tokens: on a decode pod
+        assert b.metric_value("pdserve_prefix_cache_queries_total") > b_queries, (
+            "the first turn was not computed on B")
+        holder.cancel()
+        _wait_for("A idle", lambda: a.metric_value("pdserve_requests_running") == 0, router)
+        context = first_prompt + answer  # 64 tokens; B computed 63: 3 full blocks
+        _wait_for("the router to learn B's blocks", lambda: router.metric(
+            "pdserve_router_cache_index_blocks", pod=b.address) >= 3, router)
+        time.sleep(0.5)  # a poll or two: the router sees A idle too (else B wins anyway)
+
+        # 80 new tokens on B (>= 64): the P/D path, on B, only the uncached tail sent
+        long_turn = context + [rng.randrange(5, 1100) for _ in range(80)]
+        saved, a_bytes = (b.metric_value("pdserve_kv_transfer_saved_bytes_total"),
+                          a.metric_value("pdserve_kv_transfer_bytes_total"))
+        long_tokens, _ = _generate(stub, long_turn)
+        assert b.metric_value("pdserve_kv_transfer_saved_bytes_total") > saved, (
+            "the follow-up did not reuse B's cached prefix")
+        assert a.metric_value("pdserve_kv_transfer_bytes_total") == a_bytes
+
+        # 10 new tokens after B's 48 cached: computed on B, the prefix as cache hits
+        short_turn = context + [rng.randrange(5, 1100) for _ in range(10)]
+        short_tokens, short_text = _generate(stub, short_turn)
+        client = openai.OpenAI(base_url=router.base_url, api_key="unused", max_retries=0,
+                               timeout=120)
+        reply = client.completions.create(model="tiny", prompt=short_turn,
+                                          max_tokens=MAX_TOKENS, temperature=0,
+                                          extra_body={"ignore_eos": True})
+        assert reply.usage.prompt_tokens == len(short_turn)
+        assert reply.usage.prompt_tokens_details.cached_tokens >= 3 * BLOCK
+        assert reply.choices[0].text == short_text
+    finally:
+        channel.close()
+
+    # the plain path (one pod computes the whole prompt), last: it warms A's cache
+    with grpc.insecure_channel(a.address) as pod_channel:
+        plain = pdserve_pb2_grpc.DecodeStub(pod_channel)
+        for name, prompt, tokens in (("long", long_turn, long_tokens),
+                                     ("short", short_turn, short_tokens)):
+            reference = colocated_generate(plain, f"plain-{name}", prompt, _sampling())
+            assert tokens == reference.token_ids, name
