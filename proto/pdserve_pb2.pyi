@@ -304,7 +304,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[_Union[PrefillFirstToken, _Mapping]] = ..., transfer_done: _Optional[_Union[PrefillTransferDone, _Mapping]] = ...) -> None: ...
 
 class KVFrame(_message.Message):
-    __slots__ = ("version", "kind", "request_id", "layer", "offset", "payload", "checksum", "ticket", "num_layers", "num_tokens", "num_kv_heads", "head_dim", "dtype", "first_token_id", "total_bytes", "reason", "flags", "token_offset", "head_start", "model_kv_heads", "sub_start", "sub_end", "num_senders")
+    __slots__ = ("version", "kind", "request_id", "layer", "offset", "payload", "checksum", "ticket", "num_layers", "num_tokens", "num_kv_heads", "head_dim", "dtype", "first_token_id", "total_bytes", "reason", "flags", "token_offset", "head_start", "model_kv_heads", "sub_start", "sub_end", "num_senders", "traceparent")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -328,6 +328,7 @@ class KVFrame(_message.Message):
     SUB_START_FIELD_NUMBER: _ClassVar[int]
     SUB_END_FIELD_NUMBER: _ClassVar[int]
     NUM_SENDERS_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     version: int
     kind: FrameKind
     request_id: str
@@ -351,7 +352,8 @@ class KVFrame(_message.Message):
     sub_start: int
     sub_end: int
     num_senders: int
-    def __init__(self, version: _Optional[int] = ..., kind: _Optional[_Union[FrameKind, str]] = ..., request_id: _Optional[str] = ..., layer: _Optional[int] = ..., offset: _Optional[int] = ..., payload: _Optional[bytes] = ..., checksum: _Optional[int] = ..., ticket: _Optional[bytes] = ..., num_layers: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., first_token_id: _Optional[int] = ..., total_bytes: _Optional[int] = ..., reason: _Optional[str] = ..., flags: _Optional[int] = ..., token_offset: _Optional[int] = ..., head_start: _Optional[int] = ..., model_kv_heads: _Optional[int] = ..., sub_start: _Optional[int] = ..., sub_end: _Optional[int] = ..., num_senders: _Optional[int] = ...) -> None: ...
+    traceparent: str
+    def __init__(self, version: _Optional[int] = ..., kind: _Optional[_Union[FrameKind, str]] = ..., request_id: _Optional[str] = ..., layer: _Optional[int] = ..., offset: _Optional[int] = ..., payload: _Optional[bytes] = ..., checksum: _Optional[int] = ..., ticket: _Optional[bytes] = ..., num_layers: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., first_token_id: _Optional[int] = ..., total_bytes: _Optional[int] = ..., reason: _Optional[str] = ..., flags: _Optional[int] = ..., token_offset: _Optional[int] = ..., head_start: _Optional[int] = ..., model_kv_heads: _Optional[int] = ..., sub_start: _Optional[int] = ..., sub_end: _Optional[int] = ..., num_senders: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class PushResult(_message.Message):
     __slots__ = ("ok", "reason")

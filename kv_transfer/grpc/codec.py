@@ -51,8 +51,8 @@ _FIELDS = {
     22: ("sub_end", _VARINT, "u32"),
     23: ("num_senders", _VARINT, "u32"),
     # BEGIN with flags bit 4 (FLAG_TRACE) only: the request's W3C traceparent
-    # (docs/tracing.md); appended by `trace_field`, as the generated class
-    # would encode a `string traceparent = 24`
+    # (docs/tracing.md; `string traceparent = 24` in proto/pdserve.proto),
+    # appended by `trace_field`
     24: ("traceparent", _LEN, "text"),
 }
 TRACEPARENT_FIELD = 24

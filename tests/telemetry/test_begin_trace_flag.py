@@ -86,6 +86,7 @@ def test_the_grpc_connectors_begin_carries_it_in_field_24():
     frame = decode_frame(traced)
     assert frame.flags == FLAG_TRACE and frame.traceparent == PARENT
     assert (frame.ticket, frame.num_layers, frame.payload) == (TICKET, 4, ATTEMPT)
-    # the generated class parses it too: 24 is a field it does not know, kept aside
+    # the generated class reads it too: proto/pdserve.proto declares `traceparent = 24`
     generated = pdserve_pb2.KVFrame.FromString(traced)
     assert generated.ticket == TICKET and generated.flags == FLAG_TRACE
+    assert generated.traceparent == PARENT
