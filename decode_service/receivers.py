@@ -34,13 +34,13 @@ def open_receiver(transport: str, config: ReceiverConfig,
     """The receiver for `transport` ("tcp" or "grpc"), not started yet."""
     if transport == "tcp":
         from kv_transfer.tcp import TcpKVReceiver
+        from kv_transfer.tcp.tls import kv_tls_files
 
-        if config.security.enabled:
-            # By design (docs/deploy.md, Security): the TCP KV channel is
-            # cluster-internal, ticket-checked, and fenced by the chart's
-            # NetworkPolicy; --kv-transport grpc carries KV over pod TLS.
-            log.info("KV transport tcp: plaintext on the cluster network (only prefill "
-                     "pods may reach it); --kv-transport grpc encrypts it with pod TLS")
+        if config.security.enabled and kv_tls_files(config.security) is None:
+            # --no-kv-tls beside pod TLS (docs/kv_transfer.md, "TLS on the TCP KV
+            # streams"): tickets and the chart's NetworkPolicy still guard the port
+            log.info("KV transport tcp: plaintext on the cluster network (--no-kv-tls; "
+                     "only prefill pods may reach it)")
         return TcpKVReceiver(config, listener)
     from kv_transfer.grpc import GrpcKVReceiver
 

@@ -28,8 +28,8 @@ SenderFactory = Callable[[], dict[str, KVSender]]
 
 def make_senders(kv_streams: int, security: PodSecurity | None = None) -> dict[str, KVSender]:
     """One sender per transport this build has; the target picks per request.
-    `security` secures the gRPC transport's channels (the TCP one is
-    cluster-internal, docs/deploy.md, Security)."""
+    `security` secures both transports: the gRPC channels, and the TCP
+    streams unless its TLS files say kv_streams=False (`--no-kv-tls`)."""
     config = SenderConfig(num_streams=kv_streams, security=security or PodSecurity())
     senders: dict[str, KVSender] = {"tcp": TcpKVSender(config)}
     try:

@@ -6,8 +6,8 @@
 The router's HTTP and gRPC listeners serve TLS; the pods require client
 certificates signed by the CA and the pod token. The module runs twice: the
 KV over the gRPC connector, which uses the same channel helper, and over the
-default TCP connector, plaintext and cluster-internal by design
-(docs/deploy.md, Security). Strangers are refused (TLS handshake failure,
+default TCP connector, whose streams use the same mutual TLS (KV TLS,
+docs/kv_transfer.md). Strangers are refused (TLS handshake failure,
 UNAUTHENTICATED) and the deployment keeps serving.
 """
 
@@ -128,8 +128,8 @@ def test_pods_refuse_callers_without_certificate_or_token_and_keep_serving(deplo
     ports = [(decode.address, get_load), (prefill.address, get_load)]
     if deployment["kv_transport"] == "grpc":
         ports.append((f"127.0.0.1:{decode.kv_port}", push))
-    else:  # the TCP KV channel stays plaintext, and the pod says so
-        assert "KV transport tcp: plaintext on the cluster network" in decode.log_tail(10**6)
+    else:  # the TCP KV port follows pod TLS, and the pod says so
+        assert "(KV TLS; --no-kv-tls turns it off)" in decode.log_tail(10**6)
     codes = [_refusal(address, security, call) for address, call in ports
              for security in (stranger, wrong_token, PodSecurity())]
     unavailable, unauthenticated = grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAUTHENTICATED
