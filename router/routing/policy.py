@@ -163,9 +163,12 @@ class RoutingPolicy:
             return {}
         loads = {p.address: float(p.num_running + p.in_flight) for p in pods}
         bound = overload_bound(loads, epsilon=self.epsilon, slack=1.0)
+        counted = [a for a, load in loads.items()
+                   if load <= bound and self.index.num_blocks(a)]
+        if not counted:
+            return {}  # no decode pod publishes (the default): no prompt hashing
         prompt = PromptBlocks(prompt_token_ids)
-        return {a: self.index.cached_tokens(a, prompt) for a, load in loads.items()
-                if load <= bound}
+        return {a: self.index.cached_tokens(a, prompt) for a in counted}
 
     @contextlib.contextmanager
     def track(self, address: str, *, num_tokens: int = 0) -> Iterator[None]:
