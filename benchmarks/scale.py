@@ -13,7 +13,9 @@ One run, all on loopback:
               its workload and load flags apply), the sessions dealt to the
               routers in turn; tokens are counted by chunks (simulated pods
               give no logprobs), and serve's --base-url, --metrics-url,
-              --up-ready-file, --token-count and --plot-dir are not used
+              --up-ready-file, --token-count and --plot-dir are not used; with
+              one router the pods' counters (prefix-cache hits, ...) come from
+              the sim's one metrics page (`pdserve sim --metrics-port`)
     report    per router: CPU per request and per relayed output token (its
               /proc CPU time over the load), idle CPU (% of one core),
               load-report traffic (GetLoad RPCs/s and bytes/s: pods / poll
@@ -169,7 +171,8 @@ def _start(args: argparse.Namespace, tmp: Path, redis_url: str) -> tuple[list, l
     sim_ready = tmp / "sim.json"
     procs.append(_spawn(["sim", "--prefill", str(args.sim_prefill), "--decode",
                          str(args.sim_decode), "--model", args.sim_model, "--profile",
-                         args.profile, "--redis-url", redis_url, "--ready-file", str(sim_ready)],
+                         args.profile, "--redis-url", redis_url, "--ready-file", str(sim_ready),
+                         "--metrics-port", "0"],
                         tmp / "sim.log"))
     pods = _wait_file(procs[0], sim_ready, tmp / "sim.log", timeout=args.start_timeout)
     ports = []
@@ -209,8 +212,10 @@ def run(args: argparse.Namespace) -> dict:
         cpu1, ops1 = [_cpu_seconds(p.pid) for p in routers], _redis_ops(redis_url)
         began = time.monotonic()
         with ThreadPoolExecutor(len(ports)) as pool:
+            # the pods' counters are the whole cluster's: one router's load alone owns them
+            page = (f"http://{pods['metrics']}/metrics",) if len(ports) == 1 else ()
             results = list(pool.map(lambda i: _load(args, ports[i], sessions[i::len(ports)],
-                                                    workload), range(len(ports))))
+                                                    workload, page), range(len(ports))))
         seconds = time.monotonic() - began
         ops2 = _redis_ops(redis_url)
         report_bytes = _report_bytes(pods["prefill"][0])
@@ -237,14 +242,15 @@ def run(args: argparse.Namespace) -> dict:
         stop_stack(procs)  # SIGTERM in reverse start order
 
 
-def _load(args: argparse.Namespace, port: int, sessions: list, workload: dict) -> dict:
+def _load(args: argparse.Namespace, port: int, sessions: list, workload: dict,
+          metrics_urls: tuple[str, ...]) -> dict:
     base_url = f"http://127.0.0.1:{port}"
     total = sum(len(s.turns) for s in sessions)
     spec = LoadSpec(max_tokens=1, concurrency=args.concurrency or total, seed=args.seed,
                           token_count="chunks", timeout_s=args.timeout)
     return serve.run_benchmark(serve.ServeRun(
         base_url=base_url, model=args.model, sessions=sessions, spec=spec,
-        label=f"router {port}", workload=workload, warmup=args.warmup,
+        label=f"router {port}", workload=workload, warmup=args.warmup, metrics_urls=metrics_urls,
         slo_ttft_ms=args.slo_ttft, slo_itl_ms=args.slo_itl, progress=False))
 
 

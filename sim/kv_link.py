@@ -44,6 +44,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+from prometheus_client import Counter
+
 from decode_service.injector import TransferFailed
 from kv_transfer.base import KVLayout, TransferOutcome, TransferTarget
 from kv_transfer.errors import Reason, make_reason
@@ -76,10 +78,14 @@ class _Expected:
 
 class SimInjector:
     """The decode side's per-request "injection": a future that settles with
-    the first token once the KV landed, after `on_ready` ran."""
+    the first token once the KV landed, after `on_ready` ran. `landed_bytes`
+    (the pod's `pdserve_kv_transfer_bytes_total`) counts what landed, as the
+    real injector counts it."""
 
-    def __init__(self) -> None:
-        self._waiting: dict[str, tuple[asyncio.Future[int], Callable[[int], None] | None]] = {}
+    def __init__(self, landed_bytes: Counter | None = None) -> None:
+        self._waiting: dict[str, tuple[asyncio.Future[int], Callable[[int], None] | None,
+                                       int]] = {}
+        self._landed_bytes = landed_bytes
 
     def expect(self, request_id: str, slot_mapping: object, num_layers: int, total_bytes: int,
                *, on_ready: Callable[[int], None] | None = None, split: object = None
@@ -87,14 +93,14 @@ class SimInjector:
         if split is not None:
             raise ValueError("split prefill is not simulated")
         future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        self._waiting[request_id] = (future, on_ready)
+        self._waiting[request_id] = (future, on_ready, total_bytes)
         return future
 
     def complete(self, request_id: str, first_token_id: int) -> None:
         entry = self._waiting.pop(request_id, None)
         if entry is None:
             return
-        future, on_ready = entry
+        future, on_ready, num_bytes = entry
         try:
             if on_ready is not None:
                 on_ready(first_token_id)  # queues R's commit, as the injector thread does
@@ -102,6 +108,8 @@ class SimInjector:
             future.set_exception(TransferFailed(request_id, make_reason(Reason.CLOSED,
                                                                          str(exc))))
             return
+        if self._landed_bytes is not None:
+            self._landed_bytes.inc(num_bytes)
         future.set_result(first_token_id)
 
     def fail(self, request_id: str, reason: str) -> None:

@@ -190,7 +190,7 @@ def build_sim_pod(spec: SimPodSpec, fabric: SimFabric,
     else:
         remote = None
         if role == PodRole.DECODE:
-            injector = SimInjector()
+            injector = SimInjector(metrics.kv_transfer_bytes)
             receiver = SimReceiver("", generation, injector)
             remote = RemoteKV(receiver, injector, model.kv_shape, spec.transfer_timeout_s,
                               spec.reservation_timeout_s)

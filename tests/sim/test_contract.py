@@ -109,6 +109,7 @@ def test_one_metrics_page_labels_every_pods_samples_with_its_pod(cluster, stubs)
     addresses = stubs["addresses"]
     pod = addresses["colocated"][0]
     colocated_generate(stubs["colocated"], "m-1", prompt(3), sampling(2))
+    disaggregated_generate(stubs["prefill"], stubs["decode"], "m-2", prompt(4), sampling(2))
     url = f"http://{cluster.cluster.metrics_address}/metrics"
     with urllib.request.urlopen(url, timeout=10) as response:
         families = {f.name: f for f in text_string_to_metric_families(response.read().decode())}
@@ -123,6 +124,10 @@ def test_one_metrics_page_labels_every_pods_samples_with_its_pod(cluster, stubs)
     finished = {s.labels["pod"]: s.value for s in families["pdserve_e2e_request_latency_seconds"]
                 .samples if s.name.endswith("_count")}
     assert finished[pod] >= 1.0
+    # every transfer so far landed: the bytes the decode pod received are those sent
+    moved = {s.labels["pod"]: s.value for s in families["pdserve_kv_transfer_bytes"].samples
+             if s.name.endswith("_total")}
+    assert moved[addresses["decode"][0]] == moved[addresses["prefill"][0]] > 0
 
 
 def test_reserved_holds_context_and_max_tokens_and_prefill_reports_the_bytes(stubs):
