@@ -32,7 +32,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import HttpVersion11, web
 
@@ -41,7 +41,7 @@ from router.api_error import ApiError
 from router.auth import OPEN_PATHS, ApiKeyCheck
 from router.client_gate import ClientGate
 from router.frontend import Frontend
-from router.generation import ParsedRequest
+from router.generation import Delta, ParsedRequest
 from router.http.body import read_json
 from router.http.choices import serve_choices
 from router.http.client_limits import ClientConcurrency
@@ -168,29 +168,44 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
             await response.write(sse_event(role))
             if sink is not None:
                 sink.open()
-        delta = first
         try:
-            while True:
-                event = shaper.event(delta)
-                if event is not None:
-                    await response.write(event)
-                    if sink is not None:
-                        sink.open()
-                if delta.usage is not None:
-                    usage = shaper.usage_chunk(delta.usage)
-                    if usage is not None:
-                        await response.write(sse_event(usage))
-                    break
-                delta = await anext(deltas)
-        except ApiError as exc:
-            # Headers are gone; OpenAI clients raise on an event with "error".
-            await response.write(sse_event(exc.body()))
-        except Exception as exc:
-            log.exception("stream of %s failed", generation.request_id)
-            await response.write(sse_event(_internal_error(exc).body()))
-        await response.write(DONE_EVENT)
-        await response.write_eof()
+            await _stream(response, shaper, sink, first, deltas, generation.request_id)
+        except ConnectionResetError:
+            # the client closed its stream (a cancel, not a fault): the flow is
+            # closed by aclosing below; aiohttp finishes a prepared response quietly
+            log.debug("client left the stream of %s", generation.request_id)
         return response
+
+
+async def _stream(response: web.StreamResponse, shaper: ResponseShaper, sink: SseSink | None,
+                  first: Delta, deltas: AsyncIterator[Delta], request_id: str) -> None:
+    """Write a started stream's events until its usage, then [DONE]; an error
+    after the headers goes out as an event with "error" (OpenAI's clients
+    raise on it). ConnectionResetError: the client has left."""
+    delta = first
+    try:
+        while True:
+            event = shaper.event(delta)
+            if event is not None:
+                await response.write(event)
+                if sink is not None:
+                    sink.open()
+            if delta.usage is not None:
+                usage = shaper.usage_chunk(delta.usage)
+                if usage is not None:
+                    await response.write(sse_event(usage))
+                break
+            delta = await anext(deltas)
+    except ApiError as exc:
+        # Headers are gone; OpenAI clients raise on an event with "error".
+        await response.write(sse_event(exc.body()))
+    except ConnectionResetError:
+        raise
+    except Exception as exc:
+        log.exception("stream of %s failed", request_id)
+        await response.write(sse_event(_internal_error(exc).body()))
+    await response.write(DONE_EVENT)
+    await response.write_eof()
 
 
 async def _prompt_shown(frontend: Frontend, parsed: ParsedRequest,
