@@ -247,6 +247,10 @@ class DecodeStream:
             raise
         finally:
             self.closed = True
+            # ends _command_stream: gRPC's task that feeds it the commands
+            # would otherwise wait on the queue until garbage collection
+            # destroys it pending (seen when a decode pod is killed)
+            self._commands.put_nowait(None)
             if self._idle_timer is not None:
                 self._idle_timer.cancel()
             calls, self._calls = list(self._calls.values()), {}

@@ -94,6 +94,12 @@ def test_a_deadline_fails_the_request_and_cancels_it_on_the_pod():
     asyncio.run(main())
 
 
+def _command_feeds() -> int:
+    """gRPC's tasks feeding Session streams their commands, running now."""
+    return sum("_consume_request_iterator" in repr(task.get_coro())
+               for task in asyncio.all_tasks())
+
+
 def test_errors_keep_their_status_and_a_broken_session_fails_every_request():
     async def main():
         full, pod, channels = await _pod(full=True), await _pod(delay=0.05), PodChannels()
@@ -103,12 +109,18 @@ def test_errors_keep_their_status_and_a_broken_session_fails_every_request():
             assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             opened = [await channels.open_generate(pod.address, _request(f"r{i}", 100), 30)
                       for i in range(3)]
+            feeds_before = _command_feeds()
             await pod.stop()  # the pod goes away under its session
             for call, first in opened:
                 with pytest.raises(grpc.aio.AioRpcError) as info:
                     await _read_all(call, first)
                 assert info.value.code() == grpc.StatusCode.UNAVAILABLE
             assert pod.sessions == 1
+            # the broken session's command feed ends too: no task of it is left
+            # waiting for commands (it would be destroyed pending, a logged error);
+            # the session to `full` is alive and keeps its own
+            await asyncio.sleep(0.05)
+            assert _command_feeds() == feeds_before - 1
         finally:
             await channels.close()
             await full.stop()
