@@ -63,6 +63,7 @@ from engine.loop_commands import Command, CommandQueue, Wake
 from engine.metrics import PodMetrics
 from engine.outputs import EngineStats, RemoteReservation
 from engine.request_stream import EngineDead, RequestAborted, RequestStream, StreamTable
+from engine.stats_export import StatsExport
 
 if TYPE_CHECKING:  # the loop only calls the engine; importing it would load the model code
     from engine.llm_engine import LLMEngine
@@ -119,10 +120,7 @@ class EngineLoop:
         self._state_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.stats: EngineStats = engine.stats()
-        # prefix-cache totals already added to the (delta-only) counters
-        self._counted_queries = 0
-        self._counted_hits = 0
-        self._counted_capped = 0  # ITL-budget capped steps already counted
+        self._export = StatsExport(metrics)  # stats into the pod's metrics
         self.block_size: int = int(engine.config.block_size)
         self.max_model_len: int = int(engine.max_model_len)
         self.device_type: str = engine.device.type  # "cpu" | "cuda"
@@ -379,21 +377,4 @@ class EngineLoop:
     def _publish_stats(self) -> None:
         stats = self._engine.stats()
         self.stats = stats
-        m = self._metrics
-        m.requests_waiting.set(stats.num_waiting)
-        m.requests_running.set(stats.num_running)
-        m.requests_reserved.set(stats.num_reserved)
-        m.kv_blocks_reserved.set(stats.num_reserved_blocks)
-        m.kv_blocks_free.set(stats.num_free_blocks)
-        m.kv_blocks_total.set(stats.num_total_blocks)
-        m.publish_tokens(self._engine, stats)  # engine/token_gauges.py
-        # The engine keeps cumulative totals; a Counter only goes up by deltas.
-        m.prefix_cache_queries.inc(max(0, stats.prefix_cache_queries - self._counted_queries))
-        m.prefix_cache_hits.inc(max(0, stats.prefix_cache_hits - self._counted_hits))
-        self._counted_queries = stats.prefix_cache_queries
-        self._counted_hits = stats.prefix_cache_hits
-        budget = self._engine.scheduler.itl_budget
-        if budget is not None:
-            m.step_model(budget.snapshot())
-            m.itl_budget_capped_steps.inc(budget.capped_steps - self._counted_capped)
-            self._counted_capped = budget.capped_steps
+        self._export.publish(self._engine, stats)

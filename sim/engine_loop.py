@@ -41,6 +41,7 @@ from engine.engine_loop import LoopState
 from engine.metrics import PodMetrics
 from engine.outputs import EngineStats, RemoteReservation
 from engine.request_stream import EngineDead, RequestAborted, RequestStream, StreamTable
+from engine.stats_export import StatsExport
 from sim.engine import SimEngine
 from sim.perf_model import PerfModel
 
@@ -67,7 +68,7 @@ class SimEngineLoop:
         self.stats: EngineStats = engine.stats()
         self.block_size: int = engine.config.block_size
         self.max_model_len: int = engine.max_model_len
-        self._counted_queries = self._counted_hits = 0
+        self._export = StatsExport(metrics)
 
     @property
     def state(self) -> LoopState:
@@ -203,19 +204,8 @@ class SimEngineLoop:
             self._streams.end_all(EngineDead(f"engine step failed: {exc!r}"))
 
     def _publish_stats(self) -> None:
+        # the same gauges from the same scheduler and block manager as a real
+        # pod's, token signals included (engine/stats_export.py)
         stats = self._engine.stats()
         self.stats = stats
-        m = self._metrics
-        m.requests_waiting.set(stats.num_waiting)
-        m.requests_running.set(stats.num_running)
-        m.requests_reserved.set(stats.num_reserved)
-        m.kv_blocks_reserved.set(stats.num_reserved_blocks)
-        m.kv_blocks_free.set(stats.num_free_blocks)
-        m.kv_blocks_total.set(stats.num_total_blocks)
-        # the token signals an autoscaler reads (engine/token_gauges.py): the
-        # same scheduler and block manager as a real pod's, so the same sums
-        m.publish_tokens(self._engine, stats)
-        m.prefix_cache_queries.inc(max(0, stats.prefix_cache_queries - self._counted_queries))
-        m.prefix_cache_hits.inc(max(0, stats.prefix_cache_hits - self._counted_hits))
-        self._counted_queries = stats.prefix_cache_queries
-        self._counted_hits = stats.prefix_cache_hits
+        self._export.publish(self._engine, stats)
