@@ -17,8 +17,13 @@ equals), the first turn goes to the other (B). Then, both pods idle again:
   cache hits (`usage.prompt_tokens_details.cached_tokens` via the `openai`
   client), and the same output as the plain path.
 
+A second router, with no flags at all, shows the same for a prompt the
+decode pod received by transfer: the router follows the decode pods' cache
+events under the default policy, and the next turn goes back to the pod
+that holds the prompt.
+
 The plain path is Decode.Generate(remote_prefill=false) on a decode pod,
-run last so it cannot warm a cache the routing depends on.
+run last in each test so it cannot warm a cache the routing depends on.
 """
 
 from __future__ import annotations
@@ -47,18 +52,21 @@ WAIT_S = 60.0
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_model_dir) -> Iterator[tuple[RouterProcess, dict[str, PodProcess]]]:
+def stack(tiny_model_dir) -> Iterator[tuple[dict[str, RouterProcess], dict[str, PodProcess]]]:
     pods = start_pods({"prefill": ("prefill", {}), "d1": ("decode", DECODE_FLAGS),
                        "d2": ("decode", DECODE_FLAGS)}, tiny_model_dir)
-    router = None
+    routers: dict[str, RouterProcess] = {}
+    addresses = dict(prefill=[pods["prefill"].address],
+                     decode=[pods["d1"].address, pods["d2"].address])
     try:
-        router = start_router(tiny_model_dir, prefill=[pods["prefill"].address],
-                              decode=[pods["d1"].address, pods["d2"].address],
-                              local_prefill_below=BELOW)
-        wait_ready(router)
-        yield router, pods
+        routers["local"] = start_router(tiny_model_dir, local_prefill_below=BELOW,
+                                        **addresses)
+        routers["plain"] = start_router(tiny_model_dir, **addresses)
+        for router in routers.values():
+            wait_ready(router)
+        yield routers, pods
     finally:
-        if router is not None:
+        for router in routers.values():
             router.terminate()
         for pod in pods.values():
             pod.kill()
@@ -85,57 +93,101 @@ def _wait_for(what: str, check, router: RouterProcess) -> None:
         time.sleep(0.05)
 
 
-def test_the_next_turn_goes_where_the_decode_pod_computed_the_prefix(stack):
-    router, pods = stack
+def _decode_pods(pods) -> tuple[PodProcess, PodProcess]:
+    """(A, B): A sorts first, the least-loaded order's pick among equals."""
     a, b = sorted((pods["d1"], pods["d2"]), key=lambda p: p.address)
+    return a, b
+
+
+def _first_turn_on_b(router: RouterProcess, stub, pods, prompt: list[int],
+                     on_b: str) -> list[int]:
+    """`prompt`'s answer, computed while a long request holds A (so on B,
+    as `on_b`, a counter of B's, shows); returns once A is idle again and
+    the router's index holds B's blocks of prompt + answer."""
+    a, b = _decode_pods(pods)
+    holder = stub.Generate(pb.GenerateRequest(prompt_token_ids=[5, 6, 7, 8],
+                                              sampling=_sampling(1000)), timeout=120)
+    try:
+        next(holder)
+        next(holder)  # past the first token (a prefill pod's, on the P/D path)
+        running = "pdserve_requests_running"
+        _wait_for("the holder to run", lambda: a.metric_value(running)
+                  + b.metric_value(running) == 1, router)
+        assert a.metric_value(running) == 1, "the holder is not on A"
+        before = b.metric_value(on_b)
+        answer, _ = _generate(stub, prompt)
+        assert b.metric_value(on_b) > before, "the first turn was not served on B"
+    finally:
+        holder.cancel()
+    _wait_for("A idle", lambda: a.metric_value("pdserve_requests_running") == 0, router)
+    # prompt + answer: 64 tokens, of which B computed 63: 3 full blocks
+    _wait_for("the router to learn B's blocks", lambda: router.metric(
+        "pdserve_router_cache_index_blocks", pod=b.address) >= 3, router)
+    time.sleep(0.5)  # a poll or two: the router sees A idle too (else B wins anyway)
+    return answer
+
+
+def _follow_up_on_b(stub, pods, prompt: list[int]) -> list[int]:
+    """`prompt` through the P/D path lands on B, which is sent only its
+    uncached tail; A receives nothing."""
+    a, b = _decode_pods(pods)
+    saved, a_bytes = (b.metric_value("pdserve_kv_transfer_saved_bytes_total"),
+                      a.metric_value("pdserve_kv_transfer_bytes_total"))
+    tokens, _ = _generate(stub, prompt)
+    assert b.metric_value("pdserve_kv_transfer_saved_bytes_total") > saved, (
+        "the follow-up did not reuse B's cached prefix")
+    assert a.metric_value("pdserve_kv_transfer_bytes_total") == a_bytes
+    return tokens
+
+
+def _assert_plain_path(pods, outputs: dict[str, tuple[list[int], list[int]]]) -> None:
+    """Each (prompt, tokens) equals the plain path's tokens on pod A."""
+    a, _ = _decode_pods(pods)
+    with grpc.insecure_channel(a.address) as pod_channel:
+        plain = pdserve_pb2_grpc.DecodeStub(pod_channel)
+        for name, (prompt, tokens) in outputs.items():
+            reference = colocated_generate(plain, f"plain-{name}", prompt, _sampling())
+            assert tokens == reference.token_ids, name
+
+
+def test_the_next_turn_goes_where_the_decode_pod_computed_the_prefix(stack):
+    routers, pods = stack
+    router = routers["local"]
     rng = random.Random(42)
     first_prompt = [rng.randrange(5, 1100) for _ in range(40)]
-    channel = grpc.insecure_channel(router.grpc_address)
-    stub = pdserve_pb2_grpc.RouterStub(channel)
-    try:
-        # a long request holds A (both idle: the first in address order takes it)
-        holder = stub.Generate(pb.GenerateRequest(prompt_token_ids=[5, 6, 7, 8],
-                                                  sampling=_sampling(1000)), timeout=120)
-        next(holder)
-        assert a.metric_value("pdserve_requests_running") == 1, "the holder is not on A"
-        b_queries = b.metric_value("pdserve_prefix_cache_queries_total")
-        answer, _ = _generate(stub, first_prompt)  # 40 < 64 new tokens: on a decode pod
-        assert b.metric_value("pdserve_prefix_cache_queries_total") > b_queries, (
-            "the first turn was not computed on B")
-        holder.cancel()
-        _wait_for("A idle", lambda: a.metric_value("pdserve_requests_running") == 0, router)
-        context = first_prompt + answer  # 64 tokens; B computed 63: 3 full blocks
-        _wait_for("the router to learn B's blocks", lambda: router.metric(
-            "pdserve_router_cache_index_blocks", pod=b.address) >= 3, router)
-        time.sleep(0.5)  # a poll or two: the router sees A idle too (else B wins anyway)
-
+    with grpc.insecure_channel(router.grpc_address) as channel:
+        stub = pdserve_pb2_grpc.RouterStub(channel)
+        # 40 < 64 new tokens: computed on a decode pod (its prefix cache looked up)
+        answer = _first_turn_on_b(router, stub, pods, first_prompt,
+                                  "pdserve_prefix_cache_queries_total")
+        context = first_prompt + answer
         # 80 new tokens on B (>= 64): the P/D path, on B, only the uncached tail sent
         long_turn = context + [rng.randrange(5, 1100) for _ in range(80)]
-        saved, a_bytes = (b.metric_value("pdserve_kv_transfer_saved_bytes_total"),
-                          a.metric_value("pdserve_kv_transfer_bytes_total"))
-        long_tokens, _ = _generate(stub, long_turn)
-        assert b.metric_value("pdserve_kv_transfer_saved_bytes_total") > saved, (
-            "the follow-up did not reuse B's cached prefix")
-        assert a.metric_value("pdserve_kv_transfer_bytes_total") == a_bytes
-
+        long_tokens = _follow_up_on_b(stub, pods, long_turn)
         # 10 new tokens after B's 48 cached: computed on B, the prefix as cache hits
         short_turn = context + [rng.randrange(5, 1100) for _ in range(10)]
         short_tokens, short_text = _generate(stub, short_turn)
-        client = openai.OpenAI(base_url=router.base_url, api_key="unused", max_retries=0,
-                               timeout=120)
-        reply = client.completions.create(model="tiny", prompt=short_turn,
-                                          max_tokens=MAX_TOKENS, temperature=0,
-                                          extra_body={"ignore_eos": True})
-        assert reply.usage.prompt_tokens == len(short_turn)
-        assert reply.usage.prompt_tokens_details.cached_tokens >= 3 * BLOCK
-        assert reply.choices[0].text == short_text
-    finally:
-        channel.close()
+    client = openai.OpenAI(base_url=router.base_url, api_key="unused", max_retries=0,
+                           timeout=120)
+    reply = client.completions.create(model="tiny", prompt=short_turn, max_tokens=MAX_TOKENS,
+                                      temperature=0, extra_body={"ignore_eos": True})
+    assert reply.usage.prompt_tokens == len(short_turn)
+    assert reply.usage.prompt_tokens_details.cached_tokens >= 3 * BLOCK
+    assert reply.choices[0].text == short_text
+    _assert_plain_path(pods, {"long": (long_turn, long_tokens),
+                              "short": (short_turn, short_tokens)})
 
-    # the plain path (one pod computes the whole prompt), last: it warms A's cache
-    with grpc.insecure_channel(a.address) as pod_channel:
-        plain = pdserve_pb2_grpc.DecodeStub(pod_channel)
-        for name, prompt, tokens in (("long", long_turn, long_tokens),
-                                     ("short", short_turn, short_tokens)):
-            reference = colocated_generate(plain, f"plain-{name}", prompt, _sampling())
-            assert tokens == reference.token_ids, name
+
+def test_at_the_defaults_the_next_turn_goes_where_the_prompt_was_sent(stack):
+    routers, pods = stack
+    router = routers["plain"]
+    rng = random.Random(43)
+    first_prompt = [rng.randrange(5, 1100) for _ in range(40)]
+    with grpc.insecure_channel(router.grpc_address) as channel:
+        stub = pdserve_pb2_grpc.RouterStub(channel)
+        # the P/D path: B receives the prompt's KV and caches it
+        answer = _first_turn_on_b(router, stub, pods, first_prompt,
+                                  "pdserve_kv_transfer_bytes_total")
+        turn = first_prompt + answer + [rng.randrange(5, 1100) for _ in range(30)]
+        tokens = _follow_up_on_b(stub, pods, turn)
+    _assert_plain_path(pods, {"turn": (turn, tokens)})
