@@ -72,7 +72,7 @@ from pod.messages import ModelLimits, check_request
 from proto import pdserve_pb2, pdserve_pb2_grpc
 from proto.status import ServiceError
 from telemetry import kv_traces
-from telemetry.pod_trace import PodTrace
+from telemetry.pod_trace import PodTrace, finished_with
 
 log = logging.getLogger(__name__)
 
@@ -121,16 +121,8 @@ class DecodeServicer(pdserve_pb2_grpc.DecodeServicer):
         # the request's spans (telemetry/pod_trace.py): made at its end, when traced
         trace = PodTrace("decode.request", metadata, request_id=request.request_id,
                          remote_prefill=request.remote_prefill)
-        error = "cancelled"
-        try:
-            async for message in self._generate_traced(request, trace):
-                yield message
-            error = None
-        except Exception as exc:
-            error = f"{type(exc).__name__}: {exc}"
-            raise
-        finally:
-            trace.finish(error)
+        async for message in finished_with(trace, self._generate_traced(request, trace)):
+            yield message
 
     async def _generate_traced(self, request: pdserve_pb2.DecodeGenerateRequest,
                                trace: PodTrace

@@ -76,7 +76,7 @@ from prefill_service.rank_sends import bytes_moved
 from proto import pdserve_pb2, pdserve_pb2_grpc
 from proto.roles import PodRole
 from proto.status import ServiceError
-from telemetry.pod_trace import PodTrace
+from telemetry.pod_trace import PodTrace, finished_with
 
 log = logging.getLogger(__name__)
 
@@ -104,17 +104,14 @@ class PrefillServicer(pdserve_pb2_grpc.PrefillServicer):
         trace = PodTrace("prefill.request", context.invocation_metadata(),
                          request_id=request.request_id,
                          prompt_tokens=len(request.prompt_token_ids))
-        error = "cancelled"
-        try:
-            with self._gate.admit():
-                async for message in self._prefill(request, trace):
-                    yield message
-            error = None
-        except Exception as exc:
-            error = f"{type(exc).__name__}: {exc}"
-            raise
-        finally:
-            trace.finish(error)
+        async for message in finished_with(trace, self._admitted(request, trace)):
+            yield message
+
+    async def _admitted(self, request: pdserve_pb2.PrefillRequest, trace: PodTrace
+                        ) -> AsyncIterator[pdserve_pb2.PrefillResponse]:
+        with self._gate.admit():  # a refusal here ends the trace with its error too
+            async for message in self._prefill(request, trace):
+                yield message
 
     async def _prefill(self, request: pdserve_pb2.PrefillRequest, trace: PodTrace
                        ) -> AsyncIterator[pdserve_pb2.PrefillResponse]:

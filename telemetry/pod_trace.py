@@ -12,7 +12,8 @@ router's attempt) with one child per phase.
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import AsyncIterator
+from typing import Any, TypeVar
 
 from telemetry import spans
 from telemetry.context import from_metadata
@@ -59,6 +60,24 @@ class PodTrace:
         for name, start, end, details in self.phases:
             spans.child(root, name, start, end, _prefixed(details))
         spans.end(root, time.monotonic(), error=error)
+
+
+T = TypeVar("T")
+
+
+async def finished_with(trace: PodTrace, messages: AsyncIterator[T]) -> AsyncIterator[T]:
+    """`messages` passed through; `trace` finishes when they end: with no
+    error, the exception's type and text, or "cancelled" (the caller left)."""
+    error = "cancelled"
+    try:
+        async for message in messages:
+            yield message
+        error = None
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+        raise
+    finally:
+        trace.finish(error)
 
 
 def _prefixed(attributes: dict[str, Any]) -> dict[str, Any]:
