@@ -165,6 +165,7 @@ class DecodeServicer(pdserve_pb2_grpc.DecodeServicer):
         index, last = first_index, first_token_at
         waiting_since = time.monotonic() if first_token_at is None else first_token_at
         first_step: float | None = None  # once per request, not per token
+        preemptions = 0
         finished = False
         try:
             async for output in stream:
@@ -178,6 +179,7 @@ class DecodeServicer(pdserve_pb2_grpc.DecodeServicer):
                         self._metrics.inter_token_latency.observe(now - last)
                     last = now
                 finished = output.finished
+                preemptions = output.num_preemptions
                 if output.new_token_ids or output.finished:
                     yield tokens_message(output, index)
                 index += len(output.new_token_ids)
@@ -193,7 +195,8 @@ class DecodeServicer(pdserve_pb2_grpc.DecodeServicer):
         finally:
             if trace is not None and first_step is not None:
                 trace.phase("decode.first_step_wait", waiting_since, first_step)
-                trace.phase("decode.generate", first_step, tokens=index - first_index)
+                trace.phase("decode.generate", first_step, tokens=index - first_index,
+                            preemptions=preemptions)
             if not finished:
                 # Client cancel (CancelledError / generator closed) mid-stream.
                 await asyncio.shield(self._loop.abort(rid, "client"))

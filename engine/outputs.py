@@ -56,6 +56,11 @@ class RequestOutput:
     # the pod that computed the prompt of a request with prompt_logprobs:
     # entries for prompt tokens 1..P-1 (engine.prompt_logprobs).
     prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
+    # when a step first computed tokens of it (time.monotonic, this process;
+    # None for a request whose prompt another pod computed) and how often it
+    # was preempted: the phases of its trace (docs/tracing.md)
+    first_scheduled_at: float | None = None
+    num_preemptions: int = 0
 
     def __post_init__(self) -> None:
         if self.finish_reason is not None and self.finish_reason not in FINISH_REASONS:
@@ -73,7 +78,9 @@ class RequestOutput:
                    num_prompt_tokens=request.num_prompt_tokens,
                    num_cached_tokens=request.num_cached_tokens,
                    num_output_tokens=request.num_output_tokens,
-                   prompt_logprobs=prompt_logprobs)
+                   prompt_logprobs=prompt_logprobs,
+                   first_scheduled_at=request.first_scheduled_at,
+                   num_preemptions=request.num_preemptions)
 
     @property
     def finished(self) -> bool:

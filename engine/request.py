@@ -90,7 +90,8 @@ class Request:
                  "all_token_ids", "num_context_tokens", "status", "num_computed_tokens",
                  "num_cached_tokens", "block_ids", "block_hashes", "num_cached_blocks",
                  "num_kv_streamed", "was_scheduled", "num_output_placeholders",
-                 "last_step_id", "prompt_logprobs", "num_prompt_logprobs_planned")
+                 "last_step_id", "prompt_logprobs", "num_prompt_logprobs_planned",
+                 "first_scheduled_at", "num_preemptions")
 
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int],
                  sampling_params: SamplingParams, *, output_token_ids: Sequence[int] = (),
@@ -112,6 +113,10 @@ class Request:
         self.num_cached_blocks = 0  # leading blocks already inserted in the prefix cache
         self.num_kv_streamed = 0  # context tokens already handed to the LayerKVHook
         self.was_scheduled = False
+        # when a step first computed tokens of it (time.monotonic; None until
+        # then): its queue wait ends there (request traces, docs/tracing.md)
+        self.first_scheduled_at: float | None = None
+        self.num_preemptions = 0  # times preempted by recompute
         self.num_output_placeholders = 0  # sampled by a scheduled step, not yet appended
         self.last_step_id = -1  # newest step that computes tokens of this request
         # Prompt logprobs computed here (engine.prompt_logprobs): entries for

@@ -63,6 +63,7 @@ Only the engine loop thread calls this.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -294,6 +295,8 @@ class Scheduler:
         be planned while this one is in flight; a step that reaches the end
         adds an output placeholder for the token it samples."""
         self.block_manager.allocate(request, num_new)
+        if not request.was_scheduled:
+            request.first_scheduled_at = time.monotonic()
         request.was_scheduled = True
         start = request.num_computed_tokens
         request.num_computed_tokens = start + num_new
@@ -305,6 +308,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.num_preemptions += 1
+        request.num_preemptions += 1
         self._free(request)
         request.transition(RequestStatus.PREEMPTED)
         self.waiting.appendleft(request)

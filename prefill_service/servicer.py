@@ -136,10 +136,13 @@ class PrefillServicer(pdserve_pb2_grpc.PrefillServicer):
             finished = True
             first_at = time.monotonic()
             self._metrics.time_to_first_token.observe(first_at - arrived)
-            # queue wait and compute together: the engine's step stamps are not here
-            trace.phase("prefill.compute", arrived, first_at,
+            # the queue ends where a step first computed it (the engine's stamp)
+            computing = first.first_scheduled_at or arrived
+            trace.phase("prefill.queue_wait", arrived, max(arrived, computing))
+            trace.phase("prefill.compute", max(arrived, computing), first_at,
                         cached_tokens=first.num_cached_tokens,
-                        computed_tokens=first.num_prompt_tokens - first.num_cached_tokens)
+                        computed_tokens=first.num_prompt_tokens - first.num_cached_tokens,
+                        preemptions=first.num_preemptions)
             first_message = pdserve_pb2.PrefillResponse(request_id=rid,
                                                         first_token=_first_token(first))
             sent = 0

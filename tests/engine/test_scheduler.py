@@ -1,3 +1,5 @@
+import time
+
 import pytest
 
 from engine.block_manager import BlockManager
@@ -76,6 +78,7 @@ def test_preemption_frees_newest_and_requeues_at_head():
     sched.add(b)
     out = sched.schedule()
     assert _plan(out) == [("a", 0, 8), ("b", 0, 8)]
+    first_b = time.monotonic()
     _finish_step(sched, out)
     assert sched.block_manager.num_free_blocks == 0
     out = sched.schedule()
@@ -92,6 +95,23 @@ def test_preemption_frees_newest_and_requeues_at_head():
     assert _plan(out) == [("b", 4, 5)]
     assert b.num_cached_tokens == 0  # the hit statistic is from its first schedule only
     assert b.status is S.RUNNING
+    # a trace's phases: preempted once; its queue wait ended at its first schedule
+    assert (a.num_preemptions, b.num_preemptions) == (0, 1)
+    assert b.first_scheduled_at is not None and b.first_scheduled_at < first_b
+
+
+def test_the_first_schedule_is_stamped_once():
+    sched = _sched()
+    a = _req("a", 8)
+    sched.add(a)
+    assert a.first_scheduled_at is None
+    before = time.monotonic()
+    out = sched.schedule()
+    assert before <= a.first_scheduled_at <= time.monotonic()
+    stamped = a.first_scheduled_at
+    _finish_step(sched, out)
+    sched.schedule()
+    assert a.first_scheduled_at == stamped
 
 
 def test_running_request_preempts_itself_when_last():

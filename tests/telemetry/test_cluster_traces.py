@@ -140,7 +140,9 @@ def test_one_streamed_request_is_one_trace_across_router_prefill_and_decode(clus
     assert prefill.parent_id == decode.parent_id == attempt.span_id
     send = _one(spans, "kv.send")
     assert send.parent_id == prefill.span_id
-    assert _one(spans, "prefill.compute").parent_id == prefill.span_id
+    queue, compute = _one(spans, "prefill.queue_wait"), _one(spans, "prefill.compute")
+    assert queue.parent_id == compute.parent_id == prefill.span_id
+    assert queue.end_ns <= compute.start_ns  # the engine's first schedule between them
     for name in ("kv.receive_inject", "decode.first_step_wait", "decode.generate"):
         assert _one(spans, name).parent_id == decode.span_id
     assert send.attributes["pdserve.bytes"] > 0
