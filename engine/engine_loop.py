@@ -297,15 +297,8 @@ class EngineLoop:
         stream (if still open) ends with `RequestAborted(reason)`. Returns
         whether the request was known to this loop."""
 
-        def abort(engine: Any) -> bool:
-            stream = self._streams.pop(request_id)
-            if engine.abort_request(request_id):
-                self._streams.aborted(request_id)
-            if stream is not None:
-                stream.abort(RequestAborted(request_id, reason))
-            return stream is not None
-
-        found = await self.call(abort)
+        found = await self.call(
+            lambda engine: abort_in(engine, self._streams, request_id, reason))
         if found:
             self._metrics.abort(reason)
         return found
@@ -378,3 +371,15 @@ class EngineLoop:
         stats = self._engine.stats()
         self.stats = stats
         self._export.publish(self._engine, stats)
+
+
+def abort_in(engine: Any, streams: StreamTable, request_id: str, reason: str) -> bool:
+    """On the loop that owns `engine` (a real or a simulated one): end the
+    request in any state, its open stream with `RequestAborted(reason)`;
+    whether this loop knew it."""
+    stream = streams.pop(request_id)
+    if engine.abort_request(request_id):
+        streams.aborted(request_id)
+    if stream is not None:
+        stream.abort(RequestAborted(request_id, reason))
+    return stream is not None

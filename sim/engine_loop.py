@@ -37,10 +37,10 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from engine.engine_loop import LoopState
+from engine.engine_loop import LoopState, abort_in
 from engine.metrics import PodMetrics
 from engine.outputs import EngineStats, RemoteReservation
-from engine.request_stream import EngineDead, RequestAborted, RequestStream, StreamTable
+from engine.request_stream import EngineDead, RequestStream, StreamTable
 from engine.stats_export import StatsExport
 from sim.engine import SimEngine
 from sim.perf_model import PerfModel
@@ -159,15 +159,8 @@ class SimEngineLoop:
     async def abort(self, request_id: str, reason: str) -> bool:
         """`EngineLoop.abort`: the request ends in any state, its stream
         (if open) with `RequestAborted(reason)`."""
-        def abort(engine: SimEngine) -> bool:
-            stream = self._streams.pop(request_id)
-            if engine.abort_request(request_id):
-                self._streams.aborted(request_id)
-            if stream is not None:
-                stream.abort(RequestAborted(request_id, reason))
-            return stream is not None
-
-        found = self._run_now(abort)
+        found = self._run_now(
+            lambda engine: abort_in(engine, self._streams, request_id, reason))
         if found:
             self._metrics.abort(reason)
         return found
