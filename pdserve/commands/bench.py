@@ -14,7 +14,8 @@ HELP = ("Benchmarks: engine, tp, tp-transfer, decode-gemm, prefill-gemm, prefill
         "routing "
         "(each against its baseline); serve (a load generator) and serve-plot; soak "
         "(mixed load, cancellations and a pod restart); scale (routers in front of "
-        "simulated pods).")
+        "simulated pods); sim-profile (a simulator profile measured from the real "
+        "engine) and sim-check (its predictions against real pods).")
 
 BENCHMARKS: dict[str, str] = {
     "engine": "benchmarks.engine",
@@ -37,6 +38,8 @@ BENCHMARKS: dict[str, str] = {
     "serve-plot": "benchmarks.serve_plot",
     "soak": "benchmarks.soak",
     "scale": "benchmarks.scale",
+    "sim-profile": "benchmarks.sim_profile",
+    "sim-check": "benchmarks.sim_check",
 }
 
 
