@@ -18,8 +18,9 @@ One run, all on loopback:
               the sim's one metrics page (`pdserve sim --metrics-port`)
     report    per router: CPU per request and per relayed output token (its
               /proc CPU time over the load), idle CPU (% of one core),
-              load-report traffic (GetLoad RPCs/s and bytes/s: pods / poll
-              interval x one report's size, computed, not counted), prefix-index
+              load-report traffic at idle (reports/s, streamed and polled, from
+              its pdserve_router_load_reports_total; bytes/s = that x one
+              report's size), prefix-index
               blocks (its pdserve_router_cache_index_blocks summed over pods),
               routing-decision latency p50/p99 per role chosen (from its
               pdserve_router_routing_decision_seconds buckets, interpolated
@@ -73,6 +74,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--poll-interval", type=float, default=1.0,
                    help="each router's --load-poll-interval (seconds)")
     g.add_argument("--routing-policy", default="cache-aware")
+    g.add_argument("--load-reports", choices=("push", "poll"), default="push",
+                   help="the routers' --load-reports: pushed streams or polling")
     g.add_argument("--idle-seconds", type=float, default=10.0)
     g.add_argument("--start-timeout", type=float, default=600.0)
     p = parser.add_argument_group("plan: P:D counts checked against the simulator")
@@ -181,6 +184,7 @@ def _start(args: argparse.Namespace, tmp: Path, redis_url: str) -> tuple[list, l
         procs.append(_spawn(["router", "--model", args.sim_model, "--host", "127.0.0.1",
                              "--port", str(port), "--grpc-port", "0", "--redis-url", redis_url,
                              "--load-poll-interval", str(args.poll_interval),
+                             "--load-reports", args.load_reports,
                              "--routing-policy", args.routing_policy], tmp / f"router{i}.log"))
         ports.append(port)
     want = {"prefill": args.sim_prefill, "decode": args.sim_decode}
@@ -204,12 +208,17 @@ def run(args: argparse.Namespace) -> dict:
         procs += started
         routers = procs[2:]
         cpu0 = [_cpu_seconds(p.pid) for p in routers]
+        reports0 = [_sum(_metrics(port), "pdserve_router_load_reports_total{") for port in ports]
         time.sleep(args.idle_seconds)
         idle = [(_cpu_seconds(p.pid) - c) / args.idle_seconds for p, c in
                 zip(routers, cpu0, strict=True)]
+        # counted, not computed: streamed reports and polls the routers received
+        idle_reports = [(_sum(_metrics(port), "pdserve_router_load_reports_total{") - r0)
+                        / args.idle_seconds for port, r0 in zip(ports, reports0, strict=True)]
         args.model = args.model or serve.detect_model(f"http://127.0.0.1:{ports[0]}")
         sessions, workload = serve.sessions_from_args(args)
         cpu1, ops1 = [_cpu_seconds(p.pid) for p in routers], _redis_ops(redis_url)
+        reports1 = [_sum(_metrics(port), "pdserve_router_load_reports_total{") for port in ports]
         began = time.monotonic()
         with ThreadPoolExecutor(len(ports)) as pool:
             # the pods' counters are the whole cluster's: one router's load alone owns them
@@ -219,7 +228,6 @@ def run(args: argparse.Namespace) -> dict:
         seconds = time.monotonic() - began
         ops2 = _redis_ops(redis_url)
         report_bytes = _report_bytes(pods["prefill"][0])
-        num_pods = args.sim_prefill + args.sim_decode
         per_router = []
         for i, (proc, port, result) in enumerate(zip(routers, ports, results,
                                                           strict=True)):
@@ -229,8 +237,10 @@ def run(args: argparse.Namespace) -> dict:
                 "router": i, "idle_cpu_fraction": idle[i], "load_cpu_s": cpu,
                 "cpu_ms_per_request": 1e3 * cpu / max(1, result["completed"]),
                 "cpu_us_per_output_token": 1e6 * cpu / max(1, result["output_tokens"]),
-                "load_reports_per_s": num_pods / args.poll_interval,
-                "load_report_bytes_per_s": num_pods / args.poll_interval * report_bytes,
+                "load_reports_per_s": idle_reports[i],
+                "load_report_bytes_per_s": idle_reports[i] * report_bytes,
+                "load_reports_under_load_per_s": (_sum(
+                    text, "pdserve_router_load_reports_total{") - reports1[i]) / seconds,
                 "prefix_index_blocks": _sum(text, "pdserve_router_cache_index_blocks{"),
                 "routing_decision": decision_latency(text),
                 "serve": result})
@@ -300,7 +310,7 @@ def main(args: argparse.Namespace) -> int:
     result = run(args)
     print(f"\n{result['pods']} simulated pods ({result['profile']}), "
           f"{len(result['routers'])} router(s); Redis {result['redis_ops_per_s']:.0f} ops/s")
-    print("| router | idle CPU | CPU ms/request | CPU us/token | GetLoad/s | report B/s "
+    print("| router | idle CPU | CPU ms/request | CPU us/token | reports/s idle | report B/s "
           "| index blocks |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for r in result["routers"]:
@@ -308,6 +318,8 @@ def main(args: argparse.Namespace) -> int:
               f"| {r['cpu_us_per_output_token']:.0f} | {r['load_reports_per_s']:.0f} "
               f"| {r['load_report_bytes_per_s']:,.0f} | {r['prefix_index_blocks']:.0f} |")
     for r in result["routers"]:
+        print(f"router {r['router']} load reports under load: "
+              f"{r['load_reports_under_load_per_s']:.0f}/s")
         for role, d in sorted(r["routing_decision"].items()):
             if d["count"]:
                 print(f"router {r['router']} {role} decisions: {d['count']:.0f}, "

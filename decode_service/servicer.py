@@ -67,7 +67,7 @@ from kv_transfer.target_wire import target_to_proto
 from pod.decode_stream import DecodeStreamMux
 from pod.drain import DrainGate
 from pod.errors import pod_errors
-from pod.load import load_report
+from pod.load import load_report, watch_load
 from pod.messages import ModelLimits, check_request
 from proto import pdserve_pb2, pdserve_pb2_grpc
 from proto.status import ServiceError
@@ -287,6 +287,15 @@ class DecodeServicer(pdserve_pb2_grpc.DecodeServicer):
                       context: grpc.aio.ServicerContext) -> pdserve_pb2.LoadReport:
         return load_report(self._role, self._model, self._generation, self._loop, self._gate,
                            self._cache_events_channel)
+
+    async def WatchLoad(self, request: pdserve_pb2.WatchLoadRequest,
+                        context: grpc.aio.ServicerContext):
+        """GetLoad's report pushed on change, with heartbeats (pod/load.py)."""
+        async for report in watch_load(
+                lambda: load_report(self._role, self._model, self._generation, self._loop,
+                                    self._gate, self._cache_events_channel),
+                self._loop, self._gate, request):
+            yield report
 
 
 def _check_split(request: pdserve_pb2.DecodeGenerateRequest, num_context: int,

@@ -69,7 +69,7 @@ from kv_transfer.target_wire import target_from_proto
 from pod.drain import DrainGate
 from pod.errors import pod_errors
 from pod.kv_shape import KVShape
-from pod.load import load_report
+from pod.load import load_report, watch_load
 from pod.messages import ModelLimits, check_request, logprob_to_proto
 from prefill_service.kv_export import KVExport
 from prefill_service.rank_sends import bytes_moved
@@ -216,6 +216,15 @@ class PrefillServicer(pdserve_pb2_grpc.PrefillServicer):
                       context: grpc.aio.ServicerContext) -> pdserve_pb2.LoadReport:
         return load_report(PodRole.PREFILL, self._model, self._generation, self._loop, self._gate,
                            self._cache_events_channel)
+
+    async def WatchLoad(self, request: pdserve_pb2.WatchLoadRequest,
+                        context: grpc.aio.ServicerContext):
+        """GetLoad's report pushed on change, with heartbeats (pod/load.py)."""
+        async for report in watch_load(
+                lambda: load_report(PodRole.PREFILL, self._model, self._generation, self._loop,
+                                    self._gate, self._cache_events_channel),
+                self._loop, self._gate, request):
+            yield report
 
 
 def _first_token(first: RequestOutput) -> pdserve_pb2.PrefillFirstToken:

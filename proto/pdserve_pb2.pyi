@@ -89,6 +89,14 @@ class LoadRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class WatchLoadRequest(_message.Message):
+    __slots__ = ("min_interval_s", "max_interval_s")
+    MIN_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    MAX_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    min_interval_s: float
+    max_interval_s: float
+    def __init__(self, min_interval_s: _Optional[float] = ..., max_interval_s: _Optional[float] = ...) -> None: ...
+
 class LoadReport(_message.Message):
     __slots__ = ("role", "generation", "num_waiting", "num_waiting_tokens", "num_running", "num_free_blocks", "num_total_blocks", "block_size", "prefix_hit_rate", "model", "max_model_len", "draining", "cache_events_channel", "device", "tensor_parallel_size")
     ROLE_FIELD_NUMBER: _ClassVar[int]

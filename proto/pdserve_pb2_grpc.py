@@ -54,6 +54,11 @@ class DecodeStub:
                 request_serializer=proto_dot_pdserve__pb2.LoadRequest.SerializeToString,
                 response_deserializer=proto_dot_pdserve__pb2.LoadReport.FromString,
                 _registered_method=True)
+        self.WatchLoad = channel.unary_stream(
+                '/pdserve.v1.Decode/WatchLoad',
+                request_serializer=proto_dot_pdserve__pb2.WatchLoadRequest.SerializeToString,
+                response_deserializer=proto_dot_pdserve__pb2.LoadReport.FromString,
+                _registered_method=True)
 
 
 class DecodeServicer:
@@ -85,6 +90,12 @@ class DecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchLoad(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -106,6 +117,11 @@ def add_DecodeServicer_to_server(servicer, server):
             'GetLoad': grpc.unary_unary_rpc_method_handler(
                     servicer.GetLoad,
                     request_deserializer=proto_dot_pdserve__pb2.LoadRequest.FromString,
+                    response_serializer=proto_dot_pdserve__pb2.LoadReport.SerializeToString,
+            ),
+            'WatchLoad': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchLoad,
+                    request_deserializer=proto_dot_pdserve__pb2.WatchLoadRequest.FromString,
                     response_serializer=proto_dot_pdserve__pb2.LoadReport.SerializeToString,
             ),
     }
@@ -227,6 +243,33 @@ class Decode:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def WatchLoad(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.v1.Decode/WatchLoad',
+            proto_dot_pdserve__pb2.WatchLoadRequest.SerializeToString,
+            proto_dot_pdserve__pb2.LoadReport.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class PrefillStub:
     """Missing associated documentation comment in .proto file."""
@@ -252,6 +295,11 @@ class PrefillStub:
                 request_serializer=proto_dot_pdserve__pb2.LoadRequest.SerializeToString,
                 response_deserializer=proto_dot_pdserve__pb2.LoadReport.FromString,
                 _registered_method=True)
+        self.WatchLoad = channel.unary_stream(
+                '/pdserve.v1.Prefill/WatchLoad',
+                request_serializer=proto_dot_pdserve__pb2.WatchLoadRequest.SerializeToString,
+                response_deserializer=proto_dot_pdserve__pb2.LoadReport.FromString,
+                _registered_method=True)
 
 
 class PrefillServicer:
@@ -275,6 +323,12 @@ class PrefillServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchLoad(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -291,6 +345,11 @@ def add_PrefillServicer_to_server(servicer, server):
             'GetLoad': grpc.unary_unary_rpc_method_handler(
                     servicer.GetLoad,
                     request_deserializer=proto_dot_pdserve__pb2.LoadRequest.FromString,
+                    response_serializer=proto_dot_pdserve__pb2.LoadReport.SerializeToString,
+            ),
+            'WatchLoad': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchLoad,
+                    request_deserializer=proto_dot_pdserve__pb2.WatchLoadRequest.FromString,
                     response_serializer=proto_dot_pdserve__pb2.LoadReport.SerializeToString,
             ),
     }
@@ -374,6 +433,33 @@ class Prefill:
             target,
             '/pdserve.v1.Prefill/GetLoad',
             proto_dot_pdserve__pb2.LoadRequest.SerializeToString,
+            proto_dot_pdserve__pb2.LoadReport.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchLoad(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.v1.Prefill/WatchLoad',
+            proto_dot_pdserve__pb2.WatchLoadRequest.SerializeToString,
             proto_dot_pdserve__pb2.LoadReport.FromString,
             options,
             channel_credentials,

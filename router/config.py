@@ -70,6 +70,10 @@ class RouterConfig:
     api_keys_file: str | None = None
     session_epsilon: float = 0.25
     load_poll_interval: float = 0.5
+    # "push": each pod's WatchLoad stream (polled only for health, and where the
+    # stream is down); "poll": GetLoad from every pod every interval
+    # (router/registry/poller.py).
+    load_reports: str = "push"
     # A pod missing from the Redis registry but still answering its polls stays
     # routable this long (router/registry/poller.py; a registry restored empty).
     registry_absent_grace: float = 10.0
@@ -140,6 +144,8 @@ class RouterConfig:
                              "not both")
         if not 0.0 <= self.session_epsilon <= 10.0:
             raise ValueError(f"session_epsilon must be in [0, 10], got {self.session_epsilon}")
+        if self.load_reports not in ("push", "poll"):
+            raise ValueError(f"load_reports must be 'push' or 'poll', got {self.load_reports!r}")
         if not 0.01 <= self.load_poll_interval <= 60.0:
             raise ValueError(
                 f"load_poll_interval must be in [0.01, 60] seconds, got {self.load_poll_interval}"

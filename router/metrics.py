@@ -87,6 +87,11 @@ class RouterMetrics:
             "Output tokens written to their client by the decode session's reader itself "
             "(the direct relay), not by the request's task", registry=r,
         )
+        self.load_reports = Counter(
+            "pdserve_router_load_reports_total",
+            "Pods' load reports received, by how: streamed (WatchLoad) or polled (GetLoad)",
+            ["source"], registry=r,
+        )
         self.requests = Counter(
             "pdserve_router_requests_total", "Finished client requests by outcome",
             ["outcome"], registry=r,

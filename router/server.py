@@ -116,7 +116,10 @@ class RouterServer:
         tokenizer = Tokenizer.from_pretrained(c.model_dir)
         self.pool = PolledPodPool(self._pod_source(), poll_interval=c.load_poll_interval,
                                   security=c.pod_security,
-                                  absent_grace=c.registry_absent_grace)
+                                  absent_grace=c.registry_absent_grace,
+                                  watch=c.load_reports == "push",
+                                  on_report=lambda source: self.metrics.load_reports.labels(
+                                      source=source).inc())
         await self.pool.start()
         self._sessions = RedisSessionStore(c.redis_url) if c.redis_url else InMemorySessionStore()
         index = PrefixIndex(c.cache_index_blocks)

@@ -56,7 +56,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "file changes (default: $PDSERVE_API_KEYS_FILE; docs/router.md)")
     parser.add_argument("--session-epsilon", type=float, default=0.25,
                         help="a session moves off its pod above (1 + eps) x average load")
-    parser.add_argument("--load-poll-interval", type=float, default=0.5, metavar="SECONDS")
+    parser.add_argument("--load-poll-interval", type=float, default=0.5, metavar="SECONDS",
+                        help="how often pods are polled (pods without a live load stream) and "
+                             "how often a pod's stream may report a change (default 0.5)")
+    parser.add_argument("--load-reports", choices=("push", "poll"), default="push",
+                        help="push: each pod streams its load on change and a heartbeat "
+                             "every 2 s, health checked every 10 s; poll: GetLoad and a "
+                             "health check from every pod every interval (default push)")
     parser.add_argument("--registry-absent-grace", type=float, default=10.0, metavar="SECONDS",
                         help="a pod missing from the Redis registry but still answering its "
                              "health polls stays routable this long (default 10)")
@@ -203,6 +209,7 @@ def config_from_args(args: argparse.Namespace):
         api_keys_file=args.api_keys_file or os.environ.get("PDSERVE_API_KEYS_FILE") or None,
         session_epsilon=args.session_epsilon,
         load_poll_interval=args.load_poll_interval,
+        load_reports=args.load_reports,
         registry_absent_grace=args.registry_absent_grace,
         flow=FlowSettings(max_prefill_retries=args.max_prefill_retries,
                           max_migrations=args.max_migrations,

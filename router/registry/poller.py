@@ -29,8 +29,17 @@ first successful poll. A pod that answers too slowly stays routable through
 then is UNHEALTHY too. A pod whose LoadReport says `draining` or names another
 role is UNHEALTHY: it takes no new work.
 
-The pool owns one gRPC channel per pod for polling (the server keeps its own
-channels for requests). `start()`/`close()` are awaited by the router server.
+Load reports are pushed once a pod answers a poll: one `WatchLoad` stream per
+HEALTHY pod (router/registry/load_watch.py), each report applied as a poll's.
+A pod with a live stream is polled only every `health_interval`; the stream's
+end (UNHEALTHY at once, as a failed poll) or silence past its heartbeat
+deadline (a slow poll) puts it back on polling, and a good poll opens a new
+stream. An older pod without the RPC (UNIMPLEMENTED) is polled as before;
+`watch=False` polls every pod (before issue 43; docs/simulator.md).
+
+The pool owns one gRPC channel per pod for polling and its stream (the server
+keeps its own channels for requests). `start()`/`close()` are awaited by the
+router server.
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ import asyncio
 import enum
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -48,6 +58,7 @@ from proto import pdserve_pb2, pdserve_pb2_grpc
 from proto.limits import GRPC_RECONNECT_OPTIONS
 from proto.tls import PodSecurity, pod_channel
 from router.registry.base import PodEntry, PodSource
+from router.registry.load_watch import LoadWatch
 from router.routing.base import PodLoad, PodPool, check_role
 
 log = logging.getLogger(__name__)
@@ -86,6 +97,9 @@ class _Pod:
     reason: str = "not polled yet"
     failures: int = 0  # consecutive failed polls (in the log line when it goes down)
     absent_since: float | None = None  # monotonic time it went missing from the registry
+    watch: LoadWatch | None = None  # its pushed load reports, while the stream lives
+    watch_unsupported: bool = False  # an older pod without WatchLoad: polled
+    polled_at: float = 0.0  # monotonic time of its last poll
 
     def move(self, new: PodState, reason: str) -> None:
         if new not in _TRANSITIONS[self.state]:
@@ -109,6 +123,10 @@ class PolledPodPool(PodPool):
         poll_timeout: float | None = None,
         security: PodSecurity | None = None,
         absent_grace: float = 10.0,
+        watch: bool = True,
+        heartbeat_interval: float = 2.0,
+        health_interval: float = 10.0,
+        on_report: Callable[[str], None] | None = None,
     ) -> None:
         super().__init__()
         if not 0.01 <= poll_interval <= 60:
@@ -116,6 +134,15 @@ class PolledPodPool(PodPool):
         if not 0 <= absent_grace <= 3600:
             raise ValueError(f"registry absent grace must be in [0, 3600] s; got {absent_grace}")
         self.absent_grace = absent_grace
+        if not 0.1 <= heartbeat_interval <= 60 or not 0.1 <= health_interval <= 3600:
+            raise ValueError(f"load heartbeat interval must be in [0.1, 60] s and health "
+                             f"interval in [0.1, 3600] s; got {heartbeat_interval}, "
+                             f"{health_interval}")
+        self.watch = watch
+        self.heartbeat_interval = heartbeat_interval
+        self.health_interval = health_interval
+        # counts each report received: "stream" or "poll" (a metric)
+        self._on_report = on_report or (lambda source: None)
         self.poll_interval = poll_interval
         self.poll_timeout = poll_timeout if poll_timeout is not None else max(0.5, poll_interval)
         if self.poll_timeout <= 0:
@@ -141,6 +168,7 @@ class PolledPodPool(PodPool):
                 log.warning("pod poller did not stop within %.0f s; abandoning it",
                             _CLOSE_TIMEOUT_S)
         for pod in self._pods.values():
+            self._stop_watch(pod)
             self._close_channel(pod.channel)
         self._pods.clear()
         if self._closing:
@@ -187,7 +215,62 @@ class PolledPodPool(PodPool):
             log.warning("pod discovery failed, keeping %d known pods: %r", len(self._pods), exc)
         else:
             self._sync(entries)
-        await asyncio.gather(*(self._poll_bounded(pod) for pod in list(self._pods.values())))
+        now = time.monotonic()
+        due = [pod for pod in list(self._pods.values()) if self._poll_due(pod, now)]
+        await asyncio.gather(*(self._poll_bounded(pod) for pod in due))
+        if self.watch:
+            for pod in due:
+                self._start_watch(pod)
+
+    def _poll_due(self, pod: _Pod, now: float) -> bool:
+        """Whether `pod` is polled this round: always, unless its load stream is
+        live, and then only every `health_interval` (the health check). A
+        silent stream is dropped here and counts as a slow poll."""
+        watch = pod.watch
+        if watch is None:
+            return True
+        if not watch.running:
+            pod.watch = None
+            return True
+        if not watch.reports:  # not live until its first report (an old pod says UNIMPLEMENTED)
+            return True
+        if watch.stale(now):
+            self._stop_watch(pod)
+            self._poll_failed(pod, f"no load report for {now - watch.last_report_at:.1f} s",
+                              slow=True)
+            return True
+        return now - pod.polled_at >= self.health_interval
+
+    def _start_watch(self, pod: _Pod) -> None:
+        if (pod.watch is not None or pod.watch_unsupported or pod.state is not PodState.HEALTHY
+                or self._pods.get(pod.entry.address) is not pod):
+            return
+        pod.watch = LoadWatch(pod.channel, pod.entry.role, min_interval=self.poll_interval,
+                              max_interval=self.heartbeat_interval,
+                              on_report=lambda report: self._streamed(pod, report),
+                              on_end=lambda reason, unsupported: self._watch_ended(
+                                  pod, reason, unsupported))
+        pod.watch.start()
+
+    def _streamed(self, pod: _Pod, report: pdserve_pb2.LoadReport) -> None:
+        self._on_report("stream")
+        self._apply(pod, report, "load report")
+
+    def _stop_watch(self, pod: _Pod) -> None:
+        if pod.watch is not None:
+            pod.watch.cancel()
+            pod.watch = None
+
+    def _watch_ended(self, pod: _Pod, reason: str, unsupported: bool) -> None:
+        pod.watch = None
+        if self._pods.get(pod.entry.address) is not pod:
+            return
+        if unsupported:
+            pod.watch_unsupported = True
+            log.info("%s pod %s has no WatchLoad: polling it", pod.entry.role,
+                     pod.entry.address)
+        elif pod.state is PodState.HEALTHY:
+            self._poll_failed(pod, reason, slow=False)
 
     async def _poll_bounded(self, pod: _Pod) -> None:
         try:
@@ -208,6 +291,7 @@ class PolledPodPool(PodPool):
             if entry is None and self._keep_absent(pod, now):
                 continue
             self._pods.pop(address)
+            self._stop_watch(pod)
             log.info("%s pod %s left the registry", pod.entry.role, address)
             self._close_channel(pod.channel)
         for address, entry in wanted.items():
@@ -229,6 +313,7 @@ class PolledPodPool(PodPool):
         return now - pod.absent_since < self.absent_grace
 
     async def _poll(self, pod: _Pod) -> None:
+        pod.polled_at = time.monotonic()
         try:
             health = await health_pb2_grpc.HealthStub(pod.channel).Check(
                 health_pb2.HealthCheckRequest(service=""), timeout=self.poll_timeout
@@ -244,11 +329,20 @@ class PolledPodPool(PodPool):
             self._poll_failed(pod, f"{exc.code().name} {exc.details()}",
                               slow=exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED)
             return
+        self._on_report("poll")
         if self._pods.get(pod.entry.address) is not pod:
             return  # removed from the registry while we were polling
         if health.status != health_pb2.HealthCheckResponse.SERVING:
+            self._stop_watch(pod)
             pod.move(PodState.UNHEALTHY, f"health status {health.status}")
-        elif report.role != pod.entry.role:
+        else:
+            self._apply(pod, report, "poll ok")
+
+    def _apply(self, pod: _Pod, report: pdserve_pb2.LoadReport, reason: str) -> None:
+        """A report from a poll (after a SERVING health check) or the pod's stream."""
+        if self._pods.get(pod.entry.address) is not pod:
+            return  # removed from the registry meanwhile
+        if report.role != pod.entry.role:
             pod.move(PodState.UNHEALTHY,
                      f"registered as {pod.entry.role} but reports role {report.role!r}")
         elif report.draining:
@@ -256,7 +350,7 @@ class PolledPodPool(PodPool):
         else:
             pod.report = report
             pod.failures = 0
-            pod.move(PodState.HEALTHY, "poll ok")
+            pod.move(PodState.HEALTHY, reason)
 
     @staticmethod
     def _poll_failed(pod: _Pod, reason: str, *, slow: bool) -> None:

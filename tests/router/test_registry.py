@@ -49,11 +49,28 @@ class LoadServicer(pdserve_pb2_grpc.PrefillServicer, pdserve_pb2_grpc.DecodeServ
     def __init__(self, report: pdserve_pb2.LoadReport) -> None:
         self.report = report
         self.delay = 0.0  # seconds GetLoad takes: a pod alive but too slow to answer
+        self.pushes = False  # serves WatchLoad (a pod from issue 43 on)
+        self.silent = False  # ... but sends no heartbeat
 
     async def GetLoad(self, request, context):  # noqa: N802 (gRPC method name)
         if self.delay:
             await asyncio.sleep(self.delay)
         return self.report
+
+    async def WatchLoad(self, request, context):  # noqa: N802 (gRPC method name)
+        """An older pod's answer unless `pushes` (tests/router/test_load_watch.py):
+        UNIMPLEMENTED, so the pool polls it; with `pushes`, the report at once,
+        again whenever `report` is replaced, and a heartbeat every
+        max_interval_s unless `silent` (a stuck pod)."""
+        if not self.pushes:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
+        sent, beat = None, 0.0
+        while True:
+            if self.report is not sent or (not self.silent and beat >= request.max_interval_s):
+                sent, beat = self.report, 0.0
+                yield sent
+            await asyncio.sleep(0.02)
+            beat += 0.02
 
 
 class LoadServer:
