@@ -33,7 +33,11 @@ own batch, no KV transfer) when every condition holds:
    and this router's local
    prefills still computing there (sent, first token not back) plus this
    one are at most N tokens, so its running batch stalls for at most one
-   N-token prefill at a time. Among such pods: the fewest running +
+   N-token prefill at a time. Among such pods: the longest cached prefix
+   of the prompt (counted only on pods whose running + in-flight sequences
+   are within the load bound, one request of slack: `choose_decode`'s
+   rule, so a prompt computed on a pod keeps its next turn there without a
+   hot cache piling prefills onto one pod), then the fewest running +
    in-flight sequences, then the most free blocks.
 
 Conditional disaggregation (`--local-prefill-below` T > 0): a prompt with
@@ -66,6 +70,7 @@ from dataclasses import dataclass
 from router.routing.base import PodLoad, PodPool
 from router.routing.ledger import LOCAL_RATE_WINDOW_S as LOCAL_RATE_WINDOW_S  # re-exported
 from router.routing.ledger import LocalRate, PodLedger, PodWork
+from router.routing.rendezvous import overload_bound
 from router.settings import LocalPrefillSettings
 
 # Tokens of `token_ids` decode pod `address` already caches (a prefix).
@@ -106,8 +111,9 @@ class LocalPrefill:
 
     def __init__(self, pool: PodPool, least_ahead: LeastAhead, settings: LocalPrefillSettings,
                  cached_prefix: CachedPrefix = no_cached_prefix,
-                 rate: LocalRate | None = None) -> None:
+                 rate: LocalRate | None = None, epsilon: float = 0.25) -> None:
         self._pool = pool
+        self.epsilon = epsilon  # the load bound's, as the routing policy's session epsilon
         self.rate = rate or LocalRate()  # every local prefill this rule let start
         self._least_ahead = least_ahead
         self._cached_prefix = cached_prefix
@@ -145,9 +151,11 @@ class LocalPrefill:
         settings = self.settings
         if not settings.enabled:
             return None
-        best: tuple[tuple[int, int], LocalChoice] | None = None
-        for pod in self._pool.pods("decode"):
-            if pod.address in exclude or not self._has_room(pod, max_context):
+        pods = [p for p in self._pool.pods("decode") if p.address not in exclude]
+        bound = self._load_bound(pods)
+        best: tuple[tuple[int, int, int], LocalChoice] | None = None
+        for pod in pods:
+            if not self._has_room(pod, max_context):
                 continue
             cached = min(len(token_ids), self._cached_prefix(pod.address, token_ids))
             new = len(token_ids) - cached
@@ -163,10 +171,20 @@ class LocalPrefill:
                 seen = ahead.tokens
             else:
                 seen = -1 if ahead is None else ahead.tokens
-            rank = (pod.num_running + pod.in_flight, -pod.num_free_blocks)
+            load = pod.num_running + pod.in_flight
+            rank = (-cached if load <= bound else 0, load, -pod.num_free_blocks)
             if best is None or rank < best[0]:
                 best = (rank, LocalChoice(pod.address, new, seen))
         return None if best is None else best[1]
+
+    def _load_bound(self, pods: list[PodLoad]) -> float:
+        """The running + in-flight sequences above which a decode pod's cached
+        prefix does not count (`choose_decode`'s bound: one request of slack),
+        so a hot cache never piles local prefills onto one pod."""
+        if len(pods) < 2:
+            return math.inf
+        loads = {p.address: float(p.num_running + p.in_flight) for p in pods}
+        return overload_bound(loads, epsilon=self.epsilon, slack=1.0)
 
     def _queue_is_long(self, ahead: Ahead, new_tokens: int) -> bool:
         """Condition 3: prefill is the bottleneck for a prompt of `new_tokens`."""

@@ -2,14 +2,17 @@
 routing/policy.py): among decode pods with room and within the load bound,
 the one whose prefix cache holds the longest prefix of the prompt wins;
 above the bound, without an index, or with nothing cached, the least-loaded
-order stands. The index is a real `PrefixIndex` fed real `CacheEventBatch`
-messages hashed as the pods hash them.
+order stands. A decode pod that prefills a prompt itself
+(`LocalPrefill.choose`) is ranked by the same rule. The index is a real
+`PrefixIndex` fed real `CacheEventBatch` messages hashed as the pods hash
+them.
 """
 
 from __future__ import annotations
 
 from proto import pdserve_pb2
 from router.cache_index.index import PrefixIndex, PromptBlocks
+from router.routing.local_prefill import Ahead, LocalPrefill, LocalPrefillSettings
 from router.routing.policy import RoutingPolicy
 from router.sessions import InMemorySessionStore
 from tests.router.test_policy import DECODE, SnapshotPool, load
@@ -89,3 +92,33 @@ def test_without_an_index_or_a_hit_the_order_is_least_loaded() -> None:
     other = [7] + PROMPT[1:]
     policy, _ = _policy(index, b={"num_running": 1})
     assert _choose(policy, other) == A
+
+
+def _local_rule(index: PrefixIndex, pool: SnapshotPool) -> LocalPrefill:
+    """A decode pod prefills any prompt below 1000 new tokens itself."""
+    return LocalPrefill(pool, lambda exclude: Ahead(0), LocalPrefillSettings(below=1000),
+                        cached_prefix=index.cached_prefix)
+
+
+def _local(rule: LocalPrefill, prompt=PROMPT) -> str:
+    choice = rule.choose(prompt, max_context=len(PROMPT) + 16, exclude=frozenset())
+    return choice.address
+
+
+def test_a_local_prefill_ranks_decode_pods_by_the_same_rule() -> None:
+    """`LocalPrefill.choose` (router/routing/local_prefill.py): the longest
+    cached prefix within the load bound, as `choose_decode` ranks them."""
+    index = PrefixIndex()
+    _publish(index, A, 2)
+    _publish(index, B, 6)
+    policy, pool = _policy(index, a={"num_running": 1}, b={"num_running": 2})
+    rule = _local_rule(index, pool)
+    assert _local(rule) == _choose(policy) == B
+    assert rule.choose(PROMPT, max_context=200, exclude=frozenset()).new_tokens == 133 - 96
+    # B above the bound (max(1.25 x 3.5, 4.5) = 4.5): its cache counts nothing
+    policy, pool = _policy(index, a={"num_running": 1}, b={"num_running": 6})
+    assert _local(_local_rule(index, pool)) == _choose(policy) == A
+    # another prompt hits nowhere: least-loaded
+    other = [7] + PROMPT[1:]
+    policy, pool = _policy(index, a={"num_running": 1})
+    assert _local(_local_rule(index, pool), other) == _choose(policy, other) == B
