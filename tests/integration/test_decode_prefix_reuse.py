@@ -18,9 +18,10 @@ equals), the first turn goes to the other (B). Then, both pods idle again:
   client), and the same output as the plain path.
 
 A second router, with no flags at all, shows the same for a prompt the
-decode pod received by transfer: the router follows the decode pods' cache
-events under the default policy, and the next turn goes back to the pod
-that holds the prompt.
+decode pod received by transfer: the test itself sends the first turn's KV
+from the prefill pod to B (so no load or timing decides where it lands), the
+router follows the decode pods' cache events under the default policy, and
+the next turn goes back to B, the pod that holds the prompt.
 
 The plain path is Decode.Generate(remote_prefill=false) on a decode pod,
 run last in each test so it cannot warm a cache the routing depends on.
@@ -38,7 +39,7 @@ import pytest
 
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc
-from tests.integration.flows import colocated_generate
+from tests.integration.flows import colocated_generate, disaggregated_generate
 from tests.integration.pods import PodProcess, start_pods
 from tests.router.router_process import RouterProcess, start_router, wait_ready
 
@@ -178,18 +179,35 @@ def test_the_next_turn_goes_where_the_decode_pod_computed_the_prefix(stack):
                               "short": (short_turn, short_tokens)})
 
 
-@pytest.mark.skip(reason="timing-dependent: failed once in a clean-clone run at 52cb5b2 "
-                  "(the holder request had finished); to be made deterministic")
+def _first_turn_sent_to_b(router: RouterProcess, pods, prompt: list[int]) -> list[int]:
+    """`prompt`'s answer on the P/D path the test drives itself: the prefill
+    pod computes it and sends its KV to B (no routing decides where), then
+    returns once the router's index holds B's new blocks of prompt + answer."""
+    _, b = _decode_pods(pods)
+    blocks = router.metric("pdserve_router_cache_index_blocks", pod=b.address)
+    with grpc.insecure_channel(pods["prefill"].address) as p_channel, \
+            grpc.insecure_channel(b.address) as b_channel:
+        answer = disaggregated_generate(pdserve_pb2_grpc.PrefillStub(p_channel),
+                                        pdserve_pb2_grpc.DecodeStub(b_channel),
+                                        "first-turn-on-b", prompt, _sampling())
+    assert answer.finish_reason == "length"
+    # prompt + answer: 64 tokens, of which B holds 63 (40 received, 23 computed): 3 blocks
+    _wait_for("the router to learn B's blocks", lambda: router.metric(
+        "pdserve_router_cache_index_blocks", pod=b.address) >= blocks + 3, router)
+    return answer.token_ids
+
+
 def test_at_the_defaults_the_next_turn_goes_where_the_prompt_was_sent(stack):
     routers, pods = stack
     router = routers["plain"]
+    a, _ = _decode_pods(pods)
+    _wait_for("A idle", lambda: a.metric_value("pdserve_requests_running") == 0, router)
     rng = random.Random(43)
     first_prompt = [rng.randrange(5, 1100) for _ in range(40)]
+    # B received the prompt's KV by transfer and caches it; A, idle and
+    # first in the least-loaded order, does not
+    answer = _first_turn_sent_to_b(router, pods, first_prompt)
+    turn = first_prompt + answer + [rng.randrange(5, 1100) for _ in range(30)]
     with grpc.insecure_channel(router.grpc_address) as channel:
-        stub = pdserve_pb2_grpc.RouterStub(channel)
-        # the P/D path: B receives the prompt's KV and caches it
-        answer = _first_turn_on_b(router, stub, pods, first_prompt,
-                                  "pdserve_kv_transfer_bytes_total")
-        turn = first_prompt + answer + [rng.randrange(5, 1100) for _ in range(30)]
-        tokens = _follow_up_on_b(stub, pods, turn)
+        tokens = _follow_up_on_b(pdserve_pb2_grpc.RouterStub(channel), pods, turn)
     _assert_plain_path(pods, {"turn": (turn, tokens)})
