@@ -100,6 +100,11 @@ class _Pod:
     watch: LoadWatch | None = None  # its pushed load reports, while the stream lives
     watch_unsupported: bool = False  # an older pod without WatchLoad: polled
     polled_at: float = 0.0  # monotonic time of its last poll
+    # `pods()`'s PodLoad, kept while neither `report` nor this router's in-flight
+    # count changed: a request's choice at 1,000 pods must not rebuild (and
+    # re-validate) 1,000 of them (docs/routing.md, "Choosing among many pods")
+    load: PodLoad | None = None
+    load_key: tuple[object, int, int] | None = None
 
     def move(self, new: PodState, reason: str) -> None:
         if new not in _TRANSITIONS[self.state]:
@@ -150,6 +155,7 @@ class PolledPodPool(PodPool):
         self._source = source
         self._security = security or PodSecurity()  # TLS + token of the poll channels
         self._pods: dict[str, _Pod] = {}
+        self._by_role: dict[str, list[_Pod]] | None = None  # sorted by address; None: redo
         self._task: asyncio.Task[None] | None = None
         self._closing: set[asyncio.Task[None]] = set()  # channels of pods that left
 
@@ -171,6 +177,7 @@ class PolledPodPool(PodPool):
             self._stop_watch(pod)
             self._close_channel(pod.channel)
         self._pods.clear()
+        self._by_role = None
         if self._closing:
             await asyncio.wait(set(self._closing), timeout=_CLOSE_TIMEOUT_S)
         await asyncio.wait_for(self._source.close(), _CLOSE_TIMEOUT_S)
@@ -183,11 +190,12 @@ class PolledPodPool(PodPool):
 
     def pods(self, role: str) -> list[PodLoad]:
         check_role(role)
-        return [
-            self._load(pod)
-            for address, pod in sorted(self._pods.items())
-            if pod.entry.role == role and pod.state is PodState.HEALTHY
-        ]
+        if self._by_role is None:  # the pod set changed (`_sync`, `close`)
+            self._by_role = {}
+            for _, pod in sorted(self._pods.items()):
+                self._by_role.setdefault(pod.entry.role, []).append(pod)
+        return [self._load(pod) for pod in self._by_role.get(role, ())
+                if pod.state is PodState.HEALTHY]
 
     def known(self, role: str) -> list[str]:
         check_role(role)
@@ -291,12 +299,14 @@ class PolledPodPool(PodPool):
             if entry is None and self._keep_absent(pod, now):
                 continue
             self._pods.pop(address)
+            self._by_role = None
             self._stop_watch(pod)
             log.info("%s pod %s left the registry", pod.entry.role, address)
             self._close_channel(pod.channel)
         for address, entry in wanted.items():
             if address not in self._pods:
                 log.info("%s pod %s joined the registry", entry.role, address)
+                self._by_role = None
                 # polls a restarted pod at once (GRPC_RECONNECT_OPTIONS)
                 self._pods[address] = _Pod(entry, pod_channel(address, self._security,
                                                               GRPC_RECONNECT_OPTIONS))
@@ -377,7 +387,10 @@ class PolledPodPool(PodPool):
         report = pod.report
         assert report is not None, "a HEALTHY pod always has a report"
         requests, tokens = self.in_flight(pod.entry.address)
-        return PodLoad(
+        key = (report, requests, tokens)
+        if pod.load is not None and pod.load_key == key:  # the report: `is` first
+            return pod.load
+        pod.load_key, pod.load = key, PodLoad(
             address=pod.entry.address,
             role=pod.entry.role,
             healthy=True,
@@ -395,3 +408,4 @@ class PolledPodPool(PodPool):
             device=report.device,
             tensor_parallel_size=max(1, report.tensor_parallel_size),  # 0: an older pod
         )
+        return pod.load

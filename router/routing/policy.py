@@ -136,7 +136,9 @@ class RoutingPolicy:
         if num_tokens <= 0:
             raise ValueError(f"num_tokens must be > 0; got {num_tokens}")
         pods = self._candidates("decode", exclude)
-        fitting = [p for p in pods if _blocks_needed(num_tokens, p) <= p.num_total_blocks]
+        # blocks the request needs, per block size (one or two sizes among hundreds of pods)
+        need = {size: _blocks_needed(num_tokens, size) for size in {p.block_size for p in pods}}
+        fitting = [p for p in pods if need[p.block_size] <= p.num_total_blocks]
         if not fitting:
             largest = max(p.num_total_blocks * p.block_size for p in pods)
             raise NoPodAvailable(
@@ -147,7 +149,7 @@ class RoutingPolicy:
 
         def cost(p: PodLoad) -> tuple[bool, int, int, int, str]:
             # the in-flight requests' blocks are reserved but may not show in the report yet
-            short = _blocks_needed(num_tokens, p) > p.num_free_blocks
+            short = need[p.block_size] > p.num_free_blocks
             return (short, -cached.get(p.address, 0), p.num_running + p.in_flight,
                     -p.num_free_blocks, p.address)
 
@@ -244,6 +246,6 @@ class RoutingPolicy:
             log.warning("routing sessions by hash only: %s", exc)
 
 
-def _blocks_needed(num_tokens: int, pod: PodLoad) -> int:
-    return math.ceil(num_tokens / max(1, pod.block_size))
+def _blocks_needed(num_tokens: int, block_size: int) -> int:
+    return math.ceil(num_tokens / max(1, block_size))
 

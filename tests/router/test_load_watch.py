@@ -47,6 +47,11 @@ def test_a_pushing_pod_is_not_polled_and_its_changes_arrive_on_the_stream(run_as
             before = len(polls)
             pod.servicer.report = _report("decode", num_running=5)
             await eventually(lambda: [p.num_running for p in pool.pods("decode")] == [5])
+            # pods() keeps each PodLoad between reports: this router's in-flight count
+            # still shows at once, and is gone once the request is
+            with pool.track(pod.address, num_tokens=9):
+                assert [(p.in_flight, p.in_flight_tokens) for p in pool.pods("decode")] == [(1, 9)]
+            assert [(p.in_flight, p.num_running) for p in pool.pods("decode")] == [(0, 5)]
             await asyncio.sleep(0.5)  # ten poll intervals: heartbeats only, no GetLoad
             assert len(polls) == before
             assert pool.state(pod.address)[0] is PodState.HEALTHY

@@ -12,6 +12,7 @@ The cluster also serves its pods' metrics on one page (`--metrics-port`).
 
 from __future__ import annotations
 
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -93,6 +94,31 @@ def test_health_and_load_report_name_a_simulated_pod(stubs):
         "decode", "tiny", 128, "sim")
     assert report.num_total_blocks == report.num_free_blocks == DECODE_BLOCKS
     assert report.max_model_len == 4096
+
+
+def test_watch_load_pushes_the_report_at_once_on_change_and_as_heartbeats(stubs):
+    """WatchLoad (issue 43), the stream a router keeps to each pod: the first
+    report at once, the same report again as a heartbeat while idle, and a
+    request's load while it runs."""
+    reports: list[pdserve_pb2.LoadReport] = []
+    stream = stubs["colocated"].WatchLoad(
+        pdserve_pb2.WatchLoadRequest(min_interval_s=0.02, max_interval_s=0.25), timeout=60)
+    reader = threading.Thread(target=lambda: reports.extend(stream), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not reports and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert reports and (reports[0].role, reports[0].model) == ("colocated", "tiny")
+        time.sleep(1.5)  # idle: heartbeats only, about six
+        idle = list(reports)
+        assert len(idle) >= 2 and all(r == idle[0] for r in idle)
+        colocated_generate(stubs["colocated"], "w-1", prompt(5), sampling(40))
+        busy = reports[len(idle):]
+        assert any(r.num_running == 1 and r.num_free_blocks < r.num_total_blocks for r in busy)
+    finally:
+        stream.cancel()
+        reader.join(5)
 
 
 def test_colocated_and_disaggregated_give_the_same_exact_tokens(stubs):
