@@ -45,11 +45,9 @@ router server.
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -59,62 +57,23 @@ from proto.limits import GRPC_RECONNECT_OPTIONS
 from proto.tls import PodSecurity, pod_channel
 from router.registry.base import PodEntry, PodSource
 from router.registry.load_watch import LoadWatch
+from router.registry.pod_state import SLOW_POLLS_TOLERATED, PodRecord, PodState
 from router.routing.base import PodLoad, PodPool, check_role
 
 log = logging.getLogger(__name__)
 
 _CLOSE_TIMEOUT_S = 5.0
-# Slow answers (the poll's deadline passed) a HEALTHY pod is allowed in a row
-# before it stops getting traffic. A pod whose event loop is starved for a
-# moment (a CPU-saturated node, a long GC) is alive, and taking it out turns
-# every request that would have queued there into a 503; a dead pod refuses
-# the connection (UNAVAILABLE) and leaves at its first failed poll, and a
-# request sent to a pod that then dies is retried or moved by the request path.
-SLOW_POLLS_TOLERATED = 2
-
-
-class PodState(enum.Enum):
-    NEW = "new"
-    HEALTHY = "healthy"
-    UNHEALTHY = "unhealthy"
-
-
-_TRANSITIONS: dict[PodState, frozenset[PodState]] = {
-    PodState.NEW: frozenset({PodState.HEALTHY, PodState.UNHEALTHY}),
-    PodState.HEALTHY: frozenset({PodState.HEALTHY, PodState.UNHEALTHY}),
-    PodState.UNHEALTHY: frozenset({PodState.HEALTHY, PodState.UNHEALTHY}),
-}
-
-
-@dataclass(slots=True)
-class _Pod:
-    """Mutable per-pod bookkeeping, touched only on the event loop."""
-
-    entry: PodEntry
-    channel: grpc.aio.Channel
-    state: PodState = PodState.NEW
-    report: pdserve_pb2.LoadReport | None = None
-    reason: str = "not polled yet"
-    failures: int = 0  # consecutive failed polls (in the log line when it goes down)
-    absent_since: float | None = None  # monotonic time it went missing from the registry
-    watch: LoadWatch | None = None  # its pushed load reports, while the stream lives
-    watch_unsupported: bool = False  # an older pod without WatchLoad: polled
-    polled_at: float = 0.0  # monotonic time of its last poll
-    # `pods()`'s PodLoad, kept while neither `report` nor this router's in-flight
-    # count changed: a request's choice at 1,000 pods must not rebuild (and
-    # re-validate) 1,000 of them (docs/routing.md, "Choosing among many pods")
-    load: PodLoad | None = None
-    load_key: tuple[object, int, int] | None = None
-
-    def move(self, new: PodState, reason: str) -> None:
-        if new not in _TRANSITIONS[self.state]:
-            raise AssertionError(f"pod {self.entry.address}: {self.state} -> {new} not allowed")
-        if new is not self.state:
-            level = logging.INFO if new is PodState.HEALTHY else logging.WARNING
-            log.log(level, "%s pod %s is %s (%s)", self.entry.role, self.entry.address,
-                    new.value, reason)
-        self.state = new
-        self.reason = reason
+# No BDP probing on the pool's channels: a load stream's small reports made the
+# channel ping after each one, and the pod's server answered the pings with
+# GOAWAY "Too many pings", ending every stream at once (seen at 1,000 pods).
+_POOL_CHANNEL_OPTIONS = (*GRPC_RECONNECT_OPTIONS, ("grpc.http2.bdp_probe", 0))
+# The pool's own traffic is bounded in total, not per pod: past these rates
+# the heartbeat and the health poll of a pod with a live stream come less
+# often (1,000 pods: a heartbeat every 4 s, a health poll every 20 s), so a
+# router's idle work stops growing with the pods it serves. A crashed pod
+# still leaves at once (its stream breaks); only a hung one takes longer.
+MAX_HEARTBEATS_PER_S = 250.0
+MAX_HEALTH_POLLS_PER_S = 50.0
 
 
 class PolledPodPool(PodPool):
@@ -146,6 +105,7 @@ class PolledPodPool(PodPool):
         self.watch = watch
         self.heartbeat_interval = heartbeat_interval
         self.health_interval = health_interval
+        self._heartbeat_s, self._health_s = heartbeat_interval, health_interval  # per round
         # counts each report received: "stream" or "poll" (a metric)
         self._on_report = on_report or (lambda source: None)
         self.poll_interval = poll_interval
@@ -154,8 +114,8 @@ class PolledPodPool(PodPool):
             raise ValueError(f"poll_timeout must be > 0; got {self.poll_timeout}")
         self._source = source
         self._security = security or PodSecurity()  # TLS + token of the poll channels
-        self._pods: dict[str, _Pod] = {}
-        self._by_role: dict[str, list[_Pod]] | None = None  # sorted by address; None: redo
+        self._pods: dict[str, PodRecord] = {}
+        self._by_role: dict[str, list[PodRecord]] | None = None  # sorted by address; None: redo
         self._task: asyncio.Task[None] | None = None
         self._closing: set[asyncio.Task[None]] = set()  # channels of pods that left
 
@@ -224,13 +184,15 @@ class PolledPodPool(PodPool):
         else:
             self._sync(entries)
         now = time.monotonic()
+        self._heartbeat_s = max(self.heartbeat_interval, len(self._pods) / MAX_HEARTBEATS_PER_S)
+        self._health_s = max(self.health_interval, len(self._pods) / MAX_HEALTH_POLLS_PER_S)
         due = [pod for pod in list(self._pods.values()) if self._poll_due(pod, now)]
         await asyncio.gather(*(self._poll_bounded(pod) for pod in due))
         if self.watch:
             for pod in due:
                 self._start_watch(pod)
 
-    def _poll_due(self, pod: _Pod, now: float) -> bool:
+    def _poll_due(self, pod: PodRecord, now: float) -> bool:
         """Whether `pod` is polled this round: always, unless its load stream is
         live, and then only every `health_interval` (the health check). A
         silent stream is dropped here and counts as a slow poll."""
@@ -247,29 +209,29 @@ class PolledPodPool(PodPool):
             self._poll_failed(pod, f"no load report for {now - watch.last_report_at:.1f} s",
                               slow=True)
             return True
-        return now - pod.polled_at >= self.health_interval
+        return now - pod.polled_at >= self._health_s
 
-    def _start_watch(self, pod: _Pod) -> None:
+    def _start_watch(self, pod: PodRecord) -> None:
         if (pod.watch is not None or pod.watch_unsupported or pod.state is not PodState.HEALTHY
                 or self._pods.get(pod.entry.address) is not pod):
             return
         pod.watch = LoadWatch(pod.channel, pod.entry.role, min_interval=self.poll_interval,
-                              max_interval=self.heartbeat_interval,
+                              max_interval=self._heartbeat_s,
                               on_report=lambda report: self._streamed(pod, report),
                               on_end=lambda reason, unsupported: self._watch_ended(
                                   pod, reason, unsupported))
         pod.watch.start()
 
-    def _streamed(self, pod: _Pod, report: pdserve_pb2.LoadReport) -> None:
+    def _streamed(self, pod: PodRecord, report: pdserve_pb2.LoadReport) -> None:
         self._on_report("stream")
         self._apply(pod, report, "load report")
 
-    def _stop_watch(self, pod: _Pod) -> None:
+    def _stop_watch(self, pod: PodRecord) -> None:
         if pod.watch is not None:
             pod.watch.cancel()
             pod.watch = None
 
-    def _watch_ended(self, pod: _Pod, reason: str, unsupported: bool) -> None:
+    def _watch_ended(self, pod: PodRecord, reason: str, unsupported: bool) -> None:
         pod.watch = None
         if self._pods.get(pod.entry.address) is not pod:
             return
@@ -280,7 +242,7 @@ class PolledPodPool(PodPool):
         elif pod.state is PodState.HEALTHY:
             self._poll_failed(pod, reason, slow=False)
 
-    async def _poll_bounded(self, pod: _Pod) -> None:
+    async def _poll_bounded(self, pod: PodRecord) -> None:
         try:
             await asyncio.wait_for(self._poll(pod), 2 * self.poll_timeout + 1.0)
         except TimeoutError:
@@ -308,10 +270,10 @@ class PolledPodPool(PodPool):
                 log.info("%s pod %s joined the registry", entry.role, address)
                 self._by_role = None
                 # polls a restarted pod at once (GRPC_RECONNECT_OPTIONS)
-                self._pods[address] = _Pod(entry, pod_channel(address, self._security,
-                                                              GRPC_RECONNECT_OPTIONS))
+                self._pods[address] = PodRecord(entry, pod_channel(address, self._security,
+                                                              _POOL_CHANNEL_OPTIONS))
 
-    def _keep_absent(self, pod: _Pod, now: float) -> bool:
+    def _keep_absent(self, pod: PodRecord, now: float) -> bool:
         """Whether a pod missing from the registry stays (see the module docstring)."""
         if pod.state is not PodState.HEALTHY:
             return False
@@ -322,7 +284,7 @@ class PolledPodPool(PodPool):
                         self.absent_grace)
         return now - pod.absent_since < self.absent_grace
 
-    async def _poll(self, pod: _Pod) -> None:
+    async def _poll(self, pod: PodRecord) -> None:
         pod.polled_at = time.monotonic()
         try:
             health = await health_pb2_grpc.HealthStub(pod.channel).Check(
@@ -348,7 +310,7 @@ class PolledPodPool(PodPool):
         else:
             self._apply(pod, report, "poll ok")
 
-    def _apply(self, pod: _Pod, report: pdserve_pb2.LoadReport, reason: str) -> None:
+    def _apply(self, pod: PodRecord, report: pdserve_pb2.LoadReport, reason: str) -> None:
         """A report from a poll (after a SERVING health check) or the pod's stream."""
         if self._pods.get(pod.entry.address) is not pod:
             return  # removed from the registry meanwhile
@@ -363,7 +325,7 @@ class PolledPodPool(PodPool):
             pod.move(PodState.HEALTHY, reason)
 
     @staticmethod
-    def _poll_failed(pod: _Pod, reason: str, *, slow: bool) -> None:
+    def _poll_failed(pod: PodRecord, reason: str, *, slow: bool) -> None:
         """A failed poll: UNHEALTHY at once, unless it was only slow and the
         pod is HEALTHY with fewer than SLOW_POLLS_TOLERATED slow polls before
         it (its last report stays in use meanwhile)."""
@@ -383,7 +345,7 @@ class PolledPodPool(PodPool):
             except Exception:  # never let one bad poll stop the poller
                 log.exception("pod poll failed")
 
-    def _load(self, pod: _Pod) -> PodLoad:
+    def _load(self, pod: PodRecord) -> PodLoad:
         report = pod.report
         assert report is not None, "a HEALTHY pod always has a report"
         requests, tokens = self.in_flight(pod.entry.address)
