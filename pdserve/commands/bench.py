@@ -15,7 +15,8 @@ HELP = ("Benchmarks: engine, tp, tp-transfer, decode-gemm, prefill-gemm, prefill
         "(each against its baseline); serve (a load generator) and serve-plot; soak "
         "(mixed load, cancellations and a pod restart); scale (routers in front of "
         "simulated pods); sim-profile (a simulator profile measured from the real "
-        "engine) and sim-check (its predictions against real pods).")
+        "engine) and sim-check (its predictions against real pods); index-memory (the "
+        "router's prefix index per pod and block).")
 
 BENCHMARKS: dict[str, str] = {
     "engine": "benchmarks.engine",
@@ -40,6 +41,7 @@ BENCHMARKS: dict[str, str] = {
     "scale": "benchmarks.scale",
     "sim-profile": "benchmarks.sim_profile",
     "sim-check": "benchmarks.sim_check",
+    "index-memory": "benchmarks.index_memory",
 }
 
 
