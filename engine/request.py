@@ -91,7 +91,7 @@ class Request:
                  "num_cached_tokens", "block_ids", "block_hashes", "num_cached_blocks",
                  "num_kv_streamed", "was_scheduled", "num_output_placeholders",
                  "last_step_id", "prompt_logprobs", "num_prompt_logprobs_planned",
-                 "first_scheduled_at", "num_preemptions")
+                 "first_scheduled_at", "num_preemptions", "prefix_wait_since")
 
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int],
                  sampling_params: SamplingParams, *, output_token_ids: Sequence[int] = (),
@@ -117,6 +117,8 @@ class Request:
         # then): its queue wait ends there (request traces, docs/tracing.md)
         self.first_scheduled_at: float | None = None
         self.num_preemptions = 0  # times preempted by recompute
+        # first time it waited for a prefix another request computes (engine/prefix_wait.py)
+        self.prefix_wait_since: float | None = None
         self.num_output_placeholders = 0  # sampled by a scheduled step, not yet appended
         self.last_step_id = -1  # newest step that computes tokens of this request
         # Prompt logprobs computed here (engine.prompt_logprobs): entries for

@@ -46,6 +46,12 @@ step that decodes takes prompt tokens (running prompts' chunks, short and
 newly admitted prompts) only while its predicted time stays within the
 pod's inter-token budget; 0 left means prompt work waits a step.
 
+Prefixes in flight (engine/prefix_wait.py): a waiting request whose next
+uncached prompt block a running request is computing now waits (no blocks,
+no slot) until that block is committed to the prefix cache, instead of
+computing it twice; requests that share no such prefix are admitted past
+it in their usual order.
+
 Async scheduling (docs/engine.md): step N+1 may be scheduled before step
 N completes. A token a scheduled step will sample counts as an output
 placeholder (`Request.num_output_placeholders`), so step N+1 plans the
@@ -69,6 +75,7 @@ from dataclasses import dataclass
 
 from engine.block_manager import BlockManager
 from engine.itl_budget import ItlBudget, PromptRoom
+from engine.prefix_wait import DEFAULT_MAX_WAIT_S, PrefixWait
 from engine.request import Request, RequestStatus
 
 
@@ -105,8 +112,10 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int,
                  max_num_batched_tokens: int, decode_first: bool = True,
                  short_prefill_tokens: int = 0, mixed_prefill_tokens: int = 0,
-                 itl_budget: ItlBudget | None = None) -> None:
+                 itl_budget: ItlBudget | None = None,
+                 prefix_wait_s: float = DEFAULT_MAX_WAIT_S) -> None:
         self.block_manager = block_manager
+        self.prefix_wait = PrefixWait(block_manager, max_wait_s=prefix_wait_s)  # 0: off
         self.itl_budget = itl_budget  # None: off (module docstring, ITL budget)
         self.decode_first = decode_first
         self.short_prefill_tokens = short_prefill_tokens  # 0: off (module docstring)
@@ -153,6 +162,7 @@ class Scheduler:
         stalled = False  # someone waits for deferred blocks: admit nobody
         decoding, prefilling = self._running_groups()
         itl: PromptRoom | None = None  # the ITL budget's room for prompt rows; None: no limit
+        self.prefix_wait.begin()
         for group in (decoding, prefilling):
             if group is prefilling and self.mixed_prefill_tokens and self.decode_first \
                     and scheduled:  # the decoding requests scheduled so far
@@ -218,6 +228,8 @@ class Scheduler:
                 break
             if request.num_output_placeholders:
                 continue  # its token in flight lands first (see _admit_waiting)
+            if self.prefix_wait.defers(request, self.running):
+                continue
             cached = 0 if request.block_ids else bm.num_cached_prefix_tokens(request)
             num_new = request.num_tokens - request.num_computed_tokens - cached
             if num_new > min(self.short_prefill_tokens, room):
@@ -259,7 +271,9 @@ class Scheduler:
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest], step_id: int,
                        itl: PromptRoom | None = None) -> int:
         while self.waiting and budget > 0 and self.num_seqs < self.max_num_seqs:
-            request = self.waiting[0]
+            request = self._next_admissible()
+            if request is None:
+                break
             # A preempted request's token in flight lands before it is resumed:
             # preemption stops admission for the step that preempts.
             assert request.num_output_placeholders == 0, request.request_id
@@ -271,10 +285,17 @@ class Scheduler:
             if num_new == 0 or not self.block_manager.can_allocate(request, num_new):
                 self.block_manager.free(request)  # drop the prefix hit; retried next step
                 break
-            self.waiting.popleft()
+            self.waiting.remove(request)
             self._start(request, num_new, scheduled, step_id)
             budget -= num_new
         return budget
+
+    def _next_admissible(self) -> Request | None:
+        """The first waiting request not waiting for a prefix in flight."""
+        for request in self.waiting:
+            if not self.prefix_wait.defers(request, self.running):
+                return request
+        return None
 
     def _map_prefix(self, request: Request) -> None:
         """Map a waiting request's cached prefix in (its first admission
