@@ -52,6 +52,7 @@ class PodMetrics:
     kv_blocks_total: Gauge
     prefix_cache_queries: Counter
     prefix_cache_hits: Counter
+    prefix_waits: Counter
     kv_transfer_bytes: Counter
     kv_transfer_saved_bytes: Counter
     kv_transfer_seconds: Histogram
@@ -116,6 +117,11 @@ class PodMetrics:
             ),
             prefix_cache_hits=counter(
                 "pdserve_prefix_cache_hits_total", "Prompt blocks found in the prefix cache."
+            ),
+            prefix_waits=counter(
+                "pdserve_prefix_waits_total",
+                "Requests that waited for prompt blocks another request was computing "
+                "(engine/prefix_wait.py) instead of computing them twice.",
             ),
             kv_transfer_bytes=counter(
                 "pdserve_kv_transfer_bytes_total", "KV bytes sent (prefill) or received (decode)."

@@ -4,7 +4,8 @@ Who uses it: the engine loop (engine/engine_loop.py) after every step and
 command, and the simulated pods' loop (sim/engine_loop.py), which runs the
 same scheduler and block manager, so both export the same gauges from the
 same sums. Gauges are set; the engine's cumulative totals (prefix-cache
-queries and hits, ITL-budget capped steps) go into counters as deltas, so
+queries and hits, requests that waited for a prefix in flight, ITL-budget
+capped steps) go into counters as deltas, so
 this object remembers what it has counted already.
 """
 
@@ -22,6 +23,7 @@ class StatsExport:
         self._counted_queries = 0
         self._counted_hits = 0
         self._counted_capped = 0
+        self._counted_waits = 0
 
     def publish(self, engine, stats: EngineStats) -> None:
         """Export `stats` (just taken from `engine`); `engine` gives the token
@@ -39,6 +41,9 @@ class StatsExport:
         m.prefix_cache_hits.inc(max(0, stats.prefix_cache_hits - self._counted_hits))
         self._counted_queries = stats.prefix_cache_queries
         self._counted_hits = stats.prefix_cache_hits
+        waits = engine.scheduler.prefix_wait.num_waits
+        m.prefix_waits.inc(max(0, waits - self._counted_waits))
+        self._counted_waits = waits
         budget = getattr(engine.scheduler, "itl_budget", None)
         if budget is not None:
             m.step_model(budget.snapshot())
