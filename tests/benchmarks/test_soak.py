@@ -1,4 +1,4 @@
-"""`pdserve bench soak` for ~20 s against a live stack it starts (tiny model,
+"""`pdserve bench soak` for ~15 s against a live stack it starts (tiny model,
 one prefill and two decode pods, a router): the report's fields, and the
 properties the soak exists for — no request lost, hung or answered
 differently from its first answer, every KV block free at the end, one
@@ -53,7 +53,7 @@ def test_the_flat_window_judges_the_tail_and_leaves_out_a_pod_restarted_in_it():
 def test_a_short_soak_loses_nothing(tiny_model_dir, tmp_path):
     out = tmp_path / "soak.json"
     status = soak.main(_args([
-        "--model", str(tiny_model_dir), "--minutes", "0.33", "--warm-up", "4",
+        "--model", str(tiny_model_dir), "--minutes", "0.25", "--warm-up", "4",
         "--concurrency", "3", "--max-tokens", "4,24", "--cancel-fraction", "0.3",
         "--restart-at", "0.4", "--pod-arg=--num-blocks=256", "--pod-arg=--block-size=16",
         "--rss-interval", "5", "--json-out", str(out), "--keep-logs", str(tmp_path / "logs")]))
