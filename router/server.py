@@ -118,6 +118,8 @@ class RouterServer:
                                   security=c.pod_security,
                                   absent_grace=c.registry_absent_grace,
                                   watch=c.load_reports == "push",
+                                  list_interval=(max(c.load_poll_interval, 2.0)
+                                                 if c.load_reports == "push" else None),
                                   on_report=lambda source: self.metrics.load_reports.labels(
                                       source=source).inc())
         await self.pool.start()

@@ -90,6 +90,7 @@ class PolledPodPool(PodPool):
         watch: bool = True,
         heartbeat_interval: float = 2.0,
         health_interval: float = 10.0,
+        list_interval: float | None = None,
         on_report: Callable[[str], None] | None = None,
     ) -> None:
         super().__init__()
@@ -109,6 +110,15 @@ class PolledPodPool(PodPool):
         # counts each report received: "stream" or "poll" (a metric)
         self._on_report = on_report or (lambda source: None)
         self.poll_interval = poll_interval
+        # The registry is listed every round unless `list_interval` is longer:
+        # the router lists every 2 s with streams (router/server.py), as a
+        # listing of 1,000 pods is ~12 ms of parsing, and a pod that leaves
+        # says so on its stream first (a `draining` report, or its end).
+        self.list_interval = list_interval if list_interval is not None else poll_interval
+        if not poll_interval <= self.list_interval <= 60:
+            raise ValueError(f"registry list interval must be in [poll interval "
+                             f"{poll_interval}, 60] s; got {self.list_interval}")
+        self._listed_at = -float("inf")  # monotonic time of the last registry listing
         self.poll_timeout = poll_timeout if poll_timeout is not None else max(0.5, poll_interval)
         if self.poll_timeout <= 0:
             raise ValueError(f"poll_timeout must be > 0; got {self.poll_timeout}")
@@ -171,18 +181,23 @@ class PolledPodPool(PodPool):
         if pod is not None:
             pod.move(PodState.UNHEALTHY, reason)
 
-    async def poll_once(self) -> None:
-        """Refresh the pod set from the source and poll every pod once.
+    async def poll_once(self, *, list_registry: bool = True) -> None:
+        """Refresh the pod set from the source (unless `list_registry` is
+        False: the background rounds between listings) and poll every pod due.
 
         Every await here is bounded (`asyncio.wait_for`), so neither a stuck
         registry nor a stuck pod can stall the poller and freeze the pool's view.
         """
-        try:
-            entries = await asyncio.wait_for(self._source.discover(), self.poll_timeout + 2.0)
-        except Exception as exc:  # registry outage: keep polling the pods we know
-            log.warning("pod discovery failed, keeping %d known pods: %r", len(self._pods), exc)
-        else:
-            self._sync(entries)
+        if list_registry:
+            self._listed_at = time.monotonic()
+            try:
+                entries = await asyncio.wait_for(self._source.discover(),
+                                                 self.poll_timeout + 2.0)
+            except Exception as exc:  # registry outage: keep polling the pods we know
+                log.warning("pod discovery failed, keeping %d known pods: %r",
+                            len(self._pods), exc)
+            else:
+                self._sync(entries)
         now = time.monotonic()
         self._heartbeat_s = max(self.heartbeat_interval, len(self._pods) / MAX_HEARTBEATS_PER_S)
         self._health_s = max(self.health_interval, len(self._pods) / MAX_HEALTH_POLLS_PER_S)
@@ -341,7 +356,8 @@ class PolledPodPool(PodPool):
         while True:
             await asyncio.sleep(self.poll_interval)
             try:
-                await self.poll_once()
+                due = time.monotonic() - self._listed_at >= self.list_interval - 1e-3
+                await self.poll_once(list_registry=due)
             except Exception:  # never let one bad poll stop the poller
                 log.exception("pod poll failed")
 

@@ -158,3 +158,28 @@ def test_watch_load_sends_changes_heartbeats_and_ends_on_drain(run_async) -> Non
             await anext(stream)
 
     run_async(run())
+
+
+def test_rounds_between_registry_listings_poll_without_listing(run_async) -> None:
+    class CountingSource(StaticPodSource):
+        listings = 0
+
+        async def discover(self):
+            CountingSource.listings += 1
+            return await super().discover()
+
+    async def run() -> None:
+        pod = await LoadServer("decode").start()
+        pool = PolledPodPool(CountingSource(decode=[pod.address]), poll_interval=0.05,
+                             poll_timeout=POLL_TIMEOUT_S, list_interval=30)
+        try:
+            await pool.poll_once()
+            await pool.poll_once(list_registry=False)
+            assert CountingSource.listings == 1 and len(pool.pods("decode")) == 1
+        finally:
+            await pool.close()
+            await pod.stop()
+
+    run_async(run())
+    with pytest.raises(ValueError, match="list interval must be in"):
+        PolledPodPool(StaticPodSource(), poll_interval=1.0, list_interval=0.5)
