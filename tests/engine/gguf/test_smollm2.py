@@ -73,6 +73,13 @@ def _hf_logits(model, prompt: list[int]) -> torch.Tensor:
     return model(torch.tensor([prompt])).logits[0]
 
 
+@pytest.fixture(scope="module")
+def hf_logits(hf_model, prompts) -> list[torch.Tensor]:
+    """transformers' logits for every prompt, computed once: three tests
+    compare against them, and the model's forward is deterministic."""
+    return [_hf_logits(hf_model, prompt) for prompt in prompts]
+
+
 @torch.inference_mode()
 def _hf_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
     out = model(torch.tensor([prompt]), use_cache=True)
@@ -84,22 +91,20 @@ def _hf_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
     return tokens
 
 
-def test_float32_logits_match_transformers(smollm2_model_dir, hf_model, prompts):
+def test_float32_logits_match_transformers(smollm2_model_dir, hf_logits, prompts):
     ours, _ = load_model(smollm2_model_dir, dtype="float32")
     with torch.inference_mode():
-        for prompt in prompts:
-            expected = _hf_logits(hf_model, prompt)
+        for prompt, expected in zip(prompts, hf_logits, strict=True):
             got = reference_logits(ours, prompt)
             assert expected.std() > 1.0  # a trained model's peaked logits
             assert (got - expected).abs().max().item() < FLOAT32_TOLERANCE
 
 
-def test_bfloat16_logits_within_the_reduced_precision_tolerance(smollm2_model_dir, hf_model,
+def test_bfloat16_logits_within_the_reduced_precision_tolerance(smollm2_model_dir, hf_logits,
                                                                  prompts):
     ours, _ = load_model(smollm2_model_dir, dtype="bfloat16")
     with torch.inference_mode():
-        for prompt in prompts[:3]:
-            expected = _hf_logits(hf_model, prompt)
+        for prompt, expected in zip(prompts[:3], hf_logits, strict=False):
             got = reference_logits(ours, prompt).float()
             assert (got - expected).abs().max().item() < BF16_MAX_DIFF
             assert (got - expected).abs().mean().item() < BF16_MEAN_DIFF
@@ -120,8 +125,8 @@ def test_engine_greedy_equals_transformers_for_32_tokens(smollm2_model_dir, hf_m
 
 
 def test_the_converted_directory_loads_in_transformers_with_the_same_logits(
-        smollm2_model_dir, hf_model, prompts):
+        smollm2_model_dir, hf_logits, prompts):
     converted = transformers.AutoModelForCausalLM.from_pretrained(
         str(smollm2_model_dir), dtype=torch.float32).eval()
-    for prompt in prompts[:2]:
-        assert torch.equal(_hf_logits(converted, prompt), _hf_logits(hf_model, prompt))
+    for prompt, expected in zip(prompts[:2], hf_logits, strict=False):
+        assert torch.equal(_hf_logits(converted, prompt), expected)
