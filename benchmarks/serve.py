@@ -139,6 +139,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="the same for output lengths (default: --range-ratio)")
     g.add_argument("--turns", type=int, default=1,
                    help="turns per session; each extends the previous prompt and answer")
+    g.add_argument("--turn-overlap", action="store_true",
+                   help="send a session's next turn once the previous one's first token is "
+                        "in, not once it ended: turns overlap in time (issue 42)")
     g.add_argument("--trace", default=None, metavar="PATH", help="Mooncake JSONL trace")
     g.add_argument("--trace-block-size", type=int, default=512)
     g.add_argument("--max-requests", type=int, default=None, help="the trace's first N lines")
@@ -205,7 +208,8 @@ def run_from_args(args: argparse.Namespace) -> ServeRun:
     sessions, workload = sessions_from_args(args)
     total = sum(len(s.turns) for s in sessions)
     spec = LoadSpec(max_tokens=1, concurrency=args.concurrency or total, seed=args.seed,
-                    token_count=args.token_count, timeout_s=args.timeout)
+                    token_count=args.token_count, timeout_s=args.timeout,
+                    turn_overlap=args.turn_overlap)
     urls = list(args.metrics_url)
     if args.up_ready_file:
         urls += serve_metrics.urls_from_up_ready_file(Path(args.up_ready_file))

@@ -7,7 +7,10 @@ One request's life:
 
     arrival   its session's arrival time (`run_load`: at once, or at seeded
               Poisson times with `request_rate`), then each turn of a session
-              after the previous one ended; at most `concurrency` in flight
+              after the previous one ended (`turn_overlap`: once the previous
+              one's first token is in, so turns overlap in time and the next
+              turn's prefix may still be computing: issue 42's case); at most
+              `concurrency` in flight
     send      POST /v1/completions {prompt: [token ids], max_tokens,
               ignore_eos: true, temperature: 0, stream: true,
               stream_options: {include_usage: true}} (+ logprobs: 0, below;
@@ -64,6 +67,7 @@ class LoadSpec:
     seed: int = 0
     token_count: str = "logprobs"
     timeout_s: float = 600.0
+    turn_overlap: bool = False  # send a session's next turn at the previous one's first token
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -121,7 +125,8 @@ def _chunk_tokens(choice: dict[str, Any], token_count: str) -> int:
 
 
 async def _one_request(session, url: str, model: str, request: BenchRequest, spec: LoadSpec,
-                       record: RequestRecord, run_start: float) -> None:
+                       record: RequestRecord, run_start: float,
+                       first_token: asyncio.Event | None = None) -> None:
     body: dict[str, Any] = {
         "model": model, "prompt": list(request.prompt), "max_tokens": request.max_tokens,
         "ignore_eos": True, "temperature": 0.0, "stream": True,
@@ -164,6 +169,8 @@ async def _one_request(session, url: str, model: str, request: BenchRequest, spe
             record.chunks += 1
             if record.output_tokens == 0:
                 record.ttft_s = now - start
+                if first_token is not None:
+                    first_token.set()
                 record.itl_s.extend([0.0] * (tokens - 1))
             elif spec.token_count == "chunks":
                 record.itl_s.append(now - last)
@@ -197,23 +204,35 @@ async def _run(base_url: str, model: str, sessions: list[Session], spec: LoadSpe
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as client:
         run_start = time.perf_counter()
 
+        async def one(turn, record: RequestRecord, first_token: asyncio.Event) -> None:
+            async with limit:
+                try:
+                    await _one_request(client, url, model, turn, spec, record, run_start,
+                                       first_token)
+                except (aiohttp.ClientError, TimeoutError, RuntimeError, ValueError) as exc:
+                    record.error = f"{type(exc).__name__}: {exc}"
+            first_token.set()  # ended (or failed) without a first token: the next may go
+            if on_done is not None:
+                on_done(record)
+
         async def send(session: Session, session_records: list[RequestRecord]) -> None:
             await asyncio.sleep(max(0.0, run_start + session.arrival_s - time.perf_counter()))
             failed = False
+            sent: list[asyncio.Task] = []
             for turn, record in zip(session.turns, session_records, strict=True):
                 if failed:  # later turns extend this one: they would not be the same chat
                     record.error = "not sent: an earlier turn of its session failed"
+                    if on_done is not None:
+                        on_done(record)
                 else:
-                    async with limit:
-                        try:
-                            await _one_request(client, url, model, turn, spec, record,
-                                               run_start)
-                        except (aiohttp.ClientError, TimeoutError, RuntimeError,
-                                ValueError) as exc:
-                            record.error = f"{type(exc).__name__}: {exc}"
+                    first_token = asyncio.Event()
+                    task = asyncio.ensure_future(one(turn, record, first_token))
+                    sent.append(task)
+                    await (first_token.wait() if spec.turn_overlap else task)
+                    # failed before the next turn was due: the chat stops there
                     failed = record.error is not None
-                if on_done is not None:
-                    on_done(record)
+            for task in sent:
+                await task
 
         await asyncio.gather(*(send(s, r) for s, r in zip(sessions, records, strict=True)))
         duration = time.perf_counter() - run_start
