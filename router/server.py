@@ -151,7 +151,8 @@ class RouterServer:
             local_prefill=LocalPrefill(
                 self.pool, admission.least_ahead,
                 dataclasses.replace(c.local_prefill, report_age=2 * c.load_poll_interval),
-                cached_prefix=index.cached_prefix, rate=local_rate),
+                cached_prefix=index.cached_prefix, rate=local_rate,
+                epsilon=c.session_epsilon),
             split=SplitPrefill(self.pool, c.split_prefill),
         )
         frontend = self._frontend = Frontend(model_name=c.model_name,
