@@ -38,6 +38,7 @@ from pathlib import Path
 from benchmarks import peer_servers
 from benchmarks.peer_servers import free_port
 from benchmarks.router_stack import _spawn, _wait_file, start_redis, stop_stack
+from benchmarks.scale import _healthy
 from benchmarks.serve import ServeRun, run_benchmark, vocabulary
 from benchmarks.serve_client import LoadSpec
 from benchmarks.serve_report import print_summary
@@ -103,15 +104,6 @@ def run_real(args: argparse.Namespace, prefill: int, sessions: list, workload: d
         return _run(server.base_url, model, sessions, f"real {prefill}p1d", workload)
     finally:
         server.stop()
-
-
-def _healthy(port: int) -> dict:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=5) as response:
-            return json.loads(response.read())["healthy_pods"]
-    except OSError as exc:  # 503 while not ready carries the counts too
-        body = getattr(exc, "read", lambda: b"{}")()
-        return json.loads(body or b"{}").get("healthy_pods", {})
 
 
 def run_sim(args: argparse.Namespace, prefill: int, sessions: list, workload: dict,

@@ -70,15 +70,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def plan_features(plan) -> tuple[int, int, int]:
     """(prompt tokens, decode rows, context tokens) of one scheduler plan,
-    counted exactly as `PerfModel.step_seconds` counts them."""
-    prompt_tokens = decode_rows = context = 0
-    for row in plan.scheduled:
-        if row.num_new_tokens == 1 and row.start >= row.request.num_context_tokens:
-            decode_rows += 1
-            context += row.end
-        else:
-            prompt_tokens += row.num_new_tokens
-    return prompt_tokens, decode_rows, context
+    counted exactly as the simulator counts them."""
+    from sim.perf_model import plan_shape
+
+    return plan_shape(plan)
 
 
 class StepRecorder:

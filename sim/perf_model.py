@@ -73,16 +73,8 @@ class PerfModel:
     # ------------------------------------------------------------ the model
 
     def step_seconds(self, plan: SchedulerOutput) -> float:
-        """Modelled wall time of one engine step running `plan`: a row of one
-        token past its prompt is a decode row (it reads its whole context's
-        KV), every other row's tokens are prompt tokens."""
-        prompt_tokens = decode_rows = context = 0
-        for row in plan.scheduled:
-            if row.num_new_tokens == 1 and row.start >= row.request.num_context_tokens:
-                decode_rows += 1
-                context += row.end
-            else:
-                prompt_tokens += row.num_new_tokens
+        """Modelled wall time of one engine step running `plan` (`plan_shape`)."""
+        prompt_tokens, decode_rows, context = plan_shape(plan)
         return (self.step_overhead_s + self.prefill_s_per_token * prompt_tokens
                 + self.decode_s_per_seq * decode_rows
                 + self.decode_s_per_context_token * context)
@@ -96,6 +88,21 @@ class PerfModel:
         of KV, when the layers streamed out during `compute_s` of compute."""
         wire = num_bytes / self.link_bytes_per_s
         return self.link_latency_s + max(wire - compute_s, wire / max(1, num_layers))
+
+
+def plan_shape(plan: SchedulerOutput) -> tuple[int, int, int]:
+    """(prompt tokens, decode rows, context tokens) of one step's plan: a row of
+    one token past its prompt is a decode row (it reads its whole context's
+    KV), every other row's tokens are prompt tokens. `pdserve bench
+    sim-profile` fits real steps on the same shape."""
+    prompt_tokens = decode_rows = context = 0
+    for row in plan.scheduled:
+        if row.num_new_tokens == 1 and row.start >= row.request.num_context_tokens:
+            decode_rows += 1
+            context += row.end
+        else:
+            prompt_tokens += row.num_new_tokens
+    return prompt_tokens, decode_rows, context
 
 
 def load_profile(name_or_path: str) -> PerfModel:
