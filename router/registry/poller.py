@@ -255,7 +255,17 @@ class PolledPodPool(PodPool):
             log.info("%s pod %s has no WatchLoad: polling it", pod.entry.role,
                      pod.entry.address)
         elif pod.state is PodState.HEALTHY:
-            self._poll_failed(pod, reason, slow=False)
+            # Poll it now, not take it out: a crashed pod refuses the poll (out at
+            # once), a reset but live one answers it, a black-holed one is slow.
+            log.info("%s pod %s: %s; polling it now", pod.entry.role, pod.entry.address, reason)
+            task = asyncio.create_task(self._repoll(pod))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+
+    async def _repoll(self, pod: PodRecord) -> None:
+        await self._poll_bounded(pod)
+        if self.watch:
+            self._start_watch(pod)
 
     async def _poll_bounded(self, pod: PodRecord) -> None:
         try:

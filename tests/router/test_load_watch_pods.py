@@ -54,11 +54,18 @@ def test_a_real_pods_stream_and_the_pool_across_a_kill_and_a_restart(tiny_model_
                 await eventually(lambda: pod_state.watch is not None and pod_state.watch.reports)
                 pods[0].kill()
                 await eventually(lambda: pool.state(address)[0] is PodState.UNHEALTHY)
-                assert "load stream" in pool.state(address)[1]
+                # the broken stream made the pool poll at once (polls are 30 s apart)
+                assert "poll failed (1 in a row)" in pool.state(address)[1]
                 assert pool.pods("decode") == []
                 pods.append(await asyncio.to_thread(start_pod, "decode", tiny_model_dir,
                                                     port=pods[0].grpc_port))
-                await pool.poll_once()  # the next round: a good poll opens a new stream
+                # the next rounds: a good poll (once the channel's reconnect backoff
+                # from the refused re-poll has passed) opens a new stream
+                for _ in range(50):
+                    await pool.poll_once()
+                    if pool.pods("decode"):
+                        break
+                    await asyncio.sleep(0.2)
                 assert [p.address for p in pool.pods("decode")] == [address]
                 await eventually(lambda: pod_state.watch is not None and pod_state.watch.reports)
             finally:
