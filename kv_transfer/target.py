@@ -104,7 +104,9 @@ class TransferTarget:
 
     def for_rank(self, rank: int) -> TransferTarget:
         """The TP=1-shaped target of decode rank `rank` (its endpoints, the shared
-        ticket): what a sender's `begin` takes for that rank's SubTransfers."""
+        ticket, the request's traceparent: every rank's BEGIN carries it, so each
+        decode rank's receive joins the trace): what a sender's `begin` takes for
+        that rank's SubTransfers."""
         if not self.ranks:
             if rank != 0:
                 raise ValueError(f"decode rank {rank} of a TP=1 target")
@@ -112,4 +114,5 @@ class TransferTarget:
         if not 0 <= rank < len(self.ranks):
             raise ValueError(f"decode rank {rank} outside [0, {len(self.ranks)})")
         return TransferTarget(self.ranks[rank].endpoints, self.ticket, self.transport,
-                              self.generation, self.deadline)  # fmt: skip
+                              self.generation, self.deadline,
+                              traceparent=self.traceparent)  # fmt: skip

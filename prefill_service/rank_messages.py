@@ -20,9 +20,10 @@ primitives, raw bytes; never pickle).
       OPEN    {request_ids}                      the answer to LIST
 
 `target` is the request's whole `TransferTarget` (every decode rank's
-endpoints and head range, the ticket in hex), `layout` the whole-model
-`KVLayout`, `attempts` the attempt id (hex) of each decode rank's transfer:
-each worker derives its own sends with `rank_sends`, as rank 0 does.
+endpoints and head range, the ticket in hex, the traceparent: "" =
+untraced), `layout` the whole-model `KVLayout`, `attempts` the attempt id
+(hex) of each decode rank's transfer: each worker derives its own sends with
+`rank_sends`, as rank 0 does.
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ def export_fields(request_id: str, target: TransferTarget, layout: KVLayout,
             "transport": target.transport, "generation": target.generation,
             "deadline": target.deadline, "tensor_parallel_size": target.tensor_parallel_size,
             "ranks": [[list(r.endpoints), r.head_start, r.head_end] for r in target.ranks],
+            "traceparent": target.traceparent,  # each worker's BEGINs carry it too
         },
         "layout": {name: getattr(layout, name) for name in _LAYOUT_FIELDS},
         "attempts": [attempt.hex() for attempt in attempts],
@@ -85,7 +87,7 @@ def parse_export(fields: dict[str, Any]) -> tuple[str, TransferTarget, KVLayout,
         transport=t["transport"], generation=t["generation"], deadline=t["deadline"],
         ranks=tuple(RankTarget(tuple(endpoints), start, end)
                     for endpoints, start, end in t["ranks"]),
-        tensor_parallel_size=t["tensor_parallel_size"])
+        tensor_parallel_size=t["tensor_parallel_size"], traceparent=t.get("traceparent", ""))
     layout = KVLayout(**fields["layout"])
     attempts = tuple(bytes.fromhex(a) for a in fields["attempts"])
     return fields["request_id"], target, layout, attempts
