@@ -1,7 +1,11 @@
 """The router's Prometheus metrics, on a registry owned by the router server.
 
 Names follow DESIGN.md ("Interfaces users see"); latency histograms carry
-`role="router"` because pods export the same names with their own role.
+`role="router"` because pods export the same names with their own role, and
+the router's also `path`: which way the request went (`PATHS`, the values of
+the trace attribute `path`, router/flow/tracing.py). A request's flow binds
+its path's children once, at its first token (`for_path`), so the per-token
+ITL observation costs what it did with one child.
 `RouterServer` creates one `RouterMetrics` (no module-global registry, so
 tests can run several routers in one process); `router.flow` observes into
 it from the event loop, and `/metrics` renders it.
@@ -24,6 +28,12 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 _DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025,
                      0.05, 0.1)
 DECISION_ROLES = ("prefill", "decode", "colocated")
+# the ways a request goes (one bounded label, never free text): a prefill pod
+# and a decode pod; the same with the prompt's tail computed on the decode pod
+# (--split-prefill-min-tokens); a decode pod prefilling it itself; a colocated
+# pod; a prefill pod scoring the prompt alone (max_tokens 0)
+PATHS = ("disaggregated", "split", "local_prefill", "colocated", "scoring")
+DEFAULT_PATH = "disaggregated"
 ROLE = "router"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -40,18 +50,21 @@ class RouterMetrics:
         self.registry = registry or CollectorRegistry()
         self._multiprocess_dir = multiprocess_dir
         r = self.registry
-        self.ttft = Histogram(
+        ttft = Histogram(
             "pdserve_time_to_first_token_seconds", "Request arrival to first token sent",
-            ["role"], buckets=_LATENCY_BUCKETS, registry=r,
-        ).labels(role=ROLE)
-        self.itl = LoopHistogram(Histogram(
+            ["role", "path"], buckets=_LATENCY_BUCKETS, registry=r)
+        itl = Histogram(
             "pdserve_inter_token_latency_seconds", "Time between consecutive output tokens",
-            ["role"], buckets=_LATENCY_BUCKETS, registry=r,
-        ).labels(role=ROLE))
-        self.e2e = Histogram(
+            ["role", "path"], buckets=_LATENCY_BUCKETS, registry=r)
+        e2e = Histogram(
             "pdserve_e2e_request_latency_seconds", "Request arrival to its last token",
-            ["role"], buckets=_LATENCY_BUCKETS, registry=r,
-        ).labels(role=ROLE)
+            ["role", "path"], buckets=_LATENCY_BUCKETS, registry=r)
+        # every path's children exist from the start (a dashboard's query finds
+        # each path at 0), and none is made later: the label stays bounded
+        self.latency = {path: PathLatency(ttft.labels(role=ROLE, path=path),
+                                          LoopHistogram(itl.labels(role=ROLE, path=path)),
+                                          e2e.labels(role=ROLE, path=path))
+                        for path in PATHS}
         self.retries = Counter(
             "pdserve_retries_total",
             "Pod calls retried on another pod (prefill failed, decode full)",
@@ -175,6 +188,16 @@ class RouterMetrics:
             registry=r,
         )
 
+    def for_path(self, path: str | None) -> PathLatency:
+        """The latency histograms of requests that went by `path` (one of
+        `PATHS`; None, a request that never chose one, counts as the default)."""
+        if path is None:
+            path = DEFAULT_PATH
+        try:
+            return self.latency[path]
+        except KeyError:
+            raise ValueError(f"path {path!r} is not one of {PATHS}") from None
+
     def bind_pod_queue(self, pod: str, *, dispatched: Callable[[], float],
                        wait: Callable[[], float | None],
                        rate: Callable[[], float | None]) -> None:
@@ -191,12 +214,24 @@ class RouterMetrics:
 
     def render(self) -> bytes:
         """The text exposition format for GET /metrics."""
-        self.itl.flush()
+        for latency in self.latency.values():
+            latency.itl.flush()
         if self._multiprocess_dir is None:
             return generate_latest(self.registry)
         merged = CollectorRegistry()
         MultiProcessCollector(merged, path=self._multiprocess_dir)
         return generate_latest(merged)
+
+
+class PathLatency:
+    """One path's TTFT, ITL and E2E histogram children (`RouterMetrics.for_path`)."""
+
+    __slots__ = ("ttft", "itl", "e2e")
+
+    def __init__(self, ttft, itl: LoopHistogram, e2e) -> None:
+        self.ttft = ttft
+        self.itl = itl
+        self.e2e = e2e
 
 
 class LoopHistogram:

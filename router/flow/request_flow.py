@@ -81,6 +81,7 @@ from router.flow.state import FlowState, check_transition
 from router.flow.tracing import FlowTrace
 from router.generation import Delta, GenerationRequest
 from router.key_limits import charge_current
+from router.metrics import PathLatency
 from router.routing.local_prefill import LocalChoice
 
 log = logging.getLogger(__name__)
@@ -105,6 +106,10 @@ class RequestFlow:
         self._attempt = 0
         self._migrations = 0
         self._last_token_time: float | None = None
+        # the latency histograms of this request's path, bound at its first
+        # token (the path of the attempt that sent it), so the per-token ITL
+        # observation picks no label
+        self._latency: PathLatency | None = None
         self._sink: _ObservedSink | None = None
         # phase stamps for the timeline and the spans (router.flow.tracing)
         self.trace = FlowTrace(request, deps.history)
@@ -139,7 +144,7 @@ class RequestFlow:
                             self._observe(delta)
                             yield delta
                     outcome = "ok"
-                    metrics.e2e.observe(time.monotonic() - self._start)
+                    self._path_latency().e2e.observe(time.monotonic() - self._start)
                     return
                 except AttemptFailed as failure:
                     self._after_failure(failure)
@@ -161,7 +166,7 @@ class RequestFlow:
             # iteration; before it, the client went away mid-request.
             if self.state is FlowState.FINISHED:  # a consumer that stops at the final delta
                 outcome = "ok"
-                metrics.e2e.observe(time.monotonic() - self._start)
+                self._path_latency().e2e.observe(time.monotonic() - self._start)
             else:
                 outcome = "client_disconnect"
                 metrics.aborts.labels(reason="client_disconnect").inc()
@@ -179,7 +184,7 @@ class RequestFlow:
             return
         if self._out.next_index == len(delta.token_ids):
             now = time.monotonic()
-            self._deps.metrics.ttft.observe(now - self._start)
+            self._path_latency().ttft.observe(now - self._start)
             self._last_token_time = now
             self.trace.event("first_token")
         else:
@@ -188,9 +193,16 @@ class RequestFlow:
     def _observe_tokens(self, count: int) -> None:
         """ITL of `count` output tokens that arrived together, after the first."""
         now = time.monotonic()
-        if self._last_token_time is not None:
-            self._deps.metrics.itl.observe((now - self._last_token_time) / count, count)
+        if self._last_token_time is not None:  # so the first token bound `_latency`
+            self._latency.itl.observe((now - self._last_token_time) / count, count)
         self._last_token_time = now
+
+    def _path_latency(self) -> PathLatency:
+        """This request's path's histograms, bound the first time (its first
+        token; the end, for a request that had none)."""
+        if self._latency is None:
+            self._latency = self._deps.metrics.for_path(self.trace.path)
+        return self._latency
 
     def _after_failure(self, failure: AttemptFailed) -> None:
         """Decide whether the request moves on after a failed attempt."""

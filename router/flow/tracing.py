@@ -29,7 +29,8 @@ from telemetry.history import History, Timeline
 
 log = logging.getLogger(__name__)
 
-# the path an attempt took, by the first state that names one
+# the path an attempt took, by the last state that names one (router.metrics.PATHS;
+# "split" is noted by router.flow.pd_path once the decode pod answers split_at)
 _PATHS = {FlowState.COLOCATED: "colocated", FlowState.LOCAL_PREFILL: "local_prefill",
           FlowState.SCORING: "scoring", FlowState.PREFILLING: "disaggregated"}
 
@@ -70,8 +71,14 @@ class FlowTrace:
         self.timeline.enter(state.value)
         if self._attempt is not None:
             path = _PATHS.get(state)
-            if path is not None and "path" not in self._attempt:
+            if path is not None:  # the latest: LOCAL_PREFILL refused -> RESERVING -> ...
                 self._attempt["path"] = path
+
+    @property
+    def path(self) -> str | None:
+        """The way the current attempt went (router.metrics.PATHS: its path
+        state's, or "split" once its decode pod said so); None before it chose."""
+        return self._attempt.get("path") if self._attempt is not None else None
 
     def attempt(self, request_id: str) -> tuple[tuple[str, str], ...]:
         """Attempt `request_id` starts; the gRPC metadata its pod calls carry."""

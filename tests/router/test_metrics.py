@@ -74,12 +74,13 @@ def test_counts_pending_in_this_iteration_are_in_the_render() -> None:
 
     async def main() -> bytes:
         for _ in range(5):
-            metrics.itl.observe(0.03)
+            metrics.for_path("split").itl.observe(0.03)
         return metrics.render()  # before the loop ran the flush
 
     text = asyncio.run(main()).decode()
-    assert 'pdserve_inter_token_latency_seconds_count{role="router"} 5.0' in text
-    assert 'pdserve_inter_token_latency_seconds_bucket{le="0.05",role="router"} 5.0' in text
+    assert 'pdserve_inter_token_latency_seconds_count{path="split",role="router"} 5.0' in text
+    assert ('pdserve_inter_token_latency_seconds_bucket{le="0.05",path="split",role="router"} '
+            '5.0') in text
 
 
 def test_without_a_loop_each_observation_goes_in_at_once() -> None:
@@ -115,14 +116,16 @@ def test_multiprocess_mode_counts_in_the_shared_files(tmp_path) -> None:
     script = (
         "from router.metrics import RouterMetrics\n"
         f"m = RouterMetrics(multiprocess_dir={str(tmp_path)!r})\n"
-        "assert m.itl.batched\n"
-        "m.itl.observe(0.03, 4)\n"
-        "m.itl.observe(0.2)\n"
+        "itl = m.for_path('colocated').itl\n"
+        "assert itl.batched\n"
+        "itl.observe(0.03, 4)\n"
+        "itl.observe(0.2)\n"
         "print(m.render().decode())\n"
     )
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
     text = subprocess.run([sys.executable, "-c", script], env=env, check=True,
                           capture_output=True, text=True, timeout=60).stdout
-    assert 'pdserve_inter_token_latency_seconds_count{role="router"} 5.0' in text
-    assert 'pdserve_inter_token_latency_seconds_bucket{le="0.05",role="router"} 4.0' in text
-    assert 'pdserve_inter_token_latency_seconds_sum{role="router"} 0.32' in text
+    labels = 'path="colocated",role="router"'
+    assert f'pdserve_inter_token_latency_seconds_count{{{labels}}} 5.0' in text
+    assert f'pdserve_inter_token_latency_seconds_bucket{{le="0.05",{labels}}} 4.0' in text
+    assert f'pdserve_inter_token_latency_seconds_sum{{{labels}}} 0.32' in text

@@ -57,8 +57,10 @@ def test_the_direct_relay_keeps_the_stream_exact_and_observed(pattern):
         # take the task's way; the relay writes what it is offered in between
         assert 1 <= len(sink.relayed) <= 9
         assert expected_token(PROMPT, 1) not in {t for d in sink.relayed for t in d.token_ids}
-        assert cluster.sample("pdserve_time_to_first_token_seconds_count", role="router") == 1
-        assert cluster.sample("pdserve_inter_token_latency_seconds_count", role="router") == 11
+        assert cluster.sample("pdserve_time_to_first_token_seconds_count", role="router",
+                              path="disaggregated") == 1
+        assert cluster.sample("pdserve_inter_token_latency_seconds_count", role="router",
+                              path="disaggregated") == 11
     run(main())
 
 

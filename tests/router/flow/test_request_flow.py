@@ -120,8 +120,10 @@ def test_disaggregated_first_token_alone_then_decode():
         (generate,) = decode.requests
         assert generate.remote_prefill and list(generate.prompt_token_ids) == list(PROMPT)
         assert generate.sampling.max_tokens == 6
-        assert cluster.sample("pdserve_time_to_first_token_seconds_count", role="router") == 1
-        assert cluster.sample("pdserve_inter_token_latency_seconds_count", role="router") == 5
+        assert cluster.sample("pdserve_time_to_first_token_seconds_count", role="router",
+                              path="disaggregated") == 1
+        assert cluster.sample("pdserve_inter_token_latency_seconds_count", role="router",
+                              path="disaggregated") == 5
     run(main())
 
 

@@ -248,8 +248,8 @@ def _sample(metrics: str, name: str) -> float:
 
 
 OK = 'pdserve_router_requests_total{outcome="ok"}'
-E2E = 'pdserve_e2e_request_latency_seconds_count{role="router"}'
-E2E_SUM = 'pdserve_e2e_request_latency_seconds_sum{role="router"}'
+E2E = 'pdserve_e2e_request_latency_seconds_count{path="disaggregated",role="router"}'
+E2E_SUM = 'pdserve_e2e_request_latency_seconds_sum{path="disaggregated",role="router"}'
 
 
 def test_a_finished_request_counts_ok_once_and_one_e2e_latency(tiny_model_dir):
