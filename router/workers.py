@@ -22,7 +22,11 @@ each worker keeps its own map: rendezvous hashing still sends a session to
 the same pod from every worker, but a move off an overloaded pod is known
 only to the worker that made it. Metrics: prometheus_client's multiprocess
 mode over `RouterConfig.metrics_dir` (the CLI sets it up); any worker's
-/metrics sums every worker's samples.
+/metrics sums every worker's samples. Traces: the supervisor makes no spans
+and sets up no tracing; each worker, once spawned, sets up its own tracer
+provider and exporter (`setup_tracing`, telemetry.tracing.setup), with
+service.instance.id `<address>/worker-<i>`. A request's spans come from the
+worker that served it, and `pdserve trace ID` from that worker's history.
 """
 
 from __future__ import annotations
@@ -57,17 +61,23 @@ def _reserve_port(host: str, port: int) -> socket.socket:
 
 
 def _worker(config: RouterConfig, index: int, log_level: str,
-            ready: multiprocessing.Queue) -> None:
+            ready: multiprocessing.Queue, setup_tracing: Callable[..., bool] | None) -> None:
     """One worker process: a RouterServer until SIGTERM."""
     die_with_parent()
     logging.basicConfig(level=log_level.upper(),
                         format=f"%(asctime)s %(levelname)s [worker {index}] %(name)s: %(message)s")
     from router.server import RouterServer
+    from telemetry import tracing
 
     def started(server: RouterServer) -> None:
         ready.put((index, server.http_port, server.grpc_port))
 
-    asyncio.run(RouterServer(config).run_until_signal(started))
+    if setup_tracing is not None:  # this process's own provider, made after the spawn
+        setup_tracing(instance=f"worker-{index}")
+    try:
+        asyncio.run(RouterServer(config).run_until_signal(started))
+    finally:
+        tracing.shutdown()  # the drained requests' spans leave before the worker exits
 
 
 def die_with_parent() -> None:
@@ -81,8 +91,12 @@ def die_with_parent() -> None:
 
 
 def serve_workers(config: RouterConfig, *, log_level: str,
-                  on_ready: Callable[[int, int], None]) -> int:
-    """Run `config.workers` workers until SIGTERM; the process exit status."""
+                  on_ready: Callable[[int, int], None],
+                  setup_tracing: Callable[..., bool] | None = None) -> int:
+    """Run `config.workers` workers until SIGTERM; the process exit status.
+    `setup_tracing` (picklable: a functools.partial of telemetry.tracing.setup
+    with its config and identity) is called in each worker with
+    `instance="worker-<i>"`; None: no worker traces."""
     if config.workers < 2:
         raise ValueError(f"serve_workers needs workers >= 2, got {config.workers}")
     http_sock = _reserve_port(config.host, config.port)
@@ -91,7 +105,8 @@ def serve_workers(config: RouterConfig, *, log_level: str,
                                  grpc_port=grpc_sock.getsockname()[1])
     context = multiprocessing.get_context("spawn")
     ready: multiprocessing.Queue = context.Queue()
-    workers = [context.Process(target=_worker, args=(config, i, log_level, ready),
+    workers = [context.Process(target=_worker,
+                               args=(config, i, log_level, ready, setup_tracing),
                                name=f"pdserve-router-{i}") for i in range(config.workers)]
     stopping = False
 

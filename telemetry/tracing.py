@@ -14,7 +14,15 @@ Sampling: parent-based (a sampled or unsampled parent decides; a new root
 is sampled with --trace-sample-ratio, default 1.0). Without the flag,
 OTEL_TRACES_SAMPLER / OTEL_TRACES_SAMPLER_ARG choose as the SDK reads them.
 Resource: service.name `pdserve-<role>` (OTEL_SERVICE_NAME wins), plus
-pdserve.role, pdserve.address, pdserve.model and OTEL_RESOURCE_ATTRIBUTES.
+pdserve.role, pdserve.address, pdserve.model and OTEL_RESOURCE_ATTRIBUTES;
+service.instance.id `<address>/<instance>` for a process that is one of
+several serving one address (a router worker, router/workers.py).
+
+One provider per process, never shared across a fork: its exporter's gRPC
+channel and its batch thread belong to the process that made them. A forked
+child forgets the parent's (tracing is off there until it calls `setup`
+itself); `pdserve router --workers N` spawns its workers, and each calls
+`setup` with its own instance.
 """
 
 from __future__ import annotations
@@ -73,9 +81,12 @@ def config_from_args(args) -> TraceConfig:
                        sample_ratio=getattr(args, "trace_sample_ratio", None))
 
 
-def setup(config: TraceConfig, *, role: str, address: str = "", model: str = "") -> bool:
+def setup(config: TraceConfig, *, role: str, address: str = "", model: str = "",
+          instance: str = "") -> bool:
     """Turn tracing on for this process when `config` (or the environment)
-    names an endpoint; True when it is on. Called once per process."""
+    names an endpoint; True when it is on. Called once per process.
+    `instance`: this process among several serving `address` (e.g.
+    "worker-1"), which makes its service.instance.id distinct."""
     global _tracer, _provider
     endpoint = config.resolved_endpoint()
     if not endpoint or _tracer is not None:
@@ -87,6 +98,8 @@ def setup(config: TraceConfig, *, role: str, address: str = "", model: str = "")
     from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 
     attributes = {"pdserve.role": role, "pdserve.address": address, "pdserve.model": model}
+    if instance:
+        attributes["service.instance.id"] = f"{address}/{instance}" if address else instance
     if not os.environ.get("OTEL_SERVICE_NAME"):
         attributes["service.name"] = f"pdserve-{role}"
     sampler = None  # the SDK reads OTEL_TRACES_SAMPLER(_ARG)
@@ -112,6 +125,18 @@ def flush(timeout_ms: int = 5000) -> None:
     """Export what is buffered now (a draining pod, before it exits)."""
     if _provider is not None:
         _provider.force_flush(timeout_ms)
+
+
+def _forget_after_fork() -> None:
+    """In a forked child: the parent's provider is not this process's (its
+    exporter's channel and batch thread stayed in the parent); tracing is off
+    until this process sets up its own. Nothing is flushed or shut down here:
+    that would act on the parent's objects."""
+    global _tracer, _provider
+    _tracer = _provider = None
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 def shutdown() -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -267,17 +268,18 @@ def main(args: argparse.Namespace) -> int:
             tmp.replace(args.ready_file)
 
     from telemetry import tracing
-    tracing.setup(tracing.config_from_args(args), role="router",
-                  address=f"{args.host}:{args.port}",
-                  model=config.served_model_name or str(args.model))
-    if config.workers > 1:
-        return _serve_workers(config, args.log_level, write_ready_file)
+    setup_tracing = functools.partial(
+        tracing.setup, tracing.config_from_args(args), role="router",
+        address=f"{args.host}:{args.port}", model=config.served_model_name or str(args.model))
+    if config.workers > 1:  # each worker sets up its own, after the spawn
+        return _serve_workers(config, args.log_level, write_ready_file, setup_tracing)
+    setup_tracing()
     asyncio.run(RouterServer(config).run_until_signal(
         lambda server: write_ready_file(server.http_port, server.grpc_port)))
     return 0
 
 
-def _serve_workers(config, log_level: str, on_ready) -> int:
+def _serve_workers(config, log_level: str, on_ready, setup_tracing) -> int:
     """Several worker processes (router/workers.py). prometheus_client's
     multiprocess mode is switched on here, through its environment variable,
     before any worker imports it; the directory lives as long as this run."""
@@ -297,6 +299,7 @@ def _serve_workers(config, log_level: str, on_ready) -> int:
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
     try:
         return serve_workers(dataclasses.replace(config, metrics_dir=metrics_dir),
-                             log_level=log_level, on_ready=on_ready)
+                             log_level=log_level, on_ready=on_ready,
+                             setup_tracing=setup_tracing)
     finally:
         shutil.rmtree(metrics_dir, ignore_errors=True)

@@ -24,8 +24,11 @@ class Span:
     start_ns: int
     end_ns: int
     attributes: dict = field(default_factory=dict)
-    events: list = field(default_factory=list)
+    events: list = field(default_factory=list)  # names
+    event_attributes: list = field(default_factory=list)  # (name, attributes) each
     error: bool = False
+    status: str = ""  # the error status's description
+    instance: str = ""  # the resource's service.instance.id
 
 
 def _value(any_value):
@@ -58,7 +61,11 @@ class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):
                         parent_id=s.parent_span_id.hex(), start_ns=s.start_time_unix_nano,
                         end_ns=s.end_time_unix_nano,
                         attributes={a.key: _value(a.value) for a in s.attributes},
-                        events=[e.name for e in s.events], error=s.status.code == 2))
+                        events=[e.name for e in s.events],
+                        event_attributes=[(e.name, {a.key: _value(a.value) for a in e.attributes})
+                                          for e in s.events],
+                        error=s.status.code == 2, status=s.status.message,
+                        instance=resource.get("service.instance.id", "")))
         with self._lock:
             self.spans.extend(received)
         return trace_service_pb2.ExportTraceServiceResponse()

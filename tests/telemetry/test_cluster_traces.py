@@ -183,6 +183,52 @@ def test_timeline_endpoint_and_pdserve_trace_show_a_finished_request(cluster):
     assert missing.returncode == 1 and "HTTP 404" in missing.stderr
 
 
+def test_a_router_with_two_workers_traces_from_each_worker(cluster, tiny_model_dir):
+    """`--workers 2`: each worker process sets up its own tracer provider after
+    the spawn (none is inherited), with its own service.instance.id; requests
+    on new connections land on both workers (the kernel spreads them), and
+    every one's router spans arrive, joined with the pods' by the trace."""
+    receiver, _, pods = cluster
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("OTEL_BSP_SCHEDULE_DELAY", "200")
+        router = start_router(tiny_model_dir, prefill=[pods["prefill"].address],
+                              decode=[pods["d1"].address, pods["d2"].address], workers=2,
+                              request_timeout=60, otlp_endpoint=receiver.endpoint)
+    try:
+        wait_ready(router)
+        instances: set[str] = set()
+        for batch in range(8):  # both workers seen: 1 - 2**-(4n) likely after n batches
+            trace_ids = [f"{0xabc0000 + 4 * batch + i:032x}" for i in range(4)]
+            for trace_id in trace_ids:  # urllib: a new connection per request
+                _complete(router, {"traceparent": f"00-{trace_id}-{CLIENT_SPAN}-01"})
+
+            def traced(ids: list[str] = trace_ids) -> bool:
+                return all(any(s.name == "pdserve.request" for s in receiver.trace(t))
+                           and any(s.name == "prefill.request" for s in receiver.trace(t))
+                           for t in ids)
+            receiver.wait_for(traced, what=f"the router's spans of {trace_ids}")
+            for trace_id in trace_ids:
+                request = _one(receiver.trace(trace_id), "pdserve.request")
+                assert request.service == "pdserve-router" and request.parent_id == CLIENT_SPAN
+                instances.add(request.instance)
+            if len(instances) == 2:
+                break
+        assert instances == {"127.0.0.1:0/worker-0", "127.0.0.1:0/worker-1"}
+        assert router.terminate() == 0
+    finally:
+        if router.process.poll() is None:
+            router.process.kill()
+
+
+def _complete(router, headers: dict) -> None:
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 2, "temperature": 0}
+    request = urllib.request.Request(
+        router.url("/v1/completions"), data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", **headers})
+    with urllib.request.urlopen(request, timeout=60) as reply:
+        assert reply.status == 200
+
+
 def test_a_request_moved_off_a_killed_decode_pod_shows_both_attempts(cluster):
     receiver, router, pods = cluster
     killed: list[str] = []

@@ -115,3 +115,25 @@ def test_pdserve_up_passes_the_tracing_flags_to_every_child():
     assert config.pod_args == flags and config.router_args == flags
     off = up.config_from_args(parser.parse_args([]))
     assert off.pod_args == off.router_args == ()
+
+
+_FORK_PROBE = """
+import os, sys
+from telemetry import tracing
+assert tracing.setup(tracing.TraceConfig(endpoint="http://127.0.0.1:9"), role="router",
+                     address="127.0.0.1:8000", instance="worker-3")
+print(dict(tracing._provider.resource.attributes)["service.instance.id"])
+pid = os.fork()
+if pid == 0:  # the child never uses the parent's provider or exporter
+    os._exit(0 if tracing.tracer() is None and tracing._provider is None else 1)
+_, status = os.waitpid(pid, 0)
+print("child", os.waitstatus_to_exitcode(status), "parent", tracing.tracer() is not None)
+tracing.shutdown()
+"""
+
+
+def test_a_forked_child_forgets_the_parents_provider_and_an_instance_is_named():
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    out = subprocess.run([sys.executable, "-c", _FORK_PROBE], cwd=REPO, check=True,
+                         capture_output=True, text=True, env=clean, timeout=60).stdout
+    assert out.split("\n")[:2] == ["127.0.0.1:8000/worker-3", "child 0 parent True"]
