@@ -41,7 +41,8 @@ Beside the writes, the injector thread reports each request's layers and
 END, with the times it read, to the pod's `TransferETA`
 (decode_service/transfer_eta.py: when transfers are expected to end, for
 the engine loop's join hold), and keeps a split prefill's head gate
-(`SplitHead`, decode_service/split_head.py).
+(`SplitHead`, decode_service/split_head.py), and for a sampled trace's
+request only (telemetry.kv_traces) each layer's arrival and injection times.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ from decode_service.transfer_eta import TransferETA
 from engine.metrics import PodMetrics
 from kernels.dispatch import Backend
 from kv_transfer.base import KVReceiveListener
+from telemetry import kv_traces
 
 log = logging.getLogger(__name__)
 _RESTART_WAIT_S = 30.0
@@ -139,6 +141,8 @@ class _LayerReady:
     request_id: str
     layer: int
     kv_view: torch.Tensor
+    traced: kv_traces.TracedTransfer | None = None  # a sampled trace's; None: untraced
+    arrived: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,7 +244,11 @@ class KVInjector(KVReceiveListener):
     # ---------------------------------------------------------------- receiver threads
 
     def on_layer_ready(self, request_id: str, layer: int, kv_view: torch.Tensor) -> None:
-        self._items.put(_LayerReady(request_id, layer, kv_view))
+        traced = kv_traces.traced(request_id)  # tracing off: an empty map, nothing read
+        if traced is None:
+            self._items.put(_LayerReady(request_id, layer, kv_view))
+        else:
+            self._items.put(_LayerReady(request_id, layer, kv_view, traced, self._clock()))
 
     def on_complete(self, request_id: str, first_token_id: int) -> None:
         self._items.put(_Complete(request_id, first_token_id))
@@ -280,6 +288,9 @@ class KVInjector(KVReceiveListener):
                     continue
                 if isinstance(item, _LayerReady):
                     self._inject(item.request_id, p, item.layer, item.kv_view)
+                    if item.traced is not None:  # a sampled trace: the layer's times
+                        item.traced.layer_in(item.layer, item.kv_view.nbytes, item.arrived,
+                                             self._clock())
                 elif isinstance(item, _Complete):
                     self._complete(item.request_id, p, item.first_token_id)
                 else:
@@ -347,6 +358,8 @@ class KVInjector(KVReceiveListener):
                     p.to(InjectState.WAITING)
                 p.layers_done = 0
                 p.first_layer_at = None
+                if (traced := kv_traces.traced(request_id)) is not None:
+                    traced.restart()  # the layers come again: one event each
                 if self._eta is not None:
                     self._eta.forget(request_id)
         finally:

@@ -226,10 +226,12 @@ class DecodeServicer(pdserve_pb2_grpc.DecodeServicer):
                 block_size=reservation.block_size,
                 num_reserved_blocks=len(reservation.block_ids), split_at=split_at))
             reserved_at = time.monotonic()
-            await kv.wait()  # the injector thread queued R's commit already
-            if trace is not None:
-                trace.adopt(kv_traces.take(rid))  # the BEGIN's, over a Session stream
-                trace.phase("kv.receive_inject", reserved_at, saved_bytes=kv.held_bytes)
+            try:
+                await kv.wait()  # the injector thread queued R's commit already
+            except TransferFailed as exc:
+                _trace_receive(trace, rid, reserved_at, kv.held_bytes, exc.reason)
+                raise
+            _trace_receive(trace, rid, reserved_at, kv.held_bytes)
             # Reserved -> every layer injected and END accepted, as this pod saw it
             self._metrics.kv_transfer_seconds.observe(time.monotonic() - reserved_at)
             self._metrics.kv_transfer_saved_bytes.inc(kv.held_bytes)
@@ -296,6 +298,21 @@ class DecodeServicer(pdserve_pb2_grpc.DecodeServicer):
                                     self._gate, self._cache_events_channel),
                 self._loop, self._gate, request):
             yield report
+
+
+def _trace_receive(trace: PodTrace | None, rid: str, reserved_at: float, held_bytes: int,
+                   error: str | None = None) -> None:
+    """R's `kv.receive_inject` phase, Reserved until its KV is in (or the
+    transfer failed, `error`), with what its sampled BEGIN's record saw
+    (telemetry.kv_traces): `kv.layer` and `kv.checksum_failure` events; its
+    traceparent is the call's parent over a Session stream."""
+    if trace is None:
+        return
+    traced = kv_traces.take(rid)
+    if traced is not None:
+        trace.adopt(traced.traceparent)
+    trace.phase("kv.receive_inject", reserved_at, saved_bytes=held_bytes, error=error,
+                events=traced.events() if traced is not None else ())
 
 
 def _check_split(request: pdserve_pb2.DecodeGenerateRequest, num_context: int,

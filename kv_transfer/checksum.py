@@ -26,3 +26,8 @@ def data_checksum(payload: bytes | memoryview, flags: int) -> int:
     if flags & FLAG_XXH3:
         return xxhash.xxh3_64_intdigest(payload)
     return xxhash.xxh64_intdigest(payload)
+
+
+def checksum_name(flags: int) -> str:
+    """The algorithm a DATA frame with `flags` names ("xxh3" or "xxh64")."""
+    return "xxh3" if flags & FLAG_XXH3 else "xxh64"

@@ -6,13 +6,15 @@ servicer.py, decode_service/servicer.py) from the call's gRPC metadata
 `phase`s with monotonic times at phase boundaries, and call `finish` once;
 only then, and only when tracing is on and the call carried a trace
 context, are the spans made: the call's span (SERVER, a child of the
-router's attempt) with one child per phase.
+router's attempt) with one child per phase, each with the events and the
+error status its `phase` was given (the decode pod's `kv.receive_inject`:
+its layers and checksum failures, telemetry.kv_traces).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any, TypeVar
 
 from telemetry import spans
@@ -28,7 +30,7 @@ class PodTrace:
         self.name = name
         self.carrier = from_metadata(metadata) if spans.on() else {}
         self.started = time.monotonic()
-        self.phases: list[tuple[str, float, float, dict[str, Any]]] = []
+        self.phases: list[_Phase] = []
         self.attributes: dict[str, Any] = dict(attributes)
         self._done = False
 
@@ -43,9 +45,13 @@ class PodTrace:
         if traceparent and not self.carrier and spans.on():
             self.carrier = {"traceparent": traceparent}
 
-    def phase(self, name: str, start: float, end: float | None = None, **attributes: Any
+    def phase(self, name: str, start: float, end: float | None = None, *,
+              events: Sequence[_Event] = (), error: str | None = None, **attributes: Any
               ) -> None:
-        self.phases.append((name, start, time.monotonic() if end is None else end, attributes))
+        """Phase `name` ran from `start` to `end` (None: now); `events`: (name,
+        monotonic time, attributes) on its span; `error`: its error status."""
+        self.phases.append((name, start, time.monotonic() if end is None else end, attributes,
+                            events, error))
 
     def finish(self, error: str | None = None, **attributes: Any) -> None:
         """The call ended; make its spans when tracing is on (once)."""
@@ -57,12 +63,17 @@ class PodTrace:
             return  # a pod traces only calls of a traced request: no orphan roots
         root = spans.start(self.name, self.started, spans.parent_context(self.carrier),
                            _prefixed(self.attributes), kind="SERVER")
-        for name, start, end, details in self.phases:
-            spans.child(root, name, start, end, _prefixed(details))
+        for name, start, end, details, events, phase_error in self.phases:
+            span = spans.start(name, start, root, _prefixed(details))
+            for event, at, event_details in events:
+                spans.event(span, event, at, _prefixed(event_details))
+            spans.end(span, end, error=phase_error)
         spans.end(root, time.monotonic(), error=error)
 
 
 T = TypeVar("T")
+_Event = tuple[str, float, dict[str, Any]]
+_Phase = tuple[str, float, float, dict[str, Any], Sequence[_Event], "str | None"]
 
 
 async def finished_with(trace: PodTrace, messages: AsyncIterator[T]) -> AsyncIterator[T]:

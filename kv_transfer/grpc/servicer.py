@@ -35,7 +35,7 @@ import time
 import grpc
 
 from kv_transfer.base import KVLayout, TransferOutcome
-from kv_transfer.checksum import checksum, data_checksum
+from kv_transfer.checksum import checksum, checksum_name, data_checksum
 from kv_transfer.errors import Reason, TransferRefused, make_reason, reason_code
 from kv_transfer.grpc.codec import Malformed, WireFrame, decode_frame
 from kv_transfer.layout import SenderPart
@@ -49,7 +49,6 @@ from kv_transfer.wire import (
 )
 from proto import pdserve_pb2, pdserve_pb2_grpc
 from telemetry import kv_traces
-from telemetry.context import parse_traceparent
 
 # options a server hosting the servicer needs (DATA frames exceed gRPC's 4 MiB default)
 SERVER_OPTIONS = [
@@ -169,8 +168,8 @@ class KVTransferServicer(pdserve_pb2_grpc.KVTransferServicer):
         if len(attempt) > MAX_ATTEMPT_BYTES:
             raise TransferRefused(Reason.BAD_FRAME, f"attempt id over {MAX_ATTEMPT_BYTES} bytes")
         self.table.begin(frame.request_id, bytes(frame.ticket), layout, peer, attempt, part)
-        if frame.flags & FLAG_TRACE and parse_traceparent(frame.traceparent):
-            kv_traces.note(frame.request_id, frame.traceparent)  # the decode pod's spans
+        if frame.flags & FLAG_TRACE:  # the decode pod's spans (a bad one is not kept)
+            kv_traces.note(frame.request_id, frame.traceparent)
 
     def _handle(self, frame: WireFrame, peer: _CallPeer) -> pdserve_pb2.PushResult | None:
         """One frame after BEGIN; a PushResult ends the call."""
@@ -179,7 +178,13 @@ class KVTransferServicer(pdserve_pb2_grpc.KVTransferServicer):
         if frame.kind == _KIND.FRAME_KIND_DATA:
             claim = self.table.claim(rid, peer, frame.layer, frame.offset, len(payload))
             claim.view[:] = payload  # the one copy on this side
-            ok = data_checksum(claim.view, frame.flags) == frame.checksum
+            got = data_checksum(claim.view, frame.flags)
+            ok = got == frame.checksum
+            if not ok:  # the decode pod's span shows it (traced only)
+                kv_traces.checksum_failure(
+                    rid, layer=frame.layer, offset=frame.offset, bytes=len(payload),
+                    expected=f"{frame.checksum:016x}", got=f"{got:016x}",
+                    algorithm=checksum_name(frame.flags), transport="grpc")
             self.table.commit(claim, None if ok else make_reason(
                 Reason.BAD_CHECKSUM, f"layer {frame.layer} offset {frame.offset}"))  # fmt: skip
             return None

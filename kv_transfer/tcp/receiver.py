@@ -48,7 +48,7 @@ from kv_transfer.base import (
     KVReceiveListener,
     TransferOutcome,
 )
-from kv_transfer.checksum import checksum, data_checksum
+from kv_transfer.checksum import checksum, checksum_name, data_checksum
 from kv_transfer.config import ReceiverConfig
 from kv_transfer.connector_receiver import ConnectorReceiver
 from kv_transfer.errors import Reason, TransferRefused, make_reason
@@ -104,6 +104,14 @@ class _Connection:
         # this connection's thread, read by the accept thread's watchdog
         self.frame_deadline: float | None = None
         self.stalled = False
+
+    def peer_name(self) -> str:
+        """The sender's address, "host:port" ("" once the socket is gone)."""
+        try:
+            host, port = self.sock.getpeername()[:2]
+        except OSError:
+            return ""
+        return f"{host}:{port}"
 
     def _frame_started(self) -> None:
         self.frame_deadline = time.monotonic() + self.frame_timeout_s
@@ -255,9 +263,14 @@ class _Connection:
                 Reason.CONNECTION_LOST, f"mid-payload: {exc}"))  # fmt: skip
             raise
         self._frame_read()
-        ok = data_checksum(claim.view, header.flags) == header.checksum
+        got = data_checksum(claim.view, header.flags)
+        ok = got == header.checksum
         if not ok:
             self.refusals.add(Reason.BAD_CHECKSUM.value)
+            kv_traces.checksum_failure(  # the decode pod's span shows it (traced only)
+                header.request_id, layer=header.layer, offset=header.offset,
+                bytes=header.length, expected=f"{header.checksum:016x}", got=f"{got:016x}",
+                algorithm=checksum_name(header.flags), transport="tcp", stream=self.peer_name())
         self.table.commit(claim, None if ok else make_reason(
             Reason.BAD_CHECKSUM, f"layer {header.layer} offset {header.offset}"))  # fmt: skip
 

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -114,7 +115,8 @@ def _one(spans, name: str, **where):
     return found[0]
 
 
-def test_one_streamed_request_is_one_trace_across_router_prefill_and_decode(cluster):
+def test_one_streamed_request_is_one_trace_across_router_prefill_and_decode(cluster,
+                                                                          tiny_model_dir):
     receiver, router, pods = cluster
     kv_before = _kv_bytes(pods)
     parent = f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"
@@ -147,6 +149,16 @@ def test_one_streamed_request_is_one_trace_across_router_prefill_and_decode(clus
         assert _one(spans, name).parent_id == decode.span_id
     assert send.attributes["pdserve.bytes"] > 0
     assert send.attributes["pdserve.bytes"] == _kv_bytes(pods) - kv_before
+    # the decode pod's receive: one kv.layer event per layer, in order, whose
+    # bytes add up to what was sent, arrived before injected (ms since BEGIN)
+    receive = _one(spans, "kv.receive_inject")
+    layers = [a for name, a in receive.event_attributes if name == "kv.layer"]
+    num_layers = json.loads((Path(tiny_model_dir) / "config.json").read_text())[
+        "num_hidden_layers"]
+    assert [a["pdserve.layer"] for a in layers] == list(range(num_layers))
+    assert sum(a["pdserve.bytes"] for a in layers) == send.attributes["pdserve.bytes"]
+    assert all(0 <= a["pdserve.arrived_ms"] <= a["pdserve.injected_ms"] for a in layers)
+    assert not receive.error and "kv.checksum_failure" not in receive.events
     assert any(s.name == "router.decoding" and s.parent_id == request.span_id for s in spans)
 
 
