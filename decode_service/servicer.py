@@ -244,6 +244,7 @@ class DecodeServicer(pdserve_pb2_grpc.DecodeServicer):
             outcome = "abort_rpc" if isinstance(exc, RequestAborted) else "transfer"
             raise self._transfer_error(rid, exc, remote) from None
         finally:
+            kv_traces.take(rid)  # cancelled before its span: its record goes too
             if self._importing.get(rid) is kv:
                 del self._importing[rid]
             if kv.holds_resources:
