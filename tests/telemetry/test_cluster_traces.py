@@ -269,7 +269,9 @@ def test_a_request_moved_off_a_killed_decode_pod_shows_both_attempts(cluster):
         spans = receiver.trace(trace_id)
         return (len([s for s in spans if s.name == "pdserve.attempt"]) == 2
                 and any(s.name == "pdserve.request" for s in spans)
-                and len([s for s in spans if s.name == "prefill.request"]) == 2)
+                and len([s for s in spans if s.name == "prefill.request"]) == 2
+                # the surviving decode pod's: exported on its own batch schedule
+                and any(s.name == "decode.request" for s in spans))
     receiver.wait_for(both_attempts_in, what="both attempts' spans")
     spans = receiver.trace(trace_id)
     request = _one(spans, "pdserve.request")
