@@ -30,12 +30,12 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import xxhash
 
-_SEPARATOR = b"\x00"  # addresses never contain NUL, so key||NUL||address is unambiguous
+SEPARATOR = b"\x00"  # addresses never contain NUL, so key||NUL||address is unambiguous
 
 
 def score(key: bytes, address: str) -> int:
     """The rendezvous weight of `address` for `key` (a 64-bit unsigned integer)."""
-    return xxhash.xxh64_intdigest(key + _SEPARATOR + address.encode())
+    return xxhash.xxh64_intdigest(key + SEPARATOR + address.encode())
 
 
 def rank(key: bytes, addresses: Iterable[str]) -> list[str]:
@@ -79,7 +79,7 @@ def first_ranked(key: bytes, addresses: Sequence[str]) -> str:
     """`rank(key, addresses)[0]` without sorting the rest: one hash per pod."""
     if not addresses:
         raise ValueError("first_ranked needs at least one address")
-    head = key + _SEPARATOR
+    head = key + SEPARATOR
     digest = xxhash.xxh64_intdigest
     return min(addresses, key=lambda address: (-digest(head + address.encode()), address))
 
