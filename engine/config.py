@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from engine.itl_budget import parse_budget
 from engine.layers.linear import DecodeMatmul, MatmulBackend
 from engine.parallel.control import check_rank_service_name
+from engine.prefix_wait import DEFAULT_MAX_WAIT_S
 from kernels.dispatch import Backend
 
 _DTYPES = ("float32", "float16", "bfloat16")
@@ -36,6 +37,8 @@ MAX_TENSOR_PARALLEL_SIZE = 64
 # fails and takes the pod down (docs/tensor_parallel.md, Workers in lockstep).
 DEFAULT_TP_TIMEOUT_S = 60.0
 MAX_TP_TIMEOUT_S = 3600.0
+# A prefix wait longer than this is a stall, not a wait (engine/prefix_wait.py).
+MAX_PREFIX_WAIT_S = 600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +78,10 @@ class EngineConfig:
     # predicted time fits this inter-token budget: "off", "auto" (1.5x the
     # pod's own plain decode step) or milliseconds. See engine/itl_budget.py.
     itl_budget: str = "off"
+    # A waiting request whose next uncached prompt block a running request is
+    # computing waits for it at most this many seconds; 0 = off. See
+    # engine/prefix_wait.py.
+    prefix_wait_s: float = DEFAULT_MAX_WAIT_S
     # None: the model's max_position_embeddings (resolved by the engine).
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
@@ -150,6 +157,9 @@ class EngineConfig:
         if not 0 <= self.short_prefill_tokens <= self.max_num_batched_tokens:
             raise ValueError(f"short_prefill_tokens must be in [0, max_num_batched_tokens "
                              f"{self.max_num_batched_tokens}], got {self.short_prefill_tokens}")
+        if not 0.0 <= self.prefix_wait_s <= MAX_PREFIX_WAIT_S:
+            raise ValueError(f"prefix_wait_s must be in [0, {MAX_PREFIX_WAIT_S:g}] seconds "
+                             f"(0: off), got {self.prefix_wait_s}")
         if not 0 <= self.mixed_prefill_tokens <= 1 << 24:  # at or above the budget: no cap
             raise ValueError(f"mixed_prefill_tokens must be in [0, {1 << 24}], "
                              f"got {self.mixed_prefill_tokens}")

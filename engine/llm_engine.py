@@ -85,12 +85,8 @@ class LLMEngine:
         mc = self.model_config
         self.block_manager = BlockManager(rank.num_blocks, config.block_size,
                                           enable_prefix_caching=config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
-                                   max_num_batched_tokens=config.max_num_batched_tokens,
-                                   decode_first=config.scheduling_policy == "decode-first",
-                                   short_prefill_tokens=config.short_prefill_tokens,
-                                   mixed_prefill_tokens=config.mixed_prefill_tokens,
-                                   itl_budget=(budget := ItlBudget.of(config.itl_budget)))
+        budget = ItlBudget.of(config.itl_budget)
+        self.scheduler = Scheduler.from_config(self.block_manager, config, budget)
         self.sampler = Sampler(config.seed)
         self.async_scheduling = config.use_async_scheduling
         self.eos_token_ids = loaded.eos_token_ids

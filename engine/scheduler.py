@@ -72,11 +72,15 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from engine.block_manager import BlockManager
 from engine.itl_budget import ItlBudget, PromptRoom
 from engine.prefix_wait import DEFAULT_MAX_WAIT_S, PrefixWait
 from engine.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +135,17 @@ class Scheduler:
         # (step id, block ids) of requests freed while that step was in
         # flight: released when the step completes.
         self._deferred: list[tuple[int, list[int]]] = []
+
+    @classmethod
+    def from_config(cls, block_manager: BlockManager, config: EngineConfig,
+                    itl_budget: ItlBudget | None) -> Scheduler:
+        """The engine's scheduler, its policy from the pod's `EngineConfig`."""
+        return cls(block_manager, max_num_seqs=config.max_num_seqs,
+                   max_num_batched_tokens=config.max_num_batched_tokens,
+                   decode_first=config.scheduling_policy == "decode-first",
+                   short_prefill_tokens=config.short_prefill_tokens,
+                   mixed_prefill_tokens=config.mixed_prefill_tokens,
+                   itl_budget=itl_budget, prefix_wait_s=config.prefix_wait_s)
 
     @property
     def num_deferred_blocks(self) -> int:

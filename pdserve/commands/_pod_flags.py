@@ -15,6 +15,7 @@ import os
 from collections.abc import Mapping
 
 from engine.config import SCHEDULING_POLICIES, EngineConfig
+from engine.prefix_wait import DEFAULT_MAX_WAIT_S
 from pdserve.commands._cpus import add_pinning_arguments, pin_process
 from pdserve.commands._security_flags import add_pod_security_arguments, pod_security_from_args
 from pod.config import ServerConfig, parse_size
@@ -50,6 +51,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, block_size: int,
     g.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="decode-first",
                    help="Who gets the step budget first: decoding requests (decode-first) "
                         "or the oldest request (fcfs).")
+    g.add_argument("--prefix-wait-timeout", type=float, default=DEFAULT_MAX_WAIT_S,
+                   metavar="SECONDS",
+                   help="A waiting request whose next uncached prompt block a running request "
+                        "is computing waits for it at most this long instead of computing "
+                        "it twice (default 5; 0: off; docs/engine.md, Prefixes in flight).")
     g.add_argument("--short-prefill-tokens", type=int, default=0,
                    help="With decode-first: waiting prompts with at most this many tokens "
                         "to compute after their cached prefix go before longer prompts' "
@@ -173,6 +179,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         scheduling_policy=args.scheduling_policy,
         short_prefill_tokens=args.short_prefill_tokens,
+        prefix_wait_s=args.prefix_wait_timeout,
         mixed_prefill_tokens=(args.mixed_prefill_by_device[device]
                               if args.mixed_prefill_tokens is None else args.mixed_prefill_tokens),
         itl_budget=args.itl_budget_ms,

@@ -16,7 +16,8 @@ HELP = ("Benchmarks: engine, tp, tp-transfer, decode-gemm, prefill-gemm, prefill
         "(mixed load, cancellations and a pod restart); scale (routers in front of "
         "simulated pods); sim-profile (a simulator profile measured from the real "
         "engine) and sim-check (its predictions against real pods); index-memory (the "
-        "router's prefix index per pod and block).")
+        "router's prefix index per pod and block); decision (a routing decision among N pods, "
+        "in-process).")
 
 BENCHMARKS: dict[str, str] = {
     "engine": "benchmarks.engine",
@@ -42,6 +43,7 @@ BENCHMARKS: dict[str, str] = {
     "sim-profile": "benchmarks.sim_profile",
     "sim-check": "benchmarks.sim_check",
     "index-memory": "benchmarks.index_memory",
+    "decision": "benchmarks.decision",
 }
 
 

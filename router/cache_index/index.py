@@ -38,7 +38,7 @@ chained hash (proto/block_hash.py) over the same token ids the pod receives
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import KeysView, Sequence
 from dataclasses import dataclass, field
 
 from proto import pdserve_pb2
@@ -152,6 +152,10 @@ class PrefixIndex:
 
     def addresses(self) -> list[str]:
         return list(self._pods)
+
+    def published(self) -> KeysView[str]:
+        """The pods the index holds entries for, as a live view (no copy)."""
+        return self._pods.keys()
 
     def num_blocks(self, address: str | None = None) -> int:
         """Hashes held for `address` (all pods when None)."""

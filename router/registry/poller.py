@@ -47,7 +47,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from collections.abc import Set as AbstractSet
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -58,6 +59,7 @@ from proto.tls import PodSecurity, pod_channel
 from router.registry.base import PodEntry, PodSource
 from router.registry.load_watch import LoadWatch
 from router.registry.pod_state import SLOW_POLLS_TOLERATED, PodRecord, PodState
+from router.registry.pod_views import PodViews
 from router.routing.base import PodLoad, PodPool, check_role
 
 log = logging.getLogger(__name__)
@@ -125,7 +127,7 @@ class PolledPodPool(PodPool):
         self._source = source
         self._security = security or PodSecurity()  # TLS + token of the poll channels
         self._pods: dict[str, PodRecord] = {}
-        self._by_role: dict[str, list[PodRecord]] | None = None  # sorted by address; None: redo
+        self._views = PodViews(self._pods, self.in_flight)  # what `pods()` returns, kept current
         self._task: asyncio.Task[None] | None = None
         self._closing: set[asyncio.Task[None]] = set()  # channels of pods that left
 
@@ -147,7 +149,7 @@ class PolledPodPool(PodPool):
             self._stop_watch(pod)
             self._close_channel(pod.channel)
         self._pods.clear()
-        self._by_role = None
+        self._views.reset()
         if self._closing:
             await asyncio.wait(set(self._closing), timeout=_CLOSE_TIMEOUT_S)
         await asyncio.wait_for(self._source.close(), _CLOSE_TIMEOUT_S)
@@ -159,13 +161,23 @@ class PolledPodPool(PodPool):
         task.add_done_callback(self._closing.discard)
 
     def pods(self, role: str) -> list[PodLoad]:
-        check_role(role)
-        if self._by_role is None:  # the pod set changed (`_sync`, `close`)
-            self._by_role = {}
-            for _, pod in sorted(self._pods.items()):
-                self._by_role.setdefault(pod.entry.role, []).append(pod)
-        return [self._load(pod) for pod in self._by_role.get(role, ())
-                if pod.state is PodState.HEALTHY]
+        return self._views.pods(check_role(role))
+
+    def pod(self, role: str, address: str) -> PodLoad | None:
+        return self._views.pod(check_role(role), address)
+
+    def addresses(self, role: str) -> AbstractSet[str]:
+        return self._views.addresses(check_role(role))
+
+    def by_load(self, role: str) -> Iterator[PodLoad]:
+        return self._views.by_load(check_role(role))
+
+    def _load_changed(self, address: str) -> None:
+        self._views.changed(address)
+
+    def _move(self, pod: PodRecord, state: PodState, reason: str) -> None:
+        pod.move(state, reason)
+        self._views.changed(pod.entry.address)
 
     def known(self, role: str) -> list[str]:
         check_role(role)
@@ -179,7 +191,7 @@ class PolledPodPool(PodPool):
     def mark_unhealthy(self, address: str, reason: str) -> None:
         pod = self._pods.get(address)
         if pod is not None:
-            pod.move(PodState.UNHEALTHY, reason)
+            self._move(pod, PodState.UNHEALTHY, reason)
 
     async def poll_once(self, *, list_registry: bool = True) -> None:
         """Refresh the pod set from the source (unless `list_registry` is
@@ -286,14 +298,14 @@ class PolledPodPool(PodPool):
             if entry is None and self._keep_absent(pod, now):
                 continue
             self._pods.pop(address)
-            self._by_role = None
+            self._views.reset()
             self._stop_watch(pod)
             log.info("%s pod %s left the registry", pod.entry.role, address)
             self._close_channel(pod.channel)
         for address, entry in wanted.items():
             if address not in self._pods:
                 log.info("%s pod %s joined the registry", entry.role, address)
-                self._by_role = None
+                self._views.reset()
                 # polls a restarted pod at once (GRPC_RECONNECT_OPTIONS)
                 self._pods[address] = PodRecord(entry, pod_channel(address, self._security,
                                                               _POOL_CHANNEL_OPTIONS))
@@ -331,7 +343,7 @@ class PolledPodPool(PodPool):
             return  # removed from the registry while we were polling
         if health.status != health_pb2.HealthCheckResponse.SERVING:
             self._stop_watch(pod)
-            pod.move(PodState.UNHEALTHY, f"health status {health.status}")
+            self._move(pod, PodState.UNHEALTHY, f"health status {health.status}")
         else:
             self._apply(pod, report, "poll ok")
 
@@ -340,17 +352,16 @@ class PolledPodPool(PodPool):
         if self._pods.get(pod.entry.address) is not pod:
             return  # removed from the registry meanwhile
         if report.role != pod.entry.role:
-            pod.move(PodState.UNHEALTHY,
-                     f"registered as {pod.entry.role} but reports role {report.role!r}")
+            self._move(pod, PodState.UNHEALTHY,
+                       f"registered as {pod.entry.role} but reports role {report.role!r}")
         elif report.draining:
-            pod.move(PodState.UNHEALTHY, "draining")
+            self._move(pod, PodState.UNHEALTHY, "draining")
         else:
             pod.report = report
             pod.failures = 0
-            pod.move(PodState.HEALTHY, reason)
+            self._move(pod, PodState.HEALTHY, reason)
 
-    @staticmethod
-    def _poll_failed(pod: PodRecord, reason: str, *, slow: bool) -> None:
+    def _poll_failed(self, pod: PodRecord, reason: str, *, slow: bool) -> None:
         """A failed poll: UNHEALTHY at once, unless it was only slow and the
         pod is HEALTHY with fewer than SLOW_POLLS_TOLERATED slow polls before
         it (its last report stays in use meanwhile)."""
@@ -360,7 +371,7 @@ class PolledPodPool(PodPool):
                         "until %d: %s", pod.entry.role, pod.entry.address, pod.failures,
                         SLOW_POLLS_TOLERATED + 1, reason)
             return
-        pod.move(PodState.UNHEALTHY, f"poll failed ({pod.failures} in a row): {reason}")
+        self._move(pod, PodState.UNHEALTHY, f"poll failed ({pod.failures} in a row): {reason}")
 
     async def _run(self) -> None:
         while True:
@@ -370,30 +381,3 @@ class PolledPodPool(PodPool):
                 await self.poll_once(list_registry=due)
             except Exception:  # never let one bad poll stop the poller
                 log.exception("pod poll failed")
-
-    def _load(self, pod: PodRecord) -> PodLoad:
-        report = pod.report
-        assert report is not None, "a HEALTHY pod always has a report"
-        requests, tokens = self.in_flight(pod.entry.address)
-        key = (report, requests, tokens)
-        if pod.load is not None and pod.load_key == key:  # the report: `is` first
-            return pod.load
-        pod.load_key, pod.load = key, PodLoad(
-            address=pod.entry.address,
-            role=pod.entry.role,
-            healthy=True,
-            generation=report.generation,
-            num_waiting=report.num_waiting,
-            num_waiting_tokens=report.num_waiting_tokens,
-            num_running=report.num_running,
-            num_free_blocks=report.num_free_blocks,
-            num_total_blocks=report.num_total_blocks,
-            block_size=report.block_size,
-            prefix_hit_rate=min(1.0, max(0.0, report.prefix_hit_rate)),
-            in_flight=requests,
-            in_flight_tokens=tokens,
-            cache_events_channel=report.cache_events_channel,
-            device=report.device,
-            tensor_parallel_size=max(1, report.tensor_parallel_size),  # 0: an older pod
-        )
-        return pod.load

@@ -22,6 +22,7 @@ from __future__ import annotations
 import abc
 import contextlib
 from collections.abc import Iterator
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 from proto.address import split_host_port
@@ -107,6 +108,13 @@ class PodLoad:
             )
 
 
+def load_key(load: PodLoad) -> tuple[int, int, str]:
+    """A pod's place in the load order: running + this router's in-flight
+    sequences, then most free KV blocks, then address. `RoutingPolicy`
+    ranks decode pods so when no cached prefix decides."""
+    return (load.num_running + load.in_flight, -load.num_free_blocks, load.address)
+
+
 class PodPool(abc.ABC):
     """The set of known pods with their loads; discovery and polling are the subclass's job.
 
@@ -143,6 +151,15 @@ class PodPool(abc.ABC):
     def pod(self, role: str, address: str) -> PodLoad | None:
         """`address`'s load when it is a healthy pod of `role`, else None."""
         return next((p for p in self.pods(role) if p.address == address), None)
+
+    def addresses(self, role: str) -> AbstractSet[str]:
+        """Addresses of the healthy pods of `role`."""
+        return {p.address for p in self.pods(role)}
+
+    def by_load(self, role: str) -> Iterator[PodLoad]:
+        """Healthy pods of `role` in the load order (`load_key`): the least
+        busy first. A pool that keeps the order as loads change overrides it."""
+        return iter(sorted(self.pods(role), key=load_key))
 
     @abc.abstractmethod
     def known(self, role: str) -> list[str]:
@@ -183,6 +200,7 @@ class PodPool(abc.ABC):
         counts = self._in_flight.setdefault(address, [0, 0])
         counts[0] += 1
         counts[1] += num_tokens
+        self._load_changed(address)
         try:
             yield
         finally:
@@ -191,3 +209,9 @@ class PodPool(abc.ABC):
             if counts[0] == 0:
                 # drop the entry so pods that left the registry do not accumulate
                 del self._in_flight[address]
+            self._load_changed(address)
+
+    def _load_changed(self, address: str) -> None:
+        """This router's in-flight count at `address` changed (for pools that
+        keep their views current by change)."""
+        return None

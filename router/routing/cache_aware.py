@@ -35,8 +35,10 @@ from __future__ import annotations
 import itertools
 from collections.abc import Mapping
 
+import xxhash
+
 from router.cache_index.index import PrefixIndex, PromptBlocks
-from router.routing.rendezvous import rank
+from router.routing.rendezvous import SEPARATOR
 
 ROUTING_POLICIES = ("first-tokens", "session-sticky", "cache-aware", "round-robin")
 
@@ -59,13 +61,16 @@ def choose_cache_aware(key: bytes, loads: Mapping[str, float], bound: float,
                        load_weight: float = 1.0) -> str:
     """The pod within `bound` with the least cost (module docstring); ties
     go to the first in `key`'s rendezvous ranking."""
-    candidates = [a for a in rank(key, loads) if loads[a] <= bound]
+    head = key + SEPARATOR
+    digest = xxhash.xxh64_intdigest
 
-    def cost(address: str) -> float:
+    def cost(address: str) -> tuple[float, int, str]:
         new_tokens = len(prompt) - index.cached_tokens(address, prompt)
-        return (load_weight * loads[address] if tokens_load else 0.0) + new_tokens
+        load = load_weight * loads[address] if tokens_load else 0.0
+        # equal costs: the first in the key's ranking (`rendezvous.rank`), no sort
+        return (load + new_tokens, -digest(head + address.encode()), address)
 
-    return min(candidates, key=cost)  # min keeps the first of equal costs
+    return min((a for a, load in loads.items() if load <= bound), key=cost)
 
 
 class RoundRobin:

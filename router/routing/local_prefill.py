@@ -151,6 +151,14 @@ class LocalPrefill:
         settings = self.settings
         if not settings.enabled:
             return None
+        if not settings.below:
+            # Only condition 3 lets a prompt go local, and a prompt of one new
+            # token is the likeliest to pass it: when even that one would
+            # wait too little, no pod qualifies (no scan of every decode pod)
+            if ahead is None:
+                ahead = self._least_ahead(exclude)
+            if not self._queue_is_long(ahead, 1):
+                return None
         pods = [p for p in self._pool.pods("decode") if p.address not in exclude]
         bound = self._load_bound(pods)
         best: tuple[tuple[int, int, int], LocalChoice] | None = None

@@ -135,15 +135,14 @@ class RoutingPolicy:
         """
         if num_tokens <= 0:
             raise ValueError(f"num_tokens must be > 0; got {num_tokens}")
+        if not self._decode_prefix_counts(prompt_token_ids):
+            return self._least_loaded_decode(num_tokens, exclude)
         pods = self._candidates("decode", exclude)
         # blocks the request needs, per block size (one or two sizes among hundreds of pods)
         need = {size: _blocks_needed(num_tokens, size) for size in {p.block_size for p in pods}}
         fitting = [p for p in pods if need[p.block_size] <= p.num_total_blocks]
         if not fitting:
-            largest = max(p.num_total_blocks * p.block_size for p in pods)
-            raise NoPodAvailable(
-                f"request needs KV for {num_tokens} tokens; the largest decode pod holds {largest}"
-            )
+            raise self._too_large(num_tokens, pods)
 
         cached = self._decode_cached_prefixes(fitting, prompt_token_ids)
 
@@ -154,6 +153,48 @@ class RoutingPolicy:
                     -p.num_free_blocks, p.address)
 
         return min(fitting, key=cost).address
+
+    def _least_loaded_decode(self, num_tokens: int, exclude: frozenset[str]) -> str:
+        """`choose_decode`'s ranking when no cached prefix counts: the first
+        pod in the pool's load order with room, else the first that could
+        ever hold the request. Walks from the least loaded and stops at the
+        first with room, so the choice does not grow with the pods."""
+        need: dict[int, int] = {}
+        first_fitting: PodLoad | None = None
+        seen = False
+        for pod in self.pool.by_load("decode"):
+            if pod.address in exclude:
+                continue
+            seen = True
+            blocks = need.get(pod.block_size)
+            if blocks is None:
+                blocks = need[pod.block_size] = _blocks_needed(num_tokens, pod.block_size)
+            if blocks > pod.num_total_blocks:
+                continue
+            if blocks <= pod.num_free_blocks:
+                return pod.address
+            if first_fitting is None:
+                first_fitting = pod
+        if first_fitting is not None:
+            return first_fitting.address
+        if not seen:
+            self._candidates("decode", exclude)  # raises NoPodAvailable, saying why
+        raise self._too_large(num_tokens, self._candidates("decode", exclude))
+
+    @staticmethod
+    def _too_large(num_tokens: int, pods: list[PodLoad]) -> NoPodAvailable:
+        largest = max(p.num_total_blocks * p.block_size for p in pods)
+        return NoPodAvailable(
+            f"request needs KV for {num_tokens} tokens; the largest decode pod holds {largest}"
+        )
+
+    def _decode_prefix_counts(self, prompt_token_ids: Sequence[int]) -> bool:
+        """Whether a cached prefix may rank decode pods: the index holds
+        blocks of at least one healthy decode pod (they publish their caches
+        only when asked to, `--prefix-cache` on the decode pods)."""
+        if self.index is None or not prompt_token_ids:
+            return False
+        return not self.pool.addresses("decode").isdisjoint(self.index.published())
 
     def _decode_cached_prefixes(self, pods: list[PodLoad],
                                 prompt_token_ids: Sequence[int]) -> dict[str, int]:

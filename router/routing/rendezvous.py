@@ -30,12 +30,12 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import xxhash
 
-_SEPARATOR = b"\x00"  # addresses never contain NUL, so key||NUL||address is unambiguous
+SEPARATOR = b"\x00"  # addresses never contain NUL, so key||NUL||address is unambiguous
 
 
 def score(key: bytes, address: str) -> int:
     """The rendezvous weight of `address` for `key` (a 64-bit unsigned integer)."""
-    return xxhash.xxh64_intdigest(key + _SEPARATOR + address.encode())
+    return xxhash.xxh64_intdigest(key + SEPARATOR + address.encode())
 
 
 def rank(key: bytes, addresses: Iterable[str]) -> list[str]:
@@ -72,10 +72,16 @@ def choose_bounded(
     bound = overload_bound(loads, epsilon=epsilon, slack=slack)
     if preferred is not None and preferred in loads and loads[preferred] <= bound:
         return preferred
-    for address in rank(key, loads):
-        if loads[address] <= bound:
-            return address
-    raise AssertionError("unreachable: the least-loaded pod is always within the bound")
+    return first_ranked(key, [a for a, load in loads.items() if load <= bound])
+
+
+def first_ranked(key: bytes, addresses: Sequence[str]) -> str:
+    """`rank(key, addresses)[0]` without sorting the rest: one hash per pod."""
+    if not addresses:
+        raise ValueError("first_ranked needs at least one address")
+    head = key + SEPARATOR
+    digest = xxhash.xxh64_intdigest
+    return min(addresses, key=lambda address: (-digest(head + address.encode()), address))
 
 
 def prefix_key(prompt_token_ids: Sequence[int], num_tokens: int) -> bytes:

@@ -86,3 +86,18 @@ def test_tensor_parallel_size_flag_reaches_the_engine_of_every_role():
     # prefill and decode pods run at any size: every rank moves its own KV heads
     for make in (PrefillConfig, DecodeConfig):
         assert make(engine=engine, server=ServerConfig()).engine.tensor_parallel_size == 2
+
+
+def test_the_prefix_wait_timeout_reaches_the_scheduler_and_is_bounded():
+    from engine.block_manager import BlockManager
+    from engine.scheduler import Scheduler
+
+    assert _pod_flags.engine_config_from_args(_parse([])).prefix_wait_s == 5.0
+    config = _pod_flags.engine_config_from_args(_parse(["--prefix-wait-timeout", "0.25"]))
+    scheduler = Scheduler.from_config(BlockManager(8, 16, enable_prefix_caching=True), config, None)
+    assert scheduler.prefix_wait.max_wait_s == 0.25
+    off = _pod_flags.engine_config_from_args(_parse(["--prefix-wait-timeout", "0"]))
+    blocks = BlockManager(8, 16, enable_prefix_caching=True)
+    assert Scheduler.from_config(blocks, off, None).prefix_wait.max_wait_s == 0
+    with pytest.raises(ValueError, match=r"prefix_wait_s must be in \[0, 600\] seconds"):
+        _pod_flags.engine_config_from_args(_parse(["--prefix-wait-timeout", "601"]))
