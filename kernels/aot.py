@@ -273,7 +273,8 @@ def _ptxas_usage(ptx: str, capability: int) -> tuple[int, int, int]:
 
 
 def main(argv: list[str]) -> int:
-    """`python -m kernels.aot [--all] [--only WORD] [--json]`: resources, one line per variant.
+    """`python -m kernels.aot [--all] [--only WORD] [--capability N] [--json]`:
+    resources, one line per variant (for every target, or sm_N alone).
 
     Markdown table rows by default, JSON objects with `--json` (what the AOT
     test reads). Must run with TRITON_INTERPRET unset or 0: under the
@@ -287,12 +288,19 @@ def main(argv: list[str]) -> int:
     if "--only" in argv:
         word = argv[argv.index("--only") + 1]
         specs = [spec for spec in specs if spec.label.startswith(word)]
+    capabilities = CAPABILITIES
+    if "--capability" in argv:
+        wanted = int(argv[argv.index("--capability") + 1])
+        if wanted not in CAPABILITIES:
+            print(f"--capability must be one of {CAPABILITIES}, got {wanted}", file=sys.stderr)
+            return 2
+        capabilities = (wanted,)
     as_json = "--json" in argv
     if not as_json:
         print("| kernel | target | registers | shared (B) | spill stores (B) | spill loads (B) |")
         print("|---|---|---|---|---|---|")
     for spec in specs:
-        for capability in CAPABILITIES:
+        for capability in capabilities:
             r = compile_spec(spec, capability)
             if as_json:
                 print(json.dumps(dataclasses.asdict(r)), flush=True)

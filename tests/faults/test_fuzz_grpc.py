@@ -117,7 +117,7 @@ def test_subscribe_with_only_unknown_fields_gets_the_snapshot(faults, pod):
                                          request_serializer=None,
                                          response_deserializer=pb.CacheEventBatch.FromString)
 
-        @settings(FUZZ, max_examples=10)
+        @settings(FUZZ, max_examples=4)
         @given(payload=unknown_fields(pb.CacheEventsRequest))
         def check(payload: bytes) -> None:
             batches = []

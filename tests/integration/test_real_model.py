@@ -14,7 +14,8 @@ its prefix cache on is sent only its cache miss.
 The colocated pod's chat answers are computed once per dtype and sampling
 (the same question every test asks) and completions are 16 tokens: the
 point is equality, and 16 decode steps cross every path's hand-off as 24
-did, at two thirds of the CPU time.
+did, at two thirds of the CPU time. Seeded sampling completes only the long
+prompt (`PROMPTS_BY_SAMPLING`).
 """
 
 from __future__ import annotations
@@ -40,6 +41,11 @@ PROMPTS = ["Once upon a time, in a small village by the sea,",
            "Summarize in one sentence: " + LONG]
 # greedy, then seeded sampling: both must match across paths
 SAMPLINGS = [{"temperature": 0}, {"temperature": 0.8, "top_p": 0.95, "seed": 7}]
+# Which prompts each sampling completes: every prompt greedy, and seeded only
+# the long one, the one that crosses a 128-token decode block and is split on
+# the split path (sampling's equality rests on the same seeded generator
+# whatever the prompt, so more seeded prompts add CPU, not coverage).
+PROMPTS_BY_SAMPLING = [PROMPTS, PROMPTS[-1:]]
 
 
 @dataclass
@@ -121,9 +127,9 @@ def test_the_chat_answer_names_paris_and_stops_at_im_end(deployment):
 @pytest.mark.parametrize("path", ["disaggregated", "local", "split"])
 def test_every_path_equals_colocated(deployment, path):
     router = deployment.routers[path]
-    for sampling in SAMPLINGS:
+    for sampling, prompts in zip(SAMPLINGS, PROMPTS_BY_SAMPLING, strict=True):
         # the path's own prompts, so the decode pod's prefix cache holds none of them
-        for prompt in (f"({path}) {text}" for text in PROMPTS):
+        for prompt in (f"({path}) {text}" for text in prompts):
             want = _complete(deployment.client("colocated"), prompt, **sampling)
             assert _complete(deployment.client(path), prompt, **sampling) == want, (
                 path, sampling, prompt[:40])
