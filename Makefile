@@ -26,8 +26,14 @@ $(STAMP): pyproject.toml Makefile
 run: setup
 	$(VENV)/bin/pdserve up
 
+# Two pytest workers (pytest-xdist), each test module whole on one worker
+# (--dist loadfile: module fixtures start their pods once). Much of the suite
+# waits on processes it started, so two workers share 2 cores well
+# (docs/testing.md); PYTEST_WORKERS=0 runs it in one process.
+PYTEST_WORKERS ?= 2
+
 test: setup proto-check lint
-	TRITON_INTERPRET=1 $(PY) -m pytest -q --durations=25
+	TRITON_INTERPRET=1 $(PY) -m pytest -q --durations=25 -n $(PYTEST_WORKERS) --dist loadfile
 
 lint: setup
 	$(VENV)/bin/ruff check .
