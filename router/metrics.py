@@ -154,6 +154,17 @@ class RouterMetrics:
             ["role"], buckets=_DECISION_BUCKETS, registry=r,
         )
         self.routing_decision = {role: decisions.labels(role=role) for role in DECISION_ROLES}
+        # the same calls' CPU time on the router's thread, less the session
+        # store's awaits: the router's own work per decision, which grows with
+        # the pods and not with how busy the machine's other processes are
+        decisions_cpu = Histogram(
+            "pdserve_router_routing_decision_cpu_seconds",
+            "CPU time the routing policy's own work took to choose a pod (thread time, "
+            "session-store waits excluded), by the role chosen",
+            ["role"], buckets=_DECISION_BUCKETS, registry=r,
+        )
+        self.routing_decision_cpu = {role: decisions_cpu.labels(role=role)
+                                     for role in DECISION_ROLES}
         self.queue_rejected = Counter(
             "pdserve_router_queue_rejected_total",
             "Requests refused with 429 because the estimated queue wait was above "

@@ -138,7 +138,8 @@ class RouterServer:
         policy = TimedRoutingPolicy(self.pool, self._sessions, epsilon=c.session_epsilon,
                                     mode=c.routing_policy, index=index,
                                     cache_load_weight=c.cache_aware_load_weight,
-                                    decision_seconds=self.metrics.routing_decision)
+                                    decision_seconds=self.metrics.routing_decision,
+                                    decision_cpu_seconds=self.metrics.routing_decision_cpu)
         local_rate = LocalRate()  # the local prefills' rate, which shedding counts
         admission = PrefillAdmission(
             self.pool, policy, self.metrics,

@@ -38,7 +38,8 @@ chained hash (proto/block_hash.py) over the same token ids the pod receives
 
 from __future__ import annotations
 
-from collections.abc import KeysView, Sequence
+from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 from proto import pdserve_pb2
@@ -87,6 +88,7 @@ class PrefixIndex:
                              f"got {max_blocks_per_pod}")
         self.max_blocks_per_pod = max_blocks_per_pod
         self._pods: dict[str, _PodBlocks] = {}
+        self._holding: set[str] = set()  # pods with at least one block (`published`)
         self.missed_batches = 0  # gaps seen in batch numbers, summed over pods
         self.restarts = 0  # generation changes seen
 
@@ -100,6 +102,7 @@ class PrefixIndex:
             if pod is not None:
                 self.restarts += 1
             pod = self._pods[address] = _PodBlocks(batch.generation, batch.block_size)
+            self._holding.discard(address)
         hashes = pod.hashes
         if batch.snapshot:
             hashes.clear()
@@ -119,6 +122,10 @@ class PrefixIndex:
         if excess > 0:
             for block_hash in list(_take(hashes, excess)):
                 del hashes[block_hash]
+        if hashes:
+            self._holding.add(address)
+        else:
+            self._holding.discard(address)
 
     def expect(self, address: str, prompt: PromptBlocks) -> None:
         """This router just sent `prompt` to the pod at `address`: count its
@@ -138,6 +145,8 @@ class PrefixIndex:
         if excess > 0:
             for block_hash in list(_take(hashes, excess)):
                 del hashes[block_hash]
+        if hashes:
+            self._holding.add(address)
 
     def observe_generation(self, address: str, generation: int) -> None:
         """The pod's polled generation: entries of another generation go."""
@@ -145,17 +154,21 @@ class PrefixIndex:
         if pod is not None and pod.generation != generation:
             self.restarts += 1
             del self._pods[address]
+            self._holding.discard(address)
 
     def forget(self, address: str) -> None:
         """The pod left the registry."""
         self._pods.pop(address, None)
+        self._holding.discard(address)
 
     def addresses(self) -> list[str]:
         return list(self._pods)
 
-    def published(self) -> KeysView[str]:
-        """The pods the index holds entries for, as a live view (no copy)."""
-        return self._pods.keys()
+    def published(self) -> AbstractSet[str]:
+        """The pods the index holds at least one block of (a pod that
+        subscribed but caches nothing, a decode pod without its prefix
+        cache, is not one), kept as blocks come and go: read-only, no copy."""
+        return self._holding
 
     def num_blocks(self, address: str | None = None) -> int:
         """Hashes held for `address` (all pods when None)."""

@@ -47,7 +47,8 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Iterator, Sequence
+from typing import TypeVar
 
 from router.cache_index.index import PrefixIndex, PromptBlocks
 from router.routing.base import NoPodAvailable, PodLoad, PodPool
@@ -63,6 +64,7 @@ from router.sessions import SessionStore, SessionStoreError
 log = logging.getLogger(__name__)
 
 _STORE_WARNING_INTERVAL_S = 10.0  # one log line per interval while the store is down
+T = TypeVar("T")
 
 
 class RoutingPolicy:
@@ -96,6 +98,7 @@ class RoutingPolicy:
         self.epsilon = epsilon
         self.affinity_tokens = block_size_for_affinity
         self._store_warned_at = -_STORE_WARNING_INTERVAL_S
+        self.store_cpu_s = 0.0  # thread time spent awaiting the session store, summed
 
     async def choose_prefill(
         self,
@@ -243,7 +246,7 @@ class RoutingPolicy:
         if not session_id:
             return self._place(role, loads, None, prompt_token_ids, slack)
         try:
-            mapped = await self.sessions.get(role, session_id)
+            mapped = await self._store_call(self.sessions.get(role, session_id))
         except SessionStoreError as exc:
             # Ranking alone still sends the session where its mapping most likely points.
             self._warn_store_down(exc)
@@ -252,12 +255,23 @@ class RoutingPolicy:
         if chosen == mapped:
             return chosen
         try:
-            winner = await self.sessions.assign(role, session_id, mapped, chosen)
+            winner = await self._store_call(self.sessions.assign(role, session_id, mapped,
+                                                                 chosen))
         except SessionStoreError as exc:
             self._warn_store_down(exc)
             return chosen
         # Another router replica may have placed the session first; follow it when we can.
         return winner if winner in loads else chosen
+
+    async def _store_call(self, call: Awaitable[T]) -> T:
+        """Await a session-store call, adding the thread time it took to
+        `store_cpu_s`: other requests' work runs on this thread meanwhile,
+        which a decision's CPU time must not count (router/routing/timed.py)."""
+        start = time.thread_time()
+        try:
+            return await call
+        finally:
+            self.store_cpu_s += time.thread_time() - start
 
     def _place(self, role: str, loads: dict[str, float], session_id: str | None,
                prompt_token_ids: Sequence[int], slack: float,

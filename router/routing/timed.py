@@ -12,6 +12,13 @@ a request with a session id the session store's read and write (Redis when
 the router has one), since that is part of choosing. A call that raises
 `NoPodAvailable` is timed too: a refusal is a decision. Observed on the
 router's event loop, where every choice is made.
+
+Its CPU time (`pdserve_router_routing_decision_cpu_seconds`, thread time)
+is the policy's own work: the thread time that passed while a call awaited
+the session store is taken out, since other requests' work runs on the
+thread meanwhile (`RoutingPolicy.store_cpu_s`). Wall time and CPU time part
+where the router's cores are shared: a decision preempted by another
+process takes wall time but no CPU time.
 """
 
 from __future__ import annotations
@@ -30,34 +37,52 @@ class Observer(Protocol):
 
 
 class TimedRoutingPolicy(RoutingPolicy):
-    """`RoutingPolicy` that observes each choice's duration into `decision_seconds`,
-    a histogram child per role chosen: "prefill", "decode", "colocated"."""
+    """`RoutingPolicy` that observes each choice's duration into `decision_seconds`
+    and its CPU time into `decision_cpu_seconds` (when given), a histogram
+    child per role chosen: "prefill", "decode", "colocated"."""
 
     def __init__(self, *args: Any, decision_seconds: Mapping[str, Observer],
+                 decision_cpu_seconds: Mapping[str, Observer] | None = None,
                  **kwargs: Any) -> None:
-        missing = {"prefill", "decode", "colocated"} - set(decision_seconds)
-        if missing:
-            raise ValueError(f"decision_seconds needs a histogram for roles {sorted(missing)}")
+        for name, histograms in (("decision_seconds", decision_seconds),
+                                 ("decision_cpu_seconds", decision_cpu_seconds or _ROLES)):
+            missing = set(_ROLES) - set(histograms)
+            if missing:
+                raise ValueError(f"{name} needs a histogram for roles {sorted(missing)}")
         super().__init__(*args, **kwargs)
         self._decision_seconds = decision_seconds
+        self._decision_cpu_seconds = decision_cpu_seconds
 
     async def choose_prefill(self, *args: Any, **kwargs: Any) -> str:
-        start = time.perf_counter()
+        timing = self._start()
         try:
             return await super().choose_prefill(*args, **kwargs)
         finally:
-            self._decision_seconds["prefill"].observe(time.perf_counter() - start)
+            self._observe("prefill", timing)
 
     async def choose_colocated(self, *args: Any, **kwargs: Any) -> str:
-        start = time.perf_counter()
+        timing = self._start()
         try:
             return await super().choose_colocated(*args, **kwargs)
         finally:
-            self._decision_seconds["colocated"].observe(time.perf_counter() - start)
+            self._observe("colocated", timing)
 
     def choose_decode(self, *args: Any, **kwargs: Any) -> str:
-        start = time.perf_counter()
+        timing = self._start()
         try:
             return super().choose_decode(*args, **kwargs)
         finally:
-            self._decision_seconds["decode"].observe(time.perf_counter() - start)
+            self._observe("decode", timing)
+
+    def _start(self) -> tuple[float, float, float]:
+        return time.perf_counter(), time.thread_time(), self.store_cpu_s
+
+    def _observe(self, role: str, timing: tuple[float, float, float]) -> None:
+        wall, cpu, store_cpu = timing
+        self._decision_seconds[role].observe(time.perf_counter() - wall)
+        if self._decision_cpu_seconds is not None:
+            own = time.thread_time() - cpu - (self.store_cpu_s - store_cpu)
+            self._decision_cpu_seconds[role].observe(max(0.0, own))
+
+
+_ROLES = {"prefill": None, "decode": None, "colocated": None}

@@ -7,6 +7,7 @@ refusal included. The live /metrics page carries the family
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -19,6 +20,7 @@ from router.sessions import InMemorySessionStore
 from tests.router.test_policy import DECODE, PREFILL, SnapshotPool, load
 
 NAME = "pdserve_router_routing_decision_seconds"
+CPU_NAME = "pdserve_router_routing_decision_cpu_seconds"
 
 
 def _pool() -> SnapshotPool:
@@ -74,3 +76,30 @@ def test_every_role_needs_a_histogram() -> None:
     partial = {"prefill": metrics.routing_decision["prefill"]}
     with pytest.raises(ValueError, match=r"roles \['colocated', 'decode'\]"):
         TimedRoutingPolicy(_pool(), InMemorySessionStore(), decision_seconds=partial)
+
+
+def test_the_cpu_histogram_leaves_out_what_runs_while_the_session_store_answers() -> None:
+    """A store call during which 50 ms of CPU time pass on the router's thread
+    (as other requests' work does while the store answers): the decision's
+    wall time counts them, its CPU time not."""
+
+    class BusyStore(InMemorySessionStore):
+        async def get(self, role: str, session_id: str) -> str | None:
+            other = asyncio.get_running_loop().create_task(asyncio.to_thread(lambda: None))
+            spin = time.thread_time() + 0.05
+            while time.thread_time() < spin:  # the thread busy while the store answers
+                pass
+            await other
+            return await super().get(role, session_id)
+
+    registry = CollectorRegistry()
+    metrics = RouterMetrics(registry)
+    timed = TimedRoutingPolicy(_pool(), BusyStore(), decision_seconds=metrics.routing_decision,
+                               decision_cpu_seconds=metrics.routing_decision_cpu)
+    asyncio.run(timed.choose_prefill(session_id="s", prompt_token_ids=list(range(100))))
+    wall = registry.get_sample_value(f"{NAME}_sum", {"role": "prefill"})
+    cpu = registry.get_sample_value(f"{CPU_NAME}_sum", {"role": "prefill"})
+    assert wall >= 0.05
+    assert 0.0 < cpu < 0.05
+    assert timed.choose_decode(num_tokens=64) in DECODE
+    assert registry.get_sample_value(f"{CPU_NAME}_count", {"role": "decode"}) == 1.0

@@ -157,3 +157,39 @@ def test_an_expected_prompt_counts_until_its_pod_says_otherwise():
     assert index.cached_tokens(POD, PromptBlocks(tokens)) == 8  # a follow-up finds them
     index.apply(batch(3, evicted=[h[0]]))  # the pod did not keep the first
     assert index.cached_tokens(POD, PromptBlocks(tokens)) == 0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_published_names_exactly_the_pods_holding_a_block(seed):
+    """`published()` (what the decode choice asks before it ranks by cached
+    prefix) is kept as blocks come and go; checked against counting every
+    pod's blocks after each random change."""
+    import random
+
+    rng = random.Random(seed)
+    index = PrefixIndex(max_blocks_per_pod=6)
+    pods = [f"127.0.0.1:{6001 + i}" for i in range(4)]
+    sequences = dict.fromkeys(pods, 0)
+    generations = dict.fromkeys(pods, 1)
+    for _ in range(300):
+        pod = rng.choice(pods)
+        action = rng.random()
+        hashes = [rng.randrange(12) for _ in range(rng.randrange(4))]
+        if action < 0.5:
+            sequences[pod] += 1
+            snapshot = rng.random() < 0.2
+            index.apply(batch(sequences[pod], stored=hashes if rng.random() < 0.6 else (),
+                              evicted=() if snapshot else hashes, snapshot=snapshot,
+                              generation=generations[pod], address=pod))
+        elif action < 0.65:
+            generations[pod] += 1
+            sequences[pod] = 0
+            index.apply(batch(0, generation=generations[pod], address=pod))
+        elif action < 0.8:
+            index.expect(pod, PromptBlocks(list(range(rng.randrange(0, 20)))))
+        elif action < 0.9:
+            generations[pod] += 1
+            index.observe_generation(pod, generations[pod])
+        else:
+            index.forget(pod)
+        assert set(index.published()) == {a for a in index.addresses() if index.num_blocks(a)}
