@@ -22,8 +22,9 @@ One run, all on loopback:
               its pdserve_router_load_reports_total; bytes/s = that x one
               report's size), prefix-index
               blocks (its pdserve_router_cache_index_blocks summed over pods),
-              routing-decision latency p50/p99 per role chosen (from its
-              pdserve_router_routing_decision_seconds buckets, interpolated
+              routing-decision latency p50/p99 per role chosen, wall and
+              CPU time (from its pdserve_router_routing_decision_seconds and
+              _cpu_seconds buckets, interpolated
               as Prometheus's histogram_quantile does); Redis operations/s
               (all clients), and the load's TTFT/ITL
 
@@ -60,6 +61,7 @@ HELP = ("Routers in front of N simulated pods (pdserve sim), driven by bench ser
 
 _TICKS = os.sysconf("SC_CLK_TCK")
 _DECISION = "pdserve_router_routing_decision_seconds"
+_DECISION_CPU = "pdserve_router_routing_decision_cpu_seconds"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -119,11 +121,12 @@ def bucket_quantile(q: float, buckets: list[tuple[float, float]]) -> float | Non
     return lower
 
 
-def decision_latency(text: str) -> dict[str, dict[str, float | None]]:
-    """Per role chosen: decisions counted and their p50/p99 in microseconds."""
+def decision_latency(text: str, name: str = _DECISION) -> dict[str, dict[str, float | None]]:
+    """Per role chosen: decisions counted and their p50/p99 in microseconds
+    (wall time, or with `_DECISION_CPU` the router's CPU time)."""
     buckets: dict[str, list[tuple[float, float]]] = {}
     for line in text.splitlines():
-        if line.startswith(_DECISION + "_bucket{"):
+        if line.startswith(name + "_bucket{"):
             labels, _, value = line.rpartition(" ")
             fields = dict(f.split("=", 1) for f in labels[labels.index("{") + 1:-1].split(","))
             buckets.setdefault(fields["role"].strip('"'), []).append(
@@ -243,6 +246,7 @@ def run(args: argparse.Namespace) -> dict:
                     text, "pdserve_router_load_reports_total{") - reports1[i]) / seconds,
                 "prefix_index_blocks": _sum(text, "pdserve_router_cache_index_blocks{"),
                 "routing_decision": decision_latency(text),
+                "routing_decision_cpu": decision_latency(text, _DECISION_CPU),
                 "serve": result})
         return {"pods": {"prefill": args.sim_prefill, "decode": args.sim_decode},
                 "profile": args.profile, "routers": per_router,
@@ -322,8 +326,11 @@ def main(args: argparse.Namespace) -> int:
               f"{r['load_reports_under_load_per_s']:.0f}/s")
         for role, d in sorted(r["routing_decision"].items()):
             if d["count"]:
+                cpu = r["routing_decision_cpu"].get(role, {})
+                cpu_text = (f"; its CPU time p50 {cpu['p50_us']:.0f} us, p99 {cpu['p99_us']:.0f} us"
+                            if cpu.get("count") else "")
                 print(f"router {r['router']} {role} decisions: {d['count']:.0f}, "
-                      f"p50 {d['p50_us']:.0f} us, p99 {d['p99_us']:.0f} us")
+                      f"p50 {d['p50_us']:.0f} us, p99 {d['p99_us']:.0f} us{cpu_text}")
     for r in result["routers"]:
         print_summary(r["serve"])
     if args.out:
