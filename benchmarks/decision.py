@@ -3,7 +3,9 @@ in-process (issue 43: "routing decision p99 <= 1 ms" at 250 P / 750 D).
 
 A `PolledPodPool` over `--prefill` + `--decode` static addresses gets every
 pod's load report injected as its stream would deliver it (no network, so
-the figure is the router's own work, not the machine's other processes).
+the figure is the router's own work, not the machine's other processes),
+and each prefill pod's snapshot of `--cached-blocks` block hashes in the
+prefix index.
 Between decisions the load changes as it does under traffic: `--churn`
 pods get a new report and the chosen decode pod a tracked request (the
 last 50 stay in flight). Each iteration times `choose_prefill` (no session:
@@ -32,6 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--churn", type=int, default=2,
                         help="pods of each role given a new report between decisions")
     parser.add_argument("--routing-policy", default="cache-aware")
+    parser.add_argument("--cached-blocks", type=int, default=128,
+                        help="prefix blocks each prefill pod's events put in the index")
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -69,8 +73,13 @@ async def _run(args: argparse.Namespace) -> dict[str, list[float]]:
 
     for record in pool._pods.values():
         pool._apply(record, report(record.entry.role), "benchmark")
+    index = PrefixIndex()
+    for address in prefill:  # what the pods' events told the router
+        index.apply(pdserve_pb2.CacheEventBatch(
+            address=address, role="prefill", generation=1, block_size=16, sequence=1,
+            snapshot=True, stored=[rng.getrandbits(64) for _ in range(args.cached_blocks)]))
     policy = RoutingPolicy(pool, InMemorySessionStore(), mode=args.routing_policy,
-                           index=PrefixIndex())
+                           index=index)
     times: dict[str, list[float]] = {"choose_prefill": [], "choose_decode": [],
                                      "full scan (baseline)": []}
     held = []

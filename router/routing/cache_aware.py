@@ -33,12 +33,11 @@ the load bound keeps them balanced.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Mapping
 
-import xxhash
-
 from router.cache_index.index import PrefixIndex, PromptBlocks
-from router.routing.rendezvous import SEPARATOR
+from router.routing.rendezvous import first_ranked
 
 ROUTING_POLICIES = ("first-tokens", "session-sticky", "cache-aware", "round-robin")
 
@@ -61,16 +60,19 @@ def choose_cache_aware(key: bytes, loads: Mapping[str, float], bound: float,
                        load_weight: float = 1.0) -> str:
     """The pod within `bound` with the least cost (module docstring); ties
     go to the first in `key`'s rendezvous ranking."""
-    head = key + SEPARATOR
-    digest = xxhash.xxh64_intdigest
-
-    def cost(address: str) -> tuple[float, int, str]:
-        new_tokens = len(prompt) - index.cached_tokens(address, prompt)
-        load = load_weight * loads[address] if tokens_load else 0.0
-        # equal costs: the first in the key's ranking (`rendezvous.rank`), no sort
-        return (load + new_tokens, -digest(head + address.encode()), address)
-
-    return min((a for a, load in loads.items() if load <= bound), key=cost)
+    weight = load_weight if tokens_load else 0.0
+    best_cost, tied = math.inf, []
+    for address, load in loads.items():
+        if load > bound:
+            continue
+        cost = weight * load + (len(prompt) - index.cached_tokens(address, prompt))
+        if cost < best_cost:
+            best_cost, tied = cost, [address]
+        elif cost == best_cost:
+            tied.append(address)
+    # equal costs (idle pods, nothing cached): the first in the key's ranking,
+    # hashing only those pods
+    return tied[0] if len(tied) == 1 else first_ranked(key, tied)
 
 
 class RoundRobin:
