@@ -7,6 +7,7 @@ Everything here is touched only on the router's event loop."""
 from __future__ import annotations
 
 import enum
+import heapq
 import logging
 from dataclasses import dataclass
 
@@ -26,6 +27,23 @@ log = logging.getLogger("router.registry.poller")  # one logger for the pool's l
 # the connection (UNAVAILABLE) and leaves at its first failed poll, and a
 # request sent to a pod that then dies is retried or moved by the request path.
 SLOW_POLLS_TOLERATED = 2
+
+# Polls one round sends at most, the pods polled longest ago (never: 0) first;
+# the rest wait for the next round. A router meeting 1,000 new pods at once
+# (its start, a registry listing after an outage) otherwise polls them all
+# every round, and pods too busy to answer in time are polled again, all
+# of them, before any stream opens: two routers starting beside a saturated
+# simulator of 1,000 pods did not see them all in 10 minutes
+# (docs/simulator.md). 256 a round opens every stream within 4 rounds.
+MAX_POLLS_PER_ROUND = 256
+
+
+def longest_unpolled(due: list[PodRecord], limit: int) -> list[PodRecord]:
+    """At most `limit` of `due`, those polled longest ago first
+    (`MAX_POLLS_PER_ROUND`)."""
+    if len(due) <= limit:
+        return due
+    return heapq.nsmallest(limit, due, key=lambda pod: pod.polled_at)
 
 
 class PodState(enum.Enum):

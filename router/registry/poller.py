@@ -58,7 +58,13 @@ from proto.limits import GRPC_RECONNECT_OPTIONS
 from proto.tls import PodSecurity, pod_channel
 from router.registry.base import PodEntry, PodSource
 from router.registry.load_watch import LoadWatch
-from router.registry.pod_state import SLOW_POLLS_TOLERATED, PodRecord, PodState
+from router.registry.pod_state import (
+    MAX_POLLS_PER_ROUND,
+    SLOW_POLLS_TOLERATED,
+    PodRecord,
+    PodState,
+    longest_unpolled,
+)
 from router.registry.pod_views import PodViews
 from router.routing.base import PodLoad, PodPool, check_role
 
@@ -214,6 +220,7 @@ class PolledPodPool(PodPool):
         self._heartbeat_s = max(self.heartbeat_interval, len(self._pods) / MAX_HEARTBEATS_PER_S)
         self._health_s = max(self.health_interval, len(self._pods) / MAX_HEALTH_POLLS_PER_S)
         due = [pod for pod in list(self._pods.values()) if self._poll_due(pod, now)]
+        due = longest_unpolled(due, MAX_POLLS_PER_ROUND)
         await asyncio.gather(*(self._poll_bounded(pod) for pod in due))
         if self.watch:
             for pod in due:

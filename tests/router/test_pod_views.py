@@ -157,3 +157,29 @@ def _refusals(pool: PolledPodPool) -> None:
         policy.choose_decode(num_tokens=10**7)
     with pytest.raises(NoPodAvailable, match="no healthy decode pod available"):
         policy.choose_decode(num_tokens=10, exclude=frozenset(DECODE))
+
+
+def test_a_round_polls_at_most_its_bound_the_longest_unpolled_first() -> None:
+    """300 new pods (nothing listens: each poll is refused at once): a round
+    polls MAX_POLLS_PER_ROUND of them, the next round the rest first."""
+    from router.registry.pod_state import MAX_POLLS_PER_ROUND, longest_unpolled
+
+    async def body() -> None:
+        addresses = [f"127.0.0.1:{port}" for port in range(41000, 41300)]
+        pool = PolledPodPool(StaticPodSource(decode=addresses), watch=False,
+                             poll_timeout=5.0)
+        try:
+            await pool.poll_once()
+            polled = {a for a, record in pool._pods.items() if record.polled_at}
+            assert len(polled) == MAX_POLLS_PER_ROUND == 256
+            await pool.poll_once()
+            again = {a for a, record in pool._pods.items() if record.polled_at}
+            assert again == set(addresses)  # the 44 never polled went first
+            assert all(pool.state(a)[0] is PodState.UNHEALTHY for a in addresses)
+        finally:
+            await pool.close()
+
+    asyncio.run(body())
+    records = [type("R", (), {"polled_at": t})() for t in (5.0, 0.0, 3.0, 1.0)]
+    assert [r.polled_at for r in longest_unpolled(records, 2)] == [0.0, 1.0]
+    assert longest_unpolled(records, 4) is records
