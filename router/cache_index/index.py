@@ -190,6 +190,23 @@ class PrefixIndex:
             matched += 1
         return matched * pod.block_size
 
+    def holders(self, prompt: PromptBlocks) -> dict[str, int]:
+        """`cached_tokens` of every pod that holds at least the prompt's first
+        block; every other pod would take none from its cache. One pass over
+        the pods holding any block, a set lookup each: a placement reads this
+        instead of asking each of hundreds of pods (router/routing/cache_aware.py)."""
+        found: dict[str, int] = {}
+        firsts: dict[int, int | None] = {}  # block size -> the prompt's first block hash
+        for address in self._holding:
+            pod = self._pods[address]
+            if pod.block_size not in firsts:
+                hashes = prompt.hashes(pod.block_size)
+                firsts[pod.block_size] = hashes[0] if hashes else None
+            first = firsts[pod.block_size]
+            if first is not None and first in pod.hashes:
+                found[address] = self.cached_tokens(address, prompt)
+        return found
+
     def cached_prefix(self, address: str, token_ids: Sequence[int]) -> int:
         """`cached_tokens` for plain token ids: the `cached_prefix` hook of
         router/routing/local_prefill.py ("how many leading tokens of this

@@ -61,11 +61,13 @@ def choose_cache_aware(key: bytes, loads: Mapping[str, float], bound: float,
     """The pod within `bound` with the least cost (module docstring); ties
     go to the first in `key`'s rendezvous ranking."""
     weight = load_weight if tokens_load else 0.0
+    cached = index.holders(prompt)  # pods not in it would compute the whole prompt
+    length = len(prompt)
     best_cost, tied = math.inf, []
     for address, load in loads.items():
         if load > bound:
             continue
-        cost = weight * load + (len(prompt) - index.cached_tokens(address, prompt))
+        cost = weight * load + (length - cached.get(address, 0))
         if cost < best_cost:
             best_cost, tied = cost, [address]
         elif cost == best_cost:

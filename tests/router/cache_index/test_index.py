@@ -193,3 +193,27 @@ def test_published_names_exactly_the_pods_holding_a_block(seed):
         else:
             index.forget(pod)
         assert set(index.published()) == {a for a in index.addresses() if index.num_blocks(a)}
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_holders_are_the_pods_with_a_cached_prefix_and_their_tokens(seed):
+    """`holders(prompt)` against asking every pod: the pods whose cached
+    prefix of the prompt is not empty, with that prefix, at two block sizes."""
+    import random
+
+    rng = random.Random(seed)
+    index = PrefixIndex()
+    tokens = [rng.randrange(50) for _ in range(40)]
+    pods = [f"127.0.0.1:{6001 + i}" for i in range(12)]
+    for i, pod in enumerate(pods):
+        size = 4 if i % 3 else 8
+        full = chain(tokens, size)
+        held = full[:rng.randrange(len(full) + 1)] if rng.random() < 0.6 else []
+        if rng.random() < 0.3:
+            held = full[1:]  # later blocks without the first: nothing to reuse
+        noise = [rng.getrandbits(64) for _ in range(rng.randrange(3))]
+        index.apply(batch(1, stored=held + noise, snapshot=True, block_size=size,
+                          address=pod))
+    for prompt in (PromptBlocks(tokens), PromptBlocks(tokens[:9]), PromptBlocks(tokens[:3])):
+        expected = {pod: index.cached_tokens(pod, prompt) for pod in pods}
+        assert index.holders(prompt) == {p: n for p, n in expected.items() if n}
