@@ -56,6 +56,9 @@ from kv_transfer.tcp.tls import connect as tls_connect
 from kv_transfer.tcp.tls import kv_tls_files, looks_like_tls
 
 log = logging.getLogger(__name__)
+# How long a failed write waits for the connection's reader to deliver the
+# receiver's last STATUS (it ends at the receiver's close, at once).
+_STATUS_GRACE_S = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +100,7 @@ class Stream:
         self._queue: queue.SimpleQueue[WorkItem | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._sock: KVSocket | None = None
+        self._reader: threading.Thread | None = None  # the current connection's
         self._bound: dict[str, Outgoing] = {}  # BEGIN sent on the current connection
         self._stop = threading.Event()
         self._writer = threading.Thread(target=self._write_loop, daemon=True,
@@ -127,8 +131,10 @@ class Stream:
             try:
                 sock = self._send(item)
             except OSError as exc:
-                code = Reason.CONNECT_FAILED if isinstance(exc, _ConnectFailed) else (
-                    Reason.CONNECTION_LOST)  # fmt: skip
+                connect = isinstance(exc, _ConnectFailed)
+                if not connect:
+                    self._let_reader_tell_why()
+                code = Reason.CONNECT_FAILED if connect else Reason.CONNECTION_LOST
                 reason = make_reason(code, f"{self.endpoint}: {exc}")
                 self._broken(sock, reason)
                 self._on_lost(item.transfer, reason)
@@ -189,11 +195,23 @@ class Stream:
                 raise _ConnectFailed(f"KV TLS handshake failed: {exc} (is KV TLS off on the "
                                      f"decode pod, or its certificate not for "
                                      f"{self._server_name!r}?)") from None
+        reader = threading.Thread(target=self._read_loop, args=(sock,), daemon=True,
+                                  name=f"kv-tcp-status-{self.endpoint}")  # fmt: skip
         with self._lock:
-            self._sock = sock
-        threading.Thread(target=self._read_loop, args=(sock,), daemon=True,
-                         name=f"kv-tcp-status-{self.endpoint}").start()  # fmt: skip
+            self._sock, self._reader = sock, reader
+        reader.start()
         return sock
+
+    def _let_reader_tell_why(self) -> None:
+        """A write failed: a receiver that refuses a connection says why in a
+        STATUS and closes, and the write can fail (EPIPE) before the reader
+        has read it. Give the reader up to `_STATUS_GRACE_S` to deliver that
+        STATUS first, so the transfer fails with the receiver's reason (first
+        outcome wins), not a bare broken pipe."""
+        with self._lock:
+            reader = self._reader
+        if reader is not None and reader is not threading.current_thread():
+            reader.join(_STATUS_GRACE_S)
 
     def _broken(self, sock: KVSocket | None, reason: str) -> None:
         """Forget `sock` (if still current) and fail every transfer bound to it."""
