@@ -44,9 +44,9 @@ class TimedRoutingPolicy(RoutingPolicy):
     def __init__(self, *args: Any, decision_seconds: Mapping[str, Observer],
                  decision_cpu_seconds: Mapping[str, Observer] | None = None,
                  **kwargs: Any) -> None:
-        for name, histograms in (("decision_seconds", decision_seconds),
-                                 ("decision_cpu_seconds", decision_cpu_seconds or _ROLES)):
-            missing = set(_ROLES) - set(histograms)
+        given = {"decision_seconds": decision_seconds, "decision_cpu_seconds": decision_cpu_seconds}
+        for name, histograms in given.items():
+            missing = _ROLES - set(_ROLES if histograms is None else histograms)
             if missing:
                 raise ValueError(f"{name} needs a histogram for roles {sorted(missing)}")
         super().__init__(*args, **kwargs)
@@ -85,4 +85,4 @@ class TimedRoutingPolicy(RoutingPolicy):
             self._decision_cpu_seconds[role].observe(max(0.0, own))
 
 
-_ROLES = {"prefill": None, "decode": None, "colocated": None}
+_ROLES = frozenset({"prefill", "decode", "colocated"})
