@@ -4,6 +4,9 @@ against colocated serving of the same CPUs, on the same requests.
     topologies  disaggregated: `pdserve up` with 1 prefill pod pinned to
                 --prefill-cpus and 1 decode pod pinned to --decode-cpus
                 (disjoint; one torch thread per CPU);
+                disaggregated-shared (not run by default): the same pods
+                sharing every CPU (`--pin off`: `pdserve up`'s behaviour
+                before --pin auto, and what it does with fewer CPUs than pods);
                 colocated: `pdserve up --prefill 0 --decode 0 --colocated 1`,
                 its pod pinned to both lists together (so both get the same
                 cores);
@@ -57,7 +60,8 @@ from pdserve.commands._cpus import allowed_cpus, format_cpu_list, parse_cpu_list
 
 HELP = ("Disaggregated (1 prefill + 1 decode pod on disjoint CPUs) vs colocated serving on "
         "the same CPUs: prefill-heavy, light and trace workloads; ratios and charts.")
-TOPOLOGIES = ("disaggregated", "colocated", "colocated-dp")
+TOPOLOGIES = ("disaggregated", "disaggregated-shared", "colocated", "colocated-dp")
+DISAGGREGATED = ("disaggregated", "disaggregated-shared")
 DEFAULT_TOPOLOGIES = ("disaggregated", "colocated")
 BASELINES = ("colocated", "colocated-dp")
 WORKLOADS = ("heavy-0.2", "heavy-0.4", "light-c8", "trace")
@@ -69,11 +73,12 @@ METRICS = (
     ("output tok/s", lambda r: r["output_throughput"]),
     ("goodput req/s", lambda r: r["goodput"]["request_rate"]),
 )
-# issue 14's targets for disaggregated / colocated, per workload and metric
+# issue 14's (and for light-c8's ITL, issue 42's) targets for disaggregated /
+# colocated, per workload and metric
 TARGETS = {
     "heavy": {"TTFT p50": "<= 1.5", "ITL p99": "<= 0.3", "output tok/s": ">= 1.0",
               "goodput req/s": ">= 1.0"},
-    "light-c8": {"output tok/s": ">= 1.0"},
+    "light-c8": {"output tok/s": ">= 1.0", "ITL p99": "<= 1.5"},
     "trace": {},
 }
 
@@ -122,6 +127,8 @@ def topology_args(topology: str, prefill_cpus: tuple[int, ...], decode_cpus: tup
     if topology == "disaggregated":
         argv = ["--prefill", "1", "--decode", "1", "--prefill-cpus",
                 format_cpu_list(prefill_cpus), "--decode-cpus", format_cpu_list(decode_cpus)]
+    elif topology == "disaggregated-shared":
+        argv = ["--prefill", "1", "--decode", "1", "--pin", "off"]
     elif topology == "colocated-dp":
         argv = ["--prefill", "0", "--decode", "0", "--colocated", "2", "--colocated-cpus",
                 f"{format_cpu_list(prefill_cpus)}/{format_cpu_list(decode_cpus)}"]
@@ -205,30 +212,30 @@ def _names(text: str, allowed: tuple[str, ...], flag: str) -> tuple[str, ...]:
     return names
 
 
-def ratios(results: dict[str, dict[str, dict]],
-           baseline: str = "colocated") -> dict[str, dict[str, float | None]]:
-    """disaggregated / `baseline` per workload and metric, where both ran."""
+def ratios(results: dict[str, dict[str, dict]], baseline: str = "colocated",
+           ours_name: str = "disaggregated") -> dict[str, dict[str, float | None]]:
+    """`ours_name` / `baseline` per workload and metric, where both ran."""
     out: dict[str, dict[str, float | None]] = {}
     for workload, per_topology in results.items():
-        if not {"disaggregated", baseline} <= per_topology.keys():
+        if not {ours_name, baseline} <= per_topology.keys():
             continue
         out[workload] = {}
         for label, read in METRICS:
-            ours, theirs = read(per_topology["disaggregated"]), read(per_topology[baseline])
+            ours, theirs = read(per_topology[ours_name]), read(per_topology[baseline])
             out[workload][label] = ours / theirs if ours is not None and theirs else None
     return out
 
 
 def print_comparison(results: dict[str, dict[str, dict]],
                      tables: dict[str, dict[str, dict[str, float | None]]]) -> None:
-    """One row per workload and metric: each topology that ran, and
-    disaggregated / each baseline in `tables` (baseline -> `ratios`)."""
+    """One row per workload and metric: each topology that ran, and each
+    ratio in `tables` ("ours / baseline" -> `ratios`)."""
     def cell(value: float | None) -> str:
         return "—" if value is None else f"{value:,.1f}"
 
     ran = [t for t in TOPOLOGIES if any(t in p for p in results.values())]
     print(f"\n| workload | metric | {' | '.join(ran)} | "
-          + "".join(f"ratio to {b} | " for b in tables) + "target |")
+          + "".join(f"{name} | " for name in tables) + "target |")
     print("|---|---|" + "---:|" * (len(ran) + len(tables)) + "---|")
     for workload, per_topology in results.items():
         for label, read in METRICS:
@@ -250,7 +257,7 @@ def run_topology(topology: str, up_args: list[str], model_dir: Path,
     argv = [*up_args, "--ready-file", str(ready), "--startup-timeout",
             str(args.startup_timeout), *[f"--pod-arg={a}" for a in args.pod_arg],
             *[f"--router-arg={a}" for a in args.router_arg]]
-    if topology == "disaggregated":
+    if topology in DISAGGREGATED:
         argv += [f"--decode-arg={a}" for a in args.decode_arg]
     log = out_dir / f"{topology}.log"
     print(f"[{topology}] starting pdserve up {' '.join(argv)} (log {log})", file=sys.stderr,
@@ -313,14 +320,18 @@ def main(args: argparse.Namespace) -> int:
         for name, result in per_workload.items():
             results[name][topology] = result
     tables = {b: ratios(results, b) for b in BASELINES}
-    print_comparison(results, {b: t for b, t in tables.items() if t})
+    shown = {f"disaggregated / {b}": t for b, t in tables.items() if t}
+    shared = ratios(results, "colocated", "disaggregated-shared")
+    if shared:
+        shown["disaggregated-shared / colocated"] = shared
+    print_comparison(results, shown)
     for name, per_topology in results.items():
         serve_plot.plot_runs(list(per_topology.values()), out_dir / "plots" / name)
     (out_dir / "comparison.json").write_text(json.dumps(
         {"model": str(model_dir), "prefill_cpus": format_cpu_list(prefill_cpus),
          "decode_cpus": format_cpu_list(decode_cpus), "started_unix": started,
          "wall_s": time.time() - started, "ratios": tables["colocated"],
-         "ratios_dp": tables["colocated-dp"],
+         "ratios_dp": tables["colocated-dp"], "ratios_shared": shared,
          "targets": {w: {label: target(w, label) for label, _ in METRICS} for w in results},
          "runs": {w: {t: f"{w}-{t}.json" for t in p} for w, p in results.items()}},
         indent=1, allow_nan=False))

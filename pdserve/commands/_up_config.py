@@ -48,6 +48,8 @@ class UpConfig:
     restart_window_s: float = 60.0
     # tensor-parallel size per pod role (--{role}-tp); a role not listed runs at 1
     tensor_parallel: tuple[tuple[str, int], ...] = ()
+    # "auto": CPU pods on disjoint CPUs when there are enough (_up_pinning.py); "off"
+    pin: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("port", "grpc_port"):
@@ -82,6 +84,8 @@ class UpConfig:
                                  f"{', '.join(POD_COMMANDS)}")
             if not 1 <= size <= 64:
                 raise ValueError(f"--{role}-tp must be between 1 and 64; got {size}")
+        if self.pin not in ("auto", "off"):
+            raise ValueError(f"--pin must be auto or off; got {self.pin!r}")
         self.restart_policy()  # validates the restart flags
 
     def tensor_parallel_of(self, role: str) -> int:

@@ -7,7 +7,8 @@ child copies its output to ours, each line prefixed with the child's name):
     pods     every pod starts at once (`python -m pdserve prefill|decode|serve`
              on free ports, `--ready-file`, `--cpus` from --{role}-cpus: one
              list for every pod of the role, or `A/B/...`, pod i the i-th
-             list, cyclically); each
+             list, cyclically; without any, --pin auto gives CPU pods
+             disjoint CPUs where there are enough, _up_pinning.py); each
              line "[k/n] ... ready" as it comes up
     router   `python -m pdserve router` on --port/--grpc-port, pointed at the
              pods (static lists, or Redis discovery with --redis-url); ready
@@ -44,6 +45,7 @@ from engine.model_source import DEFAULT_MODEL
 from pdserve.commands._children import Child, StartupError, check_alive, pin_ports, spawn
 from pdserve.commands._supervisor import GiveUp, supervise
 from pdserve.commands._up_config import CPU_ROLES, POD_COMMANDS, UpConfig
+from pdserve.commands._up_pinning import PIN_CHOICES, pin_pods
 from proto.roles import PodRole
 
 HELP = "Run router + prefill + decode pods locally on a built-in model (OpenAI API on :8000)."
@@ -93,6 +95,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                  "(their --cpus; torch threads follow the count)"
                                  + ("" if role == "router" else
                                     f"; 0/1: {role} pod i gets the i-th list, cyclically"))
+    parser.add_argument("--pin", choices=PIN_CHOICES, default=d.pin,
+                        help="auto: on CPU, each pod on its own CPUs when there are enough "
+                             "(one per pod process; leftovers to prefill pods first), the "
+                             "router unpinned; off: every process shares every CPU "
+                             "(default %(default)s; a --{role}-cpus list turns auto off)")
     for role in POD_COMMANDS:
         parser.add_argument(f"--{role}-tp", type=int, default=1, metavar="N",
                             help=f"tensor-parallel size of each {role} pod (its "
@@ -137,7 +144,9 @@ def config_from_args(args: argparse.Namespace) -> UpConfig:
         restart_window_s=args.restart_window,
         tensor_parallel=tuple((role, size) for role in POD_COMMANDS
                               if (size := getattr(args, f"{role}_tp")) != 1),
+        pin=args.pin,
     )
+
 
 
 def say(message: str) -> None:
@@ -325,6 +334,7 @@ def run(config: UpConfig) -> int:
     with tempfile.TemporaryDirectory(prefix="pdserve-up-") as tmp_name:
         try:
             model = resolve_model(config)
+            config = pin_pods(config, say)
             start_pods(model, config, Path(tmp_name), children)
             start_router(model, config, Path(tmp_name), children)
             if config.ready_file:

@@ -30,6 +30,9 @@ def test_both_topologies_get_the_same_cpus():
         "--router-cpus", "0-1"]
     assert disagg.topology_args("colocated-dp", (0,), (1,), None) == [
         "--prefill", "0", "--decode", "0", "--colocated", "2", "--colocated-cpus", "0/1"]
+    # the same pods sharing every CPU (`pdserve up` without pinning)
+    assert disagg.topology_args("disaggregated-shared", (0,), (1,), None) == [
+        "--prefill", "1", "--decode", "1", "--pin", "off"]
 
 
 def test_workloads_have_the_issue_shapes(tmp_path):
@@ -69,8 +72,12 @@ def test_ratios_are_disaggregated_over_colocated():
     results["heavy-0.2"]["colocated-dp"] = result(600, 200, 60, 0.4)
     assert disagg.ratios(results, "colocated-dp") == {"heavy-0.2": {
         "TTFT p50": 0.5, "ITL p99": 0.5, "output tok/s": 0.5, "goodput req/s": 0.5}}
+    results["heavy-0.2"]["disaggregated-shared"] = result(400, 800, 15, 0.1)
+    assert disagg.ratios(results, "colocated", "disaggregated-shared") == {"heavy-0.2": {
+        "TTFT p50": 2.0, "ITL p99": 2.0, "output tok/s": 0.5, "goodput req/s": 1.0}}
     assert disagg.target("heavy-0.4", "ITL p99") == "<= 0.3"
-    assert disagg.target("light-c8", "ITL p99") == ""
+    assert disagg.target("light-c8", "ITL p99") == "<= 1.5"  # issue 42
+    assert disagg.target("trace", "ITL p99") == ""
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -110,6 +110,12 @@ def test_up_streams_a_completion_and_stops_cleanly(up_home: Path, stop_signal: i
         # the default model: SmolLM2-135M-Instruct, converted from its GGUF on first use
         # (into the module's home, once for both signals)
         up.wait_for(r"\[model\] smollm2-135m-instruct: ", 180)
+        # --pin auto says what it chose: on two or more CPUs a core each, else shared
+        if len(os.sched_getaffinity(0)) >= 2:
+            up.wait_for(r"pods pinned to disjoint CPUs: prefill-0 on CPU [\d,-]+, decode-0 on "
+                        r"CPU [\d,-]+ \(--pin off shares them\)", 10)
+        else:
+            up.wait_for(r"1 CPU for 2 pod processes: they share them", 10)
         pod_ports = [int(up.wait_for(rf"\[{i}/3\] \w+ pod ready on 127\.0\.0\.1:(\d+)", 120)[1])
                      for i in (1, 2)]
         up.wait_for(rf"\[3/3\] router ready on http://127\.0\.0\.1:{port}", 60)
