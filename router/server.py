@@ -154,7 +154,7 @@ class RouterServer:
                 dataclasses.replace(c.local_prefill, report_age=2 * c.load_poll_interval),
                 cached_prefix=index.cached_prefix, rate=local_rate,
                 epsilon=c.session_epsilon),
-            split=SplitPrefill(self.pool, c.split_prefill),
+            split=SplitPrefill(self.pool, c.split_prefill, cached_prefix=index.cached_prefix),
         )
         frontend = self._frontend = Frontend(model_name=c.model_name,
                                              max_model_len=max_model_len,

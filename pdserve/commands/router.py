@@ -119,14 +119,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--split-prefill-min-tokens", type=_tokens_or_auto,
                         default=split.min_tokens,
                         metavar="TOKENS",
-                        help="one prompt on both pods: a context of at least this many tokens "
-                             "is split when its decode pod has no queue, the prefill pod "
+                        help="one prompt on both pods: a context with at least this many tokens "
+                             "not cached at its prefill pod is split when its decode pod has no "
+                             "queue, the prefill pod "
                              "computing the head and the decode pod the tail behind it "
                              "(0 = never; default auto: 256 onto a decode pod on CPU, never "
                              "onto one on a GPU; docs/router.md, \"Split prefill\")")
     parser.add_argument("--split-prefill-head-share", type=float, default=split.head_share,
                         metavar="F",
-                        help="... the head's share of the context on an idle decode pod "
+                        help="... the head's share of the uncached tokens (after the prefill "
+                             "pod's cached prefix, which the head keeps) on an idle decode pod "
                              "(default %(default)g: the tail attends over the head, so costs more "
                              "per token)")
     parser.add_argument("--split-prefill-busy-head-share", type=float,

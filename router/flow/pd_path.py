@@ -81,6 +81,7 @@ async def disaggregated(caller: PodCaller, idle_side: IdleSide | None = None
                     yield delta
             return
         stack.callback(slot.release)  # a no-op once the prefill released it
+        caller.prefill_address = slot.address  # a split keeps that pod's cached prefix whole
         address, call, first, below = await caller.open_stream("decode", stack)
         if (below and first is not grpc.aio.EOF
                 and first.WhichOneof("kind") == "tokens"):

@@ -49,7 +49,9 @@ class PodCaller:
     client's stream, for the direct relay (router.flow.direct_relay); None
     keeps every delta on the generators. `trace`: the flow's timeline and
     spans (router.flow.tracing; `note` what the pods are and say);
-    `metadata`: the attempt's trace context, sent with every pod call."""
+    `metadata`: the attempt's trace context, sent with every pod call.
+    `prefill_address`: the prefill pod whose turn the attempt holds, once
+    the P/D path has one (a split counts that pod's cached prefix)."""
 
     def __init__(
         self,
@@ -75,6 +77,7 @@ class PodCaller:
         self.left_out = left_out
         self.deadline = deadline
         self.to_state = to_state
+        self.prefill_address = ""
 
     def remaining(self) -> float:
         left = self.deadline - time.monotonic()
@@ -142,7 +145,7 @@ class PodCaller:
         if (rule is None or self.out.output_ids
                 or self.request.sampling.prompt_logprobs is not None):
             return 0
-        return rule.split_at(address, len(self.request.prompt_token_ids))
+        return rule.split_at(address, self.request.prompt_token_ids, self.prefill_address)
 
     def sampling_proto(self) -> pb.SamplingParams:
         """The request's sampling for a pod; without prompt logprobs once an

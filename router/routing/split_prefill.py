@@ -27,12 +27,21 @@ the router's event loop. A request is split when:
 3. the request wants no prompt logprobs (no pod would compute every
    prompt position's logits).
 
-The head is `--split-prefill-head-share` of the context on an idle decode
-pod (default 0.55: the tail attends over the head, so it costs more per
-token; `pdserve bench prefill-split` measures the balance), and
-`--split-prefill-busy-head-share` on one with running sequences (default
-0.7: there the tail shares the pod's cores with the decode steps, so it
-gets less of them). The decode pod may decline (its cached prefix holds the
+The split shares the work left to compute, not the context: the prefill
+pod's cached prefix of the prompt (the router's prefix index, fed by the
+pod's KV events; 0 when the policy follows none) belongs to the head, and
+rule 1 counts only the uncached tokens. The head is that prefix plus
+`--split-prefill-head-share` of the rest on an idle decode pod (default
+0.55: the tail attends over the head, so it costs more per token; `pdserve
+bench prefill-split` measures the balance), and
+`--split-prefill-busy-head-share` of it on one with running sequences
+(default 0.7: there the tail shares the pod's cores with the decode steps,
+so it gets less of them). Why the prefix belongs to the head: a
+conversation's next turn is mostly its history, cached on the prefill pod;
+a head cut from the whole context would leave part of that history in the
+tail, computed again on the decode pod, and the prefill pod, which caches
+only what it computed, would hold even less of the turn after
+(issue 42). The decode pod may decline (its cached prefix holds the
 head already): its `Reserved.split_at` says what it took, 0 for an
 ordinary reservation. The measurements behind the defaults:
 benchmarks/results/history/routing.md, "Split prefill".
@@ -40,9 +49,11 @@ benchmarks/results/history/routing.md, "Split prefill".
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from router.routing.base import PodPool
+from router.routing.local_prefill import CachedPrefix, no_cached_prefix
 
 # `auto`'s M: onto a decode pod whose LoadReport.device is this, contexts of
 # at least this many tokens
@@ -53,9 +64,9 @@ AUTO_MIN_TOKENS = 256
 @dataclass(frozen=True, slots=True)
 class SplitSettings:
     """`min_tokens`: M above (0 = off, None = auto). `head_share`,
-    `busy_head_share`: the head's share of the context on an idle decode
-    pod, on a decoding one. `max_running`: no split onto a decode pod
-    running more sequences."""
+    `busy_head_share`: the head's share of the uncached tokens (after the
+    prefill pod's cached prefix) on an idle decode pod, on a decoding one.
+    `max_running`: no split onto a decode pod running more sequences."""
 
     min_tokens: int | None = None
     head_share: float = 0.55
@@ -78,18 +89,28 @@ class SplitSettings:
 class SplitPrefill:
     """The rule above, over the router's view of the pods."""
 
-    def __init__(self, pool: PodPool, settings: SplitSettings) -> None:
+    def __init__(self, pool: PodPool, settings: SplitSettings,
+                 cached_prefix: CachedPrefix = no_cached_prefix) -> None:
         self._pool = pool
         self.settings = settings
+        self._cached_prefix = cached_prefix
 
-    def split_at(self, address: str, num_context: int) -> int:
-        """The head's length for a request reserving `num_context` context
-        tokens on decode pod `address` (this router's track of the request
-        already counted there), or 0: not split."""
+    def split_at(self, address: str, token_ids: Sequence[int], prefill_address: str = "") -> int:
+        """The head's length for a request whose context is `token_ids`,
+        reserving on decode pod `address` (this router's track of the request
+        already counted there) and computed on prefill pod `prefill_address`
+        ("" if not known: nothing cached counts), or 0: not split."""
         settings = self.settings
         auto = settings.min_tokens is None
         min_tokens = AUTO_MIN_TOKENS if auto else settings.min_tokens
+        num_context = len(token_ids)
         if not min_tokens or num_context < max(min_tokens, 2):
+            return 0
+        cached = 0
+        if prefill_address:
+            cached = min(num_context - 1, self._cached_prefix(prefill_address, token_ids))
+        uncached = num_context - cached
+        if uncached < max(min_tokens, 2):
             return 0
         pod = self._pool.pod("decode", address)
         if pod is None or pod.num_waiting or (auto and pod.device != AUTO_DEVICE):
@@ -99,4 +120,4 @@ class SplitPrefill:
             return 0
         busy = running > 0
         share = settings.busy_head_share if busy else settings.head_share
-        return min(num_context - 1, max(1, round(num_context * share)))
+        return min(num_context - 1, cached + max(1, round(uncached * share)))

@@ -226,6 +226,52 @@ def test_short_prompts_and_the_rule_off_take_the_whole_prompt_path(
         router.terminate()
 
 
+def test_a_next_turn_keeps_its_cached_history_in_the_head(tiny_model_dir):
+    """A conversation's next turn, split: the prefill pod holds the last
+    turn's head (its prefix cache, told to the router by its cache events),
+    and that history belongs to the new head, so only the new tokens are
+    shared between the pods: the head is the cached 160 tokens plus 0.55 of
+    the other 240, the usage counts the cached tokens, and the output equals
+    the undisturbed run (issue 42)."""
+    first = _prompt(8, 300)
+    turn = first + _prompt(9, 100)
+    expected = undisturbed_texts(tiny_model_dir, [(first, {"temperature": 0}),
+                                                  (turn, {"temperature": 0})])
+    started = start_pods({
+        "prefill": ("prefill", {"block_size": 16, "num_blocks": 512}),  # prefix cache on
+        "decode": ("decode", {"block_size": 16, "num_blocks": 512, "landing_memory": "256MiB",
+                              "itl_budget_ms": "off"}),
+    }, tiny_model_dir)
+    router = _router(tiny_model_dir, started, split_prefill_min_tokens=64)
+    decode, index = started["decode"], "pdserve_router_cache_index_blocks"
+    try:
+        _idle(router, started)
+        # the first turn: split at 0.55 x 300 = 165; the prefill pod caches the
+        # head's 10 full blocks (160 tokens)
+        _complete_split(tiny_model_dir, router, decode, first, {"temperature": 0}, False,
+                        expected[0], 0.55)
+        deadline = time.monotonic() + 30
+        while router.metric(index, pod=started["prefill"].address) < 10:
+            assert time.monotonic() < deadline, "the prefill pod's cache events never came"
+            time.sleep(0.05)
+        _idle(router, started)
+        client = openai.OpenAI(base_url=router.base_url, api_key="x", max_retries=0,
+                               timeout=120)
+        sent = decode.metric_value(KV_BYTES, role="decode")
+        reply = client.completions.create(model="tiny", prompt=turn, max_tokens=MAX_TOKENS,
+                                          temperature=0, extra_body={"ignore_eos": True})
+        assert reply.choices[0].text == expected[1]
+        assert router.metric(SPLITS) == 2
+        assert reply.usage.prompt_tokens_details.cached_tokens == 160
+        head = 160 + round(240 * 0.55)  # the old rule cut at round(400 x 0.55) = 220
+        crossed = decode.metric_value(KV_BYTES, role="decode") - sent
+        assert crossed == head * _kv_bytes_per_token(tiny_model_dir)
+    finally:
+        router.terminate()
+        for pod in started.values():
+            pod.terminate()
+
+
 def _kv_bytes_per_token(model_dir) -> float:
     import json
 
