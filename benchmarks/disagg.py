@@ -178,6 +178,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--pod-arg", action="append", default=["--kv-cache-memory=2GiB"],
                         metavar="ARG", help="extra flag for every pod")
+    parser.add_argument("--prefill-arg", action="append", default=[], metavar="ARG",
+                        help="extra flag for the disaggregated topologies' prefill pod, e.g. "
+                             "--prefill-arg=--nice=19")
     parser.add_argument("--decode-arg", action="append", default=[], metavar="ARG",
                         help="extra flag for the decode pod of the disaggregated topology, "
                              "e.g. --decode-arg=--max-num-batched-tokens=64")
@@ -259,6 +262,7 @@ def run_topology(topology: str, up_args: list[str], model_dir: Path,
             *[f"--router-arg={a}" for a in args.router_arg]]
     if topology in DISAGGREGATED:
         argv += [f"--decode-arg={a}" for a in args.decode_arg]
+        argv += [f"--prefill-arg={a}" for a in args.prefill_arg]
     log = out_dir / f"{topology}.log"
     print(f"[{topology}] starting pdserve up {' '.join(argv)} (log {log})", file=sys.stderr,
           flush=True)

@@ -88,6 +88,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _nice_value(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 19:
+        raise argparse.ArgumentTypeError(f"must be a whole number from 0 to 19, got {text!r}")
+    return value
+
+
 def add_pinning_arguments(parser: argparse.ArgumentParser, *, threads: bool) -> None:
     """`--cpus` (and `--threads` for processes that run torch compute)."""
     g = parser.add_argument_group("placement")
@@ -98,18 +108,31 @@ def add_pinning_arguments(parser: argparse.ArgumentParser, *, threads: bool) -> 
         g.add_argument("--threads", type=_positive_int, default=None, metavar="N",
                        help="torch intra-op threads (default: the number of --cpus, else "
                             "torch's own default).")
+        g.add_argument("--nice", type=_nice_value, default=0, metavar="N",
+                       help="CPU scheduling niceness of every thread, 0-19 (default 0), for "
+                            "a pod sharing cores with other work. It does not keep a "
+                            "prefill pod off a decode pod's shared cores: docs/defaults.md.")
 
 
 def pin_process(cpus: tuple[int, ...] | None, threads: int | None = None, *,
-                torch_threads: bool = True) -> None:
-    """Pin every thread of this process to `cpus` and size torch's pool.
+                torch_threads: bool = True, nice: int = 0) -> None:
+    """Pin every thread of this process to `cpus`, set its niceness and
+    size torch's pool.
 
-    Call on the main thread at startup. `cpus=None` leaves the affinity as it
-    is; `threads=None` means one torch thread per pinned CPU (torch's default
+    Call on the main thread at startup (threads started later inherit both
+    the affinity and the niceness). `cpus=None` leaves the affinity as it is;
+    `threads=None` means one torch thread per pinned CPU (torch's default
     when nothing is pinned). ValueError for `threads < 1`.
     """
     if threads is not None and threads < 1:
         raise ValueError(f"--threads must be >= 1, got {threads}")
+    if nice:
+        for task in _thread_ids():  # Linux keeps a niceness per thread
+            try:
+                os.setpriority(os.PRIO_PROCESS, task, nice)
+            except ProcessLookupError:
+                pass
+        log.info("niceness %d (pid %d)", nice, os.getpid())
     if cpus is not None:
         for task in _thread_ids():
             try:

@@ -209,6 +209,6 @@ def setup_logging(level: str) -> None:
 
 
 def apply_placement(args: argparse.Namespace) -> None:
-    """--cpus / --threads (pdserve/commands/_cpus.py): call once, after logging is
-    set up and before the engine starts."""
-    pin_process(args.cpus, args.threads)
+    """--cpus / --threads / --nice (pdserve/commands/_cpus.py): call once, after
+    logging is set up and before the engine starts."""
+    pin_process(args.cpus, args.threads, nice=args.nice)

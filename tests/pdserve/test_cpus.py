@@ -137,3 +137,31 @@ def test_up_passes_role_args_to_that_role_only():
     for role in ("prefill", "colocated"):
         argv = up.pod_argv(role, Path("/m"), config, Path("/r"))
         assert argv[-1] == "--num-blocks=256" and "--prefix-cache" not in argv
+
+
+def test_nice_applies_to_every_thread_and_is_bounded(capsys):
+    """--nice: every thread alive at the call gets it (Linux keeps one per
+    thread), a thread started after inherits it; 0-19 only."""
+    code = """
+import os, threading
+from pdserve.commands._cpus import pin_process
+stop = threading.Event()
+before = threading.Thread(target=stop.wait); before.start()
+pin_process(None, nice=7, torch_threads=False)
+after = threading.Thread(target=stop.wait); after.start()
+print(*[os.getpriority(os.PRIO_PROCESS, t) for t in
+        (before.native_id, after.native_id, threading.get_native_id())])
+stop.set(); before.join(); after.join()
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+                         timeout=60, check=True).stdout
+    assert out.split() == ["7", "7", "7"]
+    parser = argparse.ArgumentParser()
+    _pod_flags.add_engine_arguments(parser, block_size=16, prefix_cache_default=True)
+    assert parser.parse_args(["--model", "/m", "--nice", "19"]).nice == 19
+    assert parser.parse_args(["--model", "/m"]).nice == 0
+    for bad in ("20", "-1", "x"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--model", "/m", "--nice", bad])
+        assert "must be a whole number from 0 to 19" in capsys.readouterr().err
