@@ -17,7 +17,7 @@ HELP = ("Benchmarks: engine, tp, tp-transfer, decode-gemm, prefill-gemm, prefill
         "simulated pods); sim-profile (a simulator profile measured from the real "
         "engine) and sim-check (its predictions against real pods); index-memory (the "
         "router's prefix index per pod and block); decision (a routing decision among N pods, "
-        "in-process).")
+        "in-process); multiturn-trace (a trace of chats whose turns overlap, for routing).")
 
 BENCHMARKS: dict[str, str] = {
     "engine": "benchmarks.engine",
@@ -44,6 +44,7 @@ BENCHMARKS: dict[str, str] = {
     "sim-check": "benchmarks.sim_check",
     "index-memory": "benchmarks.index_memory",
     "decision": "benchmarks.decision",
+    "multiturn-trace": "benchmarks.multiturn_trace",
 }
 
 
