@@ -32,7 +32,14 @@ from tests.router.router_process import RouterProcess, start_router, wait_ready
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 MODEL = "smollm2-135m-instruct"
-QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+# The question every chat test asks. Not the bare "What is the capital of
+# France?": there the first token's two best logits ("The", "L") are 0.08
+# apart in float32, closer than bfloat16 arithmetic resolves, and on a CPU
+# with AVX512-BF16 the bfloat16 pods began "L'Étoile, ..." (transformers in
+# bfloat16 kept "The"). With "Answer in one sentence." the margin is ~1.5 in
+# both dtypes, so the answer naming Paris tests the weights, not the rounding.
+QUESTION = [{"role": "user",
+             "content": "What is the capital of France? Answer in one sentence."}]
 LONG = ("The printing press, developed by Johannes Gutenberg around 1440, changed how "
         "knowledge moved through Europe. Before it, books were copied by hand, slowly and at "
         "great cost. ") * 12
