@@ -4,8 +4,8 @@ Disaggregation's point is that a prompt computed on a prefill pod never
 stalls a decode pod's running batch. Pods whose torch threads share every
 core undo that on a CPU: the prefill pod's threads take the decode pod's
 cores for a whole prompt, and the decode pod's inter-token tail becomes a
-prompt's compute time (issue 42 measured 4-6x colocated serving's ITL p99 at
-light load with the pods sharing two cores; docs/defaults.md).
+prompt's compute time (at light load on two shared cores, 2.8-7.2x colocated
+serving's ITL p99, against 1.2-2.7x with a core each; docs/defaults.md).
 
 So when the pods run on CPU, no pod role has a `--{role}-cpus` list, and
 there are CPUs enough for every pod process (a pod of tensor-parallel size N

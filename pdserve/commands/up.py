@@ -148,7 +148,6 @@ def config_from_args(args: argparse.Namespace) -> UpConfig:
     )
 
 
-
 def say(message: str) -> None:
     print(f"pdserve up: {message}", flush=True)
 
