@@ -163,6 +163,12 @@ class _Connection:
                 close_quietly(self.sock)  # the reader thread notices and cleans up
 
     def _writable(self) -> bool:
+        # A socket an earlier failed STATUS closed (close_quietly, below) has no
+        # descriptor left: not writable, where poll would raise ValueError in
+        # whichever thread notifies next (seen: the reader thread, dropping the
+        # transfer of a sender it lost).
+        if self.sock.fileno() < 0:
+            return False
         poller = select.poll()
         poller.register(self.sock, select.POLLOUT)
         return bool(poller.poll(0))

@@ -163,3 +163,23 @@ def test_sender_that_never_reads_status_is_cut_off(receiver, listener):
     sender = TcpKVSender(SenderConfig(num_streams=2))
     run_concurrent(sender, receiver, listener, [KVLayout(2, 5, 1, 8, "float32")], seed=77)
     sender.close()
+
+
+def test_a_status_to_a_sender_whose_socket_is_already_closed_is_dropped_quietly():
+    """A failed STATUS closes the connection's socket; a later verdict for the
+    same connection (the reader thread dropping the lost sender's transfer,
+    seen in a clean-clone run) finds no descriptor. It is dropped, not
+    raised (ValueError from poll) in whichever thread notifies."""
+    from kv_transfer.base import TransferOutcome, Verdict
+    from kv_transfer.refusals import RefusalCounts
+    from kv_transfer.tcp.receiver import _Connection
+
+    ours, theirs = socket.socketpair()
+    try:
+        conn = _Connection(ours, table=None, stop=threading.Event(),
+                           refusals=RefusalCounts(), frame_timeout_s=1.0)
+        ours.close()  # as close_quietly leaves it after a failed write
+        conn.notify("r-1", TransferOutcome(Verdict.FAILED, "sender_lost: gone"))
+        conn.notify("r-2", TransferOutcome(Verdict.COMPLETE))
+    finally:
+        theirs.close()
