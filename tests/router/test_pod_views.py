@@ -161,11 +161,20 @@ def _refusals(pool: PolledPodPool) -> None:
 
 def test_a_round_polls_at_most_its_bound_the_longest_unpolled_first() -> None:
     """300 new pods (nothing listens: each poll is refused at once): a round
-    polls MAX_POLLS_PER_ROUND of them, the next round the rest first."""
+    polls MAX_POLLS_PER_ROUND of them, the next round the rest first. The
+    ports are held bound, not listening, for the test: fixed ports in the
+    ephemeral range could be another test's pod under a second worker (a
+    clean-clone run saw one answer)."""
+    import socket
+
     from router.registry.pod_state import MAX_POLLS_PER_ROUND, longest_unpolled
 
+    held = [socket.socket() for _ in range(300)]
+    for sock in held:
+        sock.bind(("127.0.0.1", 0))
+
     async def body() -> None:
-        addresses = [f"127.0.0.1:{port}" for port in range(41000, 41300)]
+        addresses = [f"127.0.0.1:{sock.getsockname()[1]}" for sock in held]
         pool = PolledPodPool(StaticPodSource(decode=addresses), watch=False,
                              poll_timeout=5.0)
         try:
@@ -179,7 +188,11 @@ def test_a_round_polls_at_most_its_bound_the_longest_unpolled_first() -> None:
         finally:
             await pool.close()
 
-    asyncio.run(body())
+    try:
+        asyncio.run(body())
+    finally:
+        for sock in held:
+            sock.close()
     records = [type("R", (), {"polled_at": t})() for t in (5.0, 0.0, 3.0, 1.0)]
     assert [r.polled_at for r in longest_unpolled(records, 2)] == [0.0, 1.0]
     assert longest_unpolled(records, 4) is records
