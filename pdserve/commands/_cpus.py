@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 log = logging.getLogger("pdserve.cpus")
@@ -78,24 +79,24 @@ def cpu_list_type(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _positive_int(text: str) -> int:
+def _whole_number(text: str, low: int, high: int | None, rule: str) -> int:
+    """argparse `type=` body: `text` as an int in [low, high] (high None: no
+    limit), else the error names `rule` and the text."""
     try:
         value = int(text)
     except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
+        value = low - 1
+    if value < low or (high is not None and value > high):
+        raise argparse.ArgumentTypeError(f"must be a whole number {rule}, got {text!r}")
     return value
+
+
+def _positive_int(text: str) -> int:
+    return _whole_number(text, 1, None, ">= 1")
 
 
 def _nice_value(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if not 0 <= value <= 19:
-        raise argparse.ArgumentTypeError(f"must be a whole number from 0 to 19, got {text!r}")
-    return value
+    return _whole_number(text, 0, 19, "from 0 to 19")
 
 
 def add_pinning_arguments(parser: argparse.ArgumentParser, *, threads: bool) -> None:
@@ -126,19 +127,11 @@ def pin_process(cpus: tuple[int, ...] | None, threads: int | None = None, *,
     """
     if threads is not None and threads < 1:
         raise ValueError(f"--threads must be >= 1, got {threads}")
-    if nice:
-        for task in _thread_ids():  # Linux keeps a niceness per thread
-            try:
-                os.setpriority(os.PRIO_PROCESS, task, nice)
-            except ProcessLookupError:
-                pass
+    if nice:  # Linux keeps a niceness per thread
+        _each_thread(lambda task: os.setpriority(os.PRIO_PROCESS, task, nice))
         log.info("niceness %d (pid %d)", nice, os.getpid())
     if cpus is not None:
-        for task in _thread_ids():
-            try:
-                os.sched_setaffinity(task, cpus)
-            except ProcessLookupError:  # a thread that ended meanwhile
-                pass
+        _each_thread(lambda task: os.sched_setaffinity(task, cpus))
         log.info("pinned to CPUs %s (pid %d)", format_cpu_list(cpus), os.getpid())
     if not torch_threads:
         return
@@ -148,6 +141,16 @@ def pin_process(cpus: tuple[int, ...] | None, threads: int | None = None, *,
 
         torch.set_num_threads(count)
         log.info("torch intra-op threads: %d", count)
+
+
+def _each_thread(apply: Callable[[int], object]) -> None:
+    """`apply(thread id)` for every thread of this process now, skipping
+    one that ended meanwhile."""
+    for task in _thread_ids():
+        try:
+            apply(task)
+        except ProcessLookupError:
+            pass
 
 
 def _thread_ids() -> list[int]:

@@ -16,6 +16,8 @@ from proto.roles import PodRole
 POD_COMMANDS = {PodRole.PREFILL: "prefill", PodRole.DECODE: "decode", PodRole.COLOCATED: "serve"}
 # Roles `--{role}-cpus` pins.
 CPU_ROLES = (*POD_COMMANDS, "router")
+# `--pin` (pdserve/commands/_up_pinning.py)
+PIN_CHOICES = ("auto", "off")
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,8 +86,8 @@ class UpConfig:
                                  f"{', '.join(POD_COMMANDS)}")
             if not 1 <= size <= 64:
                 raise ValueError(f"--{role}-tp must be between 1 and 64; got {size}")
-        if self.pin not in ("auto", "off"):
-            raise ValueError(f"--pin must be auto or off; got {self.pin!r}")
+        if self.pin not in PIN_CHOICES:
+            raise ValueError(f"--pin must be one of {', '.join(PIN_CHOICES)}; got {self.pin!r}")
         self.restart_policy()  # validates the restart flags
 
     def tensor_parallel_of(self, role: str) -> int:

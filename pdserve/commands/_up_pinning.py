@@ -26,8 +26,6 @@ from pdserve.commands._cpus import allowed_cpus, format_cpu_list
 from pdserve.commands._up_config import UpConfig
 from proto.roles import PodRole
 
-PIN_CHOICES = ("auto", "off")
-
 
 @dataclass(frozen=True, slots=True)
 class Pinning:
@@ -58,15 +56,14 @@ def plan_pinning(pods: list[tuple[str, int]], cpus: tuple[int, ...], *, on_cuda:
     shares: dict[str, list[str]] = {}
     start = 0
     described = []
-    counts: dict[str, int] = {}
     for role, size in sorted(pods, key=lambda pod: pod[0] != "prefill"):  # prefill first
         take = size * base + min(extra, size)
         extra -= min(extra, size)
         text = format_cpu_list(cpus[start:start + take])
         start += take
-        shares.setdefault(role, []).append(text)
-        index = counts[role] = counts.get(role, -1) + 1
-        described.append(f"{role}-{index} on CPU {text}")
+        lists = shares.setdefault(role, [])
+        lists.append(text)
+        described.append(f"{role}-{len(lists) - 1} on CPU {text}")
     return Pinning(tuple((role, "/".join(lists)) for role, lists in shares.items()),
                    f"pods pinned to disjoint CPUs: {', '.join(described)} "
                    "(--pin off shares them)")
@@ -81,11 +78,9 @@ def pods_on_cuda(pod_args: list[str]) -> bool:
             device = arg.partition("=")[2]
         elif arg == "--device" and i + 1 < len(pod_args):
             device = pod_args[i + 1]
-    if device != "auto":
-        return device == "cuda"
-    import torch
+    from pdserve.commands._pod_flags import resolve_device  # the pods' own rule (engine imports)
 
-    return torch.cuda.is_available()
+    return resolve_device(device) == "cuda"
 
 
 def pin_pods(config: UpConfig, say: Callable[[str], None]) -> UpConfig:

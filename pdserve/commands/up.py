@@ -44,8 +44,8 @@ from pathlib import Path
 from engine.model_source import DEFAULT_MODEL
 from pdserve.commands._children import Child, StartupError, check_alive, pin_ports, spawn
 from pdserve.commands._supervisor import GiveUp, supervise
-from pdserve.commands._up_config import CPU_ROLES, POD_COMMANDS, UpConfig
-from pdserve.commands._up_pinning import PIN_CHOICES, pin_pods
+from pdserve.commands._up_config import CPU_ROLES, PIN_CHOICES, POD_COMMANDS, UpConfig
+from pdserve.commands._up_pinning import pin_pods
 from proto.roles import PodRole
 
 HELP = "Run router + prefill + decode pods locally on a built-in model (OpenAI API on :8000)."
