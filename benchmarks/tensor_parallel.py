@@ -129,17 +129,18 @@ def _round(args: argparse.Namespace, size: int, batch: int) -> dict[str, float]:
         engine.close()
 
 
-def _all_reduce_floor(rank: int, size: int, port: int, shapes: list[tuple[int, int]],
+def _all_reduce_floor(rank: int, size: int, init_method: str, shapes: list[tuple[int, int]],
                       shares: list[tuple[int, ...]] | None, out) -> None:
     """One process of the collective alone: `size` processes placed as the
     ranks are, the all-reduce of each decode step's [batch, hidden] shape."""
     import torch
     import torch.distributed as dist
 
+    from engine.parallel.group import join_store
     from engine.parallel.placement import place
 
     place(shares[rank] if shares else ())
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    dist.init_process_group("gloo", store=join_store(init_method, 60.0), rank=rank,
                             world_size=size)
     for shape in shapes:
         x = torch.randn(shape)
@@ -157,12 +158,13 @@ def _all_reduce_floor(rank: int, size: int, port: int, shapes: list[tuple[int, i
 def _floor(size: int, batches: list[int], hidden: int) -> dict[str, float]:
     import torch.multiprocessing as mp
 
-    from engine.parallel.launch import free_port
+    from engine.parallel.group import host_store
     from engine.parallel.placement import cpu_shares
 
     manager = mp.Manager()
     out = manager.dict()
-    mp.spawn(_all_reduce_floor, args=(size, free_port(), [(b, hidden) for b in batches],
+    _store, init_method = host_store(60.0)  # every rank joins it as a client
+    mp.spawn(_all_reduce_floor, args=(size, init_method, [(b, hidden) for b in batches],
                                       cpu_shares(size), out), nprocs=size)
     return dict(out)
 

@@ -2,7 +2,7 @@
 
 A pod at TP=N is N processes, one per device, each holding one shard of the
 model (`engine.parallel.shard`). Every rank calls `TPGroup.initialize` once
-at start with the same `init_method` and its own rank, before the model is
+at start with the same rendezvous store and its own rank, before the model is
 loaded; the group then lives as long as the process. Every collective below
 must be called by all ranks, in the same order, from the one thread that
 runs the model (the engine loop thread, or a worker's loop): a rank that
@@ -23,6 +23,22 @@ import torch
 import torch.distributed as dist
 
 
+def host_store(timeout_s: float) -> tuple[dist.TCPStore, str]:
+    """A rendezvous store hosted by this process on a loopback port the OS
+    picks as it binds, and the `init_method` the other ranks join it by.
+    Binding first is the point: a port chosen free and bound later (by the
+    rendezvous) can be taken by anyone in between (EADDRINUSE)."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=timeout_s))
+    return store, f"tcp://127.0.0.1:{store.port}"
+
+
+def join_store(init_method: str, timeout_s: float) -> dist.TCPStore:
+    """A client of the store `host_store` made, by its `init_method`."""
+    host, _, port = init_method.removeprefix("tcp://").rpartition(":")
+    return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
+
+
 class TPGroup:
     """Collectives over the N ranks of one pod; `rank` 0 samples and serves."""
 
@@ -36,13 +52,13 @@ class TPGroup:
         self.host_group = host_group
 
     @classmethod
-    def initialize(cls, *, rank: int, size: int, init_method: str, device: str,
+    def initialize(cls, *, rank: int, size: int, store: dist.Store, device: str,
                    timeout_s: float) -> TPGroup:
         """Join the group (blocks until all `size` ranks have joined, or
-        `timeout_s`). `init_method` is a rendezvous address such as
-        "tcp://127.0.0.1:29500", the same for every rank; `device` is this
-        rank's own device ("cuda:1", "cpu"). The timeout also bounds every
-        later collective."""
+        `timeout_s`). `store` is the rendezvous, the same for every rank:
+        rank 0's from `host_store`, the others' from `join_store`; `device`
+        is this rank's own device ("cuda:1", "cpu"). The timeout also bounds
+        every later collective."""
         if size < 1 or not 0 <= rank < size:
             raise ValueError(f"rank {rank} must be in [0, size {size}) with size >= 1")
         if not timeout_s > 0:
@@ -53,12 +69,12 @@ class TPGroup:
             torch.cuda.set_device(torch_device)
             # device_id: the NCCL communicator is made now, not lazily at the
             # first collective, which may be inside a CUDA graph capture.
-            dist.init_process_group("nccl", init_method=init_method, rank=rank,
+            dist.init_process_group("nccl", store=store, rank=rank,
                                     world_size=size, timeout=timeout, device_id=torch_device)
             group = dist.group.WORLD
             host_group = dist.new_group(backend="gloo", timeout=timeout)
         else:
-            dist.init_process_group("gloo", init_method=init_method, rank=rank,
+            dist.init_process_group("gloo", store=store, rank=rank,
                                     world_size=size, timeout=timeout)
             group = host_group = dist.group.WORLD
         return cls(rank=rank, size=size, device=torch_device, group=group,

@@ -3,7 +3,7 @@ processes, their step sockets, the group, the step encoder, the watchdog.
 
 Life cycle (docs/tensor_parallel.md, Workers in lockstep):
 
-    start      LLMEngine.__init__ (TP > 1): pick a free port, start ranks
+    start      LLMEngine.__init__ (TP > 1): host the rendezvous store, start ranks
                1..N-1 as `python -m engine.parallel.worker` children (each
                with one end of a Unix socketpair, its rank's device, the
                EngineConfig as JSON), join the group (`TPGroup.initialize`),
@@ -55,7 +55,7 @@ from engine.config import EngineConfig
 from engine.kv_hook import LayerKVHook
 from engine.model_runner import PreparedStep
 from engine.parallel.control import ControlHandler, ControlHub, LeaderControl
-from engine.parallel.group import TPGroup
+from engine.parallel.group import TPGroup, host_store
 from engine.parallel.placement import Placement, cpu_shares, place, restore
 from engine.parallel.processes import describe_exit, forward_output, spawn
 from engine.parallel.rank import RankModel, build_rank
@@ -116,12 +116,6 @@ def rank_device(device: str, rank: int) -> str:
     return f"cuda:{(torch.device(device).index or 0) + rank}"
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class TPLeader:
     """Rank 0's handle on the workers and the group; see the module docstring
     for which thread calls what."""
@@ -151,7 +145,7 @@ class TPLeader:
         """Start ranks 1..N-1 and join the group as rank 0. `eager`: rank 0
         captures no CUDA graphs (a layer-KV hook), so neither do the workers."""
         size = config.tensor_parallel_size
-        init_method = f"tcp://127.0.0.1:{free_port()}"
+        store, init_method = host_store(config.tp_timeout_s)
         worker_config = replace(config, enforce_eager=config.enforce_eager or eager)
         processes, sockets, readers, controls = [], [], [], []
         leader = None
@@ -179,7 +173,7 @@ class TPLeader:
             leader._readers += leader._control.start_readers()
             if on_cpu:
                 leader._placement = place(shares[0])
-            leader.group = TPGroup.initialize(rank=0, size=size, init_method=init_method,
+            leader.group = TPGroup.initialize(rank=0, size=size, store=store,
                                               device=config.device, timeout_s=config.tp_timeout_s)
         except BaseException as exc:
             if leader is None:

@@ -46,7 +46,7 @@ import torch
 from engine.host_copy import to_device
 from engine.model_runner import ModelRunner
 from engine.parallel.control import RankService, WorkerControl, load_rank_service
-from engine.parallel.group import TPGroup
+from engine.parallel.group import TPGroup, join_store
 from engine.parallel.launch import WorkerSpec
 from engine.parallel.placement import place
 from engine.parallel.rank import RankModel, build_rank
@@ -142,9 +142,9 @@ def main(argv: list[str]) -> int:
     place(spec.cpus)
     sock = socket.socket(fileno=spec.socket_fd)
     try:
-        group = TPGroup.initialize(rank=spec.rank, size=spec.size,
-                                   init_method=spec.init_method, device=spec.config.device,
-                                   timeout_s=spec.config.tp_timeout_s)
+        store = join_store(spec.init_method, spec.config.tp_timeout_s)
+        group = TPGroup.initialize(rank=spec.rank, size=spec.size, store=store,
+                                   device=spec.config.device, timeout_s=spec.config.tp_timeout_s)
         rank = build_rank(spec.config, group)
         log.info("rank %d of %d ready on %s: %d KV blocks", spec.rank, spec.size,
                  spec.config.device, rank.num_blocks)

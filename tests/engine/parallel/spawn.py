@@ -1,5 +1,6 @@
 """Helpers for the tensor-parallel tests: run a function on N real rank
-processes (spawned, one gloo `TPGroup` over a free loopback port), write a
+processes (spawned, one gloo `TPGroup` whose rendezvous store the calling
+process hosts on a loopback port it has bound), write a
 checkpoint from a raw config, and run a model over a small paged batch the
 way the engine does (one prefill step of whole prompts, then one
 pure-decode step), returning its logits and KV cache.
@@ -27,8 +28,7 @@ from engine.loader import load_model
 from engine.make_model import ModelSpec, build_weights
 from engine.model_config import ModelConfig
 from engine.paged_attention_context import PagedAttentionContext, PrefillChunk
-from engine.parallel.group import TPGroup
-from tests.redis_server import free_port
+from engine.parallel.group import TPGroup, host_store, join_store
 
 BLOCK_SIZE = 16
 RANK_TIMEOUT_S = 60.0  # every collective and the rendezvous
@@ -39,7 +39,8 @@ def _rank_main(target: Callable[..., Any], rank: int, size: int, init_method: st
     out = Path(out_dir)
     try:
         torch.set_num_threads(1)  # N ranks share this machine's few cores
-        group = TPGroup.initialize(rank=rank, size=size, init_method=init_method,
+        store = join_store(init_method, RANK_TIMEOUT_S)
+        group = TPGroup.initialize(rank=rank, size=size, store=store,
                                    device="cpu", timeout_s=RANK_TIMEOUT_S)
         try:
             result = target(group, *args)
@@ -59,7 +60,7 @@ def run_ranks(target: Callable[..., Any], size: int, *args: Any, tmp_dir: Path,
     still running after `timeout_s` is killed."""
     tmp_dir.mkdir(parents=True, exist_ok=True)
     ctx = mp.get_context("spawn")
-    init_method = f"tcp://127.0.0.1:{free_port()}"
+    _store, init_method = host_store(RANK_TIMEOUT_S)  # every rank joins it as a client
     procs = [ctx.Process(target=_rank_main,
                          args=(target, rank, size, init_method, str(tmp_dir), args))
              for rank in range(size)]

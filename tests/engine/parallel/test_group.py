@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 import torch
 
-from engine.parallel.group import TPGroup
+from engine.parallel.group import TPGroup, host_store, join_store
 from tests.engine.parallel.spawn import group_ops, run_ranks
 
 pytestmark = pytest.mark.timeout(120)
@@ -30,5 +32,18 @@ def test_collectives_across_two_ranks(tmp_path):
 ])
 def test_initialize_refuses_bad_arguments(rank, size, timeout_s, message):
     with pytest.raises(ValueError, match=message):
-        TPGroup.initialize(rank=rank, size=size, init_method="tcp://127.0.0.1:1",
+        TPGroup.initialize(rank=rank, size=size, store=host_store(5.0)[0],
                            device="cpu", timeout_s=timeout_s)
+
+
+def test_the_rendezvous_store_holds_its_port_from_the_start():
+    # The CI failure this replaced: a port picked free, closed, and bound by
+    # the rendezvous later was taken in between (EADDRINUSE). The store is
+    # listening when host_store returns, so nobody else can take its port.
+    store, init_method = host_store(5.0)
+    assert init_method == f"tcp://127.0.0.1:{store.port}"
+    with socket.socket() as other, pytest.raises(OSError):
+        other.bind(("127.0.0.1", store.port))
+    client = join_store(init_method, 5.0)
+    client.set("k", "v")
+    assert store.get("k") == b"v"
