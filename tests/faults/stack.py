@@ -66,6 +66,47 @@ def usage(pid: int) -> Usage:
     return Usage(sum(names.values()), sockets, tuple(sorted(names.items())))
 
 
+def tcp_sockets(pid: int) -> list[tuple[int, int, str] | None]:
+    """Each open socket of `pid`: (local port, remote port, TCP state), or
+    None for one that is not TCP (Unix, UDP). Linux /proc."""
+    tcp: dict[str, tuple[int, int, str]] = {}
+    for table in ("tcp", "tcp6"):
+        try:
+            with open(f"/proc/{pid}/net/{table}", encoding="ascii") as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            cols = row.split()
+            local, remote = (int(c.rpartition(":")[2], 16) for c in cols[1:3])
+            tcp[cols[9]] = (local, remote, _TCP_STATES.get(cols[3], cols[3]))
+    found = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:  # closed while listing
+            continue
+        if link.startswith("socket:["):
+            found.append(tcp.get(link[8:-1]))
+    return found
+
+
+def socket_peers(pid: int) -> list[str]:
+    """`tcp_sockets` as text, for a failure message: which link is held."""
+    return sorted("not tcp" if s is None else f"tcp {s[0]}->{s[1]} {s[2]}"
+                  for s in tcp_sockets(pid))
+
+
+def links_to(pid: int, port: int) -> int:
+    """How many established connections process `pid` holds to `port`."""
+    return sum(1 for s in tcp_sockets(pid) if s is not None and s[1] == port
+               and s[2] == "ESTABLISHED")
+
+
+_TCP_STATES = {"01": "ESTABLISHED", "06": "TIME_WAIT", "08": "CLOSE_WAIT", "0A": "LISTEN",
+               "07": "CLOSE", "04": "FIN_WAIT1", "05": "FIN_WAIT2", "09": "LAST_ACK"}
+
+
 @dataclass
 class FaultStack:
     prefill: PodProcess
@@ -124,7 +165,8 @@ def assert_pods_at_baseline(pods: dict[str, PodProcess], baseline: dict[str, Usa
             if (free, running, waiting, landing) != (total, 0, 0, 0) or (
                     now.threads > base.threads + THREAD_SLACK or now.sockets > base.sockets):
                 held[name] = dict(free=free, total=total, running=running, waiting=waiting,
-                                  landing=landing, usage=now, baseline=base)
+                                  landing=landing, usage=now, baseline=base,
+                                  sockets=socket_peers(pod.process.pid))
         if not held:
             return
         if time.monotonic() > deadline:
