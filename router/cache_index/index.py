@@ -190,14 +190,16 @@ class PrefixIndex:
             matched += 1
         return matched * pod.block_size
 
-    def holders(self, prompt: PromptBlocks) -> dict[str, int]:
-        """`cached_tokens` of every pod that holds at least the prompt's first
-        block; every other pod would take none from its cache. One pass over
-        the pods holding any block, a set lookup each: a placement reads this
-        instead of asking each of hundreds of pods (router/routing/cache_aware.py)."""
+    def holders(self, prompt: PromptBlocks,
+                among: AbstractSet[str] | None = None) -> dict[str, int]:
+        """`cached_tokens` of every pod (of `among`, when given: one role's)
+        that holds at least the prompt's first block; every other pod would
+        take none from its cache. One pass over the pods holding any block, a
+        set lookup each: a placement reads this instead of asking each of
+        hundreds of pods (router/routing/cache_aware.py, policy.py)."""
         found: dict[str, int] = {}
         firsts: dict[int, int | None] = {}  # block size -> the prompt's first block hash
-        for address in self._holding:
+        for address in self._holding if among is None else self._holding & among:
             pod = self._pods[address]
             if pod.block_size not in firsts:
                 hashes = prompt.hashes(pod.block_size)

@@ -61,7 +61,7 @@ def choose_cache_aware(key: bytes, loads: Mapping[str, float], bound: float,
     """The pod within `bound` with the least cost (module docstring); ties
     go to the first in `key`'s rendezvous ranking."""
     weight = load_weight if tokens_load else 0.0
-    cached = index.holders(prompt)  # pods not in it would compute the whole prompt
+    cached = index.holders(prompt, among=loads.keys())  # the others compute it all
     length = len(prompt)
     best_cost, tied = math.inf, []
     for address, load in loads.items():

@@ -58,7 +58,13 @@ from router.routing.cache_aware import (
     check_routing_policy,
     choose_cache_aware,
 )
-from router.routing.rendezvous import choose_bounded, overload_bound, prefix_key, session_key
+from router.routing.rendezvous import (
+    bound_of_average,
+    choose_bounded,
+    overload_bound,
+    prefix_key,
+    session_key,
+)
 from router.sessions import SessionStore, SessionStoreError
 
 log = logging.getLogger(__name__)
@@ -138,29 +144,22 @@ class RoutingPolicy:
         """
         if num_tokens <= 0:
             raise ValueError(f"num_tokens must be > 0; got {num_tokens}")
-        if not self._decode_prefix_counts(prompt_token_ids):
-            return self._least_loaded_decode(num_tokens, exclude)
-        pods = self._candidates("decode", exclude)
-        # blocks the request needs, per block size (one or two sizes among hundreds of pods)
-        need = {size: _blocks_needed(num_tokens, size) for size in {p.block_size for p in pods}}
-        fitting = [p for p in pods if need[p.block_size] <= p.num_total_blocks]
-        if not fitting:
-            raise self._too_large(num_tokens, pods)
+        walked, room = self._walk_decode(num_tokens, exclude)
+        if room is None:  # nothing fits: the walk left the candidates for this message
+            raise self._too_large(num_tokens, self._candidates("decode", exclude))
+        holder = self._best_decode_holder(num_tokens, exclude, prompt_token_ids)
+        # A pod with room beats one without; among either, a cached prefix beats
+        # none (the order of the module docstring). The walk's pod caches none
+        # of the prompt, or it would be a holder ranked at least as well.
+        if holder is not None and (holder[1] or not room):
+            return holder[0]
+        return walked.address
 
-        cached = self._decode_cached_prefixes(fitting, prompt_token_ids)
-
-        def cost(p: PodLoad) -> tuple[bool, int, int, int, str]:
-            # the in-flight requests' blocks are reserved but may not show in the report yet
-            short = need[p.block_size] > p.num_free_blocks
-            return (short, -cached.get(p.address, 0), p.num_running + p.in_flight,
-                    -p.num_free_blocks, p.address)
-
-        return min(fitting, key=cost).address
-
-    def _least_loaded_decode(self, num_tokens: int, exclude: frozenset[str]) -> str:
-        """`choose_decode`'s ranking when no cached prefix counts: the first
-        pod in the pool's load order with room, else the first that could
-        ever hold the request. Walks from the least loaded and stops at the
+    def _walk_decode(self, num_tokens: int, exclude: frozenset[str]
+                     ) -> tuple[PodLoad | None, bool | None]:
+        """The least-loaded decode pod with room and True, else the least
+        loaded that could ever hold the request and False, else (None, None).
+        Walks the pool's load order from the least loaded and stops at the
         first with room, so the choice does not grow with the pods."""
         need: dict[int, int] = {}
         first_fitting: PodLoad | None = None
@@ -175,14 +174,58 @@ class RoutingPolicy:
             if blocks > pod.num_total_blocks:
                 continue
             if blocks <= pod.num_free_blocks:
-                return pod.address
+                return pod, True
             if first_fitting is None:
                 first_fitting = pod
         if first_fitting is not None:
-            return first_fitting.address
+            return first_fitting, False
         if not seen:
             self._candidates("decode", exclude)  # raises NoPodAvailable, saying why
-        raise self._too_large(num_tokens, self._candidates("decode", exclude))
+        return None, None
+
+    def _best_decode_holder(self, num_tokens: int, exclude: frozenset[str],
+                            prompt_token_ids: Sequence[int]) -> tuple[str, bool] | None:
+        """The decode pod that caches the longest prefix of the prompt, per
+        the index, among those within the load bound (sequences, one request
+        of slack: a hot cache never piles requests onto one pod) that could
+        hold the request; ties by fewer sequences, then more free blocks.
+        With whether it has room now. None when no such pod caches any of
+        it. Asks the index only for the pods holding the prompt's first
+        block, so a decode pod's cache costs the choice its holders, not a
+        ranking of every pod; the bound's average is the one pass."""
+        if self.index is None or not prompt_token_ids:
+            return None
+        decode = self.pool.addresses("decode")
+        if decode.isdisjoint(self.index.published()):  # no decode pod publishes (the default)
+            return None
+        held = self.index.holders(PromptBlocks(prompt_token_ids), among=decode)
+        if not held or held.keys() <= exclude:
+            return None
+        need: dict[int, int] = {}  # blocks the request needs, per block size
+        total = count = 0
+        for pod in self._candidates("decode", exclude):
+            blocks = need.get(pod.block_size)
+            if blocks is None:
+                blocks = need[pod.block_size] = _blocks_needed(num_tokens, pod.block_size)
+            if blocks <= pod.num_total_blocks:  # the bound is over the pods that could serve it
+                total += pod.num_running + pod.in_flight
+                count += 1
+        if count < 2:
+            return None
+        bound = bound_of_average(total / count, epsilon=self.epsilon, slack=1.0)
+        best: tuple | None = None
+        for address, tokens in held.items():
+            pod = self.pool.pod("decode", address)
+            if tokens <= 0 or pod is None or address in exclude:
+                continue
+            blocks = need[pod.block_size]
+            load = pod.num_running + pod.in_flight
+            if blocks > pod.num_total_blocks or load > bound:
+                continue
+            rank = (blocks > pod.num_free_blocks, -tokens, load, -pod.num_free_blocks, address)
+            if best is None or rank < best:
+                best = rank
+        return None if best is None else (best[-1], not best[0])
 
     @staticmethod
     def _too_large(num_tokens: int, pods: list[PodLoad]) -> NoPodAvailable:
@@ -190,31 +233,6 @@ class RoutingPolicy:
         return NoPodAvailable(
             f"request needs KV for {num_tokens} tokens; the largest decode pod holds {largest}"
         )
-
-    def _decode_prefix_counts(self, prompt_token_ids: Sequence[int]) -> bool:
-        """Whether a cached prefix may rank decode pods: the index holds
-        blocks of at least one healthy decode pod (they publish their caches
-        only when asked to, `--prefix-cache` on the decode pods)."""
-        if self.index is None or not prompt_token_ids:
-            return False
-        return not self.pool.addresses("decode").isdisjoint(self.index.published())
-
-    def _decode_cached_prefixes(self, pods: list[PodLoad],
-                                prompt_token_ids: Sequence[int]) -> dict[str, int]:
-        """Tokens of the prompt each decode pod within the load bound caches,
-        per the index; pods above the bound count none, so a hot cache never
-        piles requests onto one pod (the prefill side's bounded-load rule,
-        in sequences, one request of slack)."""
-        if self.index is None or not prompt_token_ids or len(pods) < 2:
-            return {}
-        loads = {p.address: float(p.num_running + p.in_flight) for p in pods}
-        bound = overload_bound(loads, epsilon=self.epsilon, slack=1.0)
-        counted = [a for a, load in loads.items()
-                   if load <= bound and self.index.num_blocks(a)]
-        if not counted:
-            return {}  # no decode pod publishes (the default): no prompt hashing
-        prompt = PromptBlocks(prompt_token_ids)
-        return {a: self.index.cached_tokens(a, prompt) for a in counted}
 
     @contextlib.contextmanager
     def track(self, address: str, *, num_tokens: int = 0) -> Iterator[None]:

@@ -51,7 +51,11 @@ def overload_bound(loads: Mapping[str, float], *, epsilon: float, slack: float) 
         raise ValueError(f"slack must be >= 0; got {slack}")
     if not loads:
         raise ValueError("overload_bound needs at least one pod load")
-    average = sum(loads.values()) / len(loads)
+    return bound_of_average(sum(loads.values()) / len(loads), epsilon=epsilon, slack=slack)
+
+
+def bound_of_average(average: float, *, epsilon: float, slack: float) -> float:
+    """`overload_bound` for pods whose average load is `average`."""
     return max((1.0 + epsilon) * average, average + slack)
 
 

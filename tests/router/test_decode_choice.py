@@ -10,8 +10,14 @@ them.
 
 from __future__ import annotations
 
+import random
+
+import pytest
+
+from benchmarks.decision import full_ranking
 from proto import pdserve_pb2
 from router.cache_index.index import PrefixIndex, PromptBlocks
+from router.routing.base import NoPodAvailable
 from router.routing.local_prefill import Ahead, LocalPrefill, LocalPrefillSettings
 from router.routing.policy import RoutingPolicy
 from router.sessions import InMemorySessionStore
@@ -122,3 +128,36 @@ def test_a_local_prefill_ranks_decode_pods_by_the_same_rule() -> None:
     other = [7] + PROMPT[1:]
     policy, pool = _policy(index, a={"num_running": 1})
     assert _local(_local_rule(index, pool), other) == _choose(policy, other) == B
+
+
+def test_the_choice_equals_a_ranking_of_every_pod_on_random_pools() -> None:
+    """The choice asks the index for the prompt's holders only and walks the
+    load order; `full_ranking` ranks every pod by the whole rule."""
+    rng = random.Random(7)
+    for case in range(300):
+        addresses = [f"10.0.0.{i}:9000" for i in range(rng.randint(1, 12))]
+        pool = SnapshotPool([load(a, "decode", num_running=rng.randint(0, 6),
+                                  num_free_blocks=rng.randint(0, 12),
+                                  num_total_blocks=rng.choice([6, 12, 40]))
+                             for a in addresses])
+        index = PrefixIndex()
+        for a in addresses:
+            if rng.random() < 0.6:
+                _publish(index, a, rng.randint(0, 8))
+        policy = RoutingPolicy(pool, InMemorySessionStore(), index=index)
+        for a in rng.sample(addresses, rng.randint(0, len(addresses))):
+            for _ in range(rng.randint(0, 3)):
+                pool.track(a).__enter__()  # in flight toward a, never ended
+        exclude = frozenset(rng.sample(addresses, rng.randint(0, len(addresses) // 3)))
+        prompt = PROMPT if rng.random() < 0.8 else [7] + PROMPT[1:]
+        num_tokens = rng.choice([len(PROMPT) + 16, 20 * BLOCK, 45 * BLOCK])
+        pods = [p for p in pool.pods("decode") if p.address not in exclude]
+        expected = full_ranking(pods, num_tokens, index, prompt)
+        if expected is None:
+            with pytest.raises(NoPodAvailable):
+                policy.choose_decode(num_tokens=num_tokens, prompt_token_ids=prompt,
+                                     exclude=exclude)
+            continue
+        got = policy.choose_decode(num_tokens=num_tokens, prompt_token_ids=prompt,
+                                   exclude=exclude)
+        assert got == expected, f"case {case}"
