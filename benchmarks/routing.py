@@ -5,8 +5,11 @@
                 --policies: round-robin, session-sticky, first-tokens (the
                 router's default), cache-aware, and cache-aware+miss-only
                 (cache-aware with the decode pod's prefix cache on: it holds
-                a prompt's leading blocks and is sent only the rest); every
-                run on fresh pods, so no run warms another's caches
+                a prompt's leading blocks and is sent only the rest; the
+                decode pods' default since 2026-11-29, so a policy without
+                the suffix runs them with --no-prefix-cache, as its name
+                always meant); every run on fresh pods, so no run warms
+                another's caches
     workload    --trace-requests lines of the trace from line --trace-start
                 (default: its last 500, where prefixes are shared most: the
                 oracle below is 0.69 there, 0.09 over its first 500), scaled
@@ -249,8 +252,8 @@ def main(args: argparse.Namespace) -> int:
             up_args = ["--prefill", str(count), "--decode", str(args.decode),
                        f"--router-arg=--routing-policy={variant.removesuffix(MISS_ONLY)}",
                        *args.up_arg]
-            if variant.endswith(MISS_ONLY):
-                up_args.append("--decode-arg=--prefix-cache")
+            up_args.append("--decode-arg=--prefix-cache" if variant.endswith(MISS_ONLY)
+                           else "--decode-arg=--no-prefix-cache")
             if weight:
                 up_args.append(f"--router-arg=--cache-aware-load-weight={weight}")
             try:

@@ -72,9 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--sim-model", default="tiny",
                    help="model directory or built-in name the pods and routers serve")
     g.add_argument("--profile", default="cpu-base", help="the pods' performance profile")
-    g.add_argument("--sim-decode-prefix-cache", action="store_true",
-                   help="the simulated decode pods keep and publish a prefix cache "
-                        "(decode pods serving with --prefix-cache)")
+    g.add_argument("--sim-decode-prefix-cache", action=argparse.BooleanOptionalAction,
+                   default=True, help="the simulated decode pods keep and publish a prefix "
+                                      "cache, as real decode pods do by default")
     g.add_argument("--routers", type=int, default=1, help="router processes sharing Redis")
     g.add_argument("--poll-interval", type=float, default=1.0,
                    help="each router's --load-poll-interval (seconds)")
@@ -182,7 +182,8 @@ def _start(args: argparse.Namespace, tmp: Path, redis_url: str) -> tuple[list, l
                          str(args.sim_decode), "--model", args.sim_model, "--profile",
                          args.profile, "--redis-url", redis_url, "--ready-file", str(sim_ready),
                          "--metrics-port", "0"]
-                        + (["--decode-prefix-cache"] if args.sim_decode_prefix_cache else []),
+                        + ["--decode-prefix-cache" if args.sim_decode_prefix_cache
+                           else "--no-decode-prefix-cache"],
                         tmp / "sim.log"))
     pods = _wait_file(procs[0], sim_ready, tmp / "sim.log", timeout=args.start_timeout)
     ports = []

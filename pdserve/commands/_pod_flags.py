@@ -110,12 +110,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, block_size: int,
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     g.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
     g.add_argument("--seed", type=int, default=0, help="Seed of the pod's sampling generator.")
-    if prefix_cache_default:
-        g.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
-                       help="Disable the prefix cache.")
-    else:
-        g.add_argument("--prefix-cache", dest="prefix_cache", action="store_true",
-                       help="Enable the prefix cache (off by default on this role).")
+    g.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction,
+                   default=prefix_cache_default,
+                   help="Keep finished requests' KV blocks for later prompts and publish "
+                        "them to the routers (cache events); default "
+                        f"{'on' if prefix_cache_default else 'off'} for this role.")
     add_pinning_arguments(parser, threads=True)
 
 

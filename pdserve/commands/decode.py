@@ -24,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # Prompt work a decode pod takes (local prefill, the idle side, a split
     # prompt's tail) must not stretch its streams' token gaps past 1.5 plain
     # steps: disaggregation's point (docs/engine.md, ITL budget).
-    add_engine_arguments(parser, block_size=128, prefix_cache_default=False,
+    add_engine_arguments(parser, block_size=128, prefix_cache_default=True,
                          mixed_prefill_default=DECODE_MIXED_PREFILL_TOKENS,
                          itl_budget_default="auto")
     add_server_arguments(parser, port=50061, metrics_port=9102)

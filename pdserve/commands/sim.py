@@ -34,8 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="KV blocks per decode pod (default: the profile's kv_cache_bytes).")
     g.add_argument("--prefill-block-size", type=int, default=16)
     g.add_argument("--decode-block-size", type=int, default=128)
-    g.add_argument("--decode-prefix-cache", action="store_true",
-                   help="Prefix cache on simulated decode pods (off, as on real ones).")
+    g.add_argument("--decode-prefix-cache", action=argparse.BooleanOptionalAction, default=True,
+                   help="Prefix cache on simulated decode pods (on, as on real ones).")
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--decode-mixed-prefill-tokens", type=int, default=64,

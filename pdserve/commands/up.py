@@ -85,7 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for role in POD_COMMANDS:
         parser.add_argument(f"--{role}-arg", action="append", default=[], metavar="ARG",
                             help=f"extra flag for the {role} pods only, after --pod-arg's, "
-                                 f"e.g. --decode-arg=--prefix-cache")
+                                 f"e.g. --decode-arg=--no-prefix-cache")
     parser.add_argument("--router-arg", action="append", default=[], metavar="ARG",
                         help="extra flag for the router, e.g. "
                              "--router-arg=--local-prefill-max-tokens=128")

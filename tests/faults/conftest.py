@@ -28,6 +28,10 @@ REQUEST_TIMEOUT_S = 8.0
 WARM_UP = "warm up"
 KV_HOST = "127.0.0.2"  # the decode pod advertises this; the KV proxy listens there
 
+# The decode pods keep no prefix cache (on by default): the faults below are
+# met by whole transfers, and the package repeats its prompts, which a
+# decode pod's cache would turn into cache-miss-only transfers of a block
+# or none. tests/faults/test_miss_only_faults.py runs faults on those.
 POD_SPECS = {
     # small steps: a 600-token prompt's KV leaves in ~10 chunks over 2 streams
     "prefill": ("prefill", {"block_size": 16, "num_blocks": 256,
@@ -35,13 +39,13 @@ POD_SPECS = {
     "decode": ("decode", {"block_size": 16, "num_blocks": 256, "kv_transport": "tcp",
                           "advertise_host": KV_HOST, "transfer_timeout": TRANSFER_TIMEOUT_S,
                           "reservation_timeout": RESERVATION_TIMEOUT_S,
-                          "landing_memory": "16MiB"}),
+                          "landing_memory": "16MiB", "no_prefix_cache": True}),
     # not behind the router: the gRPC KV connector (its faults, and fuzzing KVTransfer)
     "grpc_decode": ("decode", {"block_size": 16, "num_blocks": 64, "kv_transport": "grpc",
                                "advertise_host": KV_HOST,
                                "transfer_timeout": TRANSFER_TIMEOUT_S,
                                "reservation_timeout": RESERVATION_TIMEOUT_S,
-                               "landing_memory": "16MiB"}),
+                               "landing_memory": "16MiB", "no_prefix_cache": True}),
 }
 
 

@@ -1,8 +1,8 @@
 """A prompt computed on a decode pod is not lost to the next turn (issue 42).
 
 Real processes on loopback: a router at its default routing policy, one
-prefill pod and two decode pods with their prefix cache on (`--prefix-cache`,
-off by default: docs/routing.md says why), `tiny` model. The router has
+prefill pod and two decode pods with their prefix cache on (their default
+since 2026-11-29: no flag is passed), `tiny` model. The router has
 `--local-prefill-below 64`, so a short first turn is computed on a decode
 pod (no prefill pod, no transfer). While a long
 request holds the first decode pod (A, the least-loaded order's pick among
@@ -48,7 +48,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 BLOCK = 16
 BELOW = 64  # --local-prefill-below: fewer new tokens than this compute on a decode pod
 MAX_TOKENS = 24
-DECODE_FLAGS = {"block_size": BLOCK, "num_blocks": 128, "prefix_cache": True}
+DECODE_FLAGS = {"block_size": BLOCK, "num_blocks": 128}  # the prefix cache: on by default
 WAIT_S = 60.0
 
 

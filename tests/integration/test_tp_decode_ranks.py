@@ -46,7 +46,10 @@ MAX_TOKENS = 12
 LONG = 3900  # the tiny model's 4,096 positions: a stream still running at the kill
 DEATH_BOUND_S = 20.0
 # (a decode pod's prefix cache is off by default: every prompt is sent whole)
-DECODE = {"tensor_parallel_size": 2, "block_size": 16, "num_blocks": 512}
+# no prefix cache: the tests send each rank's KV themselves, whole, for
+# prompts they repeat (a cached prefix would shrink the reservation)
+DECODE = {"tensor_parallel_size": 2, "block_size": 16, "num_blocks": 512,
+          "no_prefix_cache": True}
 
 
 class _CaptureKV:

@@ -49,16 +49,18 @@ CASES = [
 @contextlib.contextmanager
 def split_pods(model_dir, device: str = "cpu", decode_block_size: int = 16,
                decode_blocks: int = 512, itl_budget: str = "off") -> Iterator[dict]:
-    """A prefill pod (16-token blocks, no prefix cache) and a decode pod on
-    `device`. The decode pod's inter-token budget is off unless asked: these
-    tests are about the split's mechanics, which the budget would decline
-    beside a running batch (see the budget's own test below)."""
+    """A prefill pod (16-token blocks) and a decode pod on `device`, neither
+    with a prefix cache (a decode pod that holds a prompt's head takes no
+    split, and these tests repeat prompts). The decode pod's inter-token
+    budget is off unless asked: these tests are about the split's
+    mechanics, which the budget would decline beside a running batch (see
+    the budget's own test below)."""
     started = start_pods({
         "prefill": ("prefill", {"device": device, "block_size": 16, "num_blocks": 512,
                                 "no_prefix_cache": True}),
         "decode": ("decode", {"device": device, "block_size": decode_block_size,
                               "num_blocks": decode_blocks, "landing_memory": "256MiB",
-                              "itl_budget_ms": itl_budget}),
+                              "itl_budget_ms": itl_budget, "no_prefix_cache": True}),
     }, model_dir)
     try:
         yield started
@@ -242,8 +244,11 @@ def test_a_next_turn_keeps_its_cached_history_in_the_head(tiny_model_dir):
                                                   (turn, {"temperature": 0})])
     started = start_pods({
         "prefill": ("prefill", {"block_size": 16, "num_blocks": 512}),  # prefix cache on
+        # no prefix cache on the decode pod: with one, the next turn goes
+        # where its whole first turn is (cache-miss-only, no split; the
+        # decode-cache default is tested in test_decode_prefix_reuse.py)
         "decode": ("decode", {"block_size": 16, "num_blocks": 512, "landing_memory": "256MiB",
-                              "itl_budget_ms": "off"}),
+                              "itl_budget_ms": "off", "no_prefix_cache": True}),
     }, tiny_model_dir)
     router = _router(tiny_model_dir, started, split_prefill_min_tokens=64)
     decode, index = started["decode"], "pdserve_router_cache_index_blocks"
@@ -299,7 +304,7 @@ def test_a_prefill_pod_killed_mid_head_moves_the_request_and_loses_nothing(tiny_
     started = start_pods({
         "p1": ("prefill", slow), "p2": ("prefill", slow),
         "decode": ("decode", {"block_size": 16, "num_blocks": 512,
-                              "landing_memory": "256MiB"}),
+                              "landing_memory": "256MiB", "no_prefix_cache": True}),
     }, tiny_model_dir)
     router = None
     try:

@@ -7,7 +7,9 @@ COMMON="--sim-prefill 250 --sim-decode 750 --sim-model base --profile cpu-base -
 log "at $(git rev-parse --short HEAD)"
 for run in a b; do
   log scale r1 rate20 $run
-  .venv/bin/python -m pdserve bench scale $COMMON --routers 1 --request-rate 20 --num-prompts 1000 --idle-seconds 10 \
+  # at 4703d46 the simulated decode pods kept no prefix cache unless asked;
+  # since the flip (decode pods' prefix cache on by default) say so
+  .venv/bin/python -m pdserve bench scale $COMMON --no-sim-decode-prefix-cache --routers 1 --request-rate 20 --num-prompts 1000 --idle-seconds 10 \
      --out $R/r1-rate20-$run.json > $R/r1-rate20-$run.txt 2>&1; log "rc=$?"
   log scale r1 rate20 decode-prefix-cache $run
   .venv/bin/python -m pdserve bench scale $COMMON --sim-decode-prefix-cache --routers 1 --request-rate 20 --num-prompts 1000 --idle-seconds 10 \
