@@ -127,14 +127,16 @@ def parse_counts(text: str) -> tuple[int, ...]:
 
 
 def parse_policies(text: str) -> tuple[str, ...]:
-    """Names of POLICIES; a cache-aware one may end in @W, its load weight
+    """Names of POLICIES, any of them ending in +miss-only (the decode pods'
+    prefix cache on); a cache-aware one may end in @W, its load weight
     (the router's --cache-aware-load-weight W), e.g. cache-aware@0.25."""
     policies = _list(text, "--policies")
     for name in policies:
         base, _, weight = name.partition("@")
-        if base not in POLICIES or (weight and not base.startswith("cache-aware")):
+        if base.removesuffix(MISS_ONLY) not in POLICIES or (
+                weight and not base.startswith("cache-aware")):
             raise ValueError(f"--policies: {name!r} is not one of {', '.join(POLICIES)} "
-                             "(cache-aware ones may end in @WEIGHT)")
+                             f"(any may end in {MISS_ONLY}; cache-aware ones in @WEIGHT)")
         if weight:
             try:
                 check_load_weight(float(weight))
