@@ -196,7 +196,7 @@ class RoutingPolicy:
         if self.index is None or not prompt_token_ids:
             return None
         decode = self.pool.addresses("decode")
-        if decode.isdisjoint(self.index.published()):  # no decode pod publishes (the default)
+        if decode.isdisjoint(self.index.published()):  # no decode pod publishes (--no-prefix-cache)
             return None
         held = self.index.holders(PromptBlocks(prompt_token_ids), among=decode)
         if not held or held.keys() <= exclude:
