@@ -8,12 +8,13 @@ temporary directory. Used by tests/router/conftest.py and integration tests.
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 import redis
+
+from benchmarks import peer_servers
 
 
 def redis_server_binary() -> str:
@@ -32,9 +33,11 @@ def redis_server_binary() -> str:
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A free loopback port below the kernel's ephemeral range: the servers
+    the tests start bind theirs as port 0, from that range, so a port picked
+    there and bound later can be taken in between (run 30: a decode pod's KV
+    port was the port test_up had picked for the router's gRPC)."""
+    return peer_servers.free_port()
 
 
 class RedisServer:

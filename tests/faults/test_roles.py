@@ -16,7 +16,6 @@ tests/integration/test_drain.py.
 from __future__ import annotations
 
 import signal
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -26,6 +25,7 @@ import pytest
 from tests.faults.client import Outcome, generate
 from tests.faults.stack import assert_pods_at_baseline, links_to, usage
 from tests.integration.pods import PodProcess, start_pod
+from tests.redis_server import free_port
 from tests.router.router_process import RouterProcess, start_router, wait_ready
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
@@ -39,21 +39,15 @@ POD_FLAGS = {"prefill": {"block_size": 16, "num_blocks": 256, "kv_streams": 2,
              "decode": {"block_size": 16, "num_blocks": 256, "grace_period": 30}}
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class Roles:
     """A prefill pod, a decode pod (both on fixed ports, so either can be
     restarted where the router expects it) and a router."""
 
     def __init__(self, model_dir) -> None:
         self.model_dir = model_dir
-        self.ports = {role: {"port": _free_port(), "metrics_port": _free_port()}
+        self.ports = {role: {"port": free_port(), "metrics_port": free_port()}
                       for role in POD_FLAGS}
-        self.ports["decode"]["kv_port"] = _free_port()
+        self.ports["decode"]["kv_port"] = free_port()
         self.pods: dict[str, PodProcess] = {}
         self.router: RouterProcess | None = None
 
