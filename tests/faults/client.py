@@ -4,7 +4,7 @@ either the tokens or the error it ended with, and how long it took."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -25,16 +25,18 @@ class Outcome:
         return f"{self.error.code().name}: {self.error.details()} after {self.seconds:.2f}s"
 
 
-def generate(router_grpc: str, prompt: str, max_tokens: int, timeout: float,
+def generate(router_grpc: str, prompt: str | Sequence[int], max_tokens: int, timeout: float,
              on_tokens: Callable[[int], None] | None = None) -> Outcome:
-    """Greedy, no EOS stop; a failure is returned, not raised. `on_tokens(n)`
-    is called with the number of tokens received after each message."""
+    """Greedy, no EOS stop; a failure is returned, not raised. `prompt` is
+    text or token ids. `on_tokens(n)` is called with the number of tokens
+    received after each message."""
     tokens: list[int] = []
     started = time.monotonic()
     with grpc.insecure_channel(router_grpc) as channel:
         stub = pdserve_pb2_grpc.RouterStub(channel)
-        request = pb.GenerateRequest(prompt=prompt, sampling=pb.SamplingParams(
-            max_tokens=max_tokens, temperature=0, ignore_eos=True))
+        sampling = pb.SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        request = (pb.GenerateRequest(prompt=prompt, sampling=sampling) if isinstance(prompt, str)
+                   else pb.GenerateRequest(prompt_token_ids=prompt, sampling=sampling))
         try:
             for message in stub.Generate(request, timeout=timeout):
                 tokens.extend(message.token_ids)

@@ -19,15 +19,12 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator
 
-import grpc
 import pytest
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
-from proto import pdserve_pb2 as pb
-from proto import pdserve_pb2_grpc
-from tests.faults.client import Outcome
+from tests.faults.client import Outcome, generate
 from tests.faults.conftest import KV_HOST, RESERVATION_TIMEOUT_S, TRANSFER_TIMEOUT_S
 from tests.faults.proxy import Fault, FaultProxy
 from tests.faults.stack import assert_pods_at_baseline, usage
@@ -81,17 +78,7 @@ def _expected(engine: LLMEngine, prompt: list[int]) -> list[int]:
 
 
 def _generate(router: RouterProcess, prompt: list[int]) -> Outcome:
-    tokens: list[int] = []
-    with grpc.insecure_channel(router.grpc_address) as channel:
-        stub = pdserve_pb2_grpc.RouterStub(channel)
-        request = pb.GenerateRequest(prompt_token_ids=prompt, sampling=pb.SamplingParams(
-            max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
-        try:
-            for message in stub.Generate(request, timeout=30):
-                tokens.extend(message.token_ids)
-        except grpc.RpcError as exc:
-            return Outcome(tokens, exc, 0.0)
-    return Outcome(tokens, None, 0.0)
+    return generate(router.grpc_address, prompt, MAX_TOKENS, timeout=30)
 
 
 def _turns(seed: int) -> tuple[list[int], list[int]]:
