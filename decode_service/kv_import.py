@@ -16,7 +16,7 @@ the pod's event loop unless another caller is named:
      │                prefix cache on, its cached prefix (whole blocks) is held too
      │                and only the rest is expected (cache-miss-only transfer)
     RESERVING ─ CapacityError / ValueError ─> (nothing held; the error propagates)
-     │        ─ fewer new tokens than local_prefill_below ─> LOCAL: the engine
+     │        ─ a local rule holds (engine/local_rule.py) ─> LOCAL: the engine
      │          computes R itself (conditional disaggregation); R's tokens come
      v          on `stream` from index 0, and nothing is held here
     RESERVED
@@ -180,16 +180,18 @@ class KVImport:
         self._state = new
 
     async def reserve(self, prompt: Sequence[int], params: SamplingParams,
-                      outputs: Sequence[int], local_prefill_below: int = 0
+                      outputs: Sequence[int], local_prefill_below: int = 0,
+                      prefill_cached_tokens: int | None = None
                       ) -> RemoteReservation | None:
         """Hold R's blocks; CapacityError / ValueError propagate (nothing held).
-        None: fewer than `local_prefill_below` context tokens were left after
-        the pod's cached prefix, so the engine computes R itself (LOCAL; its
-        tokens arrive on `stream` from index 0)."""
+        None: a conditional-disaggregation rule (engine/local_rule.py) had
+        the engine compute R itself (LOCAL; its tokens arrive on `stream`
+        from index 0)."""
         self._to(ImportState.RESERVING)
         self._reservation, self._stream = await self._loop.reserve_remote(
             self.request_id, prompt, params, output_token_ids=outputs,
-            local_prefill_below=local_prefill_below)
+            local_prefill_below=local_prefill_below,
+            prefill_cached_tokens=prefill_cached_tokens)
         self._to(ImportState.LOCAL if self._reservation is None else ImportState.RESERVED)
         return self._reservation
 

@@ -32,9 +32,11 @@ receiver, injector) is a `KVImport` (decode_service/kv_import.py):
 
 With `remote_prefill=false` (colocated pod, or a decode pod asked to compute
 locally): add_request -> WAITING -> RUNNING -> tokens from index 0. The same
-happens with `remote_prefill=true` when `local_prefill_below` is set and the
-pod's prefix cache leaves fewer new tokens than that (conditional
-disaggregation, decided in `kv.reserve()`): no Reserved, tokens from index 0.
+happens with `remote_prefill=true` when a conditional-disaggregation rule
+holds (`local_prefill_below`, or `local_within_budget`: the pod's cached
+prefix is longer than the prefill path's and the rest fits its inter-token
+budget; engine/local_rule.py, decided in `kv.reserve()`): no Reserved,
+tokens from index 0.
 With the prefix cache on, Reserved's `target.num_held_tokens` says how much
 of the context the pod already holds; the prefill pod sends only the rest.
 
@@ -137,9 +139,11 @@ class DecodeServicer(pdserve_pb2_grpc.DecodeServicer):
                 if self._remote is None:
                     raise ValueError("remote_prefill=true needs a decode pod; this "
                                      f"{self._role} pod computes prompts locally")
+                beyond = (request.prefill_cached_tokens if request.local_within_budget
+                          else None)
                 messages = self._generate_remote(request.request_id, prompt, outputs, params,
                                                  arrived, request.local_prefill_below,
-                                                 request.split_at, trace)
+                                                 request.split_at, trace, beyond)
             else:
                 messages = self._generate_local(request.request_id, prompt, outputs, params,
                                                 arrived, trace)
@@ -205,14 +209,16 @@ class DecodeServicer(pdserve_pb2_grpc.DecodeServicer):
                                params: SamplingParams, arrived: float,
                                local_prefill_below: int = 0, split_at: int = 0,
                                trace: PodTrace | None = None,
+                               prefill_cached_tokens: int | None = None,
                                ) -> AsyncIterator[pdserve_pb2.DecodeGenerateResponse]:
         remote = self._remote
         assert remote is not None
         kv = KVImport(rid, self._loop, remote)
         outcome = "client"  # how R ends if it never reaches commit
         try:
-            reservation = await kv.reserve(prompt, params, outputs, local_prefill_below)
-            if reservation is None:  # few new tokens: computed here (KVImport LOCAL)
+            reservation = await kv.reserve(prompt, params, outputs, local_prefill_below,
+                                           prefill_cached_tokens)
+            if reservation is None:  # computed here (KVImport LOCAL, engine/local_rule.py)
                 async for message in self._stream_tokens(rid, kv.stream, len(outputs), arrived,
                                                          trace=trace):
                     yield message

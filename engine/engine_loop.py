@@ -229,12 +229,14 @@ class EngineLoop:
         *,
         output_token_ids: Sequence[int] = (),
         local_prefill_below: int = 0,
+        prefill_cached_tokens: int | None = None,
     ) -> tuple[RemoteReservation | None, RequestStream]:
         """Reserve blocks for a request whose KV a prefill pod will send;
         returns the engine's `RemoteReservation` and the stream its tokens
         will arrive on after `commit_remote`. CapacityError / ValueError
-        propagate. The reservation is None when `local_prefill_below` made
-        the engine compute the request itself (`LLMEngine.reserve_remote`):
+        propagate. The reservation is None when `local_prefill_below` or
+        `prefill_cached_tokens` made the engine compute the request itself
+        (`LLMEngine.reserve_remote`, engine/local_rule.py):
         its tokens then arrive on the stream from index 0."""
         await self._compile_grammar(sampling_params)
         stream = RequestStream(request_id, asyncio.get_running_loop())
@@ -248,6 +250,7 @@ class EngineLoop:
                     sampling_params,
                     output_token_ids=list(output_token_ids),
                     local_prefill_below=local_prefill_below,
+                    prefill_cached_tokens=prefill_cached_tokens,
                 )
             except BaseException:
                 self._streams.discard(stream)

@@ -51,6 +51,7 @@ from engine.grammar_batch import GrammarBatch
 from engine.itl_budget import ItlBudget
 from engine.kv_hook import LayerKVHook
 from engine.layer_gate import LayerGate
+from engine.local_rule import LocalAsk
 from engine.model_runner import slots_for
 from engine.offline import generate_batch, model_dir_tokenizer
 from engine.outputs import EngineStats, GenerationResult, RemoteReservation, RequestOutput
@@ -139,7 +140,8 @@ class LLMEngine:
     def reserve_remote(self, request_id: str, prompt_token_ids: Sequence[int],
                        sampling_params: SamplingParams, *,
                        output_token_ids: Sequence[int] = (),
-                       local_prefill_below: int = 0) -> RemoteReservation | None:
+                       local_prefill_below: int = 0,
+                       prefill_cached_tokens: int | None = None) -> RemoteReservation | None:
         """Decode pod: hold blocks for all context tokens plus the remaining max_tokens, so the
         request never needs more. Raises CapacityError when the blocks or a batch slot are
         not free now.
@@ -149,9 +151,12 @@ class LLMEngine:
         reservation's `num_held_tokens`, which the prefill pod does not send (cache-miss-only
         transfer). A cached prefix that ends inside a block shares only the blocks before it.
 
-        `local_prefill_below` > 0 (conditional disaggregation): when fewer context tokens than
-        that are left after the cached prefix, the request is queued to be computed here
-        instead, as `add_request` would, and None is returned."""
+        Conditional disaggregation (engine/local_rule.py): when `local_prefill_below` > 0 and
+        fewer context tokens than that are left after the cached prefix, or when
+        `prefill_cached_tokens` is given, the cached prefix is longer and the rest fits the
+        next step's inter-token budget, the request is queued to be computed here instead, as
+        `add_request` would, and None is returned."""
+        local = LocalAsk(local_prefill_below, prefill_cached_tokens)  # ValueError if negative
         request = self._new_request(request_id, prompt_token_ids, sampling_params,
                                     output_token_ids,
                                     status=RequestStatus.WAITING_FOR_REMOTE_KV)
@@ -159,12 +164,9 @@ class LLMEngine:
             raise ValueError("max_tokens 0 (scoring the prompt) ends after prefill: compute it "
                              "where the prompt is computed, not as a remote reservation")
         request.prompt_logprobs = None  # the prefill pod computes the prompt
-        if local_prefill_below < 0:
-            raise ValueError(f"local_prefill_below must be >= 0, got {local_prefill_below}")
-        if local_prefill_below > 0:
-            new_tokens = (request.num_context_tokens
-                          - self.block_manager.num_cached_prefix_tokens(request))
-            if new_tokens < local_prefill_below:
+        if local.below or local.beyond is not None:
+            cached = self.block_manager.num_cached_prefix_tokens(request)
+            if local.computes_here(self.scheduler, cached, request.num_context_tokens - cached):
                 self.add_request(request_id, prompt_token_ids, sampling_params,
                                  output_token_ids=output_token_ids)
                 return None

@@ -176,7 +176,7 @@ class KVRankTarget(_message.Message):
     def __init__(self, endpoints: _Optional[_Iterable[str]] = ..., head_start: _Optional[int] = ..., head_end: _Optional[int] = ...) -> None: ...
 
 class DecodeGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "output_token_ids", "remote_prefill", "local_prefill_below", "split_at")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "output_token_ids", "remote_prefill", "local_prefill_below", "split_at", "local_within_budget", "prefill_cached_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -184,6 +184,8 @@ class DecodeGenerateRequest(_message.Message):
     REMOTE_PREFILL_FIELD_NUMBER: _ClassVar[int]
     LOCAL_PREFILL_BELOW_FIELD_NUMBER: _ClassVar[int]
     SPLIT_AT_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_WITHIN_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -191,7 +193,9 @@ class DecodeGenerateRequest(_message.Message):
     remote_prefill: bool
     local_prefill_below: int
     split_at: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., remote_prefill: _Optional[bool] = ..., local_prefill_below: _Optional[int] = ..., split_at: _Optional[int] = ...) -> None: ...
+    local_within_budget: bool
+    prefill_cached_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., remote_prefill: _Optional[bool] = ..., local_prefill_below: _Optional[int] = ..., split_at: _Optional[int] = ..., local_within_budget: _Optional[bool] = ..., prefill_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class Reserved(_message.Message):
     __slots__ = ("target", "block_size", "num_reserved_blocks", "split_at")

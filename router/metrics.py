@@ -83,8 +83,9 @@ class RouterMetrics:
         )
         self.local_prefills = Counter(
             "pdserve_router_local_prefills_total",
-            "Requests a decode pod prefilled itself (--local-prefill-max-tokens) instead "
-            "of the P/D path", registry=r,
+            "Requests a decode pod prefilled itself (--local-prefill-max-tokens, "
+            "--local-prefill-below, --local-prefill-within-budget) instead of the P/D path",
+            registry=r,
         )
         self.local_prefills_from_queue = Counter(
             "pdserve_router_local_prefills_from_queue_total",

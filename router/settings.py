@@ -75,7 +75,10 @@ class LocalPrefillSettings:
     --local-prefill-max-tokens). `queue_ratio`: R (--local-prefill-queue-ratio).
     `below`: T (0 = off; --local-prefill-below). `min_wait`: W (0 = off;
     --local-prefill-min-wait). `report_age`: how old a pod's load report can
-    be (the router sets twice its load poll interval).
+    be (the router sets twice its load poll interval). `within_budget`: a
+    reservation lets its decode pod compute the prompt when the pod caches
+    more of it than the prefill pod and the rest fits the pod's inter-token
+    budget (--local-prefill-within-budget; engine/local_rule.py).
 
     The class's defaults are the rule off; the router's are `ROUTER_LOCAL_PREFILL`."""
 
@@ -84,6 +87,7 @@ class LocalPrefillSettings:
     below: int = 0
     min_wait: float = 0.0
     report_age: float = 1.0
+    within_budget: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.max_tokens <= 1 << 20:
@@ -113,7 +117,9 @@ class LocalPrefillSettings:
 
 # The router's defaults (RouterConfig's, and so the flags'): the idle side on
 # for prompts of up to 2048 new tokens, behind a 2 s wait at the prefill pod
-# (docs/router.md, "Use the idle side"); the others are the classes' own.
+# (docs/router.md, "Use the idle side"), and a decode pod computes a next
+# turn whose history it holds when that fits its ITL budget (docs/routing.md);
+# the others are the classes' own.
 ROUTER_ADMISSION = AdmissionSettings()
 ROUTER_FLOW = FlowSettings()
-ROUTER_LOCAL_PREFILL = LocalPrefillSettings(max_tokens=2048, min_wait=2.0)
+ROUTER_LOCAL_PREFILL = LocalPrefillSettings(max_tokens=2048, min_wait=2.0, within_budget=True)

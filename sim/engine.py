@@ -39,6 +39,7 @@ import xxhash
 
 from engine.block_manager import BlockManager, cdiv
 from engine.errors import CapacityError
+from engine.local_rule import LocalAsk
 from engine.outputs import EngineStats, RemoteReservation, RequestOutput
 from engine.request import Request, RequestStatus
 from engine.request_checks import RequestLimits, check_new_request
@@ -114,21 +115,23 @@ class SimEngine:
     def reserve_remote(self, request_id: str, prompt_token_ids: Sequence[int],
                        sampling_params: SamplingParams, *,
                        output_token_ids: Sequence[int] = (),
-                       local_prefill_below: int = 0) -> RemoteReservation | None:
+                       local_prefill_below: int = 0,
+                       prefill_cached_tokens: int | None = None) -> RemoteReservation | None:
         """`LLMEngine.reserve_remote`'s contract: blocks for context +
         max_tokens (a cached prefix pinned), CapacityError when they or a
-        batch slot are not free; None when `local_prefill_below` has the
-        request computed here."""
+        batch slot are not free; None when a local rule (engine/local_rule.py)
+        has the request computed here. The simulated scheduler has no ITL
+        budget, so the within-budget rule never holds, as on a real pod
+        without one."""
+        local = LocalAsk(local_prefill_below, prefill_cached_tokens)
         if sampling_params.max_tokens == 0:
             raise ValueError("max_tokens 0 (scoring the prompt) ends after prefill: compute it "
                              "where the prompt is computed, not as a remote reservation")
-        if local_prefill_below < 0:
-            raise ValueError(f"local_prefill_below must be >= 0, got {local_prefill_below}")
         request = self._new_request(request_id, prompt_token_ids, sampling_params,
                                     output_token_ids, status=RequestStatus.WAITING_FOR_REMOTE_KV)
         bm = self.block_manager
-        if local_prefill_below and (request.num_context_tokens - bm.num_cached_prefix_tokens(
-                request)) < local_prefill_below:
+        cached = bm.num_cached_prefix_tokens(request)
+        if local.computes_here(self.scheduler, cached, request.num_context_tokens - cached):
             self.add_request(request_id, prompt_token_ids, sampling_params,
                              output_token_ids=output_token_ids)
             return None

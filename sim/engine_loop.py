@@ -141,6 +141,7 @@ class SimEngineLoop:
     async def reserve_remote(self, request_id: str, prompt_token_ids: Sequence[int],
                              sampling_params: Any, *, output_token_ids: Sequence[int] = (),
                              local_prefill_below: int = 0,
+                             prefill_cached_tokens: int | None = None,
                              ) -> tuple[RemoteReservation | None, RequestStream]:
         stream = RequestStream(request_id, asyncio.get_running_loop())
 
@@ -149,7 +150,8 @@ class SimEngineLoop:
             try:
                 return engine.reserve_remote(request_id, prompt_token_ids, sampling_params,
                                              output_token_ids=output_token_ids,
-                                             local_prefill_below=local_prefill_below)
+                                             local_prefill_below=local_prefill_below,
+                                             prefill_cached_tokens=prefill_cached_tokens)
             except BaseException:
                 self._streams.discard(stream)
                 raise

@@ -145,6 +145,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="conditional disaggregation: a prompt with fewer new tokens "
                              "than this (after the decode pod's cached prefix) is prefilled "
                              "on the decode pod, no transfer (default %(default)s; 0 = off)")
+    parser.add_argument("--local-prefill-within-budget", action=argparse.BooleanOptionalAction,
+                        default=local.within_budget,
+                        help="a decode pod that caches more of a prompt than its prefill pod "
+                             "(a next turn's history, with the answer it generated) computes "
+                             "the rest itself when that fits its next step's inter-token "
+                             "budget: the history's blocks are cache hits, not computed again "
+                             "(default on; docs/routing.md)")
     parser.add_argument("--routing-policy", default="first-tokens",
                         choices=("first-tokens", "session-sticky", "cache-aware", "round-robin"),
                         help="where a request no session mapping decides goes: rendezvous on "
@@ -228,6 +235,7 @@ def config_from_args(args: argparse.Namespace):
         local_prefill=LocalPrefillSettings(max_tokens=args.local_prefill_max_tokens,
                                            queue_ratio=args.local_prefill_queue_ratio,
                                            below=args.local_prefill_below,
+                                           within_budget=args.local_prefill_within_budget,
                                            min_wait=args.local_prefill_min_wait),
         split_prefill=SplitSettings(min_tokens=args.split_prefill_min_tokens,
                                     head_share=args.split_prefill_head_share,

@@ -2,8 +2,8 @@
 
     disaggregated(): the prefill pod's turn in the router's queue (admission)
                      -> Decode.Generate(remote_prefill=true) -> Reserved{target}
-                        (or tokens 0..n: the decode pod's cached prefix left fewer
-                        new tokens than local_prefill_below, so it computed them)
+                        (or tokens 0..n: a local rule held on the decode pod,
+                        engine/local_rule.py, so it computed the prompt itself)
                      -> Prefill.Prefill(target) on up to 1 + max_prefill_retries
                         prefill pods, until one streams the first token
                      -> the first token, sent at once (before the transfer's verdict)
@@ -82,11 +82,12 @@ async def disaggregated(caller: PodCaller, idle_side: IdleSide | None = None
             return
         stack.callback(slot.release)  # a no-op once the prefill released it
         caller.prefill_address = slot.address  # a split keeps that pod's cached prefix whole
-        address, call, first, below = await caller.open_stream("decode", stack)
-        if (below and first is not grpc.aio.EOF
+        address, call, first, local_asked = await caller.open_stream("decode", stack)
+        if (local_asked and first is not grpc.aio.EOF
                 and first.WhichOneof("kind") == "tokens"):
-            # local_prefill_below: the pod's cached prefix left so few new
-            # tokens that it computed them itself (no prefill pod, no transfer)
+            # a local rule held (engine/local_rule.py): the pod's cached prefix
+            # left so few new tokens that it computed them itself (no prefill
+            # pod, no transfer)
             slot.release()
             caller.to_state(FlowState.LOCAL_PREFILL)
             caller.deps.metrics.local_prefills.inc()

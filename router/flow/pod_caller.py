@@ -101,10 +101,12 @@ class PodCaller:
         if error.code() == grpc.StatusCode.UNAVAILABLE:
             self.deps.pool.mark_unhealthy(address, describe(error))
 
-    def generate_request(self, remote_prefill: bool, address: str = "", below: int = 0
-                         ) -> pb.DecodeGenerateRequest:
-        """The Decode.Generate request; `below`: its local_prefill_below
-        (`local_below`), with `remote_prefill` only."""
+    def generate_request(self, remote_prefill: bool, address: str = "", below: int = 0,
+                         beyond: int | None = None) -> pb.DecodeGenerateRequest:
+        """The Decode.Generate request; with `remote_prefill` only, `below`:
+        its local_prefill_below (`local_below`), `beyond`: its
+        prefill_cached_tokens with local_within_budget (`prefill_cached`;
+        None: off)."""
         return pb.DecodeGenerateRequest(
             request_id=self.request_id,
             prompt_token_ids=self.request.prompt_token_ids,
@@ -113,7 +115,17 @@ class PodCaller:
             remote_prefill=remote_prefill,
             local_prefill_below=below,
             split_at=self._split_at(address) if remote_prefill and not below else 0,
+            local_within_budget=beyond is not None,
+            prefill_cached_tokens=beyond or 0,
         )
+
+    def prefill_cached(self) -> int | None:
+        """What a reservation carries as prefill_cached_tokens: the prefix of
+        the context the prefill pod chosen for it caches, as the router's
+        index knows it (engine/local_rule.py); None when the rule is off."""
+        rule = self.deps.local_prefill
+        return None if rule is None else rule.prefill_cached_at(
+            self.prefill_address, [*self.request.prompt_token_ids, *self.out.output_ids])
 
     def local_below(self, address: str) -> int:
         """What a reservation on decode pod `address` carries as
@@ -165,8 +177,9 @@ class PodCaller:
         """Start the request on the first pod of `role` that takes it (on this
         router's Session to the pod, or Decode.Generate; PodChannels.open_generate).
 
-        Returns (address, call, first message, the local_prefill_below it
-        carried: `local_below`, on a decode pod); the pod's load tracking and
+        Returns (address, call, first message, whether a decode pod may have
+        computed the prompt itself: a local rule was carried, `local_below`
+        or `prefill_cached`); the pod's load tracking and
         the call's cancellation are registered on `stack`. Pods that are full
         or unreachable are skipped (counted as retries of `role`); when none
         is left, ApiError 503 says why. A colocated pod whose estimated wait
@@ -210,9 +223,11 @@ class PodCaller:
                     slot = gate.sent(address, num_prompt)
                     candidate.callback(slot.release)  # a no-op once the first token is in
                 below = self.local_below(address) if remote else 0
+                beyond = self.prefill_cached() if remote else None
                 try:
                     call, first = await self.deps.channels.open_generate(
-                        address, self.generate_request(remote, address, below), self.remaining())
+                        address, self.generate_request(remote, address, below, beyond),
+                        self.remaining())
                 except grpc.aio.AioRpcError as error:
                     self.pod_failed(error, address)
                     refusals.append(f"{address} {describe(error)}")
@@ -225,7 +240,7 @@ class PodCaller:
                 candidate.callback(call.cancel)  # no-op once the request has ended
                 stack.enter_context(candidate.pop_all())
                 self.note(**{role: address})
-                return address, call, first, below
+                return address, call, first, bool(below) or beyond is not None
 
     async def read_tokens(self, address: str, call, first) -> AsyncIterator[Delta]:
         """Stream DecodeTokens from `call` (a StreamCall, or a Decode.Generate

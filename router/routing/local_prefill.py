@@ -203,6 +203,18 @@ class LocalPrefill:
             return True
         return ahead.wait is not None and ahead.wait >= settings.min_wait
 
+    def prefill_cached_at(self, prefill_address: str, token_ids: Sequence[int]) -> int | None:
+        """What a request reserving on a decode pod carries as
+        `prefill_cached_tokens` (with `local_within_budget`): the prefix of
+        `token_ids` that `prefill_address` caches, as this router's index
+        knows it (0 before a prefill pod is chosen); None when the rule is
+        off (`--no-local-prefill-within-budget`). The decode pod computes
+        the prompt itself only when it caches more than that and the rest
+        fits its inter-token budget (engine/local_rule.py)."""
+        if not self.settings.within_budget:
+            return None
+        return self._cached_prefix(prefill_address, token_ids) if prefill_address else 0
+
     def below_at(self, address: str, max_context: int) -> int:
         """What a request reserving on decode pod `address` carries as
         `local_prefill_below`: T, less what this router's local prefills

@@ -22,22 +22,22 @@ def _tokens(seed: int, n: int) -> list[int]:
     return torch.randint(10, 1100, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _prefill(make_engine, rid, prompt):
+def _prefill(make_engine, rid, prompt, params=PARAMS):
     """The prefill side: (first token, the hook holding every layer's KV)."""
     hook = CaptureHook()
     prefill = make_engine(block_size=16, max_num_batched_tokens=32, layer_kv_hook=hook)
-    prefill.add_request(rid, prompt, PARAMS, prefill_only=True)
+    prefill.add_request(rid, prompt, params, prefill_only=True)
     outputs = []
     while prefill.has_unfinished_requests():
         outputs.extend(prefill.step())
     return outputs[-1].new_token_ids[0], hook
 
 
-def _remote(make_engine, decode, rid, prompt):
+def _remote(make_engine, decode, rid, prompt, params=PARAMS):
     """One request through `decode` the P/D way; injects only the tokens the
     reservation does not hold. Returns (tokens, num_held_tokens)."""
-    first, hook = _prefill(make_engine, rid, prompt)
-    reservation = decode.reserve_remote(rid, prompt, PARAMS)
+    first, hook = _prefill(make_engine, rid, prompt, params)
+    reservation = decode.reserve_remote(rid, prompt, params)
     held = reservation.num_held_tokens
     assert tuple(reservation.slot_mapping.shape) == (len(prompt) - held,)
     for layer, cache in enumerate(decode.kv_caches):

@@ -43,7 +43,7 @@ CLI_FLAGS: dict[str, frozenset[str]] = {
         "--routing-policy", "--local-prefill-below", "--local-prefill-max-tokens",
         "--local-prefill-min-wait", "--split-prefill-min-tokens",
         "--split-prefill-head-share", "--split-prefill-busy-head-share",
-        "--split-prefill-max-running",
+        "--split-prefill-max-running", "--no-local-prefill-within-budget",
         "--registry-absent-grace", "--api-keys-file",
     }),
     "prefill": frozenset({
@@ -134,7 +134,8 @@ def container(deployment: dict[str, Any], name: str) -> dict[str, Any]:
     return matches[0]
 
 
-SWITCHES = frozenset({"--no-tls-client-cert", "--no-kv-tls"})  # flags passed without a value
+# flags passed without a value
+SWITCHES = frozenset({"--no-tls-client-cert", "--no-kv-tls", "--no-local-prefill-within-budget"})
 
 
 def flag_values(args: list[str]) -> dict[str, str]:

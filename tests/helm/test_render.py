@@ -101,6 +101,13 @@ def test_static_mode_router_gets_headless_service_addresses() -> None:
     }
 
 
+def test_the_within_budget_local_rule_is_turned_off_by_a_switch() -> None:
+    """On by default (the router's own default, no flag); false renders the switch."""
+    off = _args(render({"router": {"localPrefillWithinBudget": False}}), "router")
+    assert off["--no-local-prefill-within-budget"] == ""
+    assert "--no-local-prefill-within-budget" not in _args(render(), "router")
+
+
 POD_TLS_DIR = "/etc/pdserve/pod-tls"
 # pod gRPC by default: mutual TLS with the chart's generated certificate
 POD_TLS_FLAGS = {"--tls-cert-file": f"{POD_TLS_DIR}/tls.crt",

@@ -21,7 +21,11 @@ A second router, with no flags at all, shows the same for a prompt the
 decode pod received by transfer: the test itself sends the first turn's KV
 from the prefill pod to B (so no load or timing decides where it lands), the
 router follows the decode pods' cache events under the default policy, and
-the next turn goes back to B, the pod that holds the prompt.
+the next turn goes back to B, the pod that holds the prompt. A next turn
+with 30 new tokens is computed on B at the defaults (B holds a block of the
+answer it generated, which the prefill pod lacks, and the rest fits its ITL
+budget: engine/local_rule.py), with that history as cache hits; one with 80
+new tokens takes the P/D path, only its uncached tail sent to B.
 
 The plain path is Decode.Generate(remote_prefill=false) on a decode pod,
 run last in each test so it cannot warm a cache the routing depends on.
@@ -200,14 +204,35 @@ def _first_turn_sent_to_b(router: RouterProcess, pods, prompt: list[int]) -> lis
 def test_at_the_defaults_the_next_turn_goes_where_the_prompt_was_sent(stack):
     routers, pods = stack
     router = routers["plain"]
-    a, _ = _decode_pods(pods)
+    a, b = _decode_pods(pods)
     _wait_for("A idle", lambda: a.metric_value("pdserve_requests_running") == 0, router)
     rng = random.Random(43)
     first_prompt = [rng.randrange(5, 1100) for _ in range(40)]
-    # B received the prompt's KV by transfer and caches it; A, idle and
-    # first in the least-loaded order, does not
+    # B received the prompt's KV by transfer and computed its answer; A,
+    # idle and first in the least-loaded order, holds neither
     answer = _first_turn_sent_to_b(router, pods, first_prompt)
-    turn = first_prompt + answer + [rng.randrange(5, 1100) for _ in range(30)]
+    context = first_prompt + answer
+    # 30 new tokens: B holds 48 of the context (a block of its own answer
+    # among them), more than the prefill pod's 32, and 46 new tokens fit
+    # its ITL budget on an idle pod: B computes them, the 48 as cache hits
+    short_turn = context + [rng.randrange(5, 1100) for _ in range(30)]
+    local = router.metric("pdserve_router_local_prefills_total")
+    received = b.metric_value("pdserve_kv_transfer_bytes_total")
+    client = openai.OpenAI(base_url=router.base_url, api_key="unused", max_retries=0,
+                           timeout=120)
+    reply = client.completions.create(model="tiny", prompt=short_turn, max_tokens=MAX_TOKENS,
+                                      temperature=0, extra_body={"ignore_eos": True})
+    assert router.metric("pdserve_router_local_prefills_total") == local + 1
+    assert b.metric_value("pdserve_kv_transfer_bytes_total") == received
+    assert reply.usage.prompt_tokens_details.cached_tokens == 3 * BLOCK
+    # 80 new tokens after B's 64 cached (the short turn computed its last
+    # context block): more than a chunk, so the P/D path, on B, only the
+    # uncached tail sent
+    long_turn = context + [rng.randrange(5, 1100) for _ in range(80)]
     with grpc.insecure_channel(router.grpc_address) as channel:
-        tokens = _follow_up_on_b(pdserve_pb2_grpc.RouterStub(channel), pods, turn)
-    _assert_plain_path(pods, {"turn": (turn, tokens)})
+        stub = pdserve_pb2_grpc.RouterStub(channel)
+        short_tokens, short_text = _generate(stub, short_turn)  # computed on B again
+        long_tokens = _follow_up_on_b(stub, pods, long_turn)
+    assert reply.choices[0].text == short_text
+    _assert_plain_path(pods, {"short": (short_turn, short_tokens),
+                              "long": (long_turn, long_tokens)})

@@ -69,7 +69,8 @@ class RouterProcess:
 
 
 def start_router(model_dir: str | Path, *, timeout: float = 60.0, **flags) -> RouterProcess:
-    """`pdserve router` with `flags` (lists joined with commas) on loopback."""
+    """`pdserve router` with `flags` (lists joined with commas; True / False:
+    `--flag` / `--no-flag`) on loopback."""
     workdir = Path(tempfile.mkdtemp(prefix="pdserve-router-"))
     ready, log_path = workdir / "ready.json", workdir / "router.log"
     args = ["--model", str(model_dir), "--host", "127.0.0.1", "--port", "0",
@@ -77,6 +78,9 @@ def start_router(model_dir: str | Path, *, timeout: float = 60.0, **flags) -> Ro
             "--load-poll-interval", "0.2"]
     for key, value in flags.items():
         if value is None:
+            continue
+        if isinstance(value, bool):
+            args.append(f"--{'' if value else 'no-'}{key.replace('_', '-')}")
             continue
         args += [f"--{key.replace('_', '-')}",
                  ",".join(value) if isinstance(value, (list, tuple)) else str(value)]
