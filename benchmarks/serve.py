@@ -142,6 +142,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--turn-overlap", action="store_true",
                    help="send a session's next turn once the previous one's first token is "
                         "in, not once it ended: turns overlap in time (issue 42)")
+    g.add_argument("--turn-answers", choices=("stand-in", "real"), default="stand-in",
+                   help="what a later turn carries of the previous turn's answer: random "
+                        "tokens of its length (stand-in), or the server's own answer, asked "
+                        "as token ids (real: return_tokens_as_token_ids, so the server's "
+                        "cached prefix of a chat is real; not with --turn-overlap)")
     g.add_argument("--trace", default=None, metavar="PATH", help="Mooncake JSONL trace")
     g.add_argument("--trace-block-size", type=int, default=512)
     g.add_argument("--max-requests", type=int, default=None, help="the trace's first N lines")
@@ -209,7 +214,8 @@ def run_from_args(args: argparse.Namespace) -> ServeRun:
     total = sum(len(s.turns) for s in sessions)
     spec = LoadSpec(max_tokens=1, concurrency=args.concurrency or total, seed=args.seed,
                     token_count=args.token_count, timeout_s=args.timeout,
-                    turn_overlap=args.turn_overlap)
+                    turn_overlap=args.turn_overlap,
+                    real_answers=args.turn_answers == "real")
     urls = list(args.metrics_url)
     if args.up_ready_file:
         urls += serve_metrics.urls_from_up_ready_file(Path(args.up_ready_file))

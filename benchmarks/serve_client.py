@@ -14,7 +14,9 @@ One request's life:
     send      POST /v1/completions {prompt: [token ids], max_tokens,
               ignore_eos: true, temperature: 0, stream: true,
               stream_options: {include_usage: true}} (+ logprobs: 0, below;
-              + user: the session id, for multi-turn sessions)
+              + user: the session id, for multi-turn sessions; + return_tokens_
+              as_token_ids with `real_answers`, whose next turn carries the
+              answer's ids in place of the workload's stand-in)
     stream    each `data:` chunk is timestamped on arrival; the first one
               carrying tokens gives TTFT, later ones the inter-token latencies
     end       `data: [DONE]`; the usage chunk's completion_tokens must equal
@@ -43,6 +45,7 @@ exactly `output_tokens - 1` ITL samples. TPOT is per request, (e2e - TTFT) /
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import random
 import time
@@ -68,6 +71,9 @@ class LoadSpec:
     token_count: str = "logprobs"
     timeout_s: float = 600.0
     turn_overlap: bool = False  # send a session's next turn at the previous one's first token
+    # a later turn carries the server's answer to the one before, not the stand-in
+    # (BenchRequest.answer_at): asked as token ids, so sent as the server made them
+    real_answers: bool = False
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -82,6 +88,10 @@ class LoadSpec:
                              f"got {self.token_count!r}")
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if self.real_answers and (self.turn_overlap or self.token_count != "logprobs"):
+            raise ValueError("real answers need each turn to end before the next "
+                             "(no turn_overlap) and token_count 'logprobs' (the ids come "
+                             "in the logprobs)")
 
 
 @dataclass(slots=True)
@@ -116,6 +126,18 @@ def random_prompts(num: int, length: int, vocab_size: int, *, seed: int = 0,
     return [rng.choices(allowed, k=length) for _ in range(num)]
 
 
+TOKEN_ID_PREFIX = "token_id:"  # how return_tokens_as_token_ids shows a token
+
+
+def _answer_ids(choice: dict[str, Any]) -> list[int]:
+    """A chunk's token ids from logprobs shown as `token_id:<id>`."""
+    tokens = (choice.get("logprobs") or {}).get("tokens") or ()
+    if not all(t.startswith(TOKEN_ID_PREFIX) for t in tokens):
+        raise RuntimeError("real answers need return_tokens_as_token_ids, but the server "
+                           f"sent logprobs tokens like {tokens[0]!r}")
+    return [int(t[len(TOKEN_ID_PREFIX):]) for t in tokens]
+
+
 def _chunk_tokens(choice: dict[str, Any], token_count: str) -> int:
     """Tokens in one chunk: counted by its logprobs, or 1 per chunk."""
     if token_count == "chunks":
@@ -126,7 +148,9 @@ def _chunk_tokens(choice: dict[str, Any], token_count: str) -> int:
 
 async def _one_request(session, url: str, model: str, request: BenchRequest, spec: LoadSpec,
                        record: RequestRecord, run_start: float,
-                       first_token: asyncio.Event | None = None) -> None:
+                       first_token: asyncio.Event | None = None,
+                       answer: list[int] | None = None) -> None:
+    """`answer`: where the output's token ids go (`spec.real_answers`)."""
     body: dict[str, Any] = {
         "model": model, "prompt": list(request.prompt), "max_tokens": request.max_tokens,
         "ignore_eos": True, "temperature": 0.0, "stream": True,
@@ -134,6 +158,8 @@ async def _one_request(session, url: str, model: str, request: BenchRequest, spe
     }
     if spec.token_count == "logprobs":
         body["logprobs"] = 0
+    if answer is not None:
+        body["return_tokens_as_token_ids"] = True
     if request.session_id is not None:
         body["user"] = request.session_id
     start = time.perf_counter()
@@ -166,6 +192,8 @@ async def _one_request(session, url: str, model: str, request: BenchRequest, spe
             tokens = _chunk_tokens(event["choices"][0], spec.token_count)
             if tokens == 0:
                 continue
+            if answer is not None:
+                answer.extend(_answer_ids(event["choices"][0]))
             record.chunks += 1
             if record.output_tokens == 0:
                 record.ttft_s = now - start
@@ -204,11 +232,12 @@ async def _run(base_url: str, model: str, sessions: list[Session], spec: LoadSpe
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as client:
         run_start = time.perf_counter()
 
-        async def one(turn, record: RequestRecord, first_token: asyncio.Event) -> None:
+        async def one(turn, record: RequestRecord, first_token: asyncio.Event,
+                      answer: list[int] | None) -> None:
             async with limit:
                 try:
                     await _one_request(client, url, model, turn, spec, record, run_start,
-                                       first_token)
+                                       first_token, answer)
                 except (aiohttp.ClientError, TimeoutError, RuntimeError, ValueError) as exc:
                     record.error = f"{type(exc).__name__}: {exc}"
             first_token.set()  # ended (or failed) without a first token: the next may go
@@ -219,6 +248,7 @@ async def _run(base_url: str, model: str, sessions: list[Session], spec: LoadSpe
             await asyncio.sleep(max(0.0, run_start + session.arrival_s - time.perf_counter()))
             failed = False
             sent: list[asyncio.Task] = []
+            previous: tuple[tuple[int, ...], list[int], int] | None = None  # real answers
             for turn, record in zip(session.turns, session_records, strict=True):
                 if failed:  # later turns extend this one: they would not be the same chat
                     record.error = "not sent: an earlier turn of its session failed"
@@ -226,7 +256,12 @@ async def _run(base_url: str, model: str, sessions: list[Session], spec: LoadSpe
                         on_done(record)
                 else:
                     first_token = asyncio.Event()
-                    task = asyncio.ensure_future(one(turn, record, first_token))
+                    answer = [] if spec.real_answers else None
+                    if previous is not None and turn.answer_at >= 0:
+                        turn = _with_answer(turn, *previous)
+                    task = asyncio.ensure_future(one(turn, record, first_token, answer))
+                    if answer is not None:
+                        previous = (turn.prompt, answer, turn.max_tokens)
                     sent.append(task)
                     await (first_token.wait() if spec.turn_overlap else task)
                     # failed before the next turn was due: the chat stops there
@@ -237,6 +272,18 @@ async def _run(base_url: str, model: str, sessions: list[Session], spec: LoadSpe
         await asyncio.gather(*(send(s, r) for s, r in zip(sessions, records, strict=True)))
         duration = time.perf_counter() - run_start
     return [record for session_records in records for record in session_records], duration
+
+
+def _with_answer(turn: BenchRequest, prompt: tuple[int, ...], answer: list[int],
+                 stand_in: int) -> BenchRequest:
+    """`turn` with the previous turn's prompt as sent and its real answer in
+    place of the prompt and `stand_in`-token answer it was made with
+    (BenchRequest.answer_at)."""
+    if len(prompt) != turn.answer_at:
+        raise RuntimeError(f"the previous turn's prompt has {len(prompt)} tokens, but this "
+                           f"turn's answer stand-in starts at {turn.answer_at}")
+    rest = turn.prompt[turn.answer_at + stand_in:]
+    return dataclasses.replace(turn, prompt=prompt + tuple(answer) + rest)
 
 
 def run_sessions(base_url: str, model: str, sessions: list[Session], spec: LoadSpec,

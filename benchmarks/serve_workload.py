@@ -20,7 +20,10 @@ requests.
                 holds token ids and no tokenizer, so it cannot send the
                 server's real answer back; the stand-in has the answer's
                 length, which keeps prompt growth and prefix sharing (the part
-                a prefix cache sees) as in a real chat.
+                a prefix cache sees) as in a real chat. With real answers
+                (`--turn-answers real`) the client asks for each answer's
+                token ids (`return_tokens_as_token_ids`) and sends the
+                server's own answer in the stand-in's place, as a chat does.
     trace       Mooncake traces: benchmarks/serve_trace.py
 """
 
@@ -40,6 +43,10 @@ class BenchRequest:
     prompt: tuple[int, ...]
     max_tokens: int
     session_id: str | None = None
+    # a multi-turn session's later turn: where in `prompt` the stand-in for
+    # the previous turn's answer starts (its max_tokens long), which a client
+    # with real answers replaces by the server's answer; -1: none
+    answer_at: int = -1
 
     def __post_init__(self) -> None:
         if not self.prompt:
@@ -158,9 +165,10 @@ class RandomWorkload:
             turns = []
             for t in range(self.turns):
                 i = s * self.turns + t
+                answer_at = len(prompt) if t else -1
                 if t:  # the previous answer's stand-in, then the new user message
                     prompt = prompt + rng.choices(allowed, k=outputs[i - 1])
                 prompt = prompt + rng.choices(allowed, k=inputs[i])
-                turns.append(BenchRequest(tuple(prompt), outputs[i], session_id))
+                turns.append(BenchRequest(tuple(prompt), outputs[i], session_id, answer_at))
             sessions.append(Session(arrival, tuple(turns)))
         return sessions

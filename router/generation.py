@@ -69,6 +69,9 @@ class ParsedRequest:
     tools: ToolRequest | None = None  # chat only
     documents: tuple[dict[str, Any], ...] | None = None  # chat only: the template's documents
     n: int = 1  # choices: n generations of the same prompt (router.http.choices)
+    # logprobs show each token as "token_id:<id>" (vLLM's return_tokens_as_token_ids):
+    # a client without the tokenizer gets the exact ids, e.g. to send an answer back
+    tokens_as_ids: bool = False
 
     def __post_init__(self) -> None:
         if self.n < 1:

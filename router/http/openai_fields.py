@@ -67,6 +67,7 @@ REFUSED: dict[str, tuple[Any, ...]] = {
 EXTENSIONS = frozenset({
     "top_k", "ignore_eos", "repetition_penalty", "min_tokens", "stop_token_ids",
     "guided_json", "guided_choice", "guided_regex", "guided_grammar",
+    "return_tokens_as_token_ids",
 })
 _BOTH = frozenset({
     "model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options",

@@ -161,6 +161,7 @@ def _common_fields(body: Any, kind: str, sampling: SamplingSpec | None) -> dict[
         include_usage=include_usage,
         user=user or None,
         n=n,
+        tokens_as_ids=_bool_field(body, "return_tokens_as_token_ids"),
     )
 
 

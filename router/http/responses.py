@@ -58,6 +58,12 @@ def _stream_tool_call(call: ToolCallDelta) -> dict[str, Any]:
     return entry
 
 
+def token_id_text(token_id: int) -> str:
+    """A token as `return_tokens_as_token_ids` shows it in logprobs (vLLM's
+    form): its id, so a client without the tokenizer can send it back."""
+    return f"token_id:{token_id}"
+
+
 class ResponseShaper:
     """Builds the chunks and the final body of one completion or chat request.
 

@@ -47,7 +47,7 @@ from router.http.choices import serve_choices
 from router.http.client_limits import ClientConcurrency
 from router.http.echo import EchoPrompt, echo_prompt
 from router.http.requests import check_model, parse_chat, parse_completion
-from router.http.responses import DONE_EVENT, ResponseShaper, sse_event
+from router.http.responses import DONE_EVENT, ResponseShaper, sse_event, token_id_text
 from router.http.stream_sink import SseSink
 from router.http.tokenize import detokenize_body, tokenize_body
 from router.metrics import CONTENT_TYPE
@@ -128,7 +128,7 @@ async def _generate(request: web.Request, kind: str) -> web.StreamResponse:
             response_id=("chatcmpl-" if kind == "chat" else "cmpl-") + generation.request_id,
             model=frontend.model_name,
             created=created,
-            token_text=frontend.token_text,
+            token_text=token_id_text if parsed.tokens_as_ids else frontend.token_text,
             include_usage=parsed.include_usage,
             top_logprobs=parsed.sampling.logprobs,
             index=index,

@@ -10,7 +10,16 @@ from collections.abc import Iterator
 import pytest
 
 from benchmarks import peer_servers
-from benchmarks.serve_client import LoadSpec, percentile, random_prompts, run_load
+from benchmarks.serve_client import (
+    LoadSpec,
+    _answer_ids,
+    _with_answer,
+    percentile,
+    random_prompts,
+    run_load,
+    run_sessions,
+)
+from benchmarks.serve_workload import BenchRequest, RandomWorkload, Vocabulary
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -90,6 +99,38 @@ def test_poisson_arrivals_follow_the_seeded_schedule(pdserve_server):
     assert starts == sorted(starts) and starts[-1] > starts[0]
 
 
+def test_real_answers_are_the_next_turns_prefix(pdserve_server):
+    """With real answers, turn 2 carries the server's answer to turn 1, which
+    the pod computed and caches: its cached prefix reaches into the answer,
+    where the stand-in's random tokens stop it at the first prompt."""
+    base_url, model = pdserve_server
+    workload = RandomWorkload(num_sessions=2, input_len=40, output_len=24, turns=2, seed=9)
+    sessions = workload.sessions(Vocabulary(VOCAB, frozenset(range(7))))
+    cached = {}
+    for real in (False, True):
+        spec = LoadSpec(max_tokens=1, concurrency=2, real_answers=real)
+        result = run_sessions(base_url, model, sessions, spec)
+        assert result["errors"] == 0
+        seconds = [r for r in result["requests"] if r["turn"] == 1]
+        assert [r["prompt_len"] for r in seconds] == [40 + 24 + 40] * 2
+        cached[real] = [r["cached_tokens"] for r in seconds]
+    # turn 1 has 40 prompt tokens; its 24-token answer fills the pod's next block
+    assert all(real > stand_in for real, stand_in in zip(cached[True], cached[False],
+                                                         strict=True)), cached
+    assert min(cached[True]) >= 48
+
+
+def test_with_answer_replaces_the_stand_in():
+    turn = BenchRequest((1, 2, 3, 9, 9, 4, 5), 2, "s", answer_at=3)
+    assert _with_answer(turn, (1, 2, 3), [7, 8], 2).prompt == (1, 2, 3, 7, 8, 4, 5)
+    with pytest.raises(RuntimeError, match="has 2 tokens, but this turn's answer stand-in "
+                                           "starts at 3"):
+        _with_answer(turn, (1, 2), [7, 8], 2)
+    with pytest.raises(RuntimeError, match="need return_tokens_as_token_ids"):
+        _answer_ids({"logprobs": {"tokens": ["hello"]}})
+    assert _answer_ids({"logprobs": {"tokens": ["token_id:5", "token_id:0"]}}) == [5, 0]
+
+
 def test_server_errors_are_counted_not_raised(pdserve_server):
     base_url, _ = pdserve_server
     prompts = random_prompts(2, 8, VOCAB, seed=6)
@@ -125,6 +166,8 @@ def test_percentile_interpolates_between_ranks():
     ({"max_tokens": 4, "concurrency": 0}, "concurrency must be >= 1"),
     ({"max_tokens": 4, "request_rate": 0.0}, "request_rate must be > 0"),
     ({"max_tokens": 4, "token_count": "bytes"}, "token_count must be one of"),
+    ({"max_tokens": 4, "real_answers": True, "turn_overlap": True}, "real answers need"),
+    ({"max_tokens": 4, "real_answers": True, "token_count": "chunks"}, "real answers need"),
 ])
 def test_load_spec_rejects_bad_values(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -120,6 +120,32 @@ def test_disaggregated_equals_colocated_and_grpc_equals_http(cluster):
         assert http_text == pd_text
 
 
+def test_tokens_as_token_ids_are_the_generated_ids(cluster):
+    """`return_tokens_as_token_ids` (vLLM's extension): logprobs name each
+    output token by its id, on both endpoints, streamed or not; the ids are
+    the ones the gRPC API returns."""
+    ids, _ = _grpc_generate(cluster["pd"], PROMPTS[1], 12)
+    client = _client(cluster["pd"])
+    extra = {"ignore_eos": True, "return_tokens_as_token_ids": True}
+    whole = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=12,
+                                      temperature=0, logprobs=0, extra_body=extra)
+    assert whole.choices[0].logprobs.tokens == [f"token_id:{t}" for t in ids]
+    streamed = [t for c in client.completions.create(
+        model="tiny", prompt=PROMPTS[1], max_tokens=12, temperature=0, logprobs=0,
+        stream=True, extra_body=extra) if c.choices for t in c.choices[0].logprobs.tokens]
+    assert streamed == whole.choices[0].logprobs.tokens
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Hi!"}], max_tokens=4,
+        temperature=0, logprobs=True, top_logprobs=2, extra_body=extra)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and all(e.token.startswith("token_id:") for e in content)
+    assert all(t.token.startswith("token_id:") for e in content for t in e.top_logprobs)
+    status, body = _post(cluster["pd"], {"model": "tiny", "prompt": "x",
+                                         "return_tokens_as_token_ids": "yes"})
+    assert status == 400
+    assert "'return_tokens_as_token_ids' must be a boolean" in body["error"]["message"]
+
+
 def _post(router, body: bytes | dict) -> tuple[int, dict]:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     request = urllib.request.Request(router.url("/v1/completions"), data=data,
