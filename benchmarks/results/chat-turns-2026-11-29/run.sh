@@ -16,12 +16,13 @@ run() {  # name, extra `pdserve up` flags...
   local name=$1; shift
   local ready=$TMP/$name.ready
   rm -f $ready
-  $PY -m pdserve up --model $MODEL --port 0 --grpc-port 0 --ready-file $ready "$@" \
+  local port grpc
+  port=$($PY -c "from benchmarks.peer_servers import free_port; print(free_port())")
+  grpc=$($PY -c "from benchmarks.peer_servers import free_port; print(free_port())")
+  $PY -m pdserve up --model $MODEL --port $port --grpc-port $grpc --ready-file $ready "$@" \
       > $TMP/$name.up.log 2>&1 &
   local up=$!
-  for _ in $(seq 600); do [ -s $ready ] && break; sleep 0.5; done
-  local port
-  port=$($PY -c "import json,sys; print(json.load(open(sys.argv[1]))['http'])" $ready)
+  for _ in $(seq 600); do [ -s $ready ] && break; kill -0 $up || return; sleep 0.5; done
   echo "== $(date -u +%H:%M:%S) $name at $(git rev-parse --short HEAD)" >> $OUT/runs.log
   $PY -m pdserve bench serve --base-url http://127.0.0.1:$port --up-ready-file $ready \
       --num-prompts 8 --turns 6 --turn-answers real --input-len 48 --range-ratio 0.5 \
