@@ -32,7 +32,7 @@ def _decode(make_engine, **overrides):
 def _first_turn(make_engine, decode) -> list[int]:
     """Turn one the P/D way (the prompt's KV injected, the answer generated
     here); returns the next turn's prompt: the history plus 7 new tokens,
-    whose first 48 tokens the decode engine caches (32 received, 16 computed)."""
+    whose first 48 tokens the decode engine caches (32 received, 16 computed): 11 new."""
     prompt = _tokens(20, PROMPT)
     tokens, _ = _remote(make_engine, decode, "turn1", prompt, ANSWER)
     return prompt + tokens + _tokens(21, 7)
@@ -78,8 +78,8 @@ def test_without_the_rule_or_a_budget_it_reserves(make_engine):
     assert reservation is not None and reservation.num_held_tokens == 48
 
 
-def test_more_new_tokens_than_a_chunk_reserve(make_engine):
-    decode = _decode(make_engine, mixed_prefill_tokens=6)  # 7 new tokens > 6
+def test_more_new_tokens_than_a_chunk_reserve_while_the_model_learns(make_engine):
+    decode = _decode(make_engine, mixed_prefill_tokens=6)  # 11 new tokens > 6
     prompt = _first_turn(make_engine, decode)
     assert decode.reserve_remote("t2", prompt, PARAMS, prefill_cached_tokens=0) is not None
 
@@ -91,21 +91,43 @@ def test_prompt_work_already_queued_reserves(make_engine):
     assert decode.reserve_remote("t2", prompt, PARAMS, prefill_cached_tokens=0) is not None
 
 
-def test_new_tokens_that_do_not_fit_the_budget_reserve(make_engine):
+def _learnt(decode, budget_ms: float) -> None:
+    """A learnt step-time model (seconds): 10 ms a step + 1 ms a row + 0.1 ms
+    a token; turn one's last step decoded one row, which it predicts at 11.1 ms."""
+    budget = decode.scheduler.itl_budget
+    assert budget.last_decoding is not None and budget.last_decoding.rows == 1
+    budget.model.coefficients = (0.010, 0.001, 0.0001, 0.0)
+    budget.budget_ms = budget_ms
+
+
+def _reserves(decode, rid, prompt, prefill_cached) -> bool:
+    """Whether the pod reserves for `prompt` (else it queued it to compute);
+    the request is aborted either way, with no step, so the next ask finds
+    the pod as before (the last step's decoding row included)."""
+    reservation = decode.reserve_remote(rid, prompt, PARAMS, prefill_cached_tokens=prefill_cached)
+    assert decode.abort_request(rid)
+    assert not decode.scheduler.waiting and not decode.scheduler.reserved
+    return reservation is not None
+
+
+def test_new_tokens_with_no_room_in_the_budget_reserve(make_engine):
     decode = _decode(make_engine, itl_budget="12")
     prompt = _first_turn(make_engine, decode)
-    budget = decode.scheduler.itl_budget
-    assert budget.last_decoding is not None  # turn one's last step decoded a row
-    # a learnt model (seconds): step 10 ms + 1 ms a row + 0.1 ms a token;
-    # the last step's one decoding row predicts 11.1 ms, so 12 ms leaves room
-    # for a row of at most (12 - 11.1 - 1) / 0.1 < 0 tokens: none
-    budget.model.coefficients = (0.010, 0.001, 0.0001, 0.0)
-    assert decode.reserve_remote("t2", prompt, PARAMS, prefill_cached_tokens=0) is not None
-    assert decode.abort_request("t2")
-    _finish(decode, "t2")
-    # 30 ms leaves room for a row of (30 - 11.1 - 1) / 0.1 = 179 tokens: here
-    decode.scheduler.itl_budget.budget_ms = 30.0
-    assert decode.reserve_remote("t3", prompt, PARAMS, prefill_cached_tokens=0) is None
+    _learnt(decode, 12.0)  # a row of n tokens beside the batch: 11.1 + 1 + 0.1 n > 12
+    assert _reserves(decode, "t2", prompt, 0)
+
+
+def test_the_pod_computes_what_it_finishes_before_the_prefill_pod(make_engine):
+    decode = _decode(make_engine, itl_budget="30")
+    prompt = _first_turn(make_engine, decode)  # 59 tokens, 48 cached here: 11 new
+    _learnt(decode, 30.0)
+    # here: one step of the batch + 11 tokens, 10 + 2 + 1.1 + 0.1 = 13.2 ms; the
+    # prefill pod: 59 - B tokens in one step, 10 + 1 + 0.1 (59 - B) ms
+    assert not _reserves(decode, "t2", prompt, 0)  # 16.9 ms there
+    assert not _reserves(decode, "t3", prompt, 36)  # 13.3 ms there
+    assert _reserves(decode, "t4", prompt, 38)  # 13.1 ms there
+    decode.scheduler.mixed_prefill_tokens = 3  # 4 steps of 3 tokens here: 4 x 12.4 ms
+    assert _reserves(decode, "t5", prompt, 0)
 
 
 @pytest.mark.parametrize(("below", "beyond", "message"), [
