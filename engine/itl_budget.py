@@ -212,34 +212,16 @@ class ItlBudget:
         plain = self.last_decoding
         return plain is None or self._room(plain).take(start, num_tokens, whole=True) > 0
 
-    def seconds_here(self, start: int, num_tokens: int, chunk_cap: int) -> float | None:
-        """Predicted seconds to compute `num_tokens` prompt tokens from context
-        position `start` on this pod, beside the last plan's decoding rows:
-        steps of what fits the budget beside them (at most `chunk_cap`
-        tokens; 0: no cap), each as long as the model predicts. None while
-        the model is not ready; inf when no step has room. Any thread (it
-        reads the last plan's features, replaced whole)."""
+    def fits_next_step(self, start: int, num_tokens: int) -> bool | None:
+        """Would `num_tokens` prompt tokens from `start` fit one step beside
+        the last plan's decoding rows, or, when it decoded nothing, beside
+        one decoding row (a stream may join before that step ends, and an
+        idle pod's step is not capped)? None while the model is not ready.
+        Any thread (it reads the last plan's features, replaced whole)."""
         if not self.model.ready:
             return None
-        plain = self.last_decoding or StepFeatures(0, 0, 0)
-        wanted = min(num_tokens, chunk_cap) if chunk_cap else num_tokens
-        if self.last_decoding is None:
-            per_step = wanted  # nothing decodes: no budget caps the step
-        else:
-            per_step = self._room(plain).take(start, wanted)
-        if per_step == 0:
-            return math.inf
-        step = StepFeatures(plain.rows + 1, plain.tokens + per_step,
-                            plain.context + start + per_step)
-        return math.ceil(num_tokens / per_step) * self.model.predict(step)
-
-    def seconds_alone(self, start: int, num_tokens: int) -> float | None:
-        """Predicted seconds of one step computing just `num_tokens` prompt
-        tokens from `start` (what a prefill pod on this pod's hardware takes
-        for them); None while the model is not ready."""
-        if not self.model.ready:
-            return None
-        return self.model.predict(StepFeatures(1, num_tokens, start + num_tokens))
+        plain = self.last_decoding or StepFeatures(1, 1, start)
+        return self._room(plain).take(start, num_tokens, whole=True) > 0
 
     def count_capped(self) -> None:
         self.capped_steps += 1

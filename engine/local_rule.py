@@ -11,21 +11,25 @@ reply is tokens instead of a reservation:
   B is the prefix the prefill path already caches, from the router's
   index): the pod's cached prefix is longer than B, so it holds KV the
   prefill pod would compute again (typically the previous turn's answer,
-  which this pod generated), no other prompt work is queued here, and the
-  pod finishes the new tokens sooner than the prefill pod would compute its
-  part: here, steps of what fits the pod's inter-token budget beside its
-  running batch (engine/itl_budget.py, at most `mixed_prefill_tokens` a
-  step), each as long as the pod's step-time model predicts; there, the
-  context after B in one step at this pod's per-token cost (equal hardware;
-  the transfer, the hops and the prefill queue are left out, so the rule
-  leans to the P/D path). Computing a turn here leaves the prefill pod's
-  cache a turn behind, which makes the next turn's P/D path costlier and
-  this rule likelier: a conversation's turns then stay where their history
-  is, each token computed once. While the step-time model is still
-  learning, only what fits one probe step beside the batch qualifies. The
-  running streams' token gaps stay within the budget by construction. A
-  pod without a budget never takes this rule: nothing bounds what the
-  prompt would cost its streams.
+  which this pod generated); no other prompt work is queued here; and the
+  new tokens fit the pod's next step within its inter-token budget
+  (engine/itl_budget.py) beside its decoding rows, or beside one row when
+  none decodes (a stream may join an idle pod's step, which is not capped),
+  and within its prompt-chunk cap (`mixed_prefill_tokens`). The request's
+  first token then comes one step after it arrives, sooner than any P/D
+  path's (a prefill step, a transfer, then a step here), the history's
+  blocks are cache hits, and the running streams' token gaps stay within
+  the budget by construction. While the pod's step-time model is still
+  learning, what fits one probe step (`PROBE_TOKENS`) beside the last
+  step's rows qualifies. A pod without a budget never takes this rule:
+  nothing bounds what the prompt would cost its streams.
+
+  One step, not several: a rule that also took prompts the pod finishes
+  over several budgeted steps sooner than the prefill pod would (by the
+  pod's step-time model) was measured worse on two cores: on an idle pod
+  the chunks ran uncapped until streams joined, which stretched their
+  token gaps, and later chunks, capped, took longer than predicted
+  (docs/routing.md, "Next turns on the decode pod").
 
 Called on the engine loop thread (it reads the scheduler).
 """
@@ -67,8 +71,9 @@ class LocalAsk:
                 for r in scheduler.running):
             return False  # prompt work queued already: this one would wait behind it
         cap = scheduler.mixed_prefill_tokens
-        here = budget.seconds_here(cached, new, cap)
-        if here is None:  # the step-time model is still learning
-            return new <= min(cap or PROBE_TOKENS, PROBE_TOKENS) and \
-                budget.fits_beside_last_step(cached, new)
-        return here <= budget.seconds_alone(self.beyond, cached + new - self.beyond)
+        if cap and new > cap:
+            return False
+        fits = budget.fits_next_step(cached, new)
+        if fits is None:  # the step-time model is still learning: one probe step at most
+            return new <= PROBE_TOKENS and budget.fits_beside_last_step(cached, new)
+        return fits

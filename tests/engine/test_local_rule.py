@@ -117,17 +117,28 @@ def test_new_tokens_with_no_room_in_the_budget_reserve(make_engine):
     assert _reserves(decode, "t2", prompt, 0)
 
 
-def test_the_pod_computes_what_it_finishes_before_the_prefill_pod(make_engine):
+def test_new_tokens_that_fit_the_next_step_are_computed_here(make_engine):
     decode = _decode(make_engine, itl_budget="30")
     prompt = _first_turn(make_engine, decode)  # 59 tokens, 48 cached here: 11 new
-    _learnt(decode, 30.0)
-    # here: one step of the batch + 11 tokens, 10 + 2 + 1.1 + 0.1 = 13.2 ms; the
-    # prefill pod: 59 - B tokens in one step, 10 + 1 + 0.1 (59 - B) ms
-    assert not _reserves(decode, "t2", prompt, 0)  # 16.9 ms there
-    assert not _reserves(decode, "t3", prompt, 36)  # 13.3 ms there
-    assert _reserves(decode, "t4", prompt, 38)  # 13.1 ms there
-    decode.scheduler.mixed_prefill_tokens = 3  # 4 steps of 3 tokens here: 4 x 12.4 ms
-    assert _reserves(decode, "t5", prompt, 0)
+    # room beside the last step's decoding row: (budget - 11.1 - 1) / 0.1 tokens
+    _learnt(decode, 30.0)  # 179
+    assert not _reserves(decode, "t2", prompt, 0)
+    decode.scheduler.itl_budget.budget_ms = 12.5  # 4
+    assert _reserves(decode, "t3", prompt, 0)
+
+
+def test_an_idle_pod_counts_a_stream_that_may_join(make_engine):
+    """Its step is not capped, so the rule keeps room for one decoding row."""
+    decode = _decode(make_engine, itl_budget="12.5")
+    prompt = _first_turn(make_engine, decode)
+    _learnt(decode, 12.5)
+    decode.add_request("gone", _tokens(23, 4), PARAMS)
+    assert decode.abort_request("gone")
+    _finish(decode, "gone")  # a step that decodes nothing
+    assert decode.scheduler.itl_budget.last_decoding is None
+    assert _reserves(decode, "t2", prompt, 0)  # room beside one row: 4 tokens
+    decode.scheduler.itl_budget.budget_ms = 30.0
+    assert not _reserves(decode, "t3", prompt, 0)
 
 
 @pytest.mark.parametrize(("below", "beyond", "message"), [
