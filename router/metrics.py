@@ -87,6 +87,13 @@ class RouterMetrics:
             "--local-prefill-below, --local-prefill-within-budget) instead of the P/D path",
             registry=r,
         )
+        self.prefill_warms = Counter(
+            "pdserve_router_prefill_warms_total",
+            "Turns a decode pod computed itself that their prefill pod then computed in "
+            "the background to keep its cache whole (--local-prefill-warm), by outcome: "
+            "done, failed, skipped (the pod had a queue, or a warm-up in flight)",
+            ["outcome"], registry=r,
+        )
         self.local_prefills_from_queue = Counter(
             "pdserve_router_local_prefills_from_queue_total",
             "Of those, requests a decode pod took while they waited in the router's "

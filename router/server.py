@@ -35,6 +35,7 @@ from router.cache_index.index import PrefixIndex
 from router.client_gate import ClientGate
 from router.config import RouterConfig
 from router.flow.deps import FlowDeps
+from router.flow.prefill_warm import PrefillWarmer
 from router.frontend import Frontend
 from router.grpc_server import NOT_SERVING, SERVING, build_grpc_server
 from router.http.client_limits import ClientConcurrency
@@ -84,6 +85,7 @@ class RouterServer:
         self.grpc_port = 0
         self._runner: web.AppRunner | None = None
         self._frontend: Frontend | None = None
+        self._warmer: PrefillWarmer | None = None
         self._grpc = None
         self._health = None
         self._ready_task: asyncio.Task[None] | None = None
@@ -155,7 +157,10 @@ class RouterServer:
                 cached_prefix=index.cached_prefix, rate=local_rate,
                 epsilon=c.session_epsilon),
             split=SplitPrefill(self.pool, c.split_prefill, cached_prefix=index.cached_prefix),
+            warmer=(PrefillWarmer(self.pool, self._channels, self.metrics)
+                    if c.local_prefill.warm else None),
         )
+        self._warmer = deps.warmer
         frontend = self._frontend = Frontend(model_name=c.model_name,
                                              max_model_len=max_model_len,
                                              tokenizer=tokenizer, deps=deps,
@@ -231,6 +236,8 @@ class RouterServer:
         await asyncio.gather(*waits)
         if self._frontend is not None:
             self._frontend.close()
+        if self._warmer is not None:
+            await self._warmer.close()
         await self._channels.close()
         if self._feed is not None:
             await self._feed.close()

@@ -78,7 +78,10 @@ class LocalPrefillSettings:
     be (the router sets twice its load poll interval). `within_budget`: a
     reservation lets its decode pod compute the prompt when the pod caches
     more of it than the prefill pod and the rest fits the pod's inter-token
-    budget (--local-prefill-within-budget; engine/local_rule.py).
+    budget (--local-prefill-within-budget; engine/local_rule.py). `warm`: a turn a
+    decode pod computed that way is computed again in the background on its
+    prefill pod, so that cache stays whole (--local-prefill-warm;
+    router/flow/prefill_warm.py).
 
     The class's defaults are the rule off; the router's are `ROUTER_LOCAL_PREFILL`."""
 
@@ -88,6 +91,7 @@ class LocalPrefillSettings:
     min_wait: float = 0.0
     report_age: float = 1.0
     within_budget: bool = False
+    warm: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.max_tokens <= 1 << 20:
@@ -122,4 +126,5 @@ class LocalPrefillSettings:
 # the others are the classes' own.
 ROUTER_ADMISSION = AdmissionSettings()
 ROUTER_FLOW = FlowSettings()
-ROUTER_LOCAL_PREFILL = LocalPrefillSettings(max_tokens=2048, min_wait=2.0, within_budget=True)
+ROUTER_LOCAL_PREFILL = LocalPrefillSettings(max_tokens=2048, min_wait=2.0, within_budget=True,
+                                            warm=True)

@@ -152,6 +152,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the rest itself when that fits its next step's inter-token "
                              "budget: the history's blocks are cache hits, not computed again "
                              "(default on; docs/routing.md)")
+    parser.add_argument("--local-prefill-warm", action=argparse.BooleanOptionalAction,
+                        default=local.warm,
+                        help="... and a turn a decode pod computed that way (or by "
+                             "--local-prefill-below) is computed again in the background on "
+                             "its prefill pod while that pod is idle, so the prefill pod's "
+                             "cache keeps the conversation for turns that take the P/D path "
+                             "(default on; docs/routing.md)")
     parser.add_argument("--routing-policy", default="first-tokens",
                         choices=("first-tokens", "session-sticky", "cache-aware", "round-robin"),
                         help="where a request no session mapping decides goes: rendezvous on "
@@ -236,6 +243,7 @@ def config_from_args(args: argparse.Namespace):
                                            queue_ratio=args.local_prefill_queue_ratio,
                                            below=args.local_prefill_below,
                                            within_budget=args.local_prefill_within_budget,
+                                           warm=args.local_prefill_warm,
                                            min_wait=args.local_prefill_min_wait),
         split_prefill=SplitSettings(min_tokens=args.split_prefill_min_tokens,
                                     head_share=args.split_prefill_head_share,

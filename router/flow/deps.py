@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from router.flow.prefill_warm import PrefillWarmer
 from router.metrics import RouterMetrics
 from router.pod_channels import PodChannels
 from router.routing.admission import PrefillAdmission
@@ -35,6 +36,7 @@ class FlowDeps:
     local_prefill: LocalPrefill | None = None  # None: every P/D request takes the P/D path
     split: SplitPrefill | None = None  # None: no prompt is split across the pods
     colocated_gate: ColocatedGate | None = None  # None: colocated pods shed nothing
+    warmer: PrefillWarmer | None = None  # None: no turn a decode pod computed is warmed
     # finished requests' timelines (GET /debug/requests/{id}); made from
     # settings.trace_history when not given
     history: History | None = None

@@ -94,6 +94,9 @@ async def disaggregated(caller: PodCaller, idle_side: IdleSide | None = None
             async with contextlib.aclosing(caller.read_tokens(address, call, first)) as deltas:
                 async for delta in deltas:
                     yield delta
+            if caller.deps.warmer is not None:  # the prefill pod keeps the conversation
+                caller.deps.warmer.warm(slot.address, caller.request_id, [
+                    *caller.request.prompt_token_ids, *caller.out.output_ids])
             return
         if first is grpc.aio.EOF or first.WhichOneof("kind") != "reserved":
             raise AttemptFailed(f"decode pod {address} did not answer Reserved first",

@@ -24,8 +24,11 @@ router follows the decode pods' cache events under the default policy, and
 the next turn goes back to B, the pod that holds the prompt. A next turn
 with 30 new tokens is computed on B at the defaults (B holds a block of the
 answer it generated, which the prefill pod lacks, and the rest fits its ITL
-budget: engine/local_rule.py), with that history as cache hits; one with 80
-new tokens takes the P/D path, only its uncached tail sent to B.
+budget: engine/local_rule.py), with that history as cache hits, and the
+prefill pod then computes that turn and its answer in the background
+(router/flow/prefill_warm.py); one with 80 new tokens takes the P/D path,
+with the prefill pod's cache holding the whole context and only the
+uncached tail sent to B.
 
 The plain path is Decode.Generate(remote_prefill=false) on a decode pod,
 run last in each test so it cannot warm a cache the routing depends on.
@@ -217,22 +220,31 @@ def test_at_the_defaults_the_next_turn_goes_where_the_prompt_was_sent(stack):
     # its ITL budget on an idle pod: B computes them, the 48 as cache hits
     short_turn = context + [rng.randrange(5, 1100) for _ in range(30)]
     local = router.metric("pdserve_router_local_prefills_total")
+    warms = router.metric("pdserve_router_prefill_warms_total", outcome="done")
     received = b.metric_value("pdserve_kv_transfer_bytes_total")
     client = openai.OpenAI(base_url=router.base_url, api_key="unused", max_retries=0,
                            timeout=120)
     reply = client.completions.create(model="tiny", prompt=short_turn, max_tokens=MAX_TOKENS,
                                       temperature=0, extra_body={"ignore_eos": True})
+    short_text_http = reply.choices[0].text
     assert router.metric("pdserve_router_local_prefills_total") == local + 1
     assert b.metric_value("pdserve_kv_transfer_bytes_total") == received
     assert reply.usage.prompt_tokens_details.cached_tokens == 3 * BLOCK
+    # the prefill pod then computes the short turn and its answer in the
+    # background (it had only the first prompt's 2 blocks)
+    _wait_for("the prefill pod's warm-up", lambda: router.metric(
+        "pdserve_router_prefill_warms_total", outcome="done") == warms + 1, router)
     # 80 new tokens after B's 64 cached (the short turn computed its last
     # context block): more than a chunk, so the P/D path, on B, only the
-    # uncached tail sent
+    # uncached tail sent; the prefill pod has the whole context: 4 blocks
     long_turn = context + [rng.randrange(5, 1100) for _ in range(80)]
+    reply = client.completions.create(model="tiny", prompt=long_turn, max_tokens=MAX_TOKENS,
+                                      temperature=0, extra_body={"ignore_eos": True})
+    assert reply.usage.prompt_tokens_details.cached_tokens == 4 * BLOCK
     with grpc.insecure_channel(router.grpc_address) as channel:
         stub = pdserve_pb2_grpc.RouterStub(channel)
         short_tokens, short_text = _generate(stub, short_turn)  # computed on B again
         long_tokens = _follow_up_on_b(stub, pods, long_turn)
-    assert reply.choices[0].text == short_text
+    assert short_text == short_text_http
     _assert_plain_path(pods, {"short": (short_turn, short_tokens),
                               "long": (long_turn, long_tokens)})

@@ -76,9 +76,10 @@ def pods(tiny_model_dir) -> Iterator[dict]:
 def _router(tiny_model_dir, pods, **flags) -> RouterProcess:
     # each test turns on the rules it is about (by default the idle side is on
     # behind a 2 s wait, which these short runs would meet only sometimes; the
-    # within-budget rule would take prompts the decode pod caches from earlier tests)
+    # within-budget rule would take prompts the decode pod caches from earlier tests,
+    # and warm-ups would reach the prefill pod, whose requests the tests count)
     flags = {"local_prefill_max_tokens": 0, "local_prefill_min_wait": 0,
-             "local_prefill_within_budget": False, **flags}
+             "local_prefill_within_budget": False, "local_prefill_warm": False, **flags}
     router = start_router(tiny_model_dir, prefill=[pods["prefill"].address],
                           decode=[pods["decode"].address], log_level="DEBUG", **flags)
     wait_ready(router)
