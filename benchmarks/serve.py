@@ -142,6 +142,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--turn-overlap", action="store_true",
                    help="send a session's next turn once the previous one's first token is "
                         "in, not once it ended: turns overlap in time (issue 42)")
+    g.add_argument("--think-time", type=float, default=0.0, metavar="SECONDS",
+                   help="a session's next turn is sent this long after the previous one "
+                        "ended (a user reading and typing; default 0)")
     g.add_argument("--turn-answers", choices=("stand-in", "real"), default="stand-in",
                    help="what a later turn carries of the previous turn's answer: random "
                         "tokens of its length (stand-in), or the server's own answer, asked "
@@ -215,7 +218,7 @@ def run_from_args(args: argparse.Namespace) -> ServeRun:
     spec = LoadSpec(max_tokens=1, concurrency=args.concurrency or total, seed=args.seed,
                     token_count=args.token_count, timeout_s=args.timeout,
                     turn_overlap=args.turn_overlap,
-                    real_answers=args.turn_answers == "real")
+                    real_answers=args.turn_answers == "real", think_s=args.think_time)
     urls = list(args.metrics_url)
     if args.up_ready_file:
         urls += serve_metrics.urls_from_up_ready_file(Path(args.up_ready_file))

@@ -74,6 +74,7 @@ class LoadSpec:
     # a later turn carries the server's answer to the one before, not the stand-in
     # (BenchRequest.answer_at): asked as token ids, so sent as the server made them
     real_answers: bool = False
+    think_s: float = 0.0  # a session's next turn waits this long after the previous one ended
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -88,6 +89,10 @@ class LoadSpec:
                              f"got {self.token_count!r}")
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if not 0 <= self.think_s <= 3600:
+            raise ValueError(f"think_s must be in [0, 3600] seconds, got {self.think_s}")
+        if self.think_s and self.turn_overlap:
+            raise ValueError("think_s needs each turn to end before the next (no turn_overlap)")
         if self.real_answers and (self.turn_overlap or self.token_count != "logprobs"):
             raise ValueError("real answers need each turn to end before the next "
                              "(no turn_overlap) and token_count 'logprobs' (the ids come "
@@ -264,6 +269,8 @@ async def _run(base_url: str, model: str, sessions: list[Session], spec: LoadSpe
                         previous = (turn.prompt, answer, turn.max_tokens)
                     sent.append(task)
                     await (first_token.wait() if spec.turn_overlap else task)
+                    if spec.think_s:
+                        await asyncio.sleep(spec.think_s)  # the user reads, then types
                     # failed before the next turn was due: the chat stops there
                     failed = record.error is not None
             for task in sent:

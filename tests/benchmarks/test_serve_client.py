@@ -120,6 +120,16 @@ def test_real_answers_are_the_next_turns_prefix(pdserve_server):
     assert min(cached[True]) >= 48
 
 
+def test_think_time_separates_a_sessions_turns(pdserve_server):
+    base_url, model = pdserve_server
+    sessions = RandomWorkload(num_sessions=1, input_len=8, output_len=2, turns=2,
+                              seed=10).sessions(Vocabulary(VOCAB, frozenset(range(7))))
+    result = run_sessions(base_url, model, sessions,
+                          LoadSpec(max_tokens=1, think_s=0.4))
+    first, second = result["requests"]
+    assert second["start_s"] >= first["start_s"] + first["e2e_s"] + 0.4
+
+
 def test_with_answer_replaces_the_stand_in():
     turn = BenchRequest((1, 2, 3, 9, 9, 4, 5), 2, "s", answer_at=3)
     assert _with_answer(turn, (1, 2, 3), [7, 8], 2).prompt == (1, 2, 3, 7, 8, 4, 5)
@@ -167,6 +177,8 @@ def test_percentile_interpolates_between_ranks():
     ({"max_tokens": 4, "request_rate": 0.0}, "request_rate must be > 0"),
     ({"max_tokens": 4, "token_count": "bytes"}, "token_count must be one of"),
     ({"max_tokens": 4, "real_answers": True, "turn_overlap": True}, "real answers need"),
+    ({"max_tokens": 4, "think_s": -1.0}, "think_s must be in"),
+    ({"max_tokens": 4, "think_s": 1.0, "turn_overlap": True}, "think_s needs each turn"),
     ({"max_tokens": 4, "real_answers": True, "token_count": "chunks"}, "real answers need"),
 ])
 def test_load_spec_rejects_bad_values(kwargs, message):

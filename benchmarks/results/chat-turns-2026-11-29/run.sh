@@ -10,6 +10,8 @@ OUT=${OUT:-/work/main/benchmarks/results/chat-turns-2026-11-29}
 PY=${PY:-/work/main/.venv/bin/python}
 MODEL=${MODEL:-smollm2-135m-instruct}
 ROUNDS=${ROUNDS:-2}
+THINK=${THINK:-0}  # seconds between a turn's end and the next turn (bench serve --think-time)
+TAG=$([ "$THINK" = 0 ] && echo "" || echo "-think$THINK")
 TMP=/tmp/chat-turns
 mkdir -p $TMP $OUT/json
 run() {  # name, extra `pdserve up` flags...
@@ -26,12 +28,12 @@ run() {  # name, extra `pdserve up` flags...
   echo "== $(date -u +%H:%M:%S) $name at $(git rev-parse --short HEAD)" >> $OUT/runs.log
   $PY -m pdserve bench serve --base-url http://127.0.0.1:$port --up-ready-file $ready \
       --num-prompts 8 --turns 6 --turn-answers real --input-len 48 --range-ratio 0.5 \
-      --output-len 96 --concurrency 8 --seed 1 --label $name --no-progress \
+      --output-len 96 --concurrency 8 --seed 1 --think-time $THINK --label $name --no-progress \
       --out $OUT/json/$name.json > $OUT/$name.txt 2>&1
   echo "== $(date -u +%H:%M:%S) rc=$? $name done" >> $OUT/runs.log
   kill -INT $up; wait $up
 }
 for round in $(seq $ROUNDS); do
-  run on-r$round
-  run off-r$round --router-arg=--no-local-prefill-within-budget
+  run on$TAG-r$round
+  run off$TAG-r$round --router-arg=--no-local-prefill-within-budget
 done
