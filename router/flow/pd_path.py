@@ -93,10 +93,13 @@ async def disaggregated(caller: PodCaller, idle_side: IdleSide | None = None
             caller.deps.metrics.local_prefills.inc()
             async with contextlib.aclosing(caller.read_tokens(address, call, first)) as deltas:
                 async for delta in deltas:
+                    if delta.finish_reason in ("stop", "length") and \
+                            caller.deps.warmer is not None:
+                        # the prefill pod keeps the conversation (before the last
+                        # delta: a consumer may stop at it and close this generator)
+                        caller.deps.warmer.warm(slot.address, caller.request_id, [
+                            *caller.request.prompt_token_ids, *caller.out.output_ids])
                     yield delta
-            if caller.deps.warmer is not None:  # the prefill pod keeps the conversation
-                caller.deps.warmer.warm(slot.address, caller.request_id, [
-                    *caller.request.prompt_token_ids, *caller.out.output_ids])
             return
         if first is grpc.aio.EOF or first.WhichOneof("kind") != "reserved":
             raise AttemptFailed(f"decode pod {address} did not answer Reserved first",

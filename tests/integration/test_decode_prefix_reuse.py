@@ -224,12 +224,14 @@ def test_at_the_defaults_the_next_turn_goes_where_the_prompt_was_sent(stack):
     received = b.metric_value("pdserve_kv_transfer_bytes_total")
     client = openai.OpenAI(base_url=router.base_url, api_key="unused", max_retries=0,
                            timeout=120)
-    reply = client.completions.create(model="tiny", prompt=short_turn, max_tokens=MAX_TOKENS,
-                                      temperature=0, extra_body={"ignore_eos": True})
-    short_text_http = reply.choices[0].text
+    # streamed: the client stops reading at the last chunk, as streaming clients do
+    chunks = list(client.completions.create(
+        model="tiny", prompt=short_turn, max_tokens=MAX_TOKENS, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    short_text_http = "".join(c.choices[0].text for c in chunks if c.choices)
     assert router.metric("pdserve_router_local_prefills_total") == local + 1
     assert b.metric_value("pdserve_kv_transfer_bytes_total") == received
-    assert reply.usage.prompt_tokens_details.cached_tokens == 3 * BLOCK
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 3 * BLOCK
     # the prefill pod then computes the short turn and its answer in the
     # background (it had only the first prompt's 2 blocks)
     _wait_for("the prefill pod's warm-up", lambda: router.metric(
