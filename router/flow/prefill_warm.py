@@ -15,11 +15,15 @@ What: once a local turn has ended, its prompt + answer goes to that prefill
 pod as Prefill.Prefill with no KV target and one greedy token (the prefill
 pod's "prefill only" request: nothing is sent anywhere); the pod computes
 only what its cache lacks and keeps the blocks, and its cache events tell
-the routers. Low priority by rule, not by queue: only while the pod's last
-load report shows nothing waiting and no other warm-up of this router is in
-flight there, so it never queues ahead of a request; skipped otherwise
-(counted). Failures are counted and dropped: the warm-up is an
-optimisation, and the next turn's P/D path is correct without it.
+the routers. Low priority by rule, not by queue: a warm-up is sent only
+while the pod's last load report shows nothing waiting, one at a time per
+pod; the others wait their turn in this router (at most `MAX_PENDING` per
+pod, the oldest dropped first) for up to `WAIT_S` seconds of the pod being
+busy, then are dropped. A user reads an answer and types the next turn, so
+a warm-up that waits for an idle moment usually lands before the next turn
+does. Every outcome is counted (done, failed, skipped); failures are
+dropped: the warm-up is an optimisation, and the next turn's P/D path is
+correct without it.
 
 Used on the router's event loop only.
 """
@@ -27,6 +31,7 @@ Used on the router's event loop only.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 from collections.abc import Sequence
 
@@ -39,31 +44,68 @@ from router.routing.base import PodPool
 
 log = logging.getLogger("pdserve.router")
 
+MAX_PENDING = 4  # warm-ups waiting per prefill pod
+WAIT_S = 5.0  # how long a warm-up waits for its pod to be idle
+POLL_S = 0.05  # how often it looks
+
 
 class PrefillWarmer:
     def __init__(self, pool: PodPool, channels: PodChannels, metrics: RouterMetrics,
-                 timeout_s: float = 60.0) -> None:
+                 timeout_s: float = 60.0, wait_s: float = WAIT_S) -> None:
         self._pool = pool
         self._channels = channels
         self._metrics = metrics
         self._timeout_s = timeout_s
-        self._tasks: dict[str, asyncio.Task] = {}  # prefill pod -> its warm-up in flight
+        self._wait_s = wait_s
+        # per prefill pod: warm-ups not yet sent (request id, token ids), and
+        # the task that sends them one at a time
+        self._pending: dict[str, collections.deque[tuple[str, list[int]]]] = {}
+        self._workers: dict[str, asyncio.Task] = {}
 
     def warm(self, address: str, request_id: str, token_ids: Sequence[int]) -> bool:
-        """Start `token_ids`' warm-up on prefill pod `address` when it is idle
-        (no queue in its last report, none of ours in flight); False when
-        skipped."""
-        pod = self._pool.pod("prefill", address) if address else None
-        if pod is None or pod.num_waiting or address in self._tasks:
+        """Queue `token_ids`' warm-up for prefill pod `address`; False (counted
+        as skipped) when that is no known prefill pod."""
+        if not address or self._pool.pod("prefill", address) is None:
             self._metrics.prefill_warms.labels(outcome="skipped").inc()
             return False
-        task = asyncio.get_running_loop().create_task(
-            self._run(address, f"warm-{request_id}", list(token_ids)))
-        self._tasks[address] = task
-        task.add_done_callback(lambda _: self._tasks.pop(address, None))
+        pending = self._pending.setdefault(address, collections.deque())
+        if len(pending) == MAX_PENDING:
+            pending.popleft()
+            self._metrics.prefill_warms.labels(outcome="skipped").inc()
+        pending.append((f"warm-{request_id}", list(token_ids)))
+        if address not in self._workers:
+            self._workers[address] = asyncio.get_running_loop().create_task(
+                self._drain(address))
         return True
 
-    async def _run(self, address: str, request_id: str, token_ids: list[int]) -> None:
+    async def _drain(self, address: str) -> None:
+        pending = self._pending[address]
+        try:
+            while pending:
+                request_id, token_ids = pending.popleft()
+                if not await self._idle(address):
+                    self._metrics.prefill_warms.labels(outcome="skipped").inc()
+                    continue
+                await self._send(address, request_id, token_ids)
+        finally:  # with no await since the loop's last look: no warm() comes between
+            self._pending.pop(address, None)
+            self._workers.pop(address, None)
+
+    async def _idle(self, address: str) -> bool:
+        """Whether `address` reports no queue within `wait_s` (False: still
+        busy, or gone)."""
+        deadline = asyncio.get_running_loop().time() + self._wait_s
+        while True:
+            pod = self._pool.pod("prefill", address)
+            if pod is None:
+                return False
+            if not pod.num_waiting:
+                return True
+            if asyncio.get_running_loop().time() >= deadline:
+                return False
+            await asyncio.sleep(POLL_S)
+
+    async def _send(self, address: str, request_id: str, token_ids: list[int]) -> None:
         request = pb.PrefillRequest(
             request_id=request_id, prompt_token_ids=token_ids,
             sampling=pb.SamplingParams(max_tokens=1, temperature=0.0, top_p=1.0))
@@ -78,8 +120,10 @@ class PrefillWarmer:
         self._metrics.prefill_warms.labels(outcome="done").inc()
 
     async def close(self) -> None:
-        """Cancel the warm-ups in flight (the router is stopping)."""
-        tasks = list(self._tasks.values())
+        """Cancel the warm-ups in flight and drop those waiting (the router
+        is stopping)."""
+        tasks = list(self._workers.values())
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        self._pending.clear()
