@@ -101,16 +101,6 @@ def test_static_mode_router_gets_headless_service_addresses() -> None:
     }
 
 
-def test_the_within_budget_local_rule_and_warm_up_are_turned_off_by_switches() -> None:
-    """On by default (the router's own defaults, no flag); false renders the switch."""
-    off = _args(render({"router": {"localPrefillWithinBudget": False,
-                                   "localPrefillWarm": False}}), "router")
-    assert off["--no-local-prefill-within-budget"] == off["--no-local-prefill-warm"] == ""
-    default = _args(render(), "router")
-    assert "--no-local-prefill-within-budget" not in default
-    assert "--no-local-prefill-warm" not in default
-
-
 POD_TLS_DIR = "/etc/pdserve/pod-tls"
 # pod gRPC by default: mutual TLS with the chart's generated certificate
 POD_TLS_FLAGS = {"--tls-cert-file": f"{POD_TLS_DIR}/tls.crt",
