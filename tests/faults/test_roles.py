@@ -57,8 +57,12 @@ class Roles:
 
     def start_router(self) -> RouterProcess:
         address = {role: f"127.0.0.1:{ports['port']}" for role, ports in self.ports.items()}
+        # no turn computed on the decode pod from what it caches (the
+        # within-budget rule): every request here must move KV, and a restarted
+        # prefill pod's empty cache would send repeated prompts there
         self.router = start_router(self.model_dir, prefill=[address["prefill"]],
-                                   decode=[address["decode"]], request_timeout=60)
+                                   decode=[address["decode"]], request_timeout=60,
+                                   local_prefill_within_budget=False)
         wait_ready(self.router)
         return self.router
 

@@ -26,8 +26,14 @@ import openai
 from openai.types import completion_create_params as completion_params
 from openai.types.chat import completion_create_params as chat_params
 
-PROMPT_IDS = [20, 21, 22, 23, 24, 25]
-MESSAGES = [{"role": "user", "content": "Hi!"}]
+from tests.integration.openai_field_values import (
+    CHAT_VALUES,
+    MESSAGES,
+    PROMPT_IDS,
+    UNKNOWN_FIELDS,
+    tokens_as_ids,
+)
+
 Check = Callable[[openai.OpenAI, str], None]
 
 
@@ -338,29 +344,9 @@ def _extensions(kind: str, eos_id: int) -> dict[str, Check]:
         "min_tokens": _min_tokens(kind, eos_id),
         "stop_token_ids": _stop_token_ids(kind),
         "response_format": _response_format(kind),  # an extension on completions, as vLLM's
+        "return_tokens_as_token_ids": tokens_as_ids(kind),
         **_guided(kind),
     }
-
-
-# chat's fields and sample values that would change something if honoured
-CHAT_VALUES: dict[str, Any] = {
-    "messages": MESSAGES, "max_completion_tokens": 3, "top_logprobs": 2,
-    "metadata": {"k": "v"}, "store": True, "service_tier": "auto", "safety_identifier": "id-1",
-    "prompt_cache_key": "k", "prompt_cache_options": {}, "prompt_cache_retention": "24h",
-    "prediction": {"type": "content", "content": "x"},
-    "audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"],
-    "moderation": {"policy": {}}, "reasoning_effort": "high", "verbosity": "low",
-    "web_search_options": {}, "tools": [{"type": "function", "function": {"name": "f"}}],
-    "tool_choice": "auto", "parallel_tool_calls": True, "functions": [{"name": "f"}],
-    "function_call": "auto", "documents": [{"title": "t", "text": "d"}],
-}
-# vLLM's request fields this server does not honour, and typos: a 400 on both endpoints.
-UNKNOWN_FIELDS: dict[str, Any] = {
-    "min_p": 0.1, "use_beam_search": True, "skip_special_tokens": False,
-    "chat_template_kwargs": {"enable_thinking": False}, "add_generation_prompt": False,
-    "guided_decoding_backend": "xgrammar", "typo_field": 1, "temprature": 0.5,
-    "session_id": "s1",
-}
 
 
 def completion_fields(eos_id: int) -> dict[str, Check]:
