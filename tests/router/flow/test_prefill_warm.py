@@ -9,6 +9,7 @@ tests/integration/test_decode_prefix_reuse.py.)"""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 from benchmarks.peer_servers import free_port
 from router.flow import prefill_warm
@@ -32,12 +33,22 @@ async def _until(check, seconds: float = 10.0) -> None:
     raise AssertionError("timed out")
 
 
+@contextlib.asynccontextmanager
+async def _warmer(wait_s: float):
+    """(a busy prefill pod at UNREACHABLE's pool, its warmer, the metrics)."""
+    pool = _Pool(_load(UNREACHABLE, "prefill", num_waiting=2))
+    metrics, channels = RouterMetrics(), PodChannels()
+    warmer = PrefillWarmer(pool, channels, metrics, timeout_s=10, wait_s=wait_s)
+    try:
+        yield pool, warmer, metrics
+    finally:
+        await warmer.close()
+        await channels.close()
+
+
 def test_warm_ups_wait_for_an_idle_known_prefill_pod():
     async def run() -> None:
-        pool = _Pool(_load(UNREACHABLE, "prefill", num_waiting=2))
-        metrics, channels = RouterMetrics(), PodChannels()
-        warmer = PrefillWarmer(pool, channels, metrics, timeout_s=10, wait_s=0.3)
-        try:
+        async with _warmer(wait_s=0.3) as (pool, warmer, metrics):
             assert not warmer.warm("", "r0", [1, 2, 3])  # no prefill pod chosen
             assert not warmer.warm("127.0.0.1:2", "r1", [1, 2, 3])  # not a known pod
             assert _count(metrics, "skipped") == 2
@@ -51,27 +62,18 @@ def test_warm_ups_wait_for_an_idle_known_prefill_pod():
             pool.report(UNREACHABLE, num_waiting=0)
             await _until(lambda: _count(metrics, "failed") == 1)
             assert _count(metrics, "skipped") == 3 and _count(metrics, "done") == 0
-        finally:
-            await warmer.close()
-            await channels.close()
 
     asyncio.run(run())
 
 
 def test_too_many_waiting_drops_the_oldest():
     async def run() -> None:
-        pool = _Pool(_load(UNREACHABLE, "prefill", num_waiting=1))
-        metrics, channels = RouterMetrics(), PodChannels()
-        warmer = PrefillWarmer(pool, channels, metrics, timeout_s=10, wait_s=5.0)
-        try:
+        async with _warmer(wait_s=5.0) as (pool, warmer, metrics):
             for i in range(prefill_warm.MAX_PENDING + 2):  # the first one is already waiting
                 assert warmer.warm(UNREACHABLE, f"r{i}", [1, 2, 3])
                 await asyncio.sleep(0)
             assert _count(metrics, "skipped") == 1
             pool.report(UNREACHABLE, num_waiting=0)
             await _until(lambda: _count(metrics, "failed") == prefill_warm.MAX_PENDING + 1)
-        finally:
-            await warmer.close()
-            await channels.close()
 
     asyncio.run(run())
