@@ -158,7 +158,7 @@ class RouterServer:
                 epsilon=c.session_epsilon),
             split=SplitPrefill(self.pool, c.split_prefill, cached_prefix=index.cached_prefix),
             warmer=(PrefillWarmer(self.pool, self._channels, self.metrics)
-                    if c.local_prefill.warm else None),
+                    if c.local_prefill.warm or c.local_prefill.warm_answers else None),
         )
         self._warmer = deps.warmer
         frontend = self._frontend = Frontend(model_name=c.model_name,

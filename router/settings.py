@@ -81,7 +81,10 @@ class LocalPrefillSettings:
     budget (--local-prefill-within-budget; engine/local_rule.py). `warm`: a turn a
     decode pod computed that way is computed again in the background on its
     prefill pod, so that cache stays whole (--local-prefill-warm;
-    router/flow/prefill_warm.py).
+    router/flow/prefill_warm.py). `warm_answers`: after a P/D turn of a request
+    with a session id, its prefill pod computes the answer in the background
+    the same way, so the session's next turn finds it cached there
+    (--warm-session-answers).
 
     The class's defaults are the rule off; the router's are `ROUTER_LOCAL_PREFILL`."""
 
@@ -92,6 +95,7 @@ class LocalPrefillSettings:
     report_age: float = 1.0
     within_budget: bool = False
     warm: bool = False
+    warm_answers: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.max_tokens <= 1 << 20:

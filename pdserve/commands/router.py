@@ -159,6 +159,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "its prefill pod while that pod is idle, so the prefill pod's "
                              "cache keeps the conversation for turns that take the P/D path "
                              "(default on; docs/routing.md)")
+    parser.add_argument("--warm-session-answers", action=argparse.BooleanOptionalAction,
+                        default=local.warm_answers,
+                        help="after a P/D turn of a request with a session id (OpenAI's "
+                             "`user`, or x-session-id), its prefill pod computes the answer in "
+                             "the background while idle, so the next turn finds its whole "
+                             "history cached there (default %(default)s; docs/routing.md)")
     parser.add_argument("--routing-policy", default="first-tokens",
                         choices=("first-tokens", "session-sticky", "cache-aware", "round-robin"),
                         help="where a request no session mapping decides goes: rendezvous on "
@@ -244,6 +250,7 @@ def config_from_args(args: argparse.Namespace):
                                            below=args.local_prefill_below,
                                            within_budget=args.local_prefill_within_budget,
                                            warm=args.local_prefill_warm,
+                                           warm_answers=args.warm_session_answers,
                                            min_wait=args.local_prefill_min_wait),
         split_prefill=SplitSettings(min_tokens=args.split_prefill_min_tokens,
                                     head_share=args.split_prefill_head_share,

@@ -93,12 +93,10 @@ async def disaggregated(caller: PodCaller, idle_side: IdleSide | None = None
             caller.deps.metrics.local_prefills.inc()
             async with contextlib.aclosing(caller.read_tokens(address, call, first)) as deltas:
                 async for delta in deltas:
-                    if delta.finish_reason in ("stop", "length") and \
-                            caller.deps.warmer is not None:
+                    if delta.finish_reason in ("stop", "length"):
                         # the prefill pod keeps the conversation (before the last
                         # delta: a consumer may stop at it and close this generator)
-                        caller.deps.warmer.warm(slot.address, caller.request_id, [
-                            *caller.request.prompt_token_ids, *caller.out.output_ids])
+                        _warm(caller, slot.address, answer=False)
                     yield delta
             return
         if first is grpc.aio.EOF or first.WhichOneof("kind") != "reserved":
@@ -136,7 +134,23 @@ async def disaggregated(caller: PodCaller, idle_side: IdleSide | None = None
                 caller, address, call, prefill_address, prefill_call, ending,
                 split=bool(split_at))) as deltas:
             async for delta in deltas:
+                if delta.finish_reason in ("stop", "length"):
+                    _warm(caller, prefill_address, answer=True)
                 yield delta
+
+
+def _warm(caller: PodCaller, prefill_address: str, *, answer: bool) -> None:
+    """Have `prefill_address` compute this request's prompt + output in the
+    background (router/flow/prefill_warm.py): after a turn the decode pod
+    computed (`--local-prefill-warm`), or after a P/D turn's answer when the
+    request has a session id (`answer`; `--warm-session-answers`)."""
+    rule, warmer = caller.deps.local_prefill, caller.deps.warmer
+    if warmer is None or rule is None:
+        return
+    if (rule.settings.warm_answers and bool(caller.request.session_id)) if answer \
+            else rule.settings.warm:
+        warmer.warm(prefill_address, caller.request_id, [
+            *caller.request.prompt_token_ids, *caller.out.output_ids])
 
 
 async def _decode_after_prefill(caller: PodCaller, address: str, call, prefill_address: str,

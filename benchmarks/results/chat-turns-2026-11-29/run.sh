@@ -33,7 +33,14 @@ run() {  # name, extra `pdserve up` flags...
   echo "== $(date -u +%H:%M:%S) rc=$? $name done" >> $OUT/runs.log
   kill -INT $up; wait $up
 }
+VARIANTS=${VARIANTS:-on,off}  # on: the defaults; off: the within-budget rule off;
+                             # answers: --warm-session-answers as well
 for round in $(seq $ROUNDS); do
-  run on$TAG-r$round
-  run off$TAG-r$round --router-arg=--no-local-prefill-within-budget
+  for variant in ${VARIANTS//,/ }; do
+    case $variant in
+      on) run on$TAG-r$round ;;
+      off) run off$TAG-r$round --router-arg=--no-local-prefill-within-budget ;;
+      answers) run answers$TAG-r$round --router-arg=--warm-session-answers ;;
+    esac
+  done
 done
