@@ -126,9 +126,10 @@ class LocalPrefillSettings:
 # The router's defaults (RouterConfig's, and so the flags'): the idle side on
 # for prompts of up to 2048 new tokens, behind a 2 s wait at the prefill pod
 # (docs/router.md, "Use the idle side"), and a decode pod computes a next
-# turn whose history it holds when that fits its ITL budget (docs/routing.md);
+# turn whose history it holds when that fits its ITL budget, and the prefill
+# pods compute such turns and sessions' answers while idle (docs/routing.md);
 # the others are the classes' own.
 ROUTER_ADMISSION = AdmissionSettings()
 ROUTER_FLOW = FlowSettings()
 ROUTER_LOCAL_PREFILL = LocalPrefillSettings(max_tokens=2048, min_wait=2.0, within_budget=True,
-                                            warm=True)
+                                            warm=True, warm_answers=True)

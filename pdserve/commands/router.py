@@ -164,7 +164,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="after a P/D turn of a request with a session id (OpenAI's "
                              "`user`, or x-session-id), its prefill pod computes the answer in "
                              "the background while idle, so the next turn finds its whole "
-                             "history cached there (default %(default)s; docs/routing.md)")
+                             "history cached there (default on; docs/routing.md)")
     parser.add_argument("--routing-policy", default="first-tokens",
                         choices=("first-tokens", "session-sticky", "cache-aware", "round-robin"),
                         help="where a request no session mapping decides goes: rendezvous on "

@@ -44,7 +44,7 @@ CLI_FLAGS: dict[str, frozenset[str]] = {
         "--local-prefill-min-wait", "--split-prefill-min-tokens",
         "--split-prefill-head-share", "--split-prefill-busy-head-share",
         "--split-prefill-max-running", "--no-local-prefill-within-budget",
-        "--no-local-prefill-warm",
+        "--no-local-prefill-warm", "--no-warm-session-answers",
         "--registry-absent-grace", "--api-keys-file",
     }),
     "prefill": frozenset({
@@ -137,7 +137,7 @@ def container(deployment: dict[str, Any], name: str) -> dict[str, Any]:
 
 # flags passed without a value
 SWITCHES = frozenset({"--no-tls-client-cert", "--no-kv-tls", "--no-local-prefill-within-budget",
-                      "--no-local-prefill-warm"})
+                      "--no-local-prefill-warm", "--no-warm-session-answers"})
 
 
 def flag_values(args: list[str]) -> dict[str, str]:

@@ -20,8 +20,9 @@ def _router_args(values: dict | None = None) -> dict[str, str]:
 
 def test_the_within_budget_local_rule_and_warm_up_are_turned_off_by_switches() -> None:
     off = _router_args({"router": {"localPrefillWithinBudget": False,
-                                   "localPrefillWarm": False}})
-    assert off["--no-local-prefill-within-budget"] == off["--no-local-prefill-warm"] == ""
+                                   "localPrefillWarm": False, "warmSessionAnswers": False}})
+    switches = ("--no-local-prefill-within-budget", "--no-local-prefill-warm",
+                "--no-warm-session-answers")
+    assert [off[s] for s in switches] == [""] * 3
     default = _router_args()
-    assert "--no-local-prefill-within-budget" not in default
-    assert "--no-local-prefill-warm" not in default
+    assert not any(s in default for s in switches)

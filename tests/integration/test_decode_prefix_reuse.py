@@ -70,6 +70,7 @@ def stack(tiny_model_dir) -> Iterator[tuple[dict[str, RouterProcess], dict[str, 
         routers["local"] = start_router(tiny_model_dir, local_prefill_below=BELOW,
                                         **addresses)
         routers["plain"] = start_router(tiny_model_dir, **addresses)
+        routers["answers"] = start_router(tiny_model_dir, **addresses)  # the defaults too
         for router in routers.values():
             wait_ready(router)
         yield routers, pods
@@ -250,3 +251,35 @@ def test_at_the_defaults_the_next_turn_goes_where_the_prompt_was_sent(stack):
     assert short_text == short_text_http
     _assert_plain_path(pods, {"short": (short_turn, short_tokens),
                               "long": (long_turn, long_tokens)})
+
+
+def test_a_sessions_answer_is_warmed_on_its_prefill_pod(stack):
+    """`--warm-session-answers` (the default): after a P/D turn with a session id, the
+    prefill pod computes the answer in the background, so the session's
+    next turn finds prompt and answer cached there (4 blocks, where the
+    prompt alone is 2)."""
+    routers, pods = stack
+    router = routers["answers"]
+    rng = random.Random(44)
+    first_prompt = [rng.randrange(5, 1100) for _ in range(40)]
+    warms = router.metric("pdserve_router_prefill_warms_total", outcome="done")
+    prefill = pods["prefill"].address
+    blocks = router.metric("pdserve_router_cache_index_blocks", pod=prefill)
+    with grpc.insecure_channel(router.grpc_address) as channel:
+        messages = list(pdserve_pb2_grpc.RouterStub(channel).Generate(pb.GenerateRequest(
+            prompt_token_ids=first_prompt, sampling=_sampling(), session_id="chat-1"),
+            timeout=120))
+    answer = [t for m in messages for t in m.token_ids]
+    _wait_for("the answer's warm-up", lambda: router.metric(
+        "pdserve_router_prefill_warms_total", outcome="done") == warms + 1, router)
+    # the router's index learns the prefill pod's 4 blocks (2 of them the
+    # warm-up's), so no rule sends the next turn elsewhere
+    _wait_for("the router to learn the prefill pod's blocks", lambda: router.metric(
+        "pdserve_router_cache_index_blocks", pod=prefill) >= blocks + 4, router)
+    turn = first_prompt + answer + [rng.randrange(5, 1100) for _ in range(30)]
+    client = openai.OpenAI(base_url=router.base_url, api_key="unused", max_retries=0,
+                           timeout=120)
+    reply = client.completions.create(model="tiny", prompt=turn, max_tokens=MAX_TOKENS,
+                                      temperature=0, user="chat-1",
+                                      extra_body={"ignore_eos": True})
+    assert reply.usage.prompt_tokens_details.cached_tokens == 4 * BLOCK
