@@ -112,7 +112,11 @@ def test_corrupted_kv_is_refused_and_never_used(faults, reference, path):
                              path=path, prompt=prompt)
     assert faults.kv.triggered > triggered  # this request's KV was corrupted
     assert (_splits(faults) > splits) == (path == "split")
-    assert _failures(faults.decode, "bad_checksum") == refused + 1
+    # Refused at least once. The fault covers the next STREAMS connections:
+    # when the refused transfer opened fewer, a retry's transfer meets the
+    # rest and is refused too (run 35, under load); either way no corrupted
+    # KV is used (below).
+    assert _failures(faults.decode, "bad_checksum") >= refused + 1
     assert got.seconds < REQUEST_TIMEOUT_S
     # Which side reports the refusal first decides what the router does: the
     # decode stream (the decode pod is left out; it is the only one, so the

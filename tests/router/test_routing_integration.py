@@ -53,9 +53,11 @@ def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         pods = start_pods(tiny_model_dir, ["prefill", "prefill", "prefill", "decode"])
         prefill, decode = pods[:3], pods[3:]
         for _ in range(2):
+            # no session-answer warm-ups: the tests count each prefill pod's requests
             routers.append(start_router(
                 tiny_model_dir, prefill=[p.address for p in prefill],
-                decode=[d.address for d in decode], redis_url=redis_server.url))
+                decode=[d.address for d in decode], redis_url=redis_server.url,
+                extra=["--no-warm-session-answers"]))
         yield {"prefill": prefill, "decode": decode, "routers": routers, "redis": redis_server}
     finally:
         for router in routers:
