@@ -145,26 +145,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="conditional disaggregation: a prompt with fewer new tokens "
                              "than this (after the decode pod's cached prefix) is prefilled "
                              "on the decode pod, no transfer (default %(default)s; 0 = off)")
-    parser.add_argument("--local-prefill-within-budget", action=argparse.BooleanOptionalAction,
-                        default=local.within_budget,
-                        help="a decode pod that caches more of a prompt than its prefill pod "
-                             "(a next turn's history, with the answer it generated) computes "
-                             "the rest itself when that fits its next step's inter-token "
-                             "budget: the history's blocks are cache hits, not computed again "
-                             "(default on; docs/routing.md)")
-    parser.add_argument("--local-prefill-warm", action=argparse.BooleanOptionalAction,
-                        default=local.warm,
-                        help="... and a turn a decode pod computed that way (or by "
-                             "--local-prefill-below) is computed again in the background on "
-                             "its prefill pod while that pod is idle, so the prefill pod's "
-                             "cache keeps the conversation for turns that take the P/D path "
-                             "(default on; docs/routing.md)")
-    parser.add_argument("--warm-session-answers", action=argparse.BooleanOptionalAction,
-                        default=local.warm_answers,
-                        help="after a P/D turn of a request with a session id (OpenAI's "
-                             "`user`, or x-session-id), its prefill pod computes the answer in "
-                             "the background while idle, so the next turn finds its whole "
-                             "history cached there (default on; docs/routing.md)")
+    # where a turn's history is kept (docs/routing.md, "Next turns on the decode pod")
+    switches = {
+        "--local-prefill-within-budget": (
+            local.within_budget,
+            "a decode pod that caches more of a prompt than its prefill pod (a next turn's "
+            "history, with the answer it generated) computes the rest itself when that fits "
+            "its next step's inter-token budget: the history's blocks are cache hits, not "
+            "computed again"),
+        "--local-prefill-warm": (
+            local.warm,
+            "... and a turn a decode pod computed that way (or by --local-prefill-below) is "
+            "computed again in the background on its prefill pod while that pod is idle, so "
+            "the prefill pod's cache keeps the conversation for turns that take the P/D path"),
+        "--warm-session-answers": (
+            local.warm_answers,
+            "after a P/D turn of a request with a session id (OpenAI's `user`, or "
+            "x-session-id), its prefill pod computes the answer in the background while "
+            "idle, so the next turn finds its whole history cached there"),
+    }
+    for flag, (default, text) in switches.items():
+        parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
+                            help=f"{text} (default {'on' if default else 'off'}; "
+                                 "docs/routing.md)")
     parser.add_argument("--routing-policy", default="first-tokens",
                         choices=("first-tokens", "session-sticky", "cache-aware", "round-robin"),
                         help="where a request no session mapping decides goes: rendezvous on "
