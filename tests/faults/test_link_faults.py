@@ -120,6 +120,10 @@ def test_a_pod_unreachable_for_ten_seconds_is_served_again_within_seconds(faults
                            timeout=30)).error is not None:
         failures.append(got.describe())
         assert got.error.code().name == "UNAVAILABLE", got.describe()
-        assert time.monotonic() - back < 2.5, f"not served again: {failures[-1]}"
+        # reconnects are at most 1 s apart (proto/limits.py) and the router
+        # polls every 0.2 s; 4 s leaves room for a loaded machine's slow poll
+        # (run 37: 2.5 s was missed beside the rest of the suite) and still
+        # fails gRPC's default backoff, which waited 6 s more
+        assert time.monotonic() - back < 4.0, f"not served again: {failures[-1]}"
         time.sleep(0.05)
     assert got.tokens == expected
