@@ -164,7 +164,7 @@ class LLMEngine:
             raise ValueError("max_tokens 0 (scoring the prompt) ends after prefill: compute it "
                              "where the prompt is computed, not as a remote reservation")
         request.prompt_logprobs = None  # the prefill pod computes the prompt
-        if local.below or local.beyond is not None:
+        if local.asks(self.scheduler):
             cached = self.block_manager.num_cached_prefix_tokens(request)
             if local.computes_here(self.scheduler, cached, request.num_context_tokens - cached):
                 self.add_request(request_id, prompt_token_ids, sampling_params,

@@ -56,6 +56,12 @@ class LocalAsk:
         if self.beyond is not None and self.beyond < 0:
             raise ValueError(f"prefill_cached_tokens must be >= 0, got {self.beyond}")
 
+    def asks(self, scheduler: Scheduler) -> bool:
+        """Whether a rule could hold on this pod, so its cached prefix is
+        worth looking up (the within-budget rule needs an ITL budget)."""
+        return bool(self.below) or (self.beyond is not None
+                                    and scheduler.itl_budget is not None)
+
     def computes_here(self, scheduler: Scheduler, cached: int, new: int) -> bool:
         """`cached`: the pod's cached prefix of the context; `new`: the
         context tokens after it."""
@@ -66,10 +72,8 @@ class LocalAsk:
         budget = scheduler.itl_budget
         if budget is None:
             return False
-        if scheduler.waiting or any(
-                r.num_tokens_with_placeholders - r.num_computed_tokens > 1
-                for r in scheduler.running):
-            return False  # prompt work queued already: this one would wait behind it
+        if scheduler.has_prompt_work:
+            return False  # this one would wait behind it
         cap = scheduler.mixed_prefill_tokens
         if cap and new > cap:
             return False

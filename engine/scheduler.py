@@ -153,6 +153,11 @@ class Scheduler:
         return sum(len(block_ids) for _, block_ids in self._deferred)
 
     @property
+    def has_prompt_work(self) -> bool:
+        """Prompt tokens are waiting or still prefilling here."""
+        return bool(self.waiting) or any(not _decoding(r) for r in self.running)
+
+    @property
     def num_seqs(self) -> int:
         """Sequences holding a batch slot: running plus remote reservations."""
         return len(self.running) + len(self.reserved)
@@ -227,8 +232,7 @@ class Scheduler:
             return list(self.running), []
         decoding, prefilling = [], []
         for r in self.running:
-            left = r.num_tokens_with_placeholders - r.num_computed_tokens
-            (decoding if left == 1 else prefilling).append(r)
+            (decoding if _decoding(r) else prefilling).append(r)
         return decoding, prefilling
 
     def _admit_short(self, budget: int, scheduled: list[ScheduledRequest], step_id: int,
@@ -383,3 +387,8 @@ class Scheduler:
             self.waiting.remove(request)
         request.transition(status)
         self._free(request)
+
+
+def _decoding(request: Request) -> bool:
+    """One token left to compute: the request decodes (its prompt is done)."""
+    return request.num_tokens_with_placeholders - request.num_computed_tokens == 1

@@ -130,11 +130,12 @@ class SimEngine:
         request = self._new_request(request_id, prompt_token_ids, sampling_params,
                                     output_token_ids, status=RequestStatus.WAITING_FOR_REMOTE_KV)
         bm = self.block_manager
-        cached = bm.num_cached_prefix_tokens(request)
-        if local.computes_here(self.scheduler, cached, request.num_context_tokens - cached):
-            self.add_request(request_id, prompt_token_ids, sampling_params,
-                             output_token_ids=output_token_ids)
-            return None
+        if local.asks(self.scheduler):
+            cached = bm.num_cached_prefix_tokens(request)
+            if local.computes_here(self.scheduler, cached, request.num_context_tokens - cached):
+                self.add_request(request_id, prompt_token_ids, sampling_params,
+                                 output_token_ids=output_token_ids)
+                return None
         if self.scheduler.num_seqs >= self.config.max_num_seqs:
             raise CapacityError(f"all {self.config.max_num_seqs} sequence slots are taken")
         held = bm.match_prefix(request)

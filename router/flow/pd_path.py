@@ -147,8 +147,11 @@ def _warm(caller: PodCaller, prefill_address: str, *, answer: bool) -> None:
     rule, warmer = caller.deps.local_prefill, caller.deps.warmer
     if warmer is None or rule is None:
         return
-    if (rule.settings.warm_answers and bool(caller.request.session_id)) if answer \
-            else rule.settings.warm:
+    if answer:
+        wanted = rule.settings.warm_answers and bool(caller.request.session_id)
+    else:
+        wanted = rule.settings.warm
+    if wanted:
         warmer.warm(prefill_address, caller.request_id, [
             *caller.request.prompt_token_ids, *caller.out.output_ids])
 
