@@ -20,7 +20,7 @@ from engine.loader import load_model
 from engine.model import LlamaForCausalLM
 from engine.model_config import ModelConfig
 from engine.parallel.group import TPGroup
-from kernels import native
+from kernels import host_malloc, native
 from kernels.checks import HEAD_DIMS
 from kernels.dispatch import Backend
 
@@ -50,8 +50,10 @@ def load_engine_model(config: EngineConfig, tp: TPGroup | None = None) -> Engine
     native_gemm = resolve_decode_matmul(config.decode_matmul, model.dtype, model.device,
                                         matmul_backend)
     prepack(model, matmul_backend, native_gemm)
-    if model.device.type == "cpu" and Backend.parse(config.kernel_backend) is Backend.AUTO:
-        native.library()  # build or load the CPU attention now, not in the first step
+    if model.device.type == "cpu":
+        host_malloc.keep_freed_memory()  # no page faults between a step's layers
+        if Backend.parse(config.kernel_backend) is Backend.AUTO:
+            native.library()  # build or load the CPU attention now, not in the first step
     if mc.head_dim not in HEAD_DIMS:
         raise UnsupportedModelError(
             f"{config.model_dir}: head_dim={mc.head_dim} is not supported by the paged "
