@@ -30,7 +30,11 @@
  * One pass with an online softmax per chunk (a token's K and V rows read
  * together) measured slower: the per-chunk max, sum and rescale of every
  * query head cost more than the second stream over the rows saves.
- * Items are dealt round-robin to `num_threads` OpenMP threads.
+ * Items are claimed one at a time from a shared counter by `num_threads`
+ * OpenMP threads: a thread that loses its core to another process for a
+ * while (the router, the pod's gRPC thread), or draws the longer
+ * sequences, leaves the rest to the others instead of holding up the
+ * step, as a fixed share each would.
  *
  * Bounds: a context length above W * BS or a used block id outside
  * [0, num_blocks) stops the item with status 3 instead of reading out of
@@ -56,7 +60,7 @@ typedef struct {
   float scale;
   float softcap; /* 0: none; else scores become softcap * tanh(score / softcap) */
   int heads_per_item; /* KV heads per work item (divides num_kv_heads) */
-  int first_item, item_step;
+  int *next_item; /* shared by the threads: the next unclaimed item */
   int status;
 } Job;
 
@@ -280,7 +284,9 @@ static void run_job(ThreadJob *work) {
   Scratch scratch = {block, block + rows * stride, block + rows * (stride + D),
                      block + rows * (stride + 2 * D), stride};
   const int num_items = job->batch * (job->num_kv_heads / job->heads_per_item);
-  for (int item = job->first_item; item < num_items && job->status == 0; item += job->item_step)
+  for (int item = __atomic_fetch_add(job->next_item, 1, __ATOMIC_RELAXED);
+       item < num_items && job->status == 0;
+       item = __atomic_fetch_add(job->next_item, 1, __ATOMIC_RELAXED))
     job->status = run_item(job, work->dtype, item, &scratch);
   free(block);
 }
@@ -310,11 +316,12 @@ int pdserve_paged_decode_attention(const void *q, long q_stride, const void *cac
   const int num_items = batch * (num_kv_heads / heads_per_item);
   if (num_threads > num_items) num_threads = num_items;
   ThreadJob jobs[MAX_THREADS];
+  int next_item = 0;
   for (int i = 0; i < num_threads; i++) {
     jobs[i].job = (Job){q, cache, tables, lens, out, q_stride, batch, num_q_heads,
                         num_kv_heads, head_dim, num_blocks, block_size, table_width, table_stride,
                         window, scale, softcap,
-                        heads_per_item, i, num_threads, 0};
+                        heads_per_item, &next_item, 0};
     jobs[i].dtype = &DTYPES[dtype];
   }
   /* OpenMP from the libgomp torch already loaded (same soname, so the
