@@ -64,6 +64,7 @@ from engine.metrics import PodMetrics
 from engine.outputs import EngineStats, RemoteReservation
 from engine.request_stream import EngineDead, RequestAborted, RequestStream, StreamTable
 from engine.stats_export import StatsExport
+from kernels.omp_pool import release_this_threads_pool
 
 if TYPE_CHECKING:  # the loop only calls the engine; importing it would load the model code
     from engine.llm_engine import LLMEngine
@@ -146,6 +147,9 @@ class EngineLoop:
             raise RuntimeError(f"engine loop cannot start from state {self._state.value}")
         self._publish_stats()
         self._thread.start()
+        # This thread built the engine; the loop thread steps it from now on:
+        # its OpenMP workers would throttle every team's (kernels/omp_pool.py).
+        release_this_threads_pool()
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the loop thread; open streams end with `EngineDead`.

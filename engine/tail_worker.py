@@ -34,6 +34,7 @@ import torch
 
 from engine.layer_gate import HeadLost, LayerGate
 from engine.paged_attention_context import PagedAttentionContext
+from kernels.omp_pool import release_this_threads_pool
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +111,9 @@ class TailWorker:
             except Exception:  # noqa: BLE001 - the request fails, the pod serves on
                 log.exception("split prefill tail of %s failed", job.request_id)
                 job.ok = False
+            if self._jobs.empty():
+                # idle now: its OpenMP workers would throttle the steps' (kernels/omp_pool.py)
+                release_this_threads_pool()
             self._done.put(job)
             if job.on_done is not None:
                 job.on_done()
