@@ -138,7 +138,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
             x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
             0 if residual is None else residual.stride(0), weight.data_ptr(), out.data_ptr(),
             None if residual is None else residual_out.data_ptr(), rows, hidden, eps,
-            DTYPE_CODES[x.dtype]), "rms_norm")
+            DTYPE_CODES[x.dtype], torch.get_num_threads()), "rms_norm")
     return out if residual is None else (out, residual_out)
 
 
@@ -162,8 +162,8 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         check(lib.pdserve_rotary_embedding(
             positions.data_ptr(), q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0),
             q_out.data_ptr(), k_out.data_ptr(), rows, q_heads, k.shape[1], head_dim,
-            cos_sin_cache.data_ptr(), cos_sin_cache.shape[0], DTYPE_CODES[q.dtype]),
-            "rotary_embedding")
+            cos_sin_cache.data_ptr(), cos_sin_cache.shape[0], DTYPE_CODES[q.dtype],
+            torch.get_num_threads()), "rotary_embedding")
     return q_out, k_out
 
 

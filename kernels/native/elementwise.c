@@ -15,11 +15,24 @@
 #include "dtypes.h"
 #include "rope.h"
 
+/* Rows are shared among `num_threads` from PARALLEL_ROWS rows (a prompt's
+ * chunk): a row's result does not depend on who computes it. Below, one
+ * thread: a decode step's few rows cost less than waking a team (~60 norms
+ * a step). Rows in blocks of ROW_BLOCK claimed as threads come free, so a
+ * thread that loses its core does not hold up the others. */
+#define PARALLEL_ROWS 64
+#define ROW_BLOCK 16
+
+static int team_for(long rows, int num_threads) {
+  return rows >= PARALLEL_ROWS && num_threads > 1 ? num_threads : 1;
+}
+
 /* y = r / sqrt(mean(r^2) + eps) * w with r = x (+ residual, rounded to ELEM). */
 #define DEFINE_RMS_NORM(NAME, ELEM, LOAD, STORE)                                           \
   static void NAME(const ELEM *x, long x_stride, const ELEM *residual, long res_stride,     \
                    const ELEM *weight, ELEM *out, ELEM *res_out, long rows, long hidden,   \
-                   float eps) {                                                            \
+                   float eps, int num_threads) {                                           \
+    _Pragma("omp parallel for num_threads(team_for(rows, num_threads)) schedule(dynamic, ROW_BLOCK)") \
     for (long i = 0; i < rows; i++) {                                                      \
       const ELEM *xr = x + i * x_stride;                                                   \
       ELEM *o = out + i * hidden;                                                          \
@@ -53,16 +66,19 @@ DEFINE_RMS_NORM(rms_norm_f16, _Float16, F16_LOAD, F16_STORE)
 /* dtype: 0 float32, 1 bfloat16, 2 float16; residual/res_out NULL for none. */
 int pdserve_rms_norm(const void *x, long x_stride, const void *residual, long res_stride,
                      const void *weight, void *out, void *res_out, long rows, long hidden,
-                     float eps, int dtype) {
+                     float eps, int dtype, int num_threads) {
   switch (dtype) {
     case 0:
-      rms_norm_f32(x, x_stride, residual, res_stride, weight, out, res_out, rows, hidden, eps);
+      rms_norm_f32(x, x_stride, residual, res_stride, weight, out, res_out, rows, hidden, eps,
+                   num_threads);
       return 0;
     case 1:
-      rms_norm_bf16(x, x_stride, residual, res_stride, weight, out, res_out, rows, hidden, eps);
+      rms_norm_bf16(x, x_stride, residual, res_stride, weight, out, res_out, rows, hidden, eps,
+                    num_threads);
       return 0;
     case 2:
-      rms_norm_f16(x, x_stride, residual, res_stride, weight, out, res_out, rows, hidden, eps);
+      rms_norm_f16(x, x_stride, residual, res_stride, weight, out, res_out, rows, hidden, eps,
+                   num_threads);
       return 0;
     default:
       return 2;
@@ -72,8 +88,10 @@ int pdserve_rms_norm(const void *x, long x_stride, const void *residual, long re
 /* Neox rotary of every head of every row (rope.h); cos/sin from cache[pos]. */
 #define DEFINE_ROTARY(NAME, ELEM, ROPE_HEAD)                                               \
   static void NAME(const ELEM *x, long x_stride, ELEM *out, long rows, long heads,         \
-                   long head_dim, const int64_t *positions, const float *cache) {          \
+                   long head_dim, const int64_t *positions, const float *cache,            \
+                   int num_threads) {                                                      \
     const long half = head_dim / 2;                                                        \
+    _Pragma("omp parallel for num_threads(team_for(rows, num_threads)) schedule(dynamic, ROW_BLOCK)") \
     for (long i = 0; i < rows; i++) {                                                      \
       const float *cos = cache + positions[i] * head_dim;                                  \
       for (long h = 0; h < heads; h++)                                                     \
@@ -91,21 +109,21 @@ DEFINE_ROTARY(rotary_f16, _Float16, rope_head_f16)
 int pdserve_rotary_embedding(const int64_t *positions, const void *q, long q_stride,
                              const void *k, long k_stride, void *q_out, void *k_out, long rows,
                              long q_heads, long k_heads, long head_dim, const float *cache,
-                             long max_positions, int dtype) {
+                             long max_positions, int dtype, int num_threads) {
   for (long i = 0; i < rows; i++)
     if (positions[i] < 0 || positions[i] >= max_positions) return 3;
   switch (dtype) {
     case 0:
-      rotary_f32(q, q_stride, q_out, rows, q_heads, head_dim, positions, cache);
-      rotary_f32(k, k_stride, k_out, rows, k_heads, head_dim, positions, cache);
+      rotary_f32(q, q_stride, q_out, rows, q_heads, head_dim, positions, cache, num_threads);
+      rotary_f32(k, k_stride, k_out, rows, k_heads, head_dim, positions, cache, num_threads);
       return 0;
     case 1:
-      rotary_bf16(q, q_stride, q_out, rows, q_heads, head_dim, positions, cache);
-      rotary_bf16(k, k_stride, k_out, rows, k_heads, head_dim, positions, cache);
+      rotary_bf16(q, q_stride, q_out, rows, q_heads, head_dim, positions, cache, num_threads);
+      rotary_bf16(k, k_stride, k_out, rows, k_heads, head_dim, positions, cache, num_threads);
       return 0;
     case 2:
-      rotary_f16(q, q_stride, q_out, rows, q_heads, head_dim, positions, cache);
-      rotary_f16(k, k_stride, k_out, rows, k_heads, head_dim, positions, cache);
+      rotary_f16(q, q_stride, q_out, rows, q_heads, head_dim, positions, cache, num_threads);
+      rotary_f16(k, k_stride, k_out, rows, k_heads, head_dim, positions, cache, num_threads);
       return 0;
     default:
       return 2;

@@ -35,8 +35,8 @@ _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 SIGNATURES = {
     "pdserve_paged_decode_attention": [_P, _L, _P, _P, _P, _P] + [_I] * 8
     + [_L, _I, _F, _F, _I],
-    "pdserve_rms_norm": [_P, _L, _P, _L, _P, _P, _P, _L, _L, _F, _I],
-    "pdserve_rotary_embedding": [_P, _P, _L, _P, _L, _P, _P, _L, _L, _L, _L, _P, _L, _I],
+    "pdserve_rms_norm": [_P, _L, _P, _L, _P, _P, _P, _L, _L, _F, _I, _I],
+    "pdserve_rotary_embedding": [_P, _P, _L, _P, _L, _P, _P, _L, _L, _L, _L, _P, _L, _I, _I],
     "pdserve_inject_kv": [_P, _P, _L, _L, _P, _L, _L, _L],
     "pdserve_silu_and_mul": [_P, _L, _P, _L, _L, _I, _I],
     "pdserve_decode_qkv_attention": [_P, _L, _P, _P, _P, _P, _L, _P, _P, _P] + [_I] * 8

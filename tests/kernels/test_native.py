@@ -164,7 +164,7 @@ def test_dispatch_auto_on_cpu_takes_the_native_kernel(monkeypatch):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("with_residual", [False, True])
-@pytest.mark.parametrize("rows,hidden", [(1, 64), (8, 1024), (37, 96)])
+@pytest.mark.parametrize("rows,hidden", [(1, 64), (8, 1024), (37, 96), (300, 576)])
 def test_rms_norm_matches_reference(rows, hidden, with_residual, dtype):
     gen = generator(rows * hidden + with_residual)
     wide = randn((rows, hidden + 32), dtype, gen)
@@ -200,6 +200,36 @@ def test_rotary_matches_reference_on_split_views(q_heads, k_heads, head_dim, dty
     got = native.rotary_embedding(positions, q, k, cache)
     assert_close(got[0], expected[0])
     assert_close(got[1], expected[1])
+
+
+def test_prompt_rows_shared_among_threads_give_what_one_thread_gives():
+    """From 64 rows RMSNorm and RoPE share rows among torch's threads
+    (elementwise.c): each row is computed alone, so the result is the same
+    bits whatever the threads, and both still match the torch reference."""
+    gen = generator(4242)
+    rows, hidden, heads, head_dim, max_pos = 300, 576, 9, 64, 4096
+    x = randn((rows, hidden), torch.bfloat16, gen)
+    residual = randn((rows, hidden), torch.bfloat16, gen)
+    weight = randn((hidden,), torch.bfloat16, gen)
+    q = randn((rows, heads, head_dim), torch.float32, gen)
+    k = randn((rows, 3, head_dim), torch.float32, gen)
+    cache = torch.randn((max_pos, head_dim), generator=gen)
+    positions = torch.randint(0, max_pos, (rows,), generator=gen)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = native.rms_norm(x, weight, 1e-5, residual), native.rotary_embedding(
+            positions, q, k, cache)
+        torch.set_num_threads(max(threads, 2))
+        shared = native.rms_norm(x, weight, 1e-5, residual), native.rotary_embedding(
+            positions, q, k, cache)
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip((*one[0], *one[1]), (*shared[0], *shared[1]), strict=True):
+        assert torch.equal(a, b)
+    expected = reference.rotary_embedding_reference(positions, q, k, cache)
+    assert_close(shared[1][0], expected[0])
+    assert_close(shared[1][1], expected[1])
 
 
 def test_rotary_position_outside_the_cache_raises():
