@@ -31,7 +31,11 @@ from tests.router.router_process import RouterProcess, start_router, wait_ready
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 PROMPT = " ".join(f"r{i}" for i in range(60))
-LONG = 300  # tokens: streaming for a while on the tiny model
+# tokens: streaming for a while on the tiny model, long enough that two
+# streams outlast a 1,000-token prompt's chunked prefill and transfer on a
+# loaded machine (300 ended first once decode steps got faster, beside the
+# suite)
+LONG = 500
 # prefill in 64-token chunks: a long prompt's KV leaves over many steps, so a
 # kill can land between its first and last layer
 POD_FLAGS = {"prefill": {"block_size": 16, "num_blocks": 256, "kv_streams": 2,
