@@ -58,8 +58,16 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     return parser
 
 
+# processes that run an engine: their OpenMP spin is set before torch loads
+POD_COMMANDS = ("prefill", "decode", "serve")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if next((a for a in argv if not a.startswith("-")), None) in POD_COMMANDS:
+        from pdserve.commands._cpus import default_pod_spin
+
+        default_pod_spin()
     args = build_parser(argv).parse_args(argv)
     return int(args._module.main(args) or 0)
 

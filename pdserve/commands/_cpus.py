@@ -25,6 +25,22 @@ from pathlib import Path
 
 log = logging.getLogger("pdserve.cpus")
 
+# libgomp's idle spin in a pod process, in spins (~20 ns each here): long
+# enough to bridge the gaps between a step's ~270 parallel regions, short
+# enough to give the core back between steps. libgomp's own default
+# (300,000, milliseconds of spinning after each region) kept a pod's worker
+# on a core it shares with the other pod, the router or a CFS quota: a
+# 0.16 s KV transfer deadline was missed beside it (docs/engine.md,
+# "OpenMP pools"). Read by libgomp when torch loads it: set before that.
+POD_SPIN_COUNT = 2000
+
+
+def default_pod_spin() -> None:
+    """GOMP_SPINCOUNT for this pod process, unless the operator set it or a
+    wait policy (OMP_WAIT_POLICY), which libgomp reads instead."""
+    if "GOMP_SPINCOUNT" not in os.environ and "OMP_WAIT_POLICY" not in os.environ:
+        os.environ["GOMP_SPINCOUNT"] = str(POD_SPIN_COUNT)
+
 
 def allowed_cpus() -> tuple[int, ...]:
     """The CPUs this process may run on, ascending."""

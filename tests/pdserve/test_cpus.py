@@ -165,3 +165,43 @@ stop.set(); before.join(); after.join()
         with pytest.raises(SystemExit):
             parser.parse_args(["--model", "/m", "--nice", bad])
         assert "must be a whole number from 0 to 19" in capsys.readouterr().err
+
+
+def test_a_pod_process_spins_briefly_unless_the_operator_chose(monkeypatch):
+    """libgomp's default spin held a shared core for milliseconds after each
+    region (docs/engine.md, "OpenMP pools"); pods get POD_SPIN_COUNT, and an
+    operator's GOMP_SPINCOUNT or OMP_WAIT_POLICY is left alone."""
+    from pdserve.commands import _cpus
+
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    _cpus.default_pod_spin()
+    assert os.environ["GOMP_SPINCOUNT"] == str(_cpus.POD_SPIN_COUNT)
+    monkeypatch.setenv("GOMP_SPINCOUNT", "300000")
+    _cpus.default_pod_spin()
+    assert os.environ["GOMP_SPINCOUNT"] == "300000"
+    monkeypatch.delenv("GOMP_SPINCOUNT")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "active")
+    _cpus.default_pod_spin()
+    assert "GOMP_SPINCOUNT" not in os.environ
+
+
+def test_pod_commands_set_the_spin_before_torch_loads(tiny_model_dir):
+    """`pdserve serve` reaches its engine with GOMP_SPINCOUNT set (read by
+    libgomp when torch loads it); `pdserve bench` keeps libgomp's default."""
+    from tests.integration.pods import REPO_ROOT
+
+    script = ("import os, sys\n"
+              "from pdserve import cli\n"
+              "cli.build_parser = lambda argv: (_ for _ in ()).throw(SystemExit(0))\n"
+              "try:\n"
+              "    cli.main(sys.argv[1:])\n"
+              "except SystemExit:\n"
+              "    pass\n"
+              "print(os.environ.get('GOMP_SPINCOUNT'), 'torch' in sys.modules)\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    for command, want in (("serve", "2000"), ("bench", "None")):
+        out = subprocess.run([sys.executable, "-c", script, command, "--model",
+                              str(tiny_model_dir)], cwd=REPO_ROOT, env=env, check=True,
+                             capture_output=True, text=True, timeout=120).stdout.split()
+        assert out == [want, "False"], (command, out)
