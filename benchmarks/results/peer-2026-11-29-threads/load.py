@@ -16,6 +16,6 @@ size, specials = prompt_vocabulary(model_dir)
 r = run_load(url, model_dir.name, random_prompts(n, 256, size, seed=int(time.time()),
                                                  exclude=specials),
              LoadSpec(max_tokens=64, concurrency=8, seed=0, token_count="logprobs"))
-print(n, "tok/s %.1f" % r["output_throughput"],
-      "itl p50 %.1f p99 %.1f" % (r["itl_ms"]["p50"], r["itl_ms"]["p99"]),
-      "ttft p50 %.0f" % r["ttft_ms"]["p50"])
+print(n, f"tok/s {r['output_throughput']:.1f}",
+      f"itl p50 {r['itl_ms']['p50']:.1f} p99 {r['itl_ms']['p99']:.1f}",
+      f"ttft p50 {r['ttft_ms']['p50']:.0f}")
