@@ -5,8 +5,8 @@ prompt tokens of SmolLM2 in float32 the gate/up output alone is 22 MB, and
 there are several such tensors a layer, 30 layers a step. glibc returns
 freed memory to the kernel: chunks above its mmap threshold are unmapped
 on free, and free space at the top of a heap above its trim threshold is
-given back (`brk` down, or MADV_DONTNEED in a thread's arena; the forward
-runs on the engine's worker thread). The next layer's allocation then
+given back (`brk` down, or MADV_DONTNEED in a thread's arena: a pod's
+forward runs on its engine-loop thread). The next layer's allocation then
 faults every 4 KiB page back in. Measured on the 2-core VM: 7,000 to
 117,000 minor faults per 7 x 256-token prefill step (up to 457 MB faulted
 again), the step 1.03-1.16 s against 1.03 s with none (docs/engine.md,
