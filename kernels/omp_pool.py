@@ -42,14 +42,15 @@ RUNTIMES = ("libgomp", "libiomp", "libomp")
 @lru_cache(maxsize=1)
 def _pause_all() -> ctypes._CFuncPtr | None:
     """omp_pause_resource_all of the OpenMP runtime loaded in this process."""
-    import torch  # its OpenMP runtime is the one the kernels' regions use
+    import torch  # noqa: F401 - loads the OpenMP runtime the kernels' regions use
 
-    torch.get_num_threads()
     maps = Path("/proc/self/maps")
     if not maps.is_file():
         return None
-    for line in maps.read_text().splitlines():
-        path = line.split()[-1] if len(line.split()) >= 6 else ""
+    # a library is mapped several times (code, data): each path once, in order
+    paths = dict.fromkeys(fields[5] for fields in map(str.split, maps.read_text().splitlines())
+                          if len(fields) >= 6)
+    for path in paths:
         if any(Path(path).name.startswith(name) for name in RUNTIMES):
             try:
                 fn = ctypes.CDLL(path).omp_pause_resource_all
