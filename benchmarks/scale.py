@@ -17,7 +17,7 @@ One run, all on loopback:
               one router the pods' counters (prefix-cache hits, ...) come from
               the sim's one metrics page (`pdserve sim --metrics-port`)
     report    per router: CPU per request and per relayed output token (its
-              /proc CPU time over the load), idle CPU (% of one core),
+              process CPU clock over the load), idle CPU (% of one core),
               load-report traffic at idle (reports/s, streamed and polled, from
               its pdserve_router_load_reports_total; bytes/s = that x one
               report's size), prefix-index
@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 import time
@@ -51,6 +50,7 @@ from pathlib import Path
 from benchmarks import serve, sim_plan
 from benchmarks.capacity import size
 from benchmarks.peer_servers import free_port
+from benchmarks.router_open_loop import cpu_seconds
 from benchmarks.router_stack import _spawn, _wait_file, start_redis, stop_stack
 from benchmarks.serve_client import LoadSpec
 from benchmarks.serve_report import print_summary
@@ -59,7 +59,6 @@ HELP = ("Routers in front of N simulated pods (pdserve sim), driven by bench ser
         "per request and per token, idle CPU, load-report traffic, prefix index, Redis ops/s, "
         "TTFT/ITL.")
 
-_TICKS = os.sysconf("SC_CLK_TCK")
 _DECISION = "pdserve_router_routing_decision_seconds"
 _DECISION_CPU = "pdserve_router_routing_decision_cpu_seconds"
 
@@ -89,11 +88,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "--plan-itl-ms); --sim-prefill/--sim-decode are then not used")
     p.add_argument("--plan-itl-ms", type=float, default=None, help="the ITL p90 target")
     p.add_argument("--plan-max-runs", type=int, default=8, help="runs the search may make")
-
-
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _TICKS  # utime + stime
 
 
 def _metrics(port: int) -> str:
@@ -215,17 +209,17 @@ def run(args: argparse.Namespace) -> dict:
         started, ports, pods = _start(args, tmp, redis_url)
         procs += started
         routers = procs[2:]
-        cpu0 = [_cpu_seconds(p.pid) for p in routers]
+        cpu0 = [cpu_seconds(p.pid) for p in routers]
         reports0 = [_sum(_metrics(port), "pdserve_router_load_reports_total{") for port in ports]
         time.sleep(args.idle_seconds)
-        idle = [(_cpu_seconds(p.pid) - c) / args.idle_seconds for p, c in
+        idle = [(cpu_seconds(p.pid) - c) / args.idle_seconds for p, c in
                 zip(routers, cpu0, strict=True)]
         # counted, not computed: streamed reports and polls the routers received
         idle_reports = [(_sum(_metrics(port), "pdserve_router_load_reports_total{") - r0)
                         / args.idle_seconds for port, r0 in zip(ports, reports0, strict=True)]
         args.model = args.model or serve.detect_model(f"http://127.0.0.1:{ports[0]}")
         sessions, workload = serve.sessions_from_args(args)
-        cpu1, ops1 = [_cpu_seconds(p.pid) for p in routers], _redis_ops(redis_url)
+        cpu1, ops1 = [cpu_seconds(p.pid) for p in routers], _redis_ops(redis_url)
         reports1 = [_sum(_metrics(port), "pdserve_router_load_reports_total{") for port in ports]
         began = time.monotonic()
         with ThreadPoolExecutor(len(ports)) as pool:
@@ -239,7 +233,7 @@ def run(args: argparse.Namespace) -> dict:
         per_router = []
         for i, (proc, port, result) in enumerate(zip(routers, ports, results,
                                                           strict=True)):
-            cpu = _cpu_seconds(proc.pid) - cpu1[i]
+            cpu = cpu_seconds(proc.pid) - cpu1[i]
             text = _metrics(port)
             per_router.append({
                 "router": i, "idle_cpu_fraction": idle[i], "load_cpu_s": cpu,
