@@ -17,7 +17,9 @@ tokens alone, in any batch, after preemption, and on whichever pod samples
 index i. Unseeded rows share the engine's generator (seeded by
 `EngineConfig.seed`).
 
-Logprobs are of the raw distribution: log_softmax of the unmodified logits.
+Logprobs are of the raw distribution: log_softmax of the unmodified logits,
+as (x - max) - log(sum exp(x - max)) from one reduction per row
+(`kernels.dispatch.logit_stats`), with no log-softmax rows materialised.
 
 Penalties, logit bias and min_tokens (engine/logits_processors.py) adjust
 the logits first when the step has a `LogitsAdjustments`; without one (no
@@ -42,6 +44,7 @@ from engine.host_copy import to_device
 from engine.logits_processors import LogitsAdjustments
 from engine.outputs import TokenLogprobs
 from engine.sampling_params import SamplingParams
+from kernels import dispatch as kernel_ops
 
 
 def seed_for_index(seed: int, output_index: int) -> int:
@@ -122,12 +125,17 @@ class Sampler:
         if token_mask is not None:
             logits = token_mask.apply(logits)
         drawn_from = logits if adjustments is None else adjustments.apply(logits, previous_tokens)
-        token_ids = drawn_from.argmax(dim=-1)
+        # One pass gives the greedy tokens and, when the logprobs are of the
+        # same logits, what they need too.
+        same = drawn_from is logits
+        stats = kernel_ops.logit_stats(
+            drawn_from, logsum=same and any(p.logprobs is not None for p in params))
+        token_ids = stats[0]
         if not all(p.greedy for p in params):
             greedy = to_device(torch.tensor([p.greedy for p in params]), logits.device)
             sampled = self._sample(drawn_from, params, output_indices)
             token_ids = torch.where(greedy, token_ids, sampled)
-        return _with_logprobs(logits, params, token_ids)
+        return _with_logprobs(logits, params, token_ids, stats if same else None)
 
     def _sample(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                 output_indices: Sequence[int]) -> torch.Tensor:
@@ -182,13 +190,34 @@ def _filter_top_k_top_p(scaled: torch.Tensor, top_k: list[int],
 
 
 def _with_logprobs(logits: torch.Tensor, params: Sequence[SamplingParams],
-                   token_ids: torch.Tensor) -> SampledTensors:
+                   token_ids: torch.Tensor,
+                   stats: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None
+                   ) -> SampledTensors:
+    """The logprobs rows asked for, from `kernel_ops.logit_stats` of `logits`
+    (`stats`, when the caller has them): log-softmax x_j is (x_j - max) -
+    logsum, so the chosen token's needs one element of its row, the best
+    one's is -logsum at the argmax, and only n > 1 reads a row again (topk
+    of the raw logits: the same order)."""
     wanted = tuple(r for r, p in enumerate(params) if p.logprobs is not None)
     if not wanted:
         return SampledTensors(token_ids, (), None, None, None)
-    rows = to_device(torch.tensor(wanted), logits.device)
-    logprobs = logits[rows].log_softmax(dim=-1)
-    chosen = logprobs.gather(1, token_ids[rows, None]).squeeze(1)
+    if stats is None or stats[2] is None:
+        stats = kernel_ops.logit_stats(logits, logsum=True)
+    argmax, top, logsum = stats
+    every_row = len(wanted) == len(params)
+    rows = None if every_row else to_device(torch.tensor(wanted), logits.device)
+
+    def of_rows(t: torch.Tensor) -> torch.Tensor:
+        return t if rows is None else t[rows]
+
+    top, logsum, chosen_ids = of_rows(top), of_rows(logsum), of_rows(token_ids)
+    chosen = (of_rows(logits).gather(1, chosen_ids[:, None]).squeeze(1) - top) - logsum
     max_n = max(params[r].logprobs for r in wanted)
-    top_values, top_ids = logprobs.topk(max_n, dim=-1) if max_n else (None, None)
-    return SampledTensors(token_ids, wanted, chosen, top_values, top_ids)
+    if max_n == 0:
+        return SampledTensors(token_ids, wanted, chosen, None, None)
+    if max_n == 1:
+        return SampledTensors(token_ids, wanted, chosen, (-logsum)[:, None],
+                              of_rows(argmax)[:, None])
+    values, top_ids = of_rows(logits).topk(max_n, dim=-1)
+    return SampledTensors(token_ids, wanted, chosen, (values - top[:, None]) - logsum[:, None],
+                          top_ids)

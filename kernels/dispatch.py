@@ -316,3 +316,20 @@ def rotary_embedding(
             and native.supports_rotary(positions, q, k, cos_sin_cache)):
         return native.rotary_embedding(positions, q, k, cos_sin_cache)
     return reference.rotary_embedding_reference(positions, q, k, cos_sin_cache)
+
+
+def logit_stats(x: torch.Tensor, *, logsum: bool = True, backend: Backend | str = Backend.AUTO
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(argmax, max, logsum) of each row of float32 logits x [n, V]: the first
+    index of the row's maximum (the first NaN's when it has one), that
+    maximum, and log(sum_j exp(x_j - max)) when `logsum` (else None), so the
+    row's log-softmax is (x_j - max) - logsum. On x's device; the native
+    kernel on CPU under ``auto``, the torch reference otherwise (and on
+    CUDA, where torch's reductions are already one kernel each)."""
+    if x.dim() != 2 or x.dtype != torch.float32:
+        raise ValueError(f"logit_stats takes float32 [n, V] logits, got {x.dtype} "
+                         f"{tuple(x.shape)}")
+    if (Backend.parse(backend) is Backend.AUTO and x.device.type == "cpu"
+            and native.supports_logit_stats(x)):
+        return native.logit_stats(x, logsum=logsum)
+    return reference.logit_stats_reference(x, logsum=logsum)

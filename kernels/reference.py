@@ -181,3 +181,16 @@ def paged_prefill_attention_reference(
         probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
         out[begin:end] = torch.einsum("hqk,khd->qhd", probs, values).to(q.dtype)
     return out
+
+
+def logit_stats_reference(x: torch.Tensor, *, logsum: bool
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Per row of x [n, V] float32: the first index of its maximum (the
+    first NaN's when it has one), that maximum (NaN then), and, when
+    `logsum`, log(sum_j exp(x_j - max)) (NaN for a row with a NaN, +inf, or
+    only -inf)."""
+    argmax = x.argmax(dim=-1)
+    top = x.amax(dim=-1)
+    if not logsum:
+        return argmax, top, None
+    return argmax, top, (x - top[:, None]).exp().sum(dim=-1).log()

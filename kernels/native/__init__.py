@@ -53,13 +53,15 @@ from kernels.native.gemm import (
     pack_panels_bf16,
 )
 from kernels.native.loader import build, default_cache_dir, library
+from kernels.native.sampling import logit_stats, supports_logit_stats
 
 __all__ = ["NativeKernelError", "DecodeQKVCall", "PANEL", "build", "default_cache_dir",
            "gemm_available", "gemm_bf16_available", "gemm_bf16_pairs", "gemm_panels",
            "gemm_panels_bf16",
-           "inject_kv", "library", "pack_panels", "pack_panels_bf16",
+           "inject_kv", "library", "logit_stats", "pack_panels", "pack_panels_bf16",
            "paged_decode_attention", "prefill_attention", "prefill_attention_available",
            "rms_norm", "rotary_embedding", "silu_and_mul", "supports", "supports_inject",
+           "supports_logit_stats",
            "supports_prefill_attention", "supports_qkv", "supports_rms_norm", "supports_rotary"]
 
 PROFILER_NAME = "pdserve_native::paged_decode_attention"

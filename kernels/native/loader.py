@@ -48,6 +48,7 @@ SIGNATURES = {
     "pdserve_gemm_panels_bf16": [_P, _L, _L, _P, _L, _L, _P, _P, _L, _I],
     "pdserve_prefill_attention_available": [],
     "pdserve_prefill_attention": [_P, _L, _P, _L, _P, _L, _P, _L] + [_I] * 7 + [_F, _I],
+    "pdserve_logit_stats": [_P, _L, _L, _L, _P, _P, _P, _I],
 }
 
 
