@@ -184,9 +184,29 @@ static void score_keys(const Job *job, const Dtype *dt, const Item *it, Scratch 
     chunk_offsets(job, it, t0, count, off);
     if (next_count > 0) chunk_offsets(job, it, t1, next_count, next);
     for (int h = 0; h < it->heads; h++) {
+      const int tiles = (count + TILE - 1) / TILE, calls = it->group * tiles;
+#if defined(PDSERVE_DECODE_BF16_SCORES)
+      if (dt == &DTYPES[1]) { /* bfloat16 q and K pairs multiplied in place */
+        const uint16_t *rows[CHUNK];
+        for (int j = 0; j < CHUNK; j++)
+          rows[j] = (const uint16_t *)job->cache + off[j < count ? j : count - 1] + (long)h * D;
+        const uint16_t *q = (const uint16_t *)job->q + (long)it->b * job->q_stride
+                            + ((long)it->h0 * it->group + (long)h * it->group) * D;
+        for (int g = 0; g < it->group; g++) {
+          const long r = (long)h * it->group + g;
+          float *out = s->scores + r * s->stride + (t0 - it->start);
+          for (int j = 0; j < count; j += TILE) {
+            const int c = g * tiles + j / TILE;
+            prefetch_next_step(dt, job->cache, it, h, off, next, next_count, D,
+                               c * CHUNK / calls, (c + 1) * CHUNK / calls);
+            dot_tile_bf16(q + (long)g * D, rows + j, D, job->scale, out + j);
+          }
+        }
+        continue;
+      }
+#endif
       const float *rows[CHUNK];
       chunk_rows(dt, job->cache, off, (long)h * D, count, D, s->rows, rows);
-      const int tiles = (count + TILE - 1) / TILE, calls = it->group * tiles;
       for (int g = 0; g < it->group; g++) {
         const long r = (long)h * it->group + g;
         float *out = s->scores + r * s->stride + (t0 - it->start);
@@ -214,12 +234,23 @@ static void accumulate_values(const Job *job, const Dtype *dt, const Item *it, S
     chunk_offsets(job, it, t0, count, off);
     if (next_count > 0) chunk_offsets(job, it, t1, next_count, next);
     for (int h = 0; h < it->heads; h++) {
+      const long r = (long)h * it->group;
+      float *acc = s->acc + r * D;
+      const float *p = s->scores + r * s->stride + (t0 - it->start);
+#if defined(PDSERVE_DECODE_BF16_VALUES)
+      if (dt == &DTYPES[1]) { /* bfloat16 rows widened in registers, not copied */
+        const uint16_t *rows[CHUNK];
+        for (int j = 0; j < CHUNK; j++)
+          rows[j] = (const uint16_t *)values + off[j < count ? j : count - 1] + (long)h * D;
+        prefetch_next_step(dt, values, it, h, off, next, next_count, D, 0, CHUNK);
+        accumulate_group_bf16(acc, p, s->stride, it->group, rows, D);
+        continue;
+      }
+#endif
       const float *rows[CHUNK];
       chunk_rows(dt, values, off, (long)h * D, count, D, s->rows, rows);
       prefetch_next_step(dt, values, it, h, off, next, next_count, D, 0, CHUNK);
-      const long r = (long)h * it->group;
-      accumulate_group(s->acc + r * D, s->scores + r * s->stride + (t0 - it->start), s->stride,
-                       it->group, rows, D);
+      accumulate_group(acc, p, s->stride, it->group, rows, D);
     }
   }
 }

@@ -11,24 +11,13 @@
 #include <math.h>
 #include <stdint.h>
 
-/* Sixteen accumulators, one per key, reduced together at the end into the
- * sixteen scores: D / 16 loads of q and D FMAs per key, no horizontal sum
- * per score. */
-static inline void dot_tile(const float *q, const float *const k[TILE], int D, float *out) {
-  __m512 s[TILE];
-#pragma GCC unroll 16
-  for (int j = 0; j < TILE; j++) s[j] = _mm512_setzero_ps();
-  for (int d = 0; d < D; d += 16) {
-    const __m512 x = _mm512_loadu_ps(q + d);
-#pragma GCC unroll 16
-    for (int j = 0; j < TILE; j++) s[j] = _mm512_fmadd_ps(x, _mm512_loadu_ps(k[j] + d), s[j]);
-  }
-  /* A transpose-and-add tree. Within each 128-bit lane: unpack + add
-   * leaves 8 registers of [a02 b02 a13 b13] (a = s[2i], b = s[2i + 1],
-   * aXY = a_X + a_Y), then shuffle + add 4 registers whose 128-bit lane L
-   * holds lane L's sums of four keys. Across 128-bit lanes: two rounds of
-   * shuffle_f32x4 + add sum the four lanes, leaving keys 0-3, 4-7, 8-11,
-   * 12-15 in order. */
+/* The sixteen sums of s[0..16)'s lanes, in key order, one per lane. A
+ * transpose-and-add tree. Within each 128-bit lane: unpack + add leaves 8
+ * registers of [a02 b02 a13 b13] (a = s[2i], b = s[2i + 1], aXY = a_X +
+ * a_Y), then shuffle + add 4 registers whose 128-bit lane L holds lane L's
+ * sums of four keys. Across 128-bit lanes: two rounds of shuffle_f32x4 +
+ * add sum the four lanes, leaving keys 0-3, 4-7, 8-11, 12-15 in order. */
+static inline __m512 sum_lanes16(const __m512 s[16]) {
   __m512 t[8], u[4];
 #pragma GCC unroll 8
   for (int i = 0; i < 8; i++)
@@ -42,20 +31,78 @@ static inline void dot_tile(const float *q, const float *const k[TILE], int D, f
                                   _mm512_shuffle_f32x4(u[0], u[1], 0xee));
   const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x44),
                                   _mm512_shuffle_f32x4(u[2], u[3], 0xee));
-  _mm512_storeu_ps(out, _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88),
-                                      _mm512_shuffle_f32x4(w0, w1, 0xdd)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xdd));
+}
+
+/* Sixteen accumulators, one per key, reduced together at the end into the
+ * sixteen scores: D / 16 loads of q and D FMAs per key, no horizontal sum
+ * per score. */
+static inline void dot_tile(const float *q, const float *const k[TILE], int D, float *out) {
+  __m512 s[TILE];
+#pragma GCC unroll 16
+  for (int j = 0; j < TILE; j++) s[j] = _mm512_setzero_ps();
+  for (int d = 0; d < D; d += 16) {
+    const __m512 x = _mm512_loadu_ps(q + d);
+#pragma GCC unroll 16
+    for (int j = 0; j < TILE; j++) s[j] = _mm512_fmadd_ps(x, _mm512_loadu_ps(k[j] + d), s[j]);
+  }
+  _mm512_storeu_ps(out, sum_lanes16(s));
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+/* dot_tile of bfloat16 q and K rows read in place, times `scale`:
+ * vdpbf16ps multiplies 32 pairs per instruction (each product exact in
+ * float32, as the widened rows' were), half the loads and multiplies of
+ * the float32 path and no K rows converted into scratch. A head dim that is
+ * an odd multiple of 16 takes its last 16 under a mask (zero pairs add 0).
+ * The sums go in another order than dot_tile's on widened rows, with the
+ * scale applied to the sum, not to q: results differ in the last bits. */
+#define PDSERVE_DECODE_BF16_SCORES 1
+static inline void dot_tile_bf16(const uint16_t *q, const uint16_t *const k[TILE], int D,
+                                 float scale, float *out) {
+  __m512 s[TILE];
+#pragma GCC unroll 16
+  for (int j = 0; j < TILE; j++) s[j] = _mm512_setzero_ps();
+  int d = 0;
+  for (; d + 32 <= D; d += 32) {
+    const __m512bh x = (__m512bh)_mm512_loadu_si512(q + d);
+#pragma GCC unroll 16
+    for (int j = 0; j < TILE; j++)
+      s[j] = _mm512_dpbf16_ps(s[j], x, (__m512bh)_mm512_loadu_si512(k[j] + d));
+  }
+  if (d < D) {
+    const __m512bh x = (__m512bh)_mm512_maskz_loadu_epi16(0xffff, q + d);
+#pragma GCC unroll 16
+    for (int j = 0; j < TILE; j++)
+      s[j] = _mm512_dpbf16_ps(s[j], x, (__m512bh)_mm512_maskz_loadu_epi16(0xffff, k[j] + d));
+  }
+  _mm512_storeu_ps(out, _mm512_mul_ps(sum_lanes16(s), _mm512_set1_ps(scale)));
+}
+#endif
+
+/* Sixteen dims of a V row from dim d: float32 rows as they are, bfloat16
+ * rows (`bf16`, a constant where these are inlined) widened in registers,
+ * exactly (a bfloat16 is the top half of the float32 of the same value), so
+ * a bfloat16 cache takes the same arithmetic as its float32 copy did
+ * without writing one. */
+static inline __attribute__((always_inline)) __m512 v_load(const void *row, int d, const int bf16) {
+  if (bf16)
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + d))),
+        16));
+  return _mm512_loadu_ps((const float *)row + d);
 }
 
 /* acc[d..D) += sum_j p[j] v[j][d..D), 16 dims at a time over four sets of rows. */
-static inline void accumulate_from(float *acc, const float *p, const float *const v[CHUNK],
-                                   int d, int D) {
+static inline __attribute__((always_inline)) void accumulate_from(
+    float *acc, const float *p, const void *const v[CHUNK], int d, int D, const int bf16) {
   for (; d < D; d += 16) {
     __m512 a0 = _mm512_loadu_ps(acc + d), a1 = _mm512_setzero_ps(), a2 = a1, a3 = a1;
     for (int j = 0; j < CHUNK; j += 4) {
-      a0 = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), _mm512_loadu_ps(v[j] + d), a0);
-      a1 = _mm512_fmadd_ps(_mm512_set1_ps(p[j + 1]), _mm512_loadu_ps(v[j + 1] + d), a1);
-      a2 = _mm512_fmadd_ps(_mm512_set1_ps(p[j + 2]), _mm512_loadu_ps(v[j + 2] + d), a2);
-      a3 = _mm512_fmadd_ps(_mm512_set1_ps(p[j + 3]), _mm512_loadu_ps(v[j + 3] + d), a3);
+      a0 = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), v_load(v[j], d, bf16), a0);
+      a1 = _mm512_fmadd_ps(_mm512_set1_ps(p[j + 1]), v_load(v[j + 1], d, bf16), a1);
+      a2 = _mm512_fmadd_ps(_mm512_set1_ps(p[j + 2]), v_load(v[j + 2], d, bf16), a2);
+      a3 = _mm512_fmadd_ps(_mm512_set1_ps(p[j + 3]), v_load(v[j + 3], d, bf16), a3);
     }
     _mm512_storeu_ps(acc + d, _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
   }
@@ -64,7 +111,8 @@ static inline void accumulate_from(float *acc, const float *p, const float *cons
 /* 64 dims at a time in four registers, twice: even rows into one set,
  * odd rows into the other (eight independent FMA chains over the chunk),
  * added at the end; then 16 dims at a time over four sets of rows. */
-static inline void accumulate(float *acc, const float *p, const float *const v[CHUNK], int D) {
+static inline __attribute__((always_inline)) void accumulate(
+    float *acc, const float *p, const void *const v[CHUNK], int D, const int bf16) {
   int d = 0;
   for (; d + 64 <= D; d += 64) {
     __m512 a0 = _mm512_loadu_ps(acc + d), a1 = _mm512_loadu_ps(acc + d + 16),
@@ -72,22 +120,21 @@ static inline void accumulate(float *acc, const float *p, const float *const v[C
     __m512 b0 = _mm512_setzero_ps(), b1 = b0, b2 = b0, b3 = b0;
     for (int j = 0; j < CHUNK; j += 2) {
       const __m512 w = _mm512_set1_ps(p[j]), u = _mm512_set1_ps(p[j + 1]);
-      const float *x = v[j] + d, *y = v[j + 1] + d;
-      a0 = _mm512_fmadd_ps(w, _mm512_loadu_ps(x), a0);
-      a1 = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + 16), a1);
-      a2 = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + 32), a2);
-      a3 = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + 48), a3);
-      b0 = _mm512_fmadd_ps(u, _mm512_loadu_ps(y), b0);
-      b1 = _mm512_fmadd_ps(u, _mm512_loadu_ps(y + 16), b1);
-      b2 = _mm512_fmadd_ps(u, _mm512_loadu_ps(y + 32), b2);
-      b3 = _mm512_fmadd_ps(u, _mm512_loadu_ps(y + 48), b3);
+      a0 = _mm512_fmadd_ps(w, v_load(v[j], d, bf16), a0);
+      a1 = _mm512_fmadd_ps(w, v_load(v[j], d + 16, bf16), a1);
+      a2 = _mm512_fmadd_ps(w, v_load(v[j], d + 32, bf16), a2);
+      a3 = _mm512_fmadd_ps(w, v_load(v[j], d + 48, bf16), a3);
+      b0 = _mm512_fmadd_ps(u, v_load(v[j + 1], d, bf16), b0);
+      b1 = _mm512_fmadd_ps(u, v_load(v[j + 1], d + 16, bf16), b1);
+      b2 = _mm512_fmadd_ps(u, v_load(v[j + 1], d + 32, bf16), b2);
+      b3 = _mm512_fmadd_ps(u, v_load(v[j + 1], d + 48, bf16), b3);
     }
     _mm512_storeu_ps(acc + d, _mm512_add_ps(a0, b0));
     _mm512_storeu_ps(acc + d + 16, _mm512_add_ps(a1, b1));
     _mm512_storeu_ps(acc + d + 32, _mm512_add_ps(a2, b2));
     _mm512_storeu_ps(acc + d + 48, _mm512_add_ps(a3, b3));
   }
-  accumulate_from(acc, p, v, d, D);
+  accumulate_from(acc, p, v, d, D, bf16);
 }
 
 /* acc[g] += sum_j p[g][j] v[j] for the G query heads of one KV head (acc
@@ -95,16 +142,16 @@ static inline void accumulate(float *acc, const float *p, const float *const v[C
  * of HB heads (64 dims in four registers per head, HB broadcasts and 4 HB
  * FMAs per row) instead of once per head. */
 static inline __attribute__((always_inline)) void accumulate_block(
-    float *acc, const float *p, long ps, const float *const v[CHUNK], int d, int D, const int HB) {
+    float *acc, const float *p, long ps, const void *const v[CHUNK], int d, int D, const int HB,
+    const int bf16) {
   __m512 a[4][4];
 #pragma GCC unroll 4
   for (int i = 0; i < HB; i++)
 #pragma GCC unroll 4
     for (int k = 0; k < 4; k++) a[i][k] = _mm512_loadu_ps(acc + i * D + d + 16 * k);
   for (int j = 0; j < CHUNK; j++) {
-    const float *x = v[j] + d;
-    const __m512 x0 = _mm512_loadu_ps(x), x1 = _mm512_loadu_ps(x + 16),
-                 x2 = _mm512_loadu_ps(x + 32), x3 = _mm512_loadu_ps(x + 48);
+    const __m512 x0 = v_load(v[j], d, bf16), x1 = v_load(v[j], d + 16, bf16),
+                 x2 = v_load(v[j], d + 32, bf16), x3 = v_load(v[j], d + 48, bf16);
 #pragma GCC unroll 4
     for (int i = 0; i < HB; i++) {
       const __m512 w = _mm512_set1_ps(p[i * ps + j]);
@@ -120,13 +167,14 @@ static inline __attribute__((always_inline)) void accumulate_block(
     for (int k = 0; k < 4; k++) _mm512_storeu_ps(acc + i * D + d + 16 * k, a[i][k]);
 }
 
-static inline void accumulate_group(float *acc, const float *p, long ps, int G,
-                                    const float *const v[CHUNK], int D) {
+static inline __attribute__((always_inline)) void accumulate_rows(
+    float *acc, const float *p, long ps, int G, const void *const v[CHUNK], int D,
+    const int bf16) {
   /* blocks of 2-4 heads: 8-16 independent FMA chains; a lone head keeps
    * accumulate's even / odd split */
   const int hb = G % 3 == 0 ? 3 : G % 4 == 0 ? 4 : G % 2 == 0 ? 2 : 1;
   if (hb == 1) {
-    for (int g = 0; g < G; g++) accumulate(acc + (long)g * D, p + g * ps, v, D);
+    for (int g = 0; g < G; g++) accumulate(acc + (long)g * D, p + g * ps, v, D, bf16);
     return;
   }
   const int d64 = D - D % 64;
@@ -135,15 +183,28 @@ static inline void accumulate_group(float *acc, const float *p, long ps, int G,
     const float *w = p + g * ps;
     for (int d = 0; d < d64; d += 64) {
       if (hb == 2)
-        accumulate_block(a, w, ps, v, d, D, 2);
+        accumulate_block(a, w, ps, v, d, D, 2, bf16);
       else if (hb == 3)
-        accumulate_block(a, w, ps, v, d, D, 3);
+        accumulate_block(a, w, ps, v, d, D, 3, bf16);
       else
-        accumulate_block(a, w, ps, v, d, D, 4);
+        accumulate_block(a, w, ps, v, d, D, 4, bf16);
     }
     if (d64 < D)
-      for (int i = 0; i < hb; i++) accumulate_from(a + (long)i * D, w + i * ps, v, d64, D);
+      for (int i = 0; i < hb; i++)
+        accumulate_from(a + (long)i * D, w + i * ps, v, d64, D, bf16);
   }
+}
+
+static inline void accumulate_group(float *acc, const float *p, long ps, int G,
+                                    const float *const v[CHUNK], int D) {
+  accumulate_rows(acc, p, ps, G, (const void *const *)v, D, 0);
+}
+
+/* accumulate_group on V rows of bfloat16 read in place (the same sums). */
+#define PDSERVE_DECODE_BF16_VALUES 1
+static void accumulate_group_bf16(float *acc, const float *p, long ps, int G,
+                                  const uint16_t *const v[CHUNK], int D) {
+  accumulate_rows(acc, p, ps, G, (const void *const *)v, D, 1);
 }
 
 /* exp8 and tanh8 on 16 lanes (the same polynomials and clamps). */
