@@ -17,10 +17,8 @@
  * 2^0), the final division is safe, and nothing needs a NaN guard.
  *
  * Why: torch's CPU flash SDPA, with the transposes and contiguous copies
- * the engine made to get it picked, ran the base model's causal attention
- * at 41-54 GFLOPS per core (L = 1,024-4,096, one thread) where a core's
- * FMAs peak at ~92; this kernel runs at 67-74, 1.4-2.25x SDPA on two
- * threads (docs/kernels.md, "Prefill attention").
+ * the engine made to get it picked, ran at well under the FMAs' peak; this
+ * is 1.4-2.25x it (docs/kernels.md, "Prefill attention", with the figures).
  *
  * Work split. A work item is one KV head, a slice of up to QROWS heads of
  * its GQA group and a block of consecutive query positions: SUBS
@@ -65,10 +63,10 @@
  * 2^0 = 1). This file is built without -fassociative-math (the pragma
  * below) so no compiler reordering can break that.
  *
- * AVX2 + FMA, or AVX-512F (prefill_attention_simd.h; 1.6-1.7x the AVX2
- * path on the Cascade Lake, L = 1,024, SmolLM2's 9 / 3 heads, one
- * thread); elsewhere pdserve_prefill_attention_available() is 0 and the
- * caller keeps SDPA. Head dims: multiples of 16 up to 256.
+ * AVX2 + FMA, or AVX-512F (prefill_attention_simd.h), with bfloat16
+ * scores by vdpbf16ps where the host has AVX512-BF16 (`pairs`); elsewhere
+ * pdserve_prefill_attention_available() is 0 and the caller keeps SDPA.
+ * Head dims: multiples of 16 up to 256.
  */
 #pragma GCC optimize("no-associative-math")
 
@@ -84,12 +82,7 @@
 #include "paged_decode_simd.h" /* bf16 / f16 row conversions */
 #include "prefill_attention_simd.h"
 
-/* Measured on the AVX2 EPYC (L = 1024, one thread, rounds interleaved):
- * QROWS 24 was ~5-8 % faster than 16 (with SUBS 4); SUBS 1-10 and KEYS
- * 24-96 were within the noise of a shared machine. QROWS 16 (six, six and
- * four rows in the value pass) also works. On the AVX-512 Cascade Lake,
- * QROWS 32 and 48 with 6-12 keys per score step were within ~3 % of each
- * other; 16 was ~12 % slower. */
+/* The sizes measured best (docs/kernels.md, "Prefill attention"). */
 #define SUBS 3  /* sub-blocks per work item, sharing each key tile */
 #define KEYS 48 /* keys per tile (a multiple of KB) */
 #define MAX_HEAD_DIM 256
@@ -112,6 +105,7 @@ typedef struct {
    * (NULL: float32 rows read in place). */
   float *packed_k, *packed_v;
   int first_key;
+  int pairs; /* bfloat16 scores by vdpbf16ps: packed_k holds bfloat16 rows */
 } Job;
 
 /* Per-thread scratch, one 64-byte aligned block. */
@@ -123,26 +117,6 @@ typedef struct {
   float *alpha;       /* [QROWS]: the tile's rescale of each row */
   int32_t *qpos;      /* [SUBS][QROWS]: each row's position */
 } Scratch;
-
-/* count (a multiple of 8) elements at element offset `at` of `base` as float32. */
-static void load_floats(int dtype, const char *base, long at, int count, float *dst) {
-  if (dtype == 0)
-    memcpy(dst, (const float *)base + at, sizeof(float) * count);
-  else if (dtype == 1)
-    bf16_row_to_floats((const uint16_t *)base + at, count, dst);
-  else
-    f16_row_to_floats((const _Float16 *)base + at, count, dst);
-}
-
-static void store_floats(int dtype, const float *src, int count, char *base, long at) {
-  if (dtype == 0) {
-    memcpy((float *)base + at, src, sizeof(float) * count);
-  } else if (dtype == 1) {
-    for (int i = 0; i < count; i++) ((uint16_t *)base)[at + i] = f32_to_bf16(src[i]);
-  } else {
-    for (int i = 0; i < count; i++) ((_Float16 *)base)[at + i] = (_Float16)src[i];
-  }
-}
 
 /* The float32 rows of head h from key `key` on, and their stride. */
 static inline const float *key_rows(const Job *job, const float *packed, const char *base,
@@ -162,7 +136,11 @@ static void pack_rows(const Job *job, int lo, int hi) {
   for (int j = lo; j < hi; j++)
     for (int h = 0; h < job->num_kv_heads; h++) {
       const long at = ((long)h * width + j - job->first_key) * D;
-      load_floats(job->dtype, job->k, j * job->k_stride + (long)h * D, D, job->packed_k + at);
+      if (job->pairs)
+        memcpy((uint16_t *)job->packed_k + at, (const uint16_t *)job->k + j * job->k_stride
+               + (long)h * D, sizeof(uint16_t) * D);
+      else
+        load_floats(job->dtype, job->k, j * job->k_stride + (long)h * D, D, job->packed_k + at);
       load_floats(job->dtype, job->v, j * job->v_stride + (long)h * D, D, job->packed_v + at);
     }
 }
@@ -217,11 +195,18 @@ static void load_queries(const Job *job, const Item *it, Scratch *sc) {
     const int i = it->i0 + real / it->heads, head = it->head0 + real % it->heads;
     float *row = sc->o + (long)r * D;
     sc->qpos[r] = job->L - job->n + i;
+#if defined(PREFILL_PAIRS)
+    if (job->pairs) { /* as stored, in pairs: scaled with the scores */
+      const uint16_t *q = (const uint16_t *)job->q + i * job->q_stride + (long)head * D;
+      query_pairs(q, D, (uint32_t *)sc->qt + (long)(r / QROWS) * D / 2 * QROWS, r % QROWS);
+      continue;
+    }
+#endif
     load_floats(job->dtype, job->q, i * job->q_stride + (long)head * D, D, row);
     for (int d = 0; d < D; d += 8)
       _mm256_store_ps(row + d, _mm256_mul_ps(_mm256_load_ps(row + d), scale));
   }
-  for (int sub = 0; sub < it->subs; sub++)
+  for (int sub = 0; sub < it->subs && !job->pairs; sub++)
     for (int g = 0; g < QROWS; g += 8)
       for (int d = 0; d < D; d += 8)
         transpose8(sc->o + ((long)sub * QROWS + g) * D + d, D,
@@ -254,8 +239,16 @@ static void attend_keys(const Job *job, const Item *it, Scratch *sc) {
       const Visibility vis = visibility(a, masked, qpos, window);
       float top[QROWS] __attribute__((aligned(64)));
       memcpy(top, m, sizeof top);
-      score_tile(sc->qt + (long)sub * D * QROWS, kt + (a - t_lo) * ks, ks, b - a, D, &vis,
-                 sc->s, top);
+#if defined(PREFILL_PAIRS)
+      if (job->pairs)
+        score_tile_pairs((const uint32_t *)sc->qt + (long)sub * D / 2 * QROWS,
+                         (const uint16_t *)job->packed_k
+                             + ((long)it->h * (job->L - job->first_key) + a - job->first_key) * D,
+                         D, b - a, D, job->scale * 1.44269504088896341f, &vis, sc->s, top);
+      else
+#endif
+        score_tile(sc->qt + (long)sub * D * QROWS, kt + (a - t_lo) * ks, ks, b - a, D, &vis,
+                   sc->s, top);
       softmax_tile(sc->s, b - a, &vis, top, m, l, sc->alpha);
       value_tile(sc->o + (long)sub * QROWS * D, sc->alpha, sc->s, vt + (a - t_lo) * vs, vs,
                  b - a, D);
@@ -329,15 +322,15 @@ int pdserve_prefill_attention(const void *q, long q_stride, const void *k, long 
   if (num_threads < 1) num_threads = 1;
   if (num_threads > MAX_THREADS) num_threads = MAX_THREADS;
   if (num_threads > items) num_threads = items;
-  /* Repacked K/V: each head's rows contiguous. In place, [L, Hkv, D] rows
-   * are 1-6 KB apart (k after RoPE, v inside the qkv rows), so a tile of 48
-   * keys spans 48 pages and few L1 sets: 653 vs 485 ms at L = 4096 on one
-   * thread of the AVX2 EPYC, ~4 % at 1024. Packing reads each row once more, worth it
-   * when every key is read by several items (and needed anyway to convert
-   * bfloat16 / float16 once rather than per item). The SDPA path's copies
-   * were no smaller. */
+  /* Repacked K/V: each head's rows contiguous (in place, a tile of 48 keys
+   * spans 48 pages and few L1 sets: docs/kernels.md). Packing reads each
+   * row once more, worth it when several items read every key, and needed
+   * anyway to convert a half type once rather than per item. */
   job.first_key = window > 0 && L - n - window + 1 > 0 ? L - n - window + 1 : 0;
   job.packed_k = job.packed_v = NULL;
+#if defined(PREFILL_PAIRS)
+  job.pairs = dtype == 1; /* packed below: dtype != 0 */
+#endif
   if (dtype != 0 || job.blocks >= PACK_MIN_BLOCKS) {
     const size_t floats = (size_t)num_kv_heads * (L - job.first_key) * head_dim;
     job.packed_k = aligned_alloc(64, sizeof(float) * ((floats + 15) / 16 * 16));

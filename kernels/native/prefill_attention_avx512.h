@@ -81,6 +81,72 @@ static __attribute__((noinline)) void score_tile(const float *qt, const float *k
   for (int x = 0; x < NV; x++) _mm512_storeu_ps(top + 16 * x, t[x]);
 }
 
+#if defined(__AVX512BF16__)
+/* bfloat16 scores by vdpbf16ps (prefill_attention.c takes this path for a
+ * bfloat16 prompt where the host has AVX512-BF16): the item's queries as
+ * they are stored, transposed in pairs of dims (qt[p][row] holds row's
+ * dims 2p and 2p + 1, 32 bits), and K packed as bfloat16; per pair of
+ * dims two loads of Q^T, eight broadcast K pairs and sixteen vdpbf16ps,
+ * half the float32 path's work per key and dim. Each product is exact in
+ * float32; a score's sum goes two dims a step, and scale * log2 e
+ * multiplies the sum instead of q, so the scores differ from the float32
+ * path's in the last bits. Each lane's arithmetic is still its own, in key
+ * and dim order: a row's result does not depend on the rows beside it, n
+ * or the thread count. */
+#define PREFILL_PAIRS 1
+/* Two bfloat16 read as one 32-bit pair (may alias the uint16_t rows). */
+typedef uint32_t bf16_pair __attribute__((may_alias, aligned(2)));
+
+static __attribute__((noinline)) void score_tile_pairs(const uint32_t *qt, const uint16_t *k,
+                                                       long ks, int count, int D, float scale,
+                                                       const Visibility *vis, float *s,
+                                                       float *top) {
+  __m512 t[NV];
+  const __m512 factor = _mm512_set1_ps(scale);
+  for (int x = 0; x < NV; x++) t[x] = _mm512_loadu_ps(top + 16 * x);
+  for (int j0 = 0; j0 < count; j0 += KB) {
+    const bf16_pair *r[KB];
+    for (int j = 0; j < KB; j++)
+      r[j] = (const bf16_pair *)(k + (j0 + j < count ? j0 + j : count - 1) * ks);
+    __m512 a[KB][NV];
+#pragma GCC unroll 8
+    for (int j = 0; j < KB; j++)
+#pragma GCC unroll 2
+      for (int x = 0; x < NV; x++) a[j][x] = _mm512_setzero_ps();
+#pragma GCC unroll 2
+    for (int p = 0; p < D / 2; p++) {
+      __m512bh q[NV];
+#pragma GCC unroll 2
+      for (int x = 0; x < NV; x++) q[x] = (__m512bh)_mm512_loadu_si512(qt + p * QROWS + 16 * x);
+#pragma GCC unroll 8
+      for (int j = 0; j < KB; j++) {
+        const __m512bh b = (__m512bh)_mm512_set1_epi32((int)r[j][p]);
+#pragma GCC unroll 2
+        for (int x = 0; x < NV; x++) a[j][x] = _mm512_dpbf16_ps(a[j][x], q[x], b);
+      }
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < KB; j++)
+#pragma GCC unroll 2
+      for (int x = 0; x < NV; x++) {
+        a[j][x] = _mm512_mul_ps(a[j][x], factor);
+        if (vis->masked)
+          a[j][x] = _mm512_mask_blend_ps(hidden(vis, j0 + j, x), a[j][x],
+                                         _mm512_set1_ps(MASKED));
+        _mm512_storeu_ps(s + (j0 + j) * QROWS + 16 * x, a[j][x]);
+        if (j0 + j < count) t[x] = _mm512_max_ps(t[x], a[j][x]);
+      }
+  }
+  for (int x = 0; x < NV; x++) _mm512_storeu_ps(top + 16 * x, t[x]);
+}
+
+/* Row r of the item's Q^T in pairs: the bfloat16 query `q` (D elements). */
+static inline void query_pairs(const uint16_t *q, int D, uint32_t *qt, int r) {
+  const bf16_pair *pairs = (const bf16_pair *)q;
+  for (int p = 0; p < D / 2; p++) qt[p * QROWS + r] = pairs[p];
+}
+#endif
+
 /* exp2_nonpositive8 of the AVX2 path (prefill_attention_simd.h), on 16 lanes. */
 static inline __m512 exp2_nonpositive16(__m512 x) {
   x = _mm512_max_ps(_mm512_set1_ps(-126.0f), x); /* x second: NaN stays */

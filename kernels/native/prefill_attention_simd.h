@@ -6,7 +6,8 @@
  *   exp2_nonpositive8  2^x for x <= 0;
  *   softmax_tile       scores into probabilities, the rescale alpha, l;
  *   value_tile         O = alpha O + P V;
- *   transpose8         an 8 x 8 block of floats (the queries' transpose).
+ *   transpose8         an 8 x 8 block of floats (the queries' transpose);
+ *   load_floats, store_floats  rows of the element type as float32 and back.
  * AVX-512F where the compiler targets it (prefill_attention_avx512.h:
  * QROWS 32 in two zmm, hidden keys as lane masks), else AVX2 + FMA (here:
  * QROWS 24 in three ymm). Included by prefill_attention.c after its
@@ -20,6 +21,9 @@
 
 #include <immintrin.h>
 #include <stdint.h>
+#include <string.h>
+
+#include "dtypes.h"
 
 #if defined(__AVX512F__)
 #include "prefill_attention_avx512.h"
@@ -222,6 +226,29 @@ static inline void transpose8(const float *src, long src_stride, float *dst, lon
   for (int c = 0; c < 4; c++) {
     _mm256_storeu_ps(dst + c * dst_stride, _mm256_permute2f128_ps(u[c], u[c + 4], 0x20));
     _mm256_storeu_ps(dst + (c + 4) * dst_stride, _mm256_permute2f128_ps(u[c], u[c + 4], 0x31));
+  }
+}
+
+/* Rows in and out of the kernel's float32 (the bf16 / f16 row conversions
+ * of paged_decode_simd.h, included before this file). */
+
+/* count (a multiple of 8) elements at element offset `at` of `base` as float32. */
+static void load_floats(int dtype, const char *base, long at, int count, float *dst) {
+  if (dtype == 0)
+    memcpy(dst, (const float *)base + at, sizeof(float) * count);
+  else if (dtype == 1)
+    bf16_row_to_floats((const uint16_t *)base + at, count, dst);
+  else
+    f16_row_to_floats((const _Float16 *)base + at, count, dst);
+}
+
+static void store_floats(int dtype, const float *src, int count, char *base, long at) {
+  if (dtype == 0) {
+    memcpy((float *)base + at, src, sizeof(float) * count);
+  } else if (dtype == 1) {
+    for (int i = 0; i < count; i++) ((uint16_t *)base)[at + i] = f32_to_bf16(src[i]);
+  } else {
+    for (int i = 0; i < count; i++) ((_Float16 *)base)[at + i] = (_Float16)src[i];
   }
 }
 

@@ -119,23 +119,29 @@ def test_groups_wider_than_a_sub_block(num_kv_heads, group):
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("n,length,num_kv_heads,group,head_dim,window", [
+    (129, 300, 2, 4, 64, 200), (300, 300, 3, 3, 64, None), (7, 500, 1, 8, 128, None),
+    (64, 65, 2, 2, 80, None), (33, 33, 1, 40, 96, 20)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_dtypes(dtype):
-    """K/V (and q) converted to float32 on load, the output rounded to dtype:
-    within the dtype's rounding of the float64 result over the same inputs."""
-    q, k, v = _inputs(11, 129, 300, 2, 4, 64, dtype)
-    got = native.prefill_attention(q, k, v, scale=0.125, sliding_window=200, num_threads=2)
+def test_half_dtypes(dtype, n, length, num_kv_heads, group, head_dim, window):
+    """K/V (and q) of the half type (bfloat16 scores by vdpbf16ps on
+    AVX512-BF16 hosts), the output rounded to dtype: within the dtype's
+    rounding of the float64 result over the same inputs."""
+    q, k, v = _inputs(11 + n, n, length, num_kv_heads, group, head_dim, dtype)
+    scale = head_dim ** -0.5
+    got = native.prefill_attention(q, k, v, scale=scale, sliding_window=window, num_threads=2)
     assert got.dtype == dtype
-    torch.testing.assert_close(got, _reference(q, k, v, 0.125, 200).to(dtype),
+    torch.testing.assert_close(got, _reference(q, k, v, scale, window).to(dtype),
                                rtol=1e-2, atol=1e-2)
 
 
-def test_a_row_does_not_depend_on_chunking_or_threads():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_does_not_depend_on_chunking_or_threads(dtype):
     """Key tiles sit on absolute positions and each row's arithmetic is its
     own: a chunk after a cached prefix gives its rows bit for bit what the
     whole prompt gives them, whatever the thread count (so a prefix-cache hit
     or a chunked prefill changes nothing)."""
-    q, k, v = _inputs(12, 500, 500, 2, 4, 64)
+    q, k, v = _inputs(12, 500, 500, 2, 4, 64, dtype)
     whole = native.prefill_attention(q, k, v, scale=0.125, num_threads=2)
     for threads in (1, 3):
         assert torch.equal(native.prefill_attention(q, k, v, scale=0.125, num_threads=threads),
