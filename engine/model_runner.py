@@ -8,9 +8,9 @@ positions, slot mapping, decode block tables and context lengths, sampled
 rows) into the persistent `StepInputs` tensors, and builds the attention
 context over views of them (plus, only when a chunk needs it, the gathered
 prefill context's slots, and the LayerKVHook spans). `forward` runs the
-model on those inputs and returns the float32 logits of the rows that
-sample (a request's last scheduled row when the step samples for it: it
-finished its prompt or is decoding). `execute` is both, in order.
+model and returns the float32 logits of the rows that sample (a request's
+last scheduled row when it finished its prompt or is decoding). `execute`
+is both, in order.
 
 Tensor parallelism (docs/tensor_parallel.md, Workers in lockstep): every
 rank has a runner over its shard. Rank 0 prepares from requests; the other
@@ -18,20 +18,19 @@ ranks `build` from the rows of the step description rank 0 sends them
 (`engine.parallel.step_wire`), so every rank writes the same inputs and
 runs the same forward and lm_head gathers; only rank 0 gets logits.
 
-A pure-decode step replays the CUDA graph of its batch-size bucket when the
-runner captured them (`engine.cuda_graphs`: CUDA, Triton kernels, no
-`enforce_eager`, no layer-KV hook); every other step runs eagerly.
+A pure-decode step replays its batch-size bucket's CUDA graph when the runner
+captured them (`engine.cuda_graphs`: CUDA, Triton kernels, no `enforce_eager`,
+no layer-KV hook); every other step runs eagerly.
 
 With async scheduling (`engine.step_pipeline`) `forward` runs where the
 forwards run (a worker thread on CPU), and a decode row may have a
 placeholder input: the token the previous step samples for that request,
 not yet in `request.all_token_ids`. `prepare` writes 0 there and records
-where it comes from; `forward` copies it from the previous step's
-sampled-token tensor on the device (no host sync), into the very buffer a
-graph replay reads. Because step N+1 is prepared while step N may still be
-reading its inputs, a CPU runner under async scheduling alternates between
-two `StepInputs` sets; on CUDA one set suffices (the host writes go through staging tensors and
-stream-ordered copies; docs/engine.md, Async scheduling).
+where it comes from; `forward` copies it from the previous step's sampled
+tokens on the device (no host sync), into the buffer a graph replay reads.
+As step N+1 is prepared while step N may still read its inputs, a CPU
+runner alternates between two `StepInputs` sets; on CUDA one suffices
+(staging tensors, stream-ordered copies; docs/engine.md, Async scheduling).
 """
 
 from __future__ import annotations
@@ -258,7 +257,10 @@ class ModelRunner:
         else:
             hidden = self.model(step.input_ids, step.positions, step.context)
         if step.sample_rows.numel():
-            logits = self.model.compute_logits(hidden[step.sample_rows])
+            # Sample rows ascend, one per sampling row: as many as the step's
+            # rows (a pure decode step) means all of them, in order.
+            every = step.sample_rows.numel() == step.input_ids.numel() == hidden.shape[0]
+            logits = self.model.compute_logits(hidden if every else hidden[step.sample_rows])
         else:
             logits = hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
         prompt_logprobs = None

@@ -98,7 +98,7 @@ def test_native_results_do_not_depend_on_threads() -> None:
     finally:
         torch.set_num_threads(before)
     for other in results[1:]:
-        assert all(torch.equal(a, b) for a, b in zip(results[0], other))
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other, strict=True))
 
 
 def test_refuses_what_it_does_not_take() -> None:
