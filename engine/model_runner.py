@@ -257,8 +257,7 @@ class ModelRunner:
         else:
             hidden = self.model(step.input_ids, step.positions, step.context)
         if step.sample_rows.numel():
-            # Sample rows ascend, one per sampling row: as many as the step's
-            # rows (a pure decode step) means all of them, in order.
+            # Ascending, one per sampling row: as many as the rows means all, in order.
             every = step.sample_rows.numel() == step.input_ids.numel() == hidden.shape[0]
             logits = self.model.compute_logits(hidden if every else hidden[step.sample_rows])
         else:
