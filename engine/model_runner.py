@@ -65,8 +65,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True, slots=True)
 class ModelRunnerOutput:
     """`logits[i]` is the next-token distribution of `sampling_requests[i]`;
-    None on a tensor-parallel rank other than 0 (it takes part in the
-    gather, rank 0 gets the logits)."""
+    None on a tensor-parallel rank other than 0 (rank 0 gets the gather)."""
 
     sampling_requests: tuple[Request, ...]
     logits: torch.Tensor | None
