@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from engine.attention_context import AttentionContext
+from engine.decode_layers import DecodeLayers
 from engine.layers.linear import Linear
 from engine.layers.parallel import embed_tokens, model_logits, row_linear, shard_of
 from engine.layers.rotary import cos_sin_cache_for
@@ -241,6 +242,9 @@ class LlamaForCausalLM(nn.Module):
         # need the mantissa; not a parameter, never saved or loaded.
         cache = cos_sin_cache_for(config)
         self.register_buffer("cos_sin_cache", cache.to(device), persistent=False)
+        # A CPU decode step's layers in one native call each (engine/decode_layers.py),
+        # bound at the first forward (weights packed by then); False: not this model.
+        self._decode_layers: DecodeLayers | bool | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -263,9 +267,16 @@ class LlamaForCausalLM(nn.Module):
                 f"{tuple(input_ids.shape)} and {tuple(positions.shape)}"
             )
         hidden = embed_tokens(input_ids, self.model.embed_tokens.weight, self.shard, self.tp)
-        residual: torch.Tensor | None = None
-        for layer in self.model.layers:
-            hidden, residual = layer(positions, hidden, residual, self.cos_sin_cache, ctx)
+        if self._decode_layers is None:  # once: whether the native layer call fits
+            self._decode_layers = DecodeLayers.for_model(
+                self, (LlamaDecoderLayer, LlamaAttention, LlamaMLP)) or False
+        layers_out = self._decode_layers and self._decode_layers.run(hidden, positions, ctx)
+        if layers_out:
+            hidden, residual = layers_out
+        else:
+            residual: torch.Tensor | None = None
+            for layer in self.model.layers:
+                hidden, residual = layer(positions, hidden, residual, self.cos_sin_cache, ctx)
         hidden, _ = self.model.norm(hidden, residual)
         return hidden
 

@@ -49,6 +49,7 @@ SIGNATURES = {
     "pdserve_prefill_attention_available": [],
     "pdserve_prefill_attention": [_P, _L, _P, _L, _P, _L, _P, _L] + [_I] * 7 + [_F, _I],
     "pdserve_logit_stats": [_P, _L, _L, _L, _P, _P, _P, _I],
+    "pdserve_decode_layer": [_P, _P, _F, _F, _F],
 }
 
 
