@@ -185,28 +185,19 @@ static void score_keys(const Job *job, const Dtype *dt, const Item *it, Scratch 
     if (next_count > 0) chunk_offsets(job, it, t1, next_count, next);
     for (int h = 0; h < it->heads; h++) {
       const int tiles = (count + TILE - 1) / TILE, calls = it->group * tiles;
-#if defined(PDSERVE_DECODE_BF16_SCORES)
-      if (dt == &DTYPES[1]) { /* bfloat16 q and K pairs multiplied in place */
-        const uint16_t *rows[CHUNK];
-        for (int j = 0; j < CHUNK; j++)
-          rows[j] = (const uint16_t *)job->cache + off[j < count ? j : count - 1] + (long)h * D;
-        const uint16_t *q = (const uint16_t *)job->q + (long)it->b * job->q_stride
-                            + ((long)it->h0 * it->group + (long)h * it->group) * D;
-        for (int g = 0; g < it->group; g++) {
-          const long r = (long)h * it->group + g;
-          float *out = s->scores + r * s->stride + (t0 - it->start);
-          for (int j = 0; j < count; j += TILE) {
-            const int c = g * tiles + j / TILE;
-            prefetch_next_step(dt, job->cache, it, h, off, next, next_count, D,
-                               c * CHUNK / calls, (c + 1) * CHUNK / calls);
-            dot_tile_bf16(q + (long)g * D, rows + j, D, job->scale, out + j);
-          }
-        }
-        continue;
-      }
-#endif
       const float *rows[CHUNK];
-      chunk_rows(dt, job->cache, off, (long)h * D, count, D, s->rows, rows);
+#if defined(PDSERVE_DECODE_BF16_SCORES)
+      /* bfloat16: q and the K pairs multiplied as stored (no rows converted) */
+      const int pairs = dt == &DTYPES[1];
+      const uint16_t *rows16[CHUNK];
+      const uint16_t *q16 = (const uint16_t *)job->q + (long)it->b * job->q_stride
+                            + ((long)it->h0 * it->group + (long)h * it->group) * D;
+      if (pairs)
+        for (int j = 0; j < CHUNK; j++)
+          rows16[j] = (const uint16_t *)job->cache + off[j < count ? j : count - 1] + (long)h * D;
+      else
+#endif
+        chunk_rows(dt, job->cache, off, (long)h * D, count, D, s->rows, rows);
       for (int g = 0; g < it->group; g++) {
         const long r = (long)h * it->group + g;
         float *out = s->scores + r * s->stride + (t0 - it->start);
@@ -214,7 +205,12 @@ static void score_keys(const Job *job, const Dtype *dt, const Item *it, Scratch 
           const int c = g * tiles + j / TILE;
           prefetch_next_step(dt, job->cache, it, h, off, next, next_count, D,
                              c * CHUNK / calls, (c + 1) * CHUNK / calls);
-          dot_tile(s->query + r * D, rows + j, D, out + j);
+#if defined(PDSERVE_DECODE_BF16_SCORES)
+          if (pairs)
+            dot_tile_bf16(q16 + (long)g * D, rows16 + j, D, job->scale, out + j);
+          else
+#endif
+            dot_tile(s->query + r * D, rows + j, D, out + j);
         }
       }
     }

@@ -39,6 +39,24 @@ static inline __mmask16 hidden(const Visibility *vis, int j, int x) {
   return _mm512_cmpgt_epi32_mask(key, vis->pos[x]) | _mm512_cmpgt_epi32_mask(vis->first[x], key);
 }
 
+/* A score step's KB x QROWS sums, times `factor` (1: already scaled, an
+ * exact no-op), hidden keys set to MASKED, stored as rows j0.. of s, each
+ * row's max raised in t (keys past `count` are stored, not counted). */
+static inline __attribute__((always_inline)) void store_scores(
+    __m512 a[KB][NV], __m512 factor, int j0, int count, const Visibility *vis, float *s,
+    __m512 t[NV]) {
+#pragma GCC unroll 8
+  for (int j = 0; j < KB; j++)
+#pragma GCC unroll 2
+    for (int x = 0; x < NV; x++) {
+      __m512 v = _mm512_mul_ps(a[j][x], factor);
+      if (vis->masked)
+        v = _mm512_mask_blend_ps(hidden(vis, j0 + j, x), v, _mm512_set1_ps(MASKED));
+      _mm512_storeu_ps(s + (j0 + j) * QROWS + 16 * x, v);
+      if (j0 + j < count) t[x] = _mm512_max_ps(t[x], v);
+    }
+}
+
 /* score_tile of the AVX2 path (prefill_attention_simd.h), KB = 8 keys by
  * 32 rows: per dimension two loads of Q^T, eight broadcasts of K, sixteen
  * FMAs (6 and 12 keys, or QROWS 48, measured the same within ~3 %). */
@@ -67,16 +85,7 @@ static __attribute__((noinline)) void score_tile(const float *qt, const float *k
         for (int x = 0; x < NV; x++) a[j][x] = _mm512_fmadd_ps(b, q[x], a[j][x]);
       }
     }
-#pragma GCC unroll 8
-    for (int j = 0; j < KB; j++)
-#pragma GCC unroll 2
-      for (int x = 0; x < NV; x++) {
-        if (vis->masked)
-          a[j][x] = _mm512_mask_blend_ps(hidden(vis, j0 + j, x), a[j][x],
-                                         _mm512_set1_ps(MASKED));
-        _mm512_storeu_ps(s + (j0 + j) * QROWS + 16 * x, a[j][x]);
-        if (j0 + j < count) t[x] = _mm512_max_ps(t[x], a[j][x]);
-      }
+    store_scores(a, _mm512_set1_ps(1.0f), j0, count, vis, s, t);
   }
   for (int x = 0; x < NV; x++) _mm512_storeu_ps(top + 16 * x, t[x]);
 }
@@ -125,17 +134,7 @@ static __attribute__((noinline)) void score_tile_pairs(const uint32_t *qt, const
         for (int x = 0; x < NV; x++) a[j][x] = _mm512_dpbf16_ps(a[j][x], q[x], b);
       }
     }
-#pragma GCC unroll 8
-    for (int j = 0; j < KB; j++)
-#pragma GCC unroll 2
-      for (int x = 0; x < NV; x++) {
-        a[j][x] = _mm512_mul_ps(a[j][x], factor);
-        if (vis->masked)
-          a[j][x] = _mm512_mask_blend_ps(hidden(vis, j0 + j, x), a[j][x],
-                                         _mm512_set1_ps(MASKED));
-        _mm512_storeu_ps(s + (j0 + j) * QROWS + 16 * x, a[j][x]);
-        if (j0 + j < count) t[x] = _mm512_max_ps(t[x], a[j][x]);
-      }
+    store_scores(a, factor, j0, count, vis, s, t);
   }
   for (int x = 0; x < NV; x++) _mm512_storeu_ps(top + 16 * x, t[x]);
 }
