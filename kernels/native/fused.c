@@ -51,10 +51,10 @@ int pdserve_paged_decode_attention(const void *q, long q_stride, const void *cac
   }
 
 #if defined(__AVX512F__)
-/* float32 and bfloat16 on AVX-512: the same arithmetic 16 lanes at a time
- * with paged_decode_avx512.h's exp16 (GCC's lowering of vec.h's vexp left
- * the bfloat16 path at ~2x the float32 one: 9 against 4 us for a batch-8
- * row block of SmolLM2, ~45 ms of a bfloat16 prefill step of 2,048 tokens). */
+/* AVX-512: 16 lanes at a time with paged_decode_avx512.h's exp16 (GCC's
+ * lowering of vec.h's vexp left the bfloat16 path at ~2x the float32 one:
+ * 9 against 4 us for a batch-8 row block of SmolLM2, and a 2,048-row
+ * bfloat16 prefill layer 1.13 ms against 0.74 now). */
 static inline __m512 silu16(__m512 g) {
   const __m512 minus_g = _mm512_castsi512_ps(
       _mm512_xor_si512(_mm512_castps_si512(g), _mm512_set1_epi32((int)0x80000000u)));
@@ -75,21 +75,6 @@ static inline __m512i bf16_rounded16(__m512 v) {
 static inline __m512 load_bf16x16(const uint16_t *p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(
       _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-
-static void silu_mul_f32(const float *x, long x_stride, float *out, long rows, long inter,
-                         int num_threads) {
-  if (rows * inter < SILU_PARALLEL_MIN) num_threads = 1;
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-  for (long i = 0; i < rows; i++) {
-    const float *gate = x + i * x_stride, *up = gate + inter;
-    float *o = out + i * inter;
-    long j = 0;
-    for (; j + 16 <= inter; j += 16)
-      _mm512_storeu_ps(o + j, _mm512_mul_ps(silu16(_mm512_loadu_ps(gate + j)),
-                                            _mm512_loadu_ps(up + j)));
-    for (; j < inter; j++) o[j] = gate[j] / (1.0f + expf(-gate[j])) * up[j];
-  }
 }
 
 /* silu rounded to bfloat16 before the product, as torch's F.silu(gate) * up. */
@@ -113,10 +98,15 @@ static void silu_mul_bf16(const uint16_t *x, long x_stride, uint16_t *out, long 
     }
   }
 }
-#elif defined(__AVX2__) && defined(__FMA__)
-/* float32 on AVX2: the same arithmetic 8 lanes at a time with exp8, which
- * GCC compiles without the spills of the 16-lane vexp (paged_decode_simd.h):
- * SiLU was ~1.2 ms of a batch-8 decode step of the base model. */
+#else
+DEFINE_SILU_MUL(silu_mul_bf16, uint16_t, load_bf16, store_bf16, round_bf16, bf16_to_f32,
+                f32_to_bf16)
+#endif
+
+/* float32: the same arithmetic, 16 lanes with exp16 on AVX-512, 8 with
+ * exp8 on AVX2 (GCC compiles the 16-lane vexp to AVX2 with spills: SiLU
+ * was ~1.2 ms of a batch-8 decode step of the base model), else vec.h's
+ * 16-lane vectors. */
 static void silu_mul_f32(const float *x, long x_stride, float *out, long rows, long inter,
                          int num_threads) {
   if (rows * inter < SILU_PARALLEL_MIN) num_threads = 1;
@@ -125,22 +115,26 @@ static void silu_mul_f32(const float *x, long x_stride, float *out, long rows, l
     const float *gate = x + i * x_stride, *up = gate + inter;
     float *o = out + i * inter;
     long j = 0;
+#if defined(__AVX512F__)
+    for (; j + 16 <= inter; j += 16)
+      _mm512_storeu_ps(o + j, _mm512_mul_ps(silu16(_mm512_loadu_ps(gate + j)),
+                                            _mm512_loadu_ps(up + j)));
+#elif defined(__AVX2__) && defined(__FMA__)
     const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
     for (; j + 8 <= inter; j += 8) {
       const __m256 g = _mm256_loadu_ps(gate + j);
       const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_xor_ps(g, sign))));
       _mm256_storeu_ps(o + j, _mm256_mul_ps(silu, _mm256_loadu_ps(up + j)));
     }
+#else
+    for (; j + LANES <= inter; j += LANES) {
+      const vfloat g = load_f32(gate + j);
+      store_f32(o + j, g / (1.0f + vexp(-g)) * load_f32(up + j));
+    }
+#endif
     for (; j < inter; j++) o[j] = gate[j] / (1.0f + expf(-gate[j])) * up[j];
   }
 }
-DEFINE_SILU_MUL(silu_mul_bf16, uint16_t, load_bf16, store_bf16, round_bf16, bf16_to_f32,
-                f32_to_bf16)
-#else
-DEFINE_SILU_MUL(silu_mul_f32, float, load_f32, store_f32, round_f32, F32_LOAD, F32_STORE)
-DEFINE_SILU_MUL(silu_mul_bf16, uint16_t, load_bf16, store_bf16, round_bf16, bf16_to_f32,
-                f32_to_bf16)
-#endif
 DEFINE_SILU_MUL(silu_mul_f16, _Float16, load_f16, store_f16, round_f16, F16_LOAD, F16_STORE)
 
 /* x [rows, 2 * inter] (rows `x_stride` elements apart) -> out [rows, inter]
