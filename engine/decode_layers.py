@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.layer_attention import LayerAttention
 from engine.layers.linear import Linear
 from engine.paged_attention_context import PagedAttentionContext
 from kernels import checks, native
@@ -47,7 +48,7 @@ class DecodeLayers:
     def __init__(self, model: torch.nn.Module) -> None:
         self._model = model
         self._weights: list[list[int]] | None = None  # per layer, without cache and window
-        self._arrays: list[tuple[torch.Tensor, float, object]] = []
+        self._arrays: list[tuple[torch.Tensor, float, LayerAttention]] = []
         self._arrays_key: tuple | None = None
 
     @staticmethod
@@ -109,7 +110,7 @@ class DecodeLayers:
         if not native.supports_qkv(qkv, caches[0]):
             return None
         cos_sin = model.cos_sin_cache
-        specs = {ctx._layer(i) for i in range(len(model.model.layers))}
+        specs = {ctx.layer_spec(i) for i in range(len(model.model.layers))}
         for spec in specs:  # the fused attention's own checks, once per step
             checks.check_decode_qkv_attention(
                 qkv, positions, cos_sin, caches[0], ctx.slot_mapping, ctx.decode_block_tables,
@@ -138,7 +139,7 @@ class DecodeLayers:
         return hidden, residual
 
     def _layer_arrays(self, ctx: PagedAttentionContext
-                      ) -> list[tuple[torch.Tensor, float, object]]:
+                      ) -> list[tuple[torch.Tensor, float, LayerAttention]]:
         """Each layer's array (weights, its KV cache, its window), its norm
         eps and attention spec; rebuilt only when the caches or specs change."""
         key = (tuple(c.data_ptr() for c in ctx.kv_caches), ctx.layers, ctx.scale,
@@ -146,7 +147,7 @@ class DecodeLayers:
         if self._arrays_key != key:
             arrays = []
             for i, layer in enumerate(self._model.model.layers):
-                spec = ctx._layer(i)
+                spec = ctx.layer_spec(i)
                 row = self._weights[i] + [ctx.kv_caches[i].data_ptr(), spec.sliding_window or 0]
                 arrays.append((torch.tensor(row, dtype=torch.int64), layer.input_layernorm.eps,
                                spec))

@@ -105,7 +105,8 @@ class PagedAttentionContext:
         # Llama-family models, two for Gemma 2's sliding and global layers).
         self._fused: dict[LayerAttention, kernels.DecodeQKVAttention] = {}
 
-    def _layer(self, layer_idx: int) -> LayerAttention:
+    def layer_spec(self, layer_idx: int) -> LayerAttention:
+        """Layer `layer_idx`'s scale, window and soft-cap."""
         return self.layers[layer_idx] if self.layers else self._uniform
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor,
@@ -114,7 +115,7 @@ class PagedAttentionContext:
         if self.gate is not None and not self.gate.wait(layer_idx):
             raise HeadLost(f"the split prefill's head failed before layer {layer_idx}")
         cache = self.kv_caches[layer_idx]
-        spec = self._layer(layer_idx)
+        spec = self.layer_spec(layer_idx)
         kernels.inject_kv(cache, torch.stack((k, v)).to(cache.dtype), self.slot_mapping,
                           backend=self.kernel_backend)
         if self.hook is not None and self.spans:
@@ -156,7 +157,7 @@ class PagedAttentionContext:
         arguments are bound (and checked) at the first layer."""
         if self.prefill_chunks or not self.num_decode:
             return None
-        spec = self._layer(layer_idx)
+        spec = self.layer_spec(layer_idx)
         fused = self._fused.get(spec)
         if fused is None or fused.positions is not positions or (
                 fused.cos_sin_cache is not cos_sin_cache):
