@@ -116,8 +116,12 @@ def undisturbed(measured) -> list[str]:
 @pytest.fixture(scope="module")
 def pods(tiny_model_dir, prefill_pod, measured) -> Iterator[dict]:
     timeout = TIMEOUT_IN_PROMPTS * measured.prompt_prefill_s
+    # No prefix cache at the decode pod either: these tests measure the
+    # prefill pod's queue, and a decode pod holding the module's earlier
+    # bursts gives the router other ways to serve their prompts.
     decode = start_pod("decode", tiny_model_dir, block_size=128, num_blocks=256,
-                       transfer_timeout=f"{timeout:.3f}", landing_memory="256MiB")
+                       transfer_timeout=f"{timeout:.3f}", landing_memory="256MiB",
+                       no_prefix_cache=True)
     yield {"prefill": prefill_pod, "decode": decode, "transfer_timeout": timeout}
     decode.terminate()
 
