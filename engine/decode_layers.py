@@ -29,7 +29,7 @@ from kernels import checks, native
 from kernels.dispatch import Backend
 from kernels.native.calls import DTYPE_CODES, check
 
-# Indices of decode_layer.c's arrays (its L_* and S_* enums, in order).
+# The fields of decode_layer.c's two arrays, in its L_* and S_* enums' order.
 _LAYER_FIELDS = ("in_norm", "post_norm", "qkv", "qkv_bias", "o", "o_bias", "gate_up", "down",
                  "cache", "window")
 _STEP_FIELDS = ("batch", "dtype", "hidden_size", "q_heads", "kv_heads", "head_dim", "inter",
@@ -47,7 +47,7 @@ class DecodeLayers:
 
     def __init__(self, model: torch.nn.Module) -> None:
         self._model = model
-        self._weights: list[list[int]] | None = None  # per layer, without cache and window
+        self._weights: list[dict[str, int]] | None = None  # per layer: its weight pointers
         self._arrays: list[tuple[torch.Tensor, float, LayerAttention]] = []
         self._arrays_key: tuple | None = None
 
@@ -76,17 +76,18 @@ class DecodeLayers:
                 return None
         return DecodeLayers(model)
 
-    def _bind_weights(self) -> list[list[int]]:
+    def _bind_weights(self) -> list[dict[str, int]]:
         rows = []
         for layer in self._model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
             if any(n.dtype != self._model.dtype or not n.is_contiguous() for n in norms):
                 raise ValueError("decode layers: norm weights must be contiguous, model dtype")
-            rows.append([_ptr(norms[0]), _ptr(norms[1]), _ptr(attn.qkv_proj.weight),
-                         _ptr(attn.qkv_proj.bias), _ptr(attn.o_proj.weight),
-                         _ptr(attn.o_proj.bias), _ptr(mlp.gate_up_proj.weight),
-                         _ptr(mlp.down_proj.weight)])
+            pointers = dict(in_norm=norms[0], post_norm=norms[1], qkv=attn.qkv_proj.weight,
+                            qkv_bias=attn.qkv_proj.bias, o=attn.o_proj.weight,
+                            o_bias=attn.o_proj.bias, gate_up=mlp.gate_up_proj.weight,
+                            down=mlp.down_proj.weight)
+            rows.append({name: _ptr(t) for name, t in pointers.items()})
         return rows
 
     def run(self, hidden: torch.Tensor, positions: torch.Tensor,
@@ -101,12 +102,12 @@ class DecodeLayers:
                 or hidden.dim() != 2 or not hidden.is_contiguous()
                 or hidden.shape[0] != ctx.num_decode or torch.autograd._profiler_enabled()):
             return None
-        config = model.model.layers[0].self_attn
+        attn = model.model.layers[0].self_attn
         batch, hidden_size = hidden.shape
         dtype, caches = hidden.dtype, ctx.kv_caches
         mlp = model.model.layers[0].mlp
         inter = mlp.down_proj.in_features
-        qkv = torch.empty((batch, config.q_size + 2 * config.kv_size), dtype=dtype)
+        qkv = torch.empty((batch, attn.q_size + 2 * attn.kv_size), dtype=dtype)
         if not native.supports_qkv(qkv, caches[0]):
             return None
         cos_sin = model.cos_sin_cache
@@ -120,18 +121,22 @@ class DecodeLayers:
         positions, slots = positions.contiguous(), ctx.slot_mapping.contiguous()
         tables, lens = ctx.decode_block_tables, ctx.decode_context_lens.contiguous()
         residual = torch.empty_like(hidden)
-        buffers = (torch.empty((batch, config.q_size), dtype=dtype),
-                   torch.empty((batch, 2 * inter), dtype=dtype),
-                   torch.empty((batch, inter), dtype=dtype))
+        attn_out = torch.empty((batch, attn.q_size), dtype=dtype)
+        gate_up, act = (torch.empty((batch, n), dtype=dtype) for n in (2 * inter, inter))
         _, num_blocks, block_size, num_kv_heads, head_dim = caches[0].shape
-        step = [batch, DTYPE_CODES[dtype], hidden_size, config.num_heads, num_kv_heads, head_dim,
-                inter, hidden.data_ptr(), residual.data_ptr(), qkv.data_ptr(),
-                *(b.data_ptr() for b in buffers), positions.data_ptr(), cos_sin.data_ptr(),
-                cos_sin.shape[0], slots.data_ptr(), tables.data_ptr(), lens.data_ptr(),
-                num_blocks, block_size, tables.shape[1], tables.stride(0),
-                torch.get_num_threads()]
+        step = dict(
+            batch=batch, dtype=DTYPE_CODES[dtype], hidden_size=hidden_size,
+            q_heads=attn.num_heads, kv_heads=num_kv_heads, head_dim=head_dim, inter=inter,
+            hidden=hidden.data_ptr(), residual=residual.data_ptr(), qkv_buf=qkv.data_ptr(),
+            attn_buf=attn_out.data_ptr(), gate_up_buf=gate_up.data_ptr(),
+            act_buf=act.data_ptr(), positions=positions.data_ptr(),
+            cos_sin=cos_sin.data_ptr(), max_positions=cos_sin.shape[0],
+            slots=slots.data_ptr(), tables=tables.data_ptr(), lens=lens.data_ptr(),
+            num_blocks=num_blocks, block_size=block_size, table_width=tables.shape[1],
+            table_stride=tables.stride(0), threads=torch.get_num_threads())
         # The first layer's array says so (no residual yet); the others' not.
-        first, rest = (torch.tensor(step + [flag], dtype=torch.int64) for flag in (1, 0))
+        first, rest = (torch.tensor([{**step, "first": flag}[f] for f in _STEP_FIELDS],
+                                    dtype=torch.int64) for flag in (1, 0))
         call = native.library().pdserve_decode_layer
         for i, (layer_array, eps, spec) in enumerate(self._layer_arrays(ctx)):
             check(call(layer_array.data_ptr(), (rest if i else first).data_ptr(), eps,
@@ -148,8 +153,9 @@ class DecodeLayers:
             arrays = []
             for i, layer in enumerate(self._model.model.layers):
                 spec = ctx.layer_spec(i)
-                row = self._weights[i] + [ctx.kv_caches[i].data_ptr(), spec.sliding_window or 0]
-                arrays.append((torch.tensor(row, dtype=torch.int64), layer.input_layernorm.eps,
-                               spec))
+                row = {**self._weights[i], "cache": ctx.kv_caches[i].data_ptr(),
+                       "window": spec.sliding_window or 0}
+                arrays.append((torch.tensor([row[f] for f in _LAYER_FIELDS], dtype=torch.int64),
+                               layer.input_layernorm.eps, spec))
             self._arrays, self._arrays_key = arrays, key
         return self._arrays

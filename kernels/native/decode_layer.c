@@ -26,24 +26,7 @@
 #include <stdint.h>
 #include <string.h>
 
-int pdserve_rms_norm(const void *x, long x_stride, const void *residual, long res_stride,
-                     const void *weight, void *out, void *res_out, long rows, long hidden,
-                     float eps, int dtype, int num_threads);
-int pdserve_gemm_panels(const void *x, long x_stride, long M, const void *panels, long K,
-                        long N, const float *bias, void *out, long out_stride, int num_threads);
-int pdserve_gemm_panels_bf16(const void *x, long x_stride, long M, const void *panels, long K,
-                             long N, const float *bias, void *out, long out_stride,
-                             int num_threads);
-int pdserve_silu_and_mul(const void *x, long x_stride, void *out, long rows, long inter,
-                         int dtype, int num_threads);
-int pdserve_decode_qkv_attention(void *qkv, long qkv_stride, void *cache, void *out,
-                                 const int64_t *positions, const float *cos_sin,
-                                 long max_positions, const int64_t *slots,
-                                 const int32_t *tables, const int32_t *lens, int dtype,
-                                 int batch, int num_q_heads, int num_kv_heads, int head_dim,
-                                 int num_blocks, int block_size, int table_width,
-                                 long table_stride, int window, float scale, float softcap,
-                                 int num_threads);
+#include "exports.h"
 
 /* The layer's array: its weights (packed panels, float32 biases or 0), norm
  * weights, KV cache and attention window. */
@@ -58,7 +41,7 @@ enum { S_BATCH, S_DTYPE, S_HIDDEN_SIZE, S_Q_HEADS, S_KV_HEADS, S_HEAD_DIM, S_INT
 #define P(a, i) ((void *)(intptr_t)(a)[i])
 
 static int gemm(int dtype, const void *x, long M, const void *panels, long K, long N,
-                const void *bias, void *out, int threads) {
+                const float *bias, void *out, int threads) {
   if (dtype == 1)
     return pdserve_gemm_panels_bf16(x, K, M, panels, K, N, bias, out, N, threads);
   return pdserve_gemm_panels(x, K, M, panels, K, N, bias, out, N, threads);

@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "dtypes.h"
+#include "exports.h"
 #include "rope.h"
 
 /* Rows are shared among `num_threads` from PARALLEL_ROWS rows (a prompt's

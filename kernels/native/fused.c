@@ -13,16 +13,10 @@
 #include <string.h>
 
 #include "dtypes.h"
+#include "exports.h"
 #include "paged_decode_simd.h" /* exp8 */
 #include "rope.h"
 #include "vec.h"
-
-int pdserve_paged_decode_attention(const void *q, long q_stride, const void *cache,
-                                   const int32_t *tables, const int32_t *lens, void *out,
-                                   int dtype, int batch, int num_q_heads, int num_kv_heads,
-                                   int head_dim, int num_blocks, int block_size,
-                                   int table_width, long table_stride, int window, float scale,
-                                   float softcap, int num_threads);
 
 /* Rows worth a second thread: below this many elements the fork costs more. */
 #define SILU_PARALLEL_MIN (1L << 16)

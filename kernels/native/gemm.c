@@ -37,6 +37,7 @@
 #include <omp.h>
 
 #include "gemm_panels.h"
+#include "exports.h"
 #include "gemm_tiles.h"
 
 #define MB 96        /* rows per block (accumulators: MB x 16 floats, 6 KB) */

@@ -44,6 +44,7 @@
 #include <immintrin.h>
 #include <omp.h>
 
+#include "exports.h"
 #include "gemm_panels.h"
 
 #define KC 128       /* k rows of a panel per pass: 4 KB of bfloat16, stays in L1 */
@@ -278,10 +279,6 @@ int pdserve_gemm_bf16_pairs(void) { return 0; }
  * GEMM"). */
 #define WIDEN_M 24       /* rows from which gemm.c takes its prefill tiles */
 #define PANELS_WIDE 64   /* panels widened per call of the float32 GEMM */
-
-int pdserve_gemm_panels(const float *x, long x_stride, long M, const float *panels, long K,
-                        long N, const float *bias, float *out, long out_stride,
-                        int num_threads);
 
 /* x [M, K] float32 (widened) times the bfloat16 panels, through float32 panels. */
 static int gemm_widened(const float *x, long M, const uint16_t *panels, long K, long N,

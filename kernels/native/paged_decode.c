@@ -46,6 +46,7 @@
 #include <string.h>
 
 #include "dtypes.h"
+#include "exports.h"
 #include "paged_decode_simd.h"
 #include "vec.h"
 

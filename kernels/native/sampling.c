@@ -46,12 +46,11 @@ static float row_max(const float *x, long vocab, long *index, int *has_nan) {
     at = (higher & (lane_index + (int32_t)j)) | (~higher & at);
   }
   float m = -INFINITY;
-  long best = 0;
+  long best = vocab;
   int any_nan = 0;
   for (int lane = 0; lane < LANES; lane++) any_nan |= nan[lane] != 0;
   for (int lane = 0; lane < LANES; lane++)
     if (top[lane] > m) m = top[lane];
-  best = vocab;
   for (int lane = 0; lane < LANES; lane++)
     if (top[lane] == m && at[lane] < best) best = at[lane];
   if (best == vocab) best = 0; /* no full chunk, or every entry -inf */
